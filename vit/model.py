@@ -1,0 +1,231 @@
+"""A readable Vision Transformer on the fused layers, and a registry of named presets.
+
+The timm presets (``vit_*_patch16_224``) have timm's architecture and state-dict keys, so
+``model.load_state_dict(timm_model.state_dict(), strict=True)`` works. Layer classes are injected
+(``patch_embed_layer``, ``block_layer``, ``norm_layer``) so experiments can swap one without forking
+the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from vit_kernels.nn import ACTIVATIONS, Block, LayerNorm, PatchEmbed
+
+POS_EMBED_KINDS = ("learned", "sincos")
+POOLS = ("token", "avg")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio when set
+    qkv_bias: bool = True
+    act: str = "gelu"  # gelu | gelu_tanh | relu
+    norm_first: bool = True  # pre-norm (ViT); False = post-norm (nn.TransformerEncoderLayer)
+    norm_eps: float = 1e-6
+    final_norm: bool = True
+    class_token: bool = True
+    pos_embed: str = "learned"  # learned | sincos (a fixed buffer)
+    global_pool: str = "token"  # token | avg
+    drop_rate: float = 0.0  # after attention projection and in the MLP
+    attn_drop_rate: float = 0.0  # on attention probabilities
+    pos_drop_rate: float = 0.0  # on the embedded tokens
+
+    def __post_init__(self) -> None:
+        for name in ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
+        if self.img_size % self.patch_size:
+            raise ValueError(f"ViTConfig.img_size={self.img_size} must be divisible by patch_size={self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"ViTConfig.num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
+        if self.num_classes < 0:
+            raise ValueError(f"ViTConfig.num_classes must be >= 0 (0 = no head), got {self.num_classes}")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ViTConfig.act must be one of {ACTIVATIONS}, got {self.act!r}")
+        if self.pos_embed not in POS_EMBED_KINDS:
+            raise ValueError(f"ViTConfig.pos_embed must be one of {POS_EMBED_KINDS}, got {self.pos_embed!r}")
+        if self.pos_embed == "sincos" and self.embed_dim % 4:
+            raise ValueError(f"sincos position embedding needs embed_dim divisible by 4, got {self.embed_dim}")
+        if self.global_pool not in POOLS:
+            raise ValueError(f"ViTConfig.global_pool must be one of {POOLS}, got {self.global_pool!r}")
+        if self.global_pool == "token" and not self.class_token:
+            raise ValueError("global_pool='token' needs class_token=True")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.img_size // self.patch_size) ** 2
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + int(self.class_token)
+
+
+def sincos_pos_embed(grid: int, dim: int, class_token: bool) -> torch.Tensor:
+    """Fixed 2-D sine-cosine position embedding, (1, T, dim): half the channels encode the row,
+    half the column, each as [sin(p * w_k), cos(p * w_k)] with w_k = 10000^(-k / (dim/4)).
+    The class token gets zeros."""
+    quarter = dim // 4
+    omega = 1.0 / (10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter))
+    rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+
+    def encode(positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.reshape(-1, 1) * omega
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    table = torch.cat([encode(rows), encode(cols)], dim=1)
+    if class_token:
+        table = torch.cat([torch.zeros(1, dim, dtype=torch.float64), table], dim=0)
+    return table.unsqueeze(0).float()
+
+
+class ViT(nn.Module):
+    """images (N, C, H, W) -> logits (N, num_classes)."""
+
+    def __init__(
+        self,
+        config: ViTConfig,
+        *,
+        patch_embed_layer: type[nn.Module] = PatchEmbed,
+        block_layer: type[nn.Module] = Block,
+        norm_layer: type[nn.Module] = LayerNorm,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.embed_dim
+        self.patch_embed = patch_embed_layer(config.img_size, config.patch_size, config.in_chans, dim)
+        # timm keeps the class token and position embedding on the model; patch_embed adds them.
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.class_token else None
+        grid = config.img_size // config.patch_size
+        if config.pos_embed == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, config.num_tokens, dim))
+        else:
+            self.register_buffer("pos_embed", sincos_pos_embed(grid, dim, config.class_token))
+        self.pos_drop = nn.Dropout(config.pos_drop_rate)
+        self.blocks = nn.ModuleList(
+            block_layer(
+                dim,
+                config.num_heads,
+                mlp_hidden_dim=config.mlp_hidden_dim or int(dim * config.mlp_ratio),
+                qkv_bias=config.qkv_bias,
+                act=config.act,
+                norm_first=config.norm_first,
+                eps=config.norm_eps,
+                drop=config.drop_rate,
+                attn_drop=config.attn_drop_rate,
+            )
+            for _ in range(config.depth)
+        )
+        self.norm = norm_layer(dim, eps=config.norm_eps) if config.final_norm else nn.Identity()
+        self.head = nn.Linear(dim, config.num_classes) if config.num_classes > 0 else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """timm's ViT initialisation: truncated normal (std 0.02) for linear layers and the learned
+        position embedding, a tiny normal for the class token, zeros for biases."""
+        if isinstance(self.pos_embed, nn.Parameter):
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        patch_weight = self.patch_embed.proj.weight
+        nn.init.trunc_normal_(patch_weight, std=math.sqrt(1.0 / patch_weight[0].numel()))
+
+    def forward_features(
+        self, images: torch.Tensor, return_attention: bool = False
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """images (N, C, H, W) -> tokens (N, T, D) [, per-block attention (N, H, T, T)]."""
+        x = self.pos_drop(self.patch_embed(images, cls_token=self.cls_token, pos_embed=self.pos_embed))
+        maps = []
+        for block in self.blocks:
+            if return_attention:
+                x, probs = block(x, return_probs=True)
+                maps.append(probs)
+            else:
+                x = block(x)
+        x = self.norm(x)
+        return (x, maps) if return_attention else x
+
+    def forward_head(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (N, T, D) -> logits (N, num_classes)."""
+        prefix = int(self.config.class_token)
+        pooled = tokens[:, 0] if self.config.global_pool == "token" else tokens[:, prefix:].mean(dim=1)
+        return self.head(pooled)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The attention probabilities of every block, each (N, heads, T, T)."""
+        return self.forward_features(images, return_attention=True)[1]
+
+
+def _timm(embed_dim: int, depth: int, num_heads: int) -> ViTConfig:
+    return ViTConfig(embed_dim=embed_dim, depth=depth, num_heads=num_heads)
+
+
+PRESETS: dict[str, ViTConfig] = {
+    "vit_tiny_patch16_224": _timm(192, 12, 3),
+    "vit_small_patch16_224": _timm(384, 12, 6),
+    "vit_base_patch16_224": _timm(768, 12, 12),
+    "vit_large_patch16_224": _timm(1024, 24, 16),
+    # Post-norm blocks computed exactly as nn.TransformerEncoderLayer(norm_first=False, activation="relu").
+    "vit_mnist_postnorm": ViTConfig(
+        img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=8,
+        mlp_hidden_dim=2048, act="relu", norm_first=False, norm_eps=1e-5, final_norm=False,
+        drop_rate=0.1, attn_drop_rate=0.1,
+    ),
+    "vit_cifar10_small": ViTConfig(
+        img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=4, num_heads=4,
+        mlp_hidden_dim=192, act="gelu_tanh", norm_eps=1e-5, final_norm=False,
+    ),
+    "vit_mnist_sincos": ViTConfig(
+        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=8, depth=2, num_heads=2,
+        mlp_ratio=4.0, pos_embed="sincos", norm_eps=1e-5,
+    ),
+    # 8x8 digits, 2x2 patches: 16 patches + class token = 17 tokens.
+    "vit_digits": ViTConfig(
+        img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=4,
+        mlp_ratio=2.0, norm_eps=1e-5, drop_rate=0.1,
+    ),
+}
+
+
+def list_models() -> list[str]:
+    """The preset names, sorted."""
+    return sorted(PRESETS)
+
+
+def get_config(name: str, **overrides: object) -> ViTConfig:
+    """The preset ``name`` with ``overrides`` (ViTConfig fields) applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(list_models())}")
+    fields = {f.name for f in dataclasses.fields(ViTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {', '.join(sorted(fields))}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def create_model(name: str, **overrides: object) -> ViT:
+    """A freshly initialised ViT of preset ``name``, e.g. ``create_model("vit_base_patch16_224", num_classes=3)``."""
+    return ViT(get_config(name, **overrides))

@@ -1,0 +1,89 @@
+"""Argument validation shared by the public ops: clear errors that name the argument and what was
+expected, raised before any kernel runs (never a silent broadcast, never a crash in a kernel)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_float_tensor(name: str, t: object, *, ndim: Optional[int] = None, layout: str = "") -> torch.Tensor:
+    """``t`` must be a floating-point tensor, with ``ndim`` dimensions when given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' ' + layout if layout else ''}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {shape_of(t)}".rstrip())
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:
+    """``t`` must have exactly the shape ``expected`` (described as ``layout``)."""
+    if shape_of(t) != tuple(expected):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {shape_of(t)}")
+
+
+def check_optional_shape(name: str, t: Optional[torch.Tensor], expected: Sequence[int], layout: str) -> None:
+    if t is not None:
+        check_float_tensor(name, t)
+        check_shape(name, t, expected, layout)
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}: move them to one device")
+
+
+def check_same_dtype(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, t in others.items():
+        if t is not None and t.dtype != reference.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {reference_name} has {reference.dtype}: they must match")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_probability(name: str, value: object) -> float:
+    """A dropout probability in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= float(value) < 1.0):
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_optional_positive_float(name: str, value: object) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be None or a positive finite float, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype in force for ``device``, or None when autocast is off there."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def cast_all(dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """Cast every tensor to ``dtype`` (None leaves them as they are)."""
+    if dtype is None:
+        return tensors
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors)

@@ -1,0 +1,247 @@
+"""The public ops: validate the arguments, pick a backend once per call, run it.
+
+Every op is differentiable on every backend. Shapes use D = H * Dh (model width = heads x head dim).
+
+Dtypes: without autocast, all tensors of one op must share a dtype. Under ``torch.autocast`` the
+GEMM operands are cast to the autocast dtype (as ``F.linear`` would be), epilogue tensors (residual,
+class token, position embedding) keep theirs and the result takes the promoted dtype, and
+``layer_norm`` computes in float32 (as autocast runs ``F.layer_norm``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from vit_kernels import backend
+from vit_kernels._checks import (
+    autocast_dtype,
+    cast_all,
+    check_choice,
+    check_float_tensor,
+    check_optional_positive_float,
+    check_optional_shape,
+    check_positive_int,
+    check_probability,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    shape_of,
+)
+from vit_kernels.ops import attention as _attention  # noqa: F401  (registers implementations)
+from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
+from vit_kernels.ops import linear as _linear  # noqa: F401
+from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def patch_embed(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    patch_size: int,
+    cls_token: Optional[torch.Tensor] = None,
+    pos_embed: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Patchify + project (+ class token + position embedding).
+
+    images (N, C, H, W), NCHW or channels_last; weight (D, C, P, P) as in ``nn.Conv2d``; bias (D,);
+    cls_token (1, 1, D); pos_embed (1, T, D) with T = L + (cls_token is not None),
+    L = (H / P) * (W / P). Returns (N, T, D).
+    """
+    check_float_tensor("images", images, ndim=4, layout="(N, C, H, W)")
+    check_float_tensor("weight", weight, ndim=4, layout="(D, C, P, P)")
+    patch_size = check_positive_int("patch_size", patch_size)
+    n, channels, height, width = images.shape
+    dim = weight.shape[0]
+    check_shape("weight", weight, (dim, channels, patch_size, patch_size), "(D, C, P, P)")
+    if height % patch_size or width % patch_size:
+        raise ValueError(
+            f"images height and width must be divisible by patch_size={patch_size}, got {height}x{width}"
+        )
+    num_patches = (height // patch_size) * (width // patch_size)
+    tokens = num_patches + (cls_token is not None)
+    check_optional_shape("bias", bias, (dim,), "(D,)")
+    check_optional_shape("cls_token", cls_token, (1, 1, dim), "(1, 1, D)")
+    if pos_embed is not None:
+        check_float_tensor("pos_embed", pos_embed)
+        check_shape("pos_embed", pos_embed, (1, tokens, dim), "(1, L + class token, D)")
+    check_same_device("images", images, weight=weight, bias=bias, cls_token=cls_token, pos_embed=pos_embed)
+    amp = autocast_dtype(images.device)
+    images, weight, bias = cast_all(amp, images, weight, bias)
+    check_same_dtype("images", images, weight=weight, bias=bias)
+    if amp is None:
+        check_same_dtype("images", images, cls_token=cls_token, pos_embed=pos_embed)
+    impl = backend.resolve("patch_embed", images.device, images.dtype)
+    return impl.fn(images, weight, bias, patch_size, cls_token, pos_embed)
+
+
+def attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    *,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    return_probs: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Softmax attention from packed projections.
+
+    qkv (B, L, 3*D) as produced by one ``Linear(D, 3*D)``: [q | k | v], each split into
+    ``num_heads`` heads of Dh = D / num_heads. ``scale`` defaults to Dh ** -0.5. ``dropout_p`` drops
+    attention probabilities (pass 0 in eval mode). Returns out (B, L, D), and with
+    ``return_probs`` also the softmax probabilities (B, H, L, L), taken before dropout.
+    """
+    check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
+    num_heads = check_positive_int("num_heads", num_heads)
+    batch, length, three_d = qkv.shape
+    if three_d == 0 or three_d % 3:
+        raise ValueError(f"qkv last dimension must be 3*D with D > 0, got shape {shape_of(qkv)}")
+    dim = three_d // 3
+    if dim % num_heads:
+        raise ValueError(f"num_heads={num_heads} must divide the width D={dim} of qkv (B, L, 3*D) = {shape_of(qkv)}")
+    if length == 0:
+        raise ValueError(f"qkv must hold at least one token, got shape {shape_of(qkv)}")
+    scale = check_optional_positive_float("scale", scale)
+    dropout_p = check_probability("dropout_p", dropout_p)
+    if not isinstance(return_probs, bool):
+        raise TypeError(f"return_probs must be a bool, got {type(return_probs).__name__}")
+    impl = backend.resolve("attention", qkv.device, qkv.dtype)
+    return impl.fn(qkv, num_heads, scale, dropout_p, return_probs)
+
+
+def _check_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_name: str = "weight", bias_name: str = "bias"
+) -> int:
+    """Checks x (..., K), weight (N, K), bias (N,); returns N."""
+    check_float_tensor("x", x, layout="(..., K)")
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dimension (..., K), got shape {shape_of(x)}")
+    check_float_tensor(weight_name, weight, ndim=2, layout="(N, K)")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"x last dimension must equal {weight_name}.shape[1] = K = {in_features}, got x of shape {shape_of(x)}"
+        )
+    check_optional_shape(bias_name, bias, (out_features,), "(N,)")
+    return out_features
+
+
+def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...], layout: str) -> None:
+    if residual is not None:
+        check_float_tensor("residual", residual)
+        check_shape("residual", residual, expected, layout)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x @ W^T + b (+ residual), the add fused into the GEMM epilogue.
+
+    x (..., K), weight (N, K), bias (N,), residual (..., N) -> (..., N).
+    """
+    out_features = _check_linear_args(x, weight, bias)
+    _check_residual(residual, (*x.shape[:-1], out_features), "(..., N)")
+    check_same_device("x", x, weight=weight, bias=bias, residual=residual)
+    amp = autocast_dtype(x.device)
+    x, weight, bias = cast_all(amp, x, weight, bias)
+    check_same_dtype("x", x, weight=weight, bias=bias)
+    if amp is None:
+        check_same_dtype("x", x, residual=residual)
+    impl = backend.resolve("linear", x.device, x.dtype)
+    return impl.fn(x, weight, bias, residual)
+
+
+def linear_gelu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    approximate: str = "none",
+) -> torch.Tensor:
+    """gelu(x @ W^T + b), GELU exact (``"none"``) or tanh-approximate (``"tanh"``).
+
+    x (..., K), weight (N, K), bias (N,) -> (..., N).
+    """
+    _check_linear_args(x, weight, bias)
+    approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
+    check_same_device("x", x, weight=weight, bias=bias)
+    x, weight, bias = cast_all(autocast_dtype(x.device), x, weight, bias)
+    check_same_dtype("x", x, weight=weight, bias=bias)
+    impl = backend.resolve("linear_gelu", x.device, x.dtype)
+    return impl.fn(x, weight, bias, approximate)
+
+
+def mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: Optional[torch.Tensor],
+    fc2_weight: torch.Tensor,
+    fc2_bias: Optional[torch.Tensor],
+    *,
+    approximate: str = "none",
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """fc2(gelu(fc1(x))) (+ residual).
+
+    x (..., D), fc1_weight (Hd, D), fc1_bias (Hd,), fc2_weight (D_out, Hd), fc2_bias (D_out,),
+    residual (..., D_out) -> (..., D_out).
+    """
+    hidden = _check_linear_args(x, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias")
+    check_float_tensor("fc2_weight", fc2_weight, ndim=2, layout="(D_out, Hd)")
+    if fc2_weight.shape[1] != hidden:
+        raise ValueError(
+            f"fc2_weight must have shape (D_out, Hd) with Hd = fc1_weight.shape[0] = {hidden}, "
+            f"got {shape_of(fc2_weight)}"
+        )
+    out_features = fc2_weight.shape[0]
+    check_optional_shape("fc2_bias", fc2_bias, (out_features,), "(D_out,)")
+    _check_residual(residual, (*x.shape[:-1], out_features), "(..., D_out)")
+    approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
+    check_same_device(
+        "x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias, residual=residual
+    )
+    amp = autocast_dtype(x.device)
+    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias = cast_all(amp, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    check_same_dtype("x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias)
+    if amp is None:
+        check_same_dtype("x", x, residual=residual)
+    impl = backend.resolve("mlp", x.device, x.dtype)
+    return impl.fn(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float = 1e-6,
+    *,
+    residual: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """LayerNorm over the last dimension, optionally of ``x + residual``.
+
+    x (..., D), weight (D,) or None, bias (D,) or None, residual (..., D).
+    Returns y (..., D); with a residual, (y, s) where s = x + residual and y = LN(s).
+    """
+    check_float_tensor("x", x, layout="(..., D)")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension (..., D), got shape {shape_of(x)}")
+    dim = x.shape[-1]
+    check_optional_shape("weight", weight, (dim,), "(D,)")
+    check_optional_shape("bias", bias, (dim,), "(D,)")
+    _check_residual(residual, shape_of(x), "(..., D) like x")
+    eps = check_optional_positive_float("eps", eps)
+    if eps is None:
+        raise ValueError("eps must be a positive finite float, got None")
+    check_same_device("x", x, weight=weight, bias=bias, residual=residual)
+    if autocast_dtype(x.device) is not None:
+        x, weight, bias, residual = cast_all(torch.float32, x, weight, bias, residual)
+    check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
+    impl = backend.resolve("layer_norm", x.device, x.dtype)
+    return impl.fn(x, weight, bias, eps, residual)

@@ -1,0 +1,216 @@
+"""Drop-in ``nn.Module`` layers built on the fused ops, with timm's parameter names, so a timm
+state dict loads unchanged (``patch_embed.proj``, ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ...).
+
+Residual adds are passed *into* the layers (``attn(h, residual=x)``) so they land in the epilogue
+of the last GEMM instead of costing a separate read and write of the activations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vit_kernels import functional as vkf
+from vit_kernels._checks import check_choice, check_positive_int, check_probability
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (check_positive_int(name, value),) * 2
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return check_positive_int(name, value[0]), check_positive_int(name, value[1])
+    raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+def _add_dropped(out: torch.Tensor, p: float, training: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """residual + dropout(out), for the paths where dropout stops the residual from fusing."""
+    out = F.dropout(out, p, training)
+    return out if residual is None else residual + out
+
+
+class PatchEmbed(nn.Module):
+    """Image to tokens: (N, C, H, W) -> (N, T, D), one fused op.
+
+    The class token and position embedding belong to the model (timm keeps them there too) and are
+    passed to ``forward``, which adds them in the same kernel.
+    """
+
+    def __init__(
+        self,
+        img_size: Union[int, tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.img_size = _to_pair(img_size, "img_size")
+        self.patch_size = check_positive_int("patch_size", patch_size)
+        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
+            raise ValueError(f"img_size {self.img_size} must be divisible by patch_size={patch_size}")
+        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.in_chans = in_chans
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        cls_token: Optional[torch.Tensor] = None,
+        pos_embed: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if images.dim() == 4 and tuple(images.shape[-2:]) != self.img_size:
+            raise ValueError(f"images must be {self.img_size[0]}x{self.img_size[1]}, got {tuple(images.shape)}")
+        return vkf.patch_embed(
+            images, self.proj.weight, self.proj.bias, patch_size=self.patch_size, cls_token=cls_token, pos_embed=pos_embed
+        )
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention: qkv Linear, fused attention, proj Linear (+ residual)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        proj_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        check_positive_int("num_heads", num_heads)
+        if dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide dim={dim}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.attn_drop = check_probability("attn_drop", attn_drop)
+        self.proj_drop = check_probability("proj_drop", proj_drop)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor] = None,
+        *,
+        return_probs: bool = False,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L)."""
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported: ViT attention is unmasked")
+        qkv = vkf.linear(x, self.qkv.weight, self.qkv.bias)
+        result = vkf.attention(
+            qkv, self.num_heads, dropout_p=self.attn_drop if self.training else 0.0, return_probs=return_probs
+        )
+        out, probs = result if return_probs else (result, None)
+        if self.training and self.proj_drop > 0:
+            out = _add_dropped(vkf.linear(out, self.proj.weight, self.proj.bias), self.proj_drop, True, residual)
+        else:
+            out = vkf.linear(out, self.proj.weight, self.proj.bias, residual=residual)
+        return (out, probs) if return_probs else out
+
+
+class Mlp(nn.Module):
+    """fc1 -> activation -> dropout -> fc2 -> dropout (+ residual), fused where dropout allows."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        act: str = "gelu",
+        bias: bool = True,
+        drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        hidden_features = hidden_features or in_features
+        out_features = out_features or in_features
+        self.act = check_choice("act", act, ACTIVATIONS)
+        self.drop = check_probability("drop", drop)
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (..., D) -> (..., D_out) [+ residual]."""
+        dropping = self.training and self.drop > 0
+        approximate = _GELU_APPROXIMATE.get(self.act)
+        if approximate is not None and not dropping:
+            return vkf.mlp(
+                x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                approximate=approximate, residual=residual,
+            )
+        if approximate is not None:
+            hidden = vkf.linear_gelu(x, self.fc1.weight, self.fc1.bias, approximate=approximate)
+        else:
+            hidden = torch.relu(vkf.linear(x, self.fc1.weight, self.fc1.bias))
+        if not dropping:
+            return vkf.linear(hidden, self.fc2.weight, self.fc2.bias, residual=residual)
+        hidden = F.dropout(hidden, self.drop, True)
+        return _add_dropped(vkf.linear(hidden, self.fc2.weight, self.fc2.bias), self.drop, True, residual)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` over the last dimension on the fused op; ``forward(x, residual)`` returns
+    ``(LN(x + residual), x + residual)``."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True, bias: bool = True):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"normalized_shape must be a single int, got {normalized_shape!r}")
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return vkf.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+
+
+class Block(nn.Module):
+    """A transformer encoder block.
+
+    pre-norm (``norm_first=True``, ViT/timm):   x = x + attn(norm1(x));  x = x + mlp(norm2(x))
+    post-norm (``nn.TransformerEncoderLayer``): x = norm1(x + attn(x));  x = norm2(x + mlp(x))
+    Each residual add is fused into the last GEMM of its branch.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_hidden_dim: Optional[int] = None,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        act: str = "gelu",
+        norm_first: bool = True,
+        eps: float = 1e-6,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.norm1 = LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.norm2 = LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, mlp_hidden_dim or int(dim * mlp_ratio), act=act, drop=drop)
+
+    def forward(
+        self, x: torch.Tensor, return_probs: bool = False
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L)."""
+        attn_input = self.norm1(x) if self.norm_first else x
+        result = self.attn(attn_input, residual=x, return_probs=return_probs)
+        x, probs = result if return_probs else (result, None)
+        if self.norm_first:
+            x = self.mlp(self.norm2(x), residual=x)
+        else:
+            x = self.norm1(x)
+            x = self.norm2(self.mlp(x, residual=x))
+        return (x, probs) if return_probs else x
