@@ -1,0 +1,53 @@
+"""vk.layer_norm (with and without the fused residual add) against a float64 formula."""
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from tests.helpers import check_against_formula
+
+
+def layer_norm_formula(x, weight, bias, residual, eps):
+    s = x if residual is None else x + residual
+    mean = s.mean(-1, keepdim=True)
+    var = ((s - mean) ** 2).mean(-1, keepdim=True)
+    y = (s - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else (y, s)
+
+
+def run_layer_norm(x, weight, bias, residual, eps):
+    return vk.layer_norm(x, weight, bias, eps, residual=residual)
+
+
+@pytest.mark.parametrize("shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layer_norm(shape, with_residual, dtype):
+    dim = shape[-1]
+    inputs = [torch.randn(shape) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(shape) if with_residual else None]
+    check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"], eps=1e-5)
+
+
+def test_layer_norm_without_affine():
+    inputs = [torch.randn(3, 10), None, None, torch.randn(3, 10)]
+    check_against_formula(run_layer_norm, layer_norm_formula, inputs, torch.float64, ["x", "weight", "bias", "residual"], eps=1e-6)
+
+
+def test_layer_norm_returns_sum_with_residual():
+    x, r = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    y, s = vk.layer_norm(x, torch.ones(8), torch.zeros(8), residual=r)
+    torch.testing.assert_close(s, x + r)
+    assert y.shape == x.shape
+
+
+def test_layer_norm_under_autocast_computes_in_float32():
+    x = torch.randn(4, 16).bfloat16()
+    residual = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, s = vk.layer_norm(x, torch.ones(16), torch.zeros(16), residual=residual)
+    assert y.dtype == torch.float32 and s.dtype == torch.float32
+    torch.testing.assert_close(s, x.float() + residual)

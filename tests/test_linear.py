@@ -1,0 +1,90 @@
+"""vk.linear, vk.linear_gelu and vk.mlp against explicit float64 formulas, output and every gradient."""
+
+import math
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from tests.helpers import check_against_formula
+
+
+def gelu_formula(z, approximate):
+    if approximate == "tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+
+
+def linear_formula(x, weight, bias, residual):
+    out = torch.einsum("...k,nk->...n", x, weight)
+    out = out if bias is None else out + bias
+    return out if residual is None else out + residual
+
+
+def linear_gelu_formula(x, weight, bias, approximate):
+    return gelu_formula(linear_formula(x, weight, bias, None), approximate)
+
+
+def mlp_formula(x, w1, b1, w2, b2, residual, approximate):
+    return linear_formula(linear_gelu_formula(x, w1, b1, approximate), w2, b2, residual)
+
+
+SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1, 1, 1), 1, 3), ((2, 197, 48), 48, 48)]
+
+
+@pytest.mark.parametrize("x_shape,k,n", SHAPES)
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_linear(x_shape, k, n, with_bias, with_residual, dtype):
+    inputs = [
+        torch.randn(x_shape),
+        torch.randn(n, k) / math.sqrt(k),
+        torch.randn(n) if with_bias else None,
+        torch.randn(*x_shape[:-1], n) if with_residual else None,
+    ]
+
+    def run(x, w, b, r):
+        return vk.linear(x, w, b, residual=r)
+
+    check_against_formula(run, linear_formula, inputs, dtype, ["x", "weight", "bias", "residual"])
+
+
+@pytest.mark.parametrize("x_shape,k,n", SHAPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_linear_gelu(x_shape, k, n, approximate, dtype):
+    inputs = [torch.randn(x_shape), torch.randn(n, k) / math.sqrt(k), torch.randn(n)]
+    check_against_formula(
+        lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
+        linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], approximate=approximate,
+    )
+
+
+@pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_mlp(x_shape, d, hidden, approximate, with_residual):
+    inputs = [
+        torch.randn(x_shape),
+        torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
+        torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d),
+        torch.randn(x_shape) if with_residual else None,
+    ]
+
+    def run(x, w1, b1, w2, b2, r, approximate):
+        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
+
+    check_against_formula(run, mlp_formula, inputs, torch.float64,
+                          ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
+
+
+def test_autocast_casts_gemm_operands_and_promotes_residual():
+    x, w, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
+    residual = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = vk.linear(x, w, b)
+        with_residual = vk.linear(x, w, b, residual=residual)
+        gelu = vk.linear_gelu(x, w, b)
+    assert plain.dtype == torch.bfloat16 and gelu.dtype == torch.bfloat16
+    assert with_residual.dtype == torch.float32
+    torch.testing.assert_close(with_residual, linear_formula(x, w, b, residual), atol=0.1, rtol=0.05)
