@@ -113,7 +113,7 @@ def read_idx(path: Path) -> np.ndarray:
     expected = header + int(np.prod(shape))
     if len(raw) != expected:
         raise ValueError(f"{path} is malformed: header says shape {shape} ({expected} bytes), file has {len(raw)}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+    return np.frombuffer(bytearray(raw), dtype=np.uint8, offset=header).reshape(shape)
 
 
 def load_mnist(path: str | Path) -> tuple[ImageData, ImageData]:
@@ -192,7 +192,7 @@ def read_image(path: str | Path, img_size: int, in_chans: int) -> np.ndarray:
     try:
         with Image.open(path) as image:
             image = image.convert("L" if in_chans == 1 else "RGB").resize((img_size, img_size), Image.BILINEAR)
-            array = np.asarray(image, dtype=np.uint8)
+            array = np.array(image, dtype=np.uint8)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read image {str(path)!r}: {error}") from error
     return array[None] if in_chans == 1 else array.transpose(2, 0, 1)

@@ -1,0 +1,131 @@
+"""ViT presets: parameter counts, timm key names and shapes, post-norm semantics, config checks."""
+
+import pytest
+import torch
+from torch import nn
+
+import vit
+from tests import timm_like
+from vit.model import ViTConfig, sincos_pos_embed
+
+TIMM_COUNTS = {
+    "vit_tiny_patch16_224": 5_717_416,
+    "vit_small_patch16_224": 22_050_664,
+    "vit_base_patch16_224": 86_567_656,
+    "vit_large_patch16_224": 304_326_632,
+}
+
+
+def timm_vit_keys(dim: int, depth: int, classes: int = 1000, tokens: int = 197, patch: int = 16) -> dict[str, tuple]:
+    """The state-dict keys and shapes of timm's VisionTransformer for the vit_*_patch16_224 models."""
+    keys = {
+        "cls_token": (1, 1, dim), "pos_embed": (1, tokens, dim),
+        "patch_embed.proj.weight": (dim, 3, patch, patch), "patch_embed.proj.bias": (dim,),
+        "norm.weight": (dim,), "norm.bias": (dim,), "head.weight": (classes, dim), "head.bias": (classes,),
+    }
+    for i in range(depth):
+        keys.update({
+            f"blocks.{i}.norm1.weight": (dim,), f"blocks.{i}.norm1.bias": (dim,),
+            f"blocks.{i}.attn.qkv.weight": (3 * dim, dim), f"blocks.{i}.attn.qkv.bias": (3 * dim,),
+            f"blocks.{i}.attn.proj.weight": (dim, dim), f"blocks.{i}.attn.proj.bias": (dim,),
+            f"blocks.{i}.norm2.weight": (dim,), f"blocks.{i}.norm2.bias": (dim,),
+            f"blocks.{i}.mlp.fc1.weight": (4 * dim, dim), f"blocks.{i}.mlp.fc1.bias": (4 * dim,),
+            f"blocks.{i}.mlp.fc2.weight": (dim, 4 * dim), f"blocks.{i}.mlp.fc2.bias": (dim,),
+        })
+    return keys
+
+
+@pytest.mark.parametrize("name,dim,depth", [
+    ("vit_tiny_patch16_224", 192, 12), ("vit_small_patch16_224", 384, 12),
+    ("vit_base_patch16_224", 768, 12), ("vit_large_patch16_224", 1024, 24),
+])
+def test_timm_presets_have_timm_keys_and_counts(name, dim, depth):
+    with torch.device("meta"):
+        model = vit.create_model(name)
+    assert sum(p.numel() for p in model.parameters()) == TIMM_COUNTS[name]
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == timm_vit_keys(dim, depth)
+    assert model.config.norm_eps == 1e-6
+
+
+def test_timm_state_dict_loads_strictly_and_gives_the_same_logits():
+    reference = timm_like.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5).eval()
+    model = vit.ViT(ViTConfig(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=5)).eval()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    images = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(model(images), reference(images), atol=1e-5, rtol=1e-5)
+
+
+def test_real_timm_state_dict_loads_when_timm_is_installed():
+    timm = pytest.importorskip("timm")
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=7).eval()
+    model = vit.create_model("vit_tiny_patch16_224", num_classes=7).eval()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    images = torch.randn(2, 3, 224, 224)
+    torch.testing.assert_close(model(images), reference(images), atol=1e-4, rtol=1e-4)
+
+
+def test_create_model_overrides_and_errors():
+    model = vit.create_model("vit_base_patch16_224", num_classes=3, depth=1)
+    assert model.head.out_features == 3 and len(model.blocks) == 1
+    with pytest.raises(ValueError, match="unknown model 'vit_huge'; valid names: .*vit_digits"):
+        vit.create_model("vit_huge")
+    with pytest.raises(ValueError, match="unknown ViTConfig field"):
+        vit.create_model("vit_digits", width=3)
+    with pytest.raises(ValueError, match="num_heads=5 must divide embed_dim=64"):
+        vit.create_model("vit_digits", num_heads=5)
+    with pytest.raises(ValueError, match="img_size=30 must be divisible by patch_size=4"):
+        vit.create_model("vit_digits", img_size=30)
+    assert set(vit.list_models()) >= {"vit_digits", "vit_mnist_postnorm", "vit_cifar10_small", "vit_mnist_sincos"}
+
+
+def test_small_presets_configuration():
+    postnorm = vit.get_config("vit_mnist_postnorm")
+    assert (postnorm.img_size, postnorm.patch_size, postnorm.in_chans, postnorm.embed_dim, postnorm.depth,
+            postnorm.num_heads, postnorm.mlp_hidden_dim, postnorm.act) == (28, 7, 1, 64, 3, 8, 2048, "relu")
+    assert not postnorm.norm_first and not postnorm.final_norm and postnorm.drop_rate == postnorm.attn_drop_rate == 0.1
+    cifar = vit.get_config("vit_cifar10_small")
+    assert (cifar.img_size, cifar.patch_size, cifar.embed_dim, cifar.depth, cifar.num_heads, cifar.mlp_hidden_dim,
+            cifar.act, cifar.norm_first, cifar.final_norm, cifar.qkv_bias) == (32, 4, 48, 4, 4, 192, "gelu_tanh", True, False, True)
+    for name in ("vit_mnist_postnorm", "vit_cifar10_small", "vit_mnist_sincos", "vit_digits"):
+        assert vit.get_config(name).norm_eps == 1e-5
+
+
+def test_postnorm_preset_blocks_equal_transformer_encoder_layer():
+    model = vit.create_model("vit_mnist_postnorm").double().eval()
+    layer = nn.TransformerEncoderLayer(64, 8, 2048, dropout=0.1, activation="relu", batch_first=True, norm_first=False)
+    layer = layer.double().eval()
+    from tests.test_nn import copy_encoder_layer
+
+    copy_encoder_layer(model.blocks[1], layer)
+    x = torch.randn(2, 17, 64, dtype=torch.float64)
+    torch.testing.assert_close(model.blocks[1](x), layer(x))
+    assert isinstance(model.norm, nn.Identity)
+    logits = model(torch.randn(2, 1, 28, 28, dtype=torch.float64))
+    assert logits.shape == (2, 10)
+
+
+def test_sincos_preset_uses_a_fixed_buffer():
+    model = vit.create_model("vit_mnist_sincos")
+    names = {n for n, _ in model.named_parameters()}
+    assert "pos_embed" not in names and "pos_embed" in dict(model.named_buffers())
+    assert model.pos_embed.shape == (1, 50, 8) and not model.pos_embed.requires_grad
+    torch.testing.assert_close(model.pos_embed[0, 0], torch.zeros(8))
+    table = sincos_pos_embed(7, 8, class_token=False)[0]
+    # row 0 column 0: sin(0)=0, cos(0)=1 for both halves
+    torch.testing.assert_close(table[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]))
+    assert len({tuple(row.tolist()) for row in table}) == 49, "every position must be distinct"
+    logits = model(torch.randn(3, 1, 28, 28))
+    logits.sum().backward()
+    assert model.patch_embed.proj.weight.grad is not None
+
+
+def test_attention_maps_and_avg_pool():
+    model = vit.create_model("vit_cifar10_small", global_pool="avg").eval()
+    images = torch.randn(2, 3, 32, 32)
+    maps = model.attention_maps(images)
+    assert len(maps) == 4 and maps[0].shape == (2, 4, 65, 65)
+    torch.testing.assert_close(maps[-1].sum(-1), torch.ones(2, 4, 65))
+    assert model(images).shape == (2, 10)
+    with pytest.raises(ValueError, match="global_pool='token' needs class_token=True"):
+        vit.create_model("vit_digits", class_token=False)
