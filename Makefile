@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m vit.train --model vit_digits --dataset digits --epochs 150 --backend auto --out runs/demo
+	$(PY) -m vit.train --model vit_digits --dataset digits --epochs 200 --backend auto --out runs/demo
 
 # Triton kernels run on the CPU through the interpreter; `slow` sweeps are left to `make test-all`.
 test: $(STAMP)
