@@ -129,3 +129,27 @@ def test_attention_maps_and_avg_pool():
     assert model(images).shape == (2, 10)
     with pytest.raises(ValueError, match="global_pool='token' needs class_token=True"):
         vit.create_model("vit_digits", class_token=False)
+
+
+@pytest.mark.parametrize("name", ["vit_digits", "vit_mnist_sincos"])
+def test_model_on_triton_backend_matches_torch(name):
+    """The whole model gives the same logits and parameter gradients with the Triton kernels."""
+    from vit_kernels import backend
+
+    if backend.triton_device_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton backend does not run here")
+    import vit_kernels as vk
+
+    model = vit.create_model(name).eval()
+    size = model.config.img_size
+    images = torch.randn(3, model.config.in_chans, size, size)
+    results = {}
+    for choice in ("torch", "triton"):
+        model.zero_grad()
+        with vk.use_backend(choice):
+            logits = model(images)
+            logits.square().sum().backward()
+        results[choice] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
+    for n, g in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m: f"{n}: {m}")

@@ -4,6 +4,10 @@
     S = scale * q @ k^T                       (B, H, L, L), scale = Dh ** -0.5 by default
     P = softmax(S, dim=-1)
     O = dropout(P) @ v  -> (B, L, D)          heads concatenated, ready for the output projection
+
+The Triton kernels read q, k and v straight out of ``qkv`` by strides and write O in (B, L, D):
+no permute, no copy. Forward is flash-style (online softmax, fp32 accumulation) and saves the
+log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 """
 
 from __future__ import annotations
@@ -14,6 +18,421 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import backend
+from vit_kernels._triton import HAS_TRITON, tl, triton
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+# Forward, one program per (block of BLOCK_M query rows, batch * head), in the log2 domain:
+#   s_ij = (q_i . k_j) * scale * log2(e)
+#   m_i = max_j s_ij,  l_i = sum_j 2^(s_ij - m_i)            (online over key blocks, rescaled by 2^(m_old - m_new))
+#   o_i = sum_j z_ij / (1 - p) * 2^(s_ij - m_i) v_j / l_i     (z_ij the dropout keep mask, 1 without dropout)
+#   lse_i = m_i + log2(l_i), so that P_ij = 2^(s_ij - lse_i)
+@triton.jit
+def _attention_fwd_kernel(
+    QKV, Out, Lse, Seed,
+    seq_len, num_heads, head_dim, model_dim,
+    stride_qkv_b, stride_qkv_l, stride_qkv_c,
+    stride_out_b, stride_out_l,
+    scale_log2, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq_len
+    mask_d = offs_d < head_dim
+    base = QKV + batch.to(tl.int64) * stride_qkv_b
+    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
+    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_cols = cols + model_dim * stride_qkv_c
+    v_cols = cols + 2 * model_dim * stride_qkv_c
+    if DROPOUT:
+        seed = tl.load(Seed)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        rows_n = start_n + offs_n
+        mask_n = rows_n < seq_len
+        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            offsets = (pid_bh * seq_len + offs_m[:, None]) * seq_len + rows_n[None, :]
+            p = tl.where(tl.rand(seed, offsets) >= dropout_p, p * keep_scale, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    out_ptrs = Out + batch.to(tl.int64) * stride_out_b + offs_m[:, None].to(tl.int64) * stride_out_l \
+        + (head * head_dim + offs_d)[None, :]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=mask_m)
+
+
+# delta_i = sum_d dO_id * O_id per (batch * head, row): the row term of the softmax gradient,
+#   dS_ij = P_ij (dP_ij - delta_i), which holds with dropout too (delta = rowsum(dP~ * P~)).
+@triton.jit
+def _attention_bwd_delta_kernel(
+    Out, DOut, Delta,
+    seq_len, num_heads, head_dim,
+    stride_out_b, stride_out_l, stride_do_b, stride_do_l, stride_do_c,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seq_len)[:, None] & (offs_d < head_dim)[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    col = head * head_dim + offs_d
+    o = tl.load(Out + batch.to(tl.int64) * stride_out_b + rows * stride_out_l + col[None, :], mask=mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_do_b + rows * stride_do_l + col[None, :].to(tl.int64) * stride_do_c,
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * seq_len + offs_m, delta, mask=offs_m < seq_len)
+
+
+# dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
+#   P = 2^(s - lse),  P~ = z * P / (1 - p)
+#   dV += P~^T dO,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),  dK += scale * dS^T Q
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    QKV, DOut, Lse, Delta, Seed, DQKV,
+    seq_len, num_heads, head_dim, model_dim,
+    stride_qkv_b, stride_qkv_l, stride_qkv_c,
+    stride_do_b, stride_do_l, stride_do_c,
+    stride_dqkv_b, stride_dqkv_l,
+    scale, scale_log2, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < seq_len
+    mask_d = offs_d < head_dim
+    base = QKV + batch.to(tl.int64) * stride_qkv_b
+    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
+    kv_rows = offs_n[:, None].to(tl.int64) * stride_qkv_l
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(base + kv_rows + (cols + model_dim * stride_qkv_c)[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(base + kv_rows + (cols + 2 * model_dim * stride_qkv_c)[None, :], mask=kv_mask, other=0.0)
+    do_base = DOut + batch.to(tl.int64) * stride_do_b
+    do_cols = (head * head_dim + offs_d).to(tl.int64) * stride_do_c
+    row_stats = pid_bh.to(tl.int64) * seq_len
+    if DROPOUT:
+        seed = tl.load(Seed)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for start_m in range(0, seq_len, BLOCK_M):
+        rows_m = start_m + offs_m
+        mask_m = rows_m < seq_len
+        q_mask = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(base + rows_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :], mask=q_mask, other=0.0)
+        do = tl.load(do_base + rows_m[:, None].to(tl.int64) * stride_do_l + do_cols[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(Lse + row_stats + rows_m, mask=mask_m, other=0.0)
+        delta = tl.load(Delta + row_stats + rows_m, mask=mask_m, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        p = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            offsets = (pid_bh * seq_len + rows_m[:, None]) * seq_len + offs_n[None, :]
+            keep = tl.rand(seed, offsets) >= dropout_p
+            p_dropped = tl.where(keep, p * keep_scale, 0.0)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        else:
+            p_dropped = p
+        dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+
+    out_base = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_n[:, None].to(tl.int64) * stride_dqkv_l
+    out_cols = head * head_dim + offs_d
+    tl.store(out_base + (model_dim + out_cols)[None, :], (dk * scale).to(DQKV.dtype.element_ty), mask=kv_mask)
+    tl.store(out_base + (2 * model_dim + out_cols)[None, :], dv.to(DQKV.dtype.element_ty), mask=kv_mask)
+
+
+# dQ, one program per (block of BLOCK_M query rows, batch * head), looping over key blocks:
+#   dQ = scale * sum_j dS_ij k_j, dS as in the dK/dV kernel (recomputed rather than shared through atomics,
+#   which keeps the result deterministic).
+@triton.jit
+def _attention_bwd_dq_kernel(
+    QKV, DOut, Lse, Delta, Seed, DQKV,
+    seq_len, num_heads, head_dim, model_dim,
+    stride_qkv_b, stride_qkv_l, stride_qkv_c,
+    stride_do_b, stride_do_l, stride_do_c,
+    stride_dqkv_b, stride_dqkv_l,
+    scale, scale_log2, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq_len
+    mask_d = offs_d < head_dim
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    base = QKV + batch.to(tl.int64) * stride_qkv_b
+    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
+    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_do_b + offs_m[:, None].to(tl.int64) * stride_do_l
+                 + ((head * head_dim + offs_d).to(tl.int64) * stride_do_c)[None, :], mask=q_mask, other=0.0)
+    row_stats = pid_bh.to(tl.int64) * seq_len
+    lse = tl.load(Lse + row_stats + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(Delta + row_stats + offs_m, mask=mask_m, other=0.0)
+    k_cols = cols + model_dim * stride_qkv_c
+    v_cols = cols + 2 * model_dim * stride_qkv_c
+    if DROPOUT:
+        seed = tl.load(Seed)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        rows_n = start_n + offs_n
+        mask_n = rows_n < seq_len
+        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        p = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            offsets = (pid_bh * seq_len + offs_m[:, None]) * seq_len + rows_n[None, :]
+            dp = tl.where(tl.rand(seed, offsets) >= dropout_p, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_m[:, None].to(tl.int64) * stride_dqkv_l \
+        + (head * head_dim + offs_d)[None, :]
+    tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=q_mask)
+
+
+# Probabilities for return_probs: P_ij = 2^(s_ij - lse_i), recomputed from the saved log-sum-exp,
+# one program per (block of query rows, batch * head), written to (B, H, L, L).
+@triton.jit
+def _attention_probs_kernel(
+    QKV, Lse, Probs,
+    seq_len, num_heads, head_dim, model_dim,
+    stride_qkv_b, stride_qkv_l, stride_qkv_c,
+    scale_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq_len
+    mask_d = offs_d < head_dim
+    base = QKV + batch.to(tl.int64) * stride_qkv_b
+    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
+    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    lse = tl.load(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
+    probs_base = Probs + pid_bh.to(tl.int64) * seq_len * seq_len + offs_m[:, None].to(tl.int64) * seq_len
+    for start_n in range(0, seq_len, BLOCK_N):
+        rows_n = start_n + offs_n
+        mask_n = rows_n < seq_len
+        k = tl.load(base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        p = tl.exp2(s - lse[:, None])
+        tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _launch_config(head_dim: int, seq_len: int) -> dict:
+    """Tile sizes and warps for ViT lengths (17 to 1025 tokens): tiles no longer than the sequence,
+    head dim padded to a power of two (at least 16, the smallest tl.dot operand)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tile = max(16, min(64, triton.next_power_of_2(seq_len)))
+    if backend.TRITON_INTERPRET:  # fixed and small: the interpreter's cost is per tile op, not per flop
+        return {"BLOCK_M": min(tile, 32), "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 1, "stages": 1}
+    if block_d <= 64:
+        return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_D": block_d, "warps": 4, "stages": 3}
+    if block_d <= 128:
+        return {"BLOCK_M": tile, "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 4, "stages": 2}
+    return {"BLOCK_M": min(tile, 32), "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 8, "stages": 1}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (tf32 would cost accuracy the reference does not lose)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
+    batch, seq_len, three_d = qkv.shape
+    model_dim = three_d // 3
+    return batch, seq_len, model_dim, model_dim // num_heads
+
+
+if HAS_TRITON:
+
+    @torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())
+    def attention_fwd(
+        qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv (B, L, 3D) -> out (B, L, D), lse (B*H, L) float32 in log2 units."""
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
+        lse = torch.empty((batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
+        cfg = _launch_config(head_dim, seq_len)
+        grid = (triton.cdiv(seq_len, cfg["BLOCK_M"]), batch * num_heads)
+        torch.library.wrap_triton(_attention_fwd_kernel)[grid](
+            qkv, out, lse, seed,
+            seq_len, num_heads, head_dim, model_dim,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            out.stride(0), out.stride(1),
+            scale * LOG2E, dropout_p,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+            DROPOUT=dropout_p > 0, PRECISION=_precision(qkv.dtype),
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+        return out, lse
+
+    @torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())
+    def attention_bwd(
+        grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
+        num_heads: int, scale: float, dropout_p: float,
+    ) -> torch.Tensor:
+        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+        cfg = _launch_config(head_dim, seq_len)
+        delta = torch.empty_like(lse)
+        dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
+        rows = triton.cdiv(seq_len, cfg["BLOCK_M"])
+        torch.library.wrap_triton(_attention_bwd_delta_kernel)[(rows, batch * num_heads)](
+            out, grad_out, delta,
+            seq_len, num_heads, head_dim,
+            out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"],
+        )
+        common = dict(
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+            DROPOUT=dropout_p > 0, PRECISION=_precision(qkv.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+        args = (
+            qkv, grad_out, lse, delta, seed, dqkv,
+            seq_len, num_heads, head_dim, model_dim,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+            dqkv.stride(0), dqkv.stride(1),
+            scale, scale * LOG2E, dropout_p,
+        )
+        keys = triton.cdiv(seq_len, cfg["BLOCK_N"])
+        torch.library.wrap_triton(_attention_bwd_dkdv_kernel)[(keys, batch * num_heads)](*args, **common)
+        torch.library.wrap_triton(_attention_bwd_dq_kernel)[(rows, batch * num_heads)](*args, **common)
+        return dqkv
+
+    @torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())
+    def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        """The softmax probabilities (B, H, L, L) from qkv and the forward's log-sum-exp."""
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+        cfg = _launch_config(head_dim, seq_len)
+        probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
+        torch.library.wrap_triton(_attention_probs_kernel)[(triton.cdiv(seq_len, cfg["BLOCK_M"]), batch * num_heads)](
+            qkv, lse, probs,
+            seq_len, num_heads, head_dim, model_dim,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            scale * LOG2E,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], PRECISION=_precision(qkv.dtype),
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+        return probs
+
+    def _fwd_setup_context(ctx, inputs, output):
+        qkv, num_heads, scale, dropout_p, seed = inputs
+        out, lse = output
+        ctx.save_for_backward(qkv, out, lse, seed)
+        ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
+
+    def _fwd_backward(ctx, grad_out, grad_lse):
+        qkv, out, lse, seed = ctx.saved_tensors
+        dqkv = attention_bwd(grad_out, qkv, out, lse, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
+        return dqkv, None, None, None, None
+
+    torch.library.register_autograd("vit_kernels::attention_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+    def _probs_setup_context(ctx, inputs, output):
+        qkv, lse, num_heads, scale = inputs
+        ctx.save_for_backward(qkv, output)
+        ctx.num_heads, ctx.scale = num_heads, scale
+
+    def _probs_backward(ctx, grad_probs):
+        # d(softmax): dS = P * (dP - rowsum(dP * P)); dq = scale dS k, dk = scale dS^T q. The
+        # probabilities are materialised anyway, so this runs as plain tensor ops. lse gets no
+        # gradient: the formula above is the full derivative of softmax with respect to S.
+        qkv, probs = ctx.saved_tensors
+        q, k, _ = split_qkv(qkv, ctx.num_heads)
+        p = probs.float()
+        g = grad_probs.float()
+        ds = p * (g - (g * p).sum(-1, keepdim=True)) * ctx.scale
+        dq = merge_heads((ds @ k.float()).to(qkv.dtype))
+        dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
+        return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
+
+    torch.library.register_autograd("vit_kernels::attention_probs", _probs_backward, setup_context=_probs_setup_context)
+
+
+def attention_triton(
+    qkv: torch.Tensor, num_heads: int, scale: Optional[float], dropout_p: float, return_probs: bool
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The Triton implementation of ``vk.attention`` (arguments already validated)."""
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if head_dim > MAX_HEAD_DIM:  # a tile of q, k and v would not fit in registers / shared memory
+        return attention_ref(qkv, num_heads, scale, dropout_p, return_probs)
+    scale = head_dim**-0.5 if scale is None else scale
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
+    else:
+        seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
+    out, lse = torch.ops.vit_kernels.attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    if not return_probs:
+        return out
+    return out, torch.ops.vit_kernels.attention_probs(qkv, lse, num_heads, scale)
+
+
+def _triton_supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    reason = backend.triton_device_reason(device)
+    if reason is not None:
+        return reason
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton attention kernels take float32, float16 or bfloat16, not {dtype}"
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return "the Triton interpreter computes bfloat16 tl.dot wrongly; bfloat16 runs on CUDA only"
+    return None
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,3 +468,6 @@ def attention_ref(
 
 
 backend.register("attention", "torch", attention_ref)
+backend.register(
+    "attention", "triton", attention_triton, supports=_triton_supports, preferred=lambda device, dtype: device.type == "cuda"
+)
