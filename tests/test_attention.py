@@ -252,3 +252,8 @@ def test_compiles_without_graph_break():
         (grad,) = torch.autograd.grad(step(qkv), qkv)
     torch.testing.assert_close(loss, step(qkv), atol=1e-2, rtol=1e-2)
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+def test_head_dims_beyond_the_kernel_use_the_reference(on_backend):
+    qkv = torch.randn(1, 5, 3 * 260)
+    check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=1)
