@@ -6,6 +6,17 @@ from typing import Callable, Sequence
 
 import torch
 
+from vit_kernels import backend
+
+# Backends that can run CPU tensors here (Triton through the interpreter under TRITON_INTERPRET=1).
+CPU_BACKENDS = ["torch"] + (["triton"] if backend.triton_device_reason(torch.device("cpu")) is None else [])
+
+
+def backend_dtypes(kernel_dtypes: Sequence[torch.dtype]) -> list[tuple[str, torch.dtype]]:
+    """(backend, dtype) pairs: the reference in float64 and float32, each kernel backend in ``kernel_dtypes``."""
+    pairs = [("torch", torch.float64), ("torch", torch.float32)]
+    return pairs + [(name, dtype) for name in CPU_BACKENDS[1:] for dtype in kernel_dtypes]
+
 # (atol, rtol) per dtype, for element-wise comparison with a float64 reference.
 TOLERANCES = {
     torch.float64: (1e-10, 1e-8),

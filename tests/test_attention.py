@@ -8,10 +8,7 @@ import torch
 
 import vit_kernels as vk
 from tests.conftest import requires_cuda
-from tests.helpers import check_against_formula
-from vit_kernels import backend
-
-CPU_BACKENDS = ["torch"] + (["triton"] if backend.triton_device_reason(torch.device("cpu")) is None else [])
+from tests.helpers import CPU_BACKENDS, check_against_formula
 
 
 def attention_formula(qkv, num_heads, scale=None):

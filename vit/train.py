@@ -126,7 +126,7 @@ class MetricsLog:
 def _progress_bar(total: int, initial: int, disable: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=disable, unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=disable, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
 
 
 def train(args: argparse.Namespace) -> dict:

@@ -102,6 +102,28 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
     return f"Triton kernels do not run on {device.type} tensors"
 
 
+def triton_supports_elementwise(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Support check for Triton kernels without tl.dot: float32, float16, bfloat16 on CUDA or the interpreter."""
+    reason = triton_device_reason(device)
+    if reason is None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reason = f"the Triton kernels take float32, float16 or bfloat16, not {dtype}"
+    return reason
+
+
+def triton_supports_dot(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Support check for Triton kernels built on tl.dot, which the interpreter gets wrong in bfloat16."""
+    reason = triton_supports_elementwise(device, dtype)
+    if reason is None and dtype == torch.bfloat16 and device.type == "cpu":
+        reason = "the Triton interpreter computes bfloat16 tl.dot wrongly; bfloat16 runs on CUDA only"
+    return reason
+
+
+def on_cuda(device: torch.device, dtype: torch.dtype) -> bool:
+    """``auto`` preference for kernels measured faster than the reference on CUDA (interpreted
+    Triton on the CPU never is)."""
+    return device.type == "cuda"
+
+
 register_backend_check("triton", triton_unavailable_reason)
 register_backend_check("torch", lambda: None)
 

@@ -424,17 +424,6 @@ def attention_triton(
     return out, torch.ops.vit_kernels.attention_probs(qkv, lse, num_heads, scale)
 
 
-def _triton_supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    reason = backend.triton_device_reason(device)
-    if reason is not None:
-        return reason
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the Triton attention kernels take float32, float16 or bfloat16, not {dtype}"
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        return "the Triton interpreter computes bfloat16 tl.dot wrongly; bfloat16 runs on CUDA only"
-    return None
-
-
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, L, 3*D) -> q, k, v, each a (B, H, L, Dh) view (no copy)."""
     batch, length, three_d = qkv.shape
@@ -468,6 +457,4 @@ def attention_ref(
 
 
 backend.register("attention", "torch", attention_ref)
-backend.register(
-    "attention", "triton", attention_triton, supports=_triton_supports, preferred=lambda device, dtype: device.type == "cuda"
-)
+backend.register("attention", "triton", attention_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)

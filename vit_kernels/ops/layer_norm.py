@@ -13,6 +13,182 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import backend
+from vit_kernels._triton import HAS_TRITON, tl, triton
+
+MAX_TRITON_COLS = 65536  # a row is one tile; wider rows use the reference
+ROWS_PER_PROGRAM_BWD = 16  # rows whose d(weight), d(bias) one backward program sums before writing a partial
+
+
+# Forward, one program per row (D <= BLOCK_D columns in one tile):
+#   s = x + r (stored when there is a residual), mean = sum(s) / D, var = sum((s - mean)^2) / D,
+#   rstd = 1 / sqrt(var + eps), y = (s - mean) * rstd * w + b; mean and rstd saved for backward.
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, Residual, Weight, Bias, Y, Sum, Mean, Rstd,
+    num_cols,
+    stride_x, stride_r, stride_y, stride_s,
+    eps,
+    BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < num_cols
+    s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = (s + tl.load(Residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(Sum.dtype.element_ty)
+        tl.store(Sum + row * stride_s + cols, s, mask=mask)
+        s = s.to(tl.float32)  # normalise the rounded sum that is returned and that backward re-reads
+    mean = tl.sum(s, 0) / num_cols
+    centered = tl.where(mask, s - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 0) / num_cols + eps)
+    y = centered * rstd
+    if HAS_WEIGHT:
+        y *= tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+
+# Backward, one program per ROWS rows, with xhat = (s - mean) * rstd and g = dy * w:
+#   ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dS, the gradient reaching the returned sum)
+#   dx = dr = ds;  d(weight) = sum_rows dy * xhat,  d(bias) = sum_rows dy, written as per-program
+#   partial sums (fp32) that the host adds up: no atomics, a deterministic result.
+@triton.jit
+def _layer_norm_bwd_kernel(
+    S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
+    num_rows, num_cols,
+    stride_s, stride_dy, stride_dsum, stride_ds,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEEDS_WB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < num_cols
+    if HAS_WEIGHT:
+        w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(ROWS):
+        row = pid * ROWS + i
+        if row < num_rows:
+            row64 = row.to(tl.int64)
+            s = tl.load(S + row64 * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + row64)
+            rstd = tl.load(Rstd + row64)
+            xhat = tl.where(mask, (s - mean) * rstd, 0.0)
+            g = dy * w if HAS_WEIGHT else dy
+            c1 = tl.sum(g * xhat, 0) / num_cols
+            c2 = tl.sum(g, 0) / num_cols
+            ds = (g - c2 - xhat * c1) * rstd
+            if HAS_DSUM:
+                ds += tl.load(DSum + row64 * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DS + row64 * stride_ds + cols, ds.to(DS.dtype.element_ty), mask=mask)
+            if NEEDS_WB:
+                dw += dy * xhat
+                db += dy
+    if NEEDS_WB:
+        tl.store(PartialW + pid.to(tl.int64) * num_cols + cols, dw, mask=mask)
+        tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, db, mask=mask)
+
+
+def _row_warps(block_d: int) -> int:
+    """Warps per row: enough threads that each holds a handful of elements."""
+    return max(1, min(16, block_d // 256))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (rows, D) with unit column stride, copying only when it must."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+if HAS_TRITON:
+
+    @torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())
+    def layer_norm_fwd(
+        x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+        residual: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, residual (..., D) -> y (..., D), s = x + residual (..., D) (empty without a residual),
+        mean and rstd (rows,) fp32."""
+        x2 = _rows(x)
+        rows, dim = x2.shape
+        y = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
+        summed = torch.empty((rows, dim) if residual is not None else (0,), dtype=x.dtype, device=x.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        r2 = _rows(residual) if residual is not None else x2
+        block_d = triton.next_power_of_2(dim)
+        torch.library.wrap_triton(_layer_norm_fwd_kernel)[(rows,)](
+            x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, summed, mean, rstd,
+            dim,
+            x2.stride(0), r2.stride(0), y.stride(0), dim,
+            eps,
+            BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, num_warps=_row_warps(block_d),
+        )
+        return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
+
+    @torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())
+    def layer_norm_bwd(
+        grad_y: torch.Tensor, grad_sum: Optional[torch.Tensor], summed: torch.Tensor, weight: Optional[torch.Tensor],
+        mean: torch.Tensor, rstd: torch.Tensor, needs_weight_bias: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
+        s2, dy2 = _rows(summed), _rows(grad_y)
+        rows, dim = s2.shape
+        ds = torch.empty((rows, dim), dtype=summed.dtype, device=summed.device)
+        programs = triton.cdiv(rows, ROWS_PER_PROGRAM_BWD)
+        partial_w = torch.empty((programs if needs_weight_bias else 1, dim), dtype=torch.float32, device=summed.device)
+        partial_b = torch.empty_like(partial_w)
+        dsum2 = _rows(grad_sum) if grad_sum is not None else dy2
+        block_d = triton.next_power_of_2(dim)
+        torch.library.wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
+            s2, dy2, dsum2, weight if weight is not None else s2, mean, rstd, ds, partial_w, partial_b,
+            rows, dim,
+            s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),
+            ROWS=ROWS_PER_PROGRAM_BWD, BLOCK_D=block_d,
+            HAS_DSUM=grad_sum is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias,
+            num_warps=_row_warps(block_d),
+        )
+        return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
+
+    def _fwd_setup_context(ctx, inputs, output):
+        x, weight, bias, eps, residual = inputs
+        y, summed, mean, rstd = output
+        ctx.save_for_backward(summed if residual is not None else x, weight, mean, rstd)
+        ctx.has = (weight is not None, bias is not None, residual is not None)
+
+    def _fwd_backward(ctx, grad_y, grad_sum, grad_mean, grad_rstd):
+        summed, weight, mean, rstd = ctx.saved_tensors
+        has_weight, has_bias, has_residual = ctx.has
+        grad_sum = grad_sum if has_residual else None
+        ds, dw, db = layer_norm_bwd(grad_y, grad_sum, summed, weight, mean, rstd, has_weight or has_bias)
+        return (
+            ds,
+            dw.to(ds.dtype) if has_weight else None,
+            db.to(ds.dtype) if has_bias else None,
+            None,
+            ds if has_residual else None,
+        )
+
+    torch.library.register_autograd("vit_kernels::layer_norm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+def layer_norm_triton(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-6,
+    residual: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
+    if x.shape[-1] > MAX_TRITON_COLS:
+        return layer_norm_ref(x, weight, bias, eps, residual)
+    y, summed, _, _ = torch.ops.vit_kernels.layer_norm_fwd(x, weight, bias, eps, residual)
+    return y if residual is None else (y, summed)
+
+
 
 
 def layer_norm_ref(
@@ -29,3 +205,6 @@ def layer_norm_ref(
 
 
 backend.register("layer_norm", "torch", layer_norm_ref)
+backend.register(
+    "layer_norm", "triton", layer_norm_triton, supports=backend.triton_supports_elementwise, preferred=backend.on_cuda
+)
