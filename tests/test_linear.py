@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import check_against_formula
+from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula
+
+BACKEND_DTYPES = backend_dtypes([torch.float32, torch.float16])
 
 
 def gelu_formula(z, approximate):
@@ -34,8 +36,8 @@ SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_linear(x_shape, k, n, with_bias, with_residual, dtype):
+@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
+def test_linear(backend_name, dtype, x_shape, k, n, with_bias, with_residual):
     inputs = [
         torch.randn(x_shape),
         torch.randn(n, k) / math.sqrt(k),
@@ -46,36 +48,66 @@ def test_linear(x_shape, k, n, with_bias, with_residual, dtype):
     def run(x, w, b, r):
         return vk.linear(x, w, b, residual=r)
 
-    check_against_formula(run, linear_formula, inputs, dtype, ["x", "weight", "bias", "residual"])
+    with vk.use_backend(backend_name):
+        check_against_formula(run, linear_formula, inputs, dtype, ["x", "weight", "bias", "residual"])
 
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_linear_gelu(x_shape, k, n, approximate, dtype):
-    inputs = [torch.randn(x_shape), torch.randn(n, k) / math.sqrt(k), torch.randn(n)]
-    check_against_formula(
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
+def test_linear_gelu(backend_name, dtype, x_shape, k, n, approximate, with_bias):
+    inputs = [torch.randn(x_shape), torch.randn(n, k) / math.sqrt(k), torch.randn(n) if with_bias else None]
+    with vk.use_backend(backend_name):
+        check_against_formula(
         lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
-        linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], approximate=approximate,
-    )
+            linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], approximate=approximate,
+        )
 
 
 @pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_mlp(x_shape, d, hidden, approximate, with_residual):
+@pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
+def test_mlp(backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
     inputs = [
         torch.randn(x_shape),
-        torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
-        torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d),
+        torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden) if with_bias else None,
+        torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d) if with_bias else None,
         torch.randn(x_shape) if with_residual else None,
     ]
 
     def run(x, w1, b1, w2, b2, r, approximate):
         return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
 
-    check_against_formula(run, mlp_formula, inputs, torch.float64,
-                          ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
+    with vk.use_backend(backend_name):
+        check_against_formula(run, mlp_formula, inputs, dtype,
+                              ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def on_backend(request):
+    with vk.use_backend(request.param):
+        yield request.param
+
+
+def test_strided_input_is_read_in_place(on_backend):
+    wide = torch.randn(2, 9, 40)
+    x = wide[:, :, 3:35]  # rows with an outer stride of 40
+    w, b = torch.randn(24, 32) / 6, torch.randn(24)
+    check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: linear_gelu_formula(x, w, b, "none"),
+                          [x, w, b], torch.float32, ["x", "weight", "bias"])
+
+
+def test_gelu_saturates_without_nan(on_backend):
+    """Pre-activations of +-1e4: gelu and its gradient stay finite and exact (tanh form included)."""
+    x = torch.tensor([[1.0], [-1.0], [0.0]], requires_grad=True)
+    w = torch.tensor([[1e4]])
+    for approximate in ("none", "tanh"):
+        y = vk.linear_gelu(x, w, approximate=approximate)
+        (g,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(y, torch.tensor([[1e4], [0.0], [0.0]]))
+        torch.testing.assert_close(g, torch.tensor([[1e4], [0.0], [5e3]]))
 
 
 def test_autocast_casts_gemm_operands_and_promotes_residual():

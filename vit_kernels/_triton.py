@@ -23,4 +23,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length())
     tl = types.SimpleNamespace(constexpr=object)
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+def dot_precision(dtype) -> str:
+    """tl.dot input precision: exact products for float32 inputs (tf32 would lose accuracy that
+    PyTorch's float32 reference keeps); 16-bit inputs multiply exactly either way."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+__all__ = ["HAS_TRITON", "dot_precision", "triton", "tl"]

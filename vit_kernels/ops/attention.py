@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import backend
-from vit_kernels._triton import HAS_TRITON, tl, triton
+from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -287,11 +287,6 @@ def _launch_config(head_dim: int, seq_len: int) -> dict:
     return {"BLOCK_M": min(tile, 32), "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 8, "stages": 1}
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products (tf32 would cost accuracy the reference does not lose)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
     batch, seq_len, three_d = qkv.shape
     model_dim = three_d // 3
@@ -317,7 +312,7 @@ if HAS_TRITON:
             out.stride(0), out.stride(1),
             scale * LOG2E, dropout_p,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            DROPOUT=dropout_p > 0, PRECISION=_precision(qkv.dtype),
+            DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype),
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
         return out, lse
@@ -341,7 +336,7 @@ if HAS_TRITON:
         )
         common = dict(
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            DROPOUT=dropout_p > 0, PRECISION=_precision(qkv.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
+            DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
         args = (
             qkv, grad_out, lse, delta, seed, dqkv,
@@ -367,7 +362,7 @@ if HAS_TRITON:
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             scale * LOG2E,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], PRECISION=_precision(qkv.dtype),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], PRECISION=dot_precision(qkv.dtype),
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
         return probs
