@@ -4,7 +4,15 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import check_against_formula
+from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula
+
+BACKEND_DTYPES = backend_dtypes([torch.float32, torch.float16])
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def on_backend(request):
+    with vk.use_backend(request.param):
+        yield request.param
 
 
 def patch_embed_formula(images, weight, bias, cls_token, pos_embed, patch_size):
@@ -44,27 +52,47 @@ NAMES = ["images", "weight", "bias", "cls_token", "pos_embed"]
     "n,c,h,w,p,dim",
     [(2, 3, 32, 32, 4, 48), (3, 1, 28, 28, 7, 64), (2, 3, 16, 24, 8, 20), (1, 3, 32, 48, 16, 37), (2, 2, 8, 8, 4, 13)],
 )
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_patch_embed_matches_formula(n, c, h, w, p, dim, dtype):
+@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
+def test_patch_embed_matches_formula(backend_name, dtype, n, c, h, w, p, dim):
     inputs = make_inputs(n, c, h, w, p, dim)
-    check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, NAMES, patch_size=p)
+    with vk.use_backend(backend_name):
+        check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, NAMES, patch_size=p)
 
 
 @pytest.mark.parametrize("with_bias,with_cls,with_pos", [(False, False, False), (True, False, True), (False, True, False)])
-def test_patch_embed_optional_parts(with_bias, with_cls, with_pos):
+def test_patch_embed_optional_parts(on_backend, with_bias, with_cls, with_pos):
     inputs = make_inputs(2, 3, 16, 16, 4, 24, with_bias, with_cls, with_pos)
-    check_against_formula(run_patch_embed, patch_embed_formula, inputs, torch.float64, NAMES, patch_size=4)
+    check_against_formula(run_patch_embed, patch_embed_formula, inputs, torch.float32, NAMES, patch_size=4)
 
 
-def test_patch_embed_channels_last():
+def test_patch_embed_channels_last(on_backend):
+    """channels_last images are gathered by strides; d(images) comes back in the same layout."""
     images, weight, bias, cls, pos = make_inputs(2, 3, 32, 32, 8, 16)
-    expected = patch_embed_formula(images.double(), weight.double(), bias.double(), cls.double(), pos.double(), 8)
-    out = vk.patch_embed(images.double().to(memory_format=torch.channels_last), weight.double(), bias.double(),
-                         patch_size=8, cls_token=cls.double(), pos_embed=pos.double())
-    torch.testing.assert_close(out, expected)
+    images_cl = images.to(memory_format=torch.channels_last).requires_grad_(True)
+    out = vk.patch_embed(images_cl, weight, bias, patch_size=8, cls_token=cls, pos_embed=pos)
+    torch.testing.assert_close(out, patch_embed_formula(images, weight, bias, cls, pos, 8), atol=1e-4, rtol=1e-4)
+    upstream = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, images_cl, upstream)
+    wide = images.double().requires_grad_(True)
+    (ref,) = torch.autograd.grad(patch_embed_formula(wide, weight.double(), bias.double(), cls.double(), pos.double(), 8),
+                                 wide, upstream.double())
+    torch.testing.assert_close(grad.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_patch_embed_output_shape():
+def test_images_gradient_only_when_asked(on_backend):
+    images, weight, bias, cls, pos = make_inputs(2, 3, 16, 16, 4, 12)
+    weight.requires_grad_(True)
+    out = vk.patch_embed(images, weight, bias, patch_size=4, cls_token=cls, pos_embed=pos)
+    upstream = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, weight, upstream)
+    wide = weight.detach().double().requires_grad_(True)
+    (ref,) = torch.autograd.grad(patch_embed_formula(images.double(), wide, bias.double(), cls.double(), pos.double(), 4),
+                                 wide, upstream.double())
+    torch.testing.assert_close(grad.double(), ref, atol=1e-4, rtol=1e-4)
+    assert images.grad is None
+
+
+def test_patch_embed_output_shape(on_backend):
     out = vk.patch_embed(torch.randn(4, 3, 224, 224), torch.randn(192, 3, 16, 16), patch_size=16,
                          cls_token=torch.randn(1, 1, 192), pos_embed=torch.randn(1, 197, 192))
     assert out.shape == (4, 197, 192)

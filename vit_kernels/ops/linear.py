@@ -118,7 +118,7 @@ def _gelu_bwd_kernel(DY, Z, DZ, numel, TANH: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DZ + offs, (dy * _gelu_grad(z, TANH)).to(DZ.dtype.element_ty), mask=mask)
 
 
-def _gemm_config(m: int, n: int, k: int) -> dict:
+def gemm_config(m: int, n: int, k: int) -> dict:
     """Tile sizes: small fixed tiles under the interpreter; on a GPU 128x128 tiles for ViT-sized
     GEMMs (M = batch x tokens is large), narrower where N or M is small."""
     if backend.TRITON_INTERPRET:
@@ -140,7 +140,7 @@ def _matmul(
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    cfg = _gemm_config(m, n, k)
+    cfg = gemm_config(m, n, k)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     torch.library.wrap_triton(_linear_kernel)[grid](
         a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,

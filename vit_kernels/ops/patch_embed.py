@@ -13,6 +13,237 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import backend
+from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
+from vit_kernels.ops.linear import gemm_config
+
+
+@triton.jit
+def _pixel_offsets(image, patch_row, patch_col, offs_k, P, stride_n, stride_c, stride_h, stride_w):
+    """Offsets of patch elements: rows are patches (image, patch_row, patch_col), columns k the
+    flattened (channel, i, j) of nn.Conv2d's weight; pixel (c, patch_row * P + i, patch_col * P + j)."""
+    channel = offs_k // (P * P)
+    within = offs_k % (P * P)
+    y = patch_row[:, None] * P + (within // P)[None, :]
+    x = patch_col[:, None] * P + (within % P)[None, :]
+    return (image[:, None].to(tl.int64) * stride_n + channel[None, :].to(tl.int64) * stride_c
+            + y.to(tl.int64) * stride_h + x.to(tl.int64) * stride_w)
+
+
+# Forward as an implicit-im2col GEMM over all T = L (+1) output rows of every image:
+#   row m -> image n = m // T, token t = m % T; t = 0 is the class-token row when HAS_CLS
+#   out[m, d] = sum_k patch[m, k] W[d, k] + b[d] + pos[t, d]      (patch rows)
+#   out[m, d] = cls[d] + pos[0, d]                                  (class-token rows)
+# Patches are gathered straight from the image by strides (NCHW or channels_last): one launch
+# where eager PyTorch runs conv, flatten, transpose, cat and add.
+@triton.jit
+def _patch_embed_fwd_kernel(
+    Images, W, Bias, Cls, Pos, Out,
+    total_rows, dim, k_dim, tokens, grid_w, P,
+    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk,
+    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(total_rows, BLOCK_M)
+    tiles_n = tl.cdiv(dim, BLOCK_N)
+    group = GROUP_M * tiles_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < total_rows
+    mask_n = offs_n < dim
+    image = offs_m // tokens
+    token = offs_m % tokens
+    is_patch = mask_m & (token >= HAS_CLS)
+    patch = tl.maximum(token - HAS_CLS, 0)
+    patch_row = patch // grid_w
+    patch_col = patch % grid_w
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start_k in range(0, k_dim, BLOCK_K):
+        ks = start_k + offs_k
+        mask_k = ks < k_dim
+        a = tl.load(Images + _pixel_offsets(image, patch_row, patch_col, ks, P, stride_n, stride_c, stride_h, stride_w),
+                    mask=is_patch[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(W + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wd,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+    if HAS_BIAS:
+        bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += tl.where(is_patch[:, None], bias[None, :], 0.0)
+    if HAS_CLS:
+        cls = tl.load(Cls + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = tl.where((token == 0)[:, None], cls[None, :], acc)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_POS:
+        acc += tl.load(Pos + token[:, None].to(tl.int64) * dim + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + offs_m[:, None].to(tl.int64) * dim + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
+
+
+# d(weight)[d, k] = sum over patch rows m of dOut[m, d] * patch[m, k]: tiles of (D, K), the patches
+# re-gathered from the image while reducing over all N * L patch rows.
+@triton.jit
+def _patch_embed_bwd_weight_kernel(
+    Images, DOut, DW,
+    num_patches, dim, k_dim, tokens, grid_w, P,
+    stride_n, stride_c, stride_h, stride_w,
+    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_d = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_d = offs_d < dim
+    mask_k = offs_k < k_dim
+    patches_per_image = tokens - HAS_CLS
+    acc = tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32)
+    for start_m in range(0, num_patches, BLOCK_M):
+        rows = start_m + offs_m
+        mask_m = rows < num_patches
+        image = rows // patches_per_image
+        patch = rows % patches_per_image
+        out_rows = image.to(tl.int64) * tokens + HAS_CLS + patch
+        dout_t = tl.load(DOut + out_rows[None, :] * dim + offs_d[:, None], mask=mask_d[:, None] & mask_m[None, :], other=0.0)
+        a = tl.load(Images + _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P,
+                                            stride_n, stride_c, stride_h, stride_w),
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(dout_t, a.to(dout_t.dtype), acc, input_precision=PRECISION)
+    tl.store(DW + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :], acc.to(DW.dtype.element_ty),
+             mask=mask_d[:, None] & mask_k[None, :])
+
+
+# d(images): each pixel belongs to exactly one patch (stride = kernel), so
+#   dImages[pixel(m, k)] = sum_d dOut[m, d] W[d, k]
+# is a GEMM whose result is scattered back through the same pixel offsets (col2im without overlap).
+@triton.jit
+def _patch_embed_bwd_input_kernel(
+    DOut, W, DImages,
+    num_patches, dim, k_dim, tokens, grid_w, P,
+    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk,
+    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < num_patches
+    mask_k = offs_k < k_dim
+    patches_per_image = tokens - HAS_CLS
+    image = offs_m // patches_per_image
+    patch = offs_m % patches_per_image
+    out_rows = image.to(tl.int64) * tokens + HAS_CLS + patch
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for start_d in range(0, dim, BLOCK_D):
+        ds = start_d + offs_d
+        mask_d = ds < dim
+        dout = tl.load(DOut + out_rows[:, None] * dim + ds[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        w = tl.load(W + ds[:, None].to(tl.int64) * stride_wd + offs_k[None, :].to(tl.int64) * stride_wk,
+                    mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(dout, w.to(dout.dtype), acc, input_precision=PRECISION)
+    offsets = _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w)
+    tl.store(DImages + offsets, acc.to(DImages.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
+
+
+def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool) -> tuple[int, ...]:
+    """-> (N, D, K = C*P*P, L, T, grid width)."""
+    n, _, height, width = images.shape
+    num_patches = (height // patch_size) * (width // patch_size)
+    return n, weight.shape[0], weight[0].numel(), num_patches, num_patches + int(has_cls), width // patch_size
+
+
+if HAS_TRITON:
+
+    @torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())
+    def patch_embed_fwd(
+        images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
+        pos_embed: Optional[torch.Tensor], patch_size: int,
+    ) -> torch.Tensor:
+        """images (N, C, H, W) -> tokens (N, T, D)."""
+        n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
+        w2 = weight.reshape(dim, k_dim)
+        out_dtype = images.dtype
+        for extra in (cls_token, pos_embed):
+            if extra is not None:
+                out_dtype = torch.promote_types(out_dtype, extra.dtype)
+        out = torch.empty((n, tokens, dim), dtype=out_dtype, device=images.device)
+        pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
+        cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
+        cfg = gemm_config(n * tokens, dim, k_dim)
+        grid = (triton.cdiv(n * tokens, cfg["BLOCK_M"]) * triton.cdiv(dim, cfg["BLOCK_N"]),)
+        torch.library.wrap_triton(_patch_embed_fwd_kernel)[grid](
+            images, w2, bias if bias is not None else out, cls, pos, out,
+            n * tokens, dim, k_dim, tokens, grid_w, patch_size,
+            images.stride(0), images.stride(1), images.stride(2), images.stride(3), w2.stride(0), w2.stride(1),
+            HAS_BIAS=bias is not None, HAS_CLS=cls_token is not None, HAS_POS=pos_embed is not None,
+            PRECISION=dot_precision(images.dtype), **cfg,
+        )
+        return out
+
+    @torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())
+    def patch_embed_bwd(
+        grad_out: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool,
+        needs_images: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
+        n, dim, k_dim, num_patches, tokens, grid_w = _geometry(images, weight, patch_size, has_cls)
+        grad_out = grad_out.to(images.dtype).contiguous()
+        strides = (images.stride(0), images.stride(1), images.stride(2), images.stride(3))
+        precision = dot_precision(images.dtype)
+        interpreted = backend.TRITON_INTERPRET
+        tile_d, tile_k, tile_m = (32, 32, 32) if interpreted else (64, 64, 64)
+        warps = 1 if interpreted else 4
+        dw = torch.empty((dim, k_dim), dtype=weight.dtype, device=images.device)
+        grid = (triton.cdiv(dim, tile_d), triton.cdiv(k_dim, tile_k))
+        torch.library.wrap_triton(_patch_embed_bwd_weight_kernel)[grid](
+            images, grad_out, dw, n * num_patches, dim, k_dim, tokens, grid_w, patch_size, *strides,
+            HAS_CLS=has_cls, PRECISION=precision, BLOCK_D=tile_d, BLOCK_K=tile_k, BLOCK_M=tile_m, num_warps=warps,
+        )
+        if not needs_images:
+            return images.new_empty(0), dw.view(weight.shape)
+        dimages = torch.empty_like(images)
+        w2 = weight.reshape(dim, k_dim)
+        grid = (triton.cdiv(n * num_patches, tile_m), triton.cdiv(k_dim, tile_k))
+        torch.library.wrap_triton(_patch_embed_bwd_input_kernel)[grid](
+            grad_out, w2, dimages, n * num_patches, dim, k_dim, tokens, grid_w, patch_size,
+            dimages.stride(0), dimages.stride(1), dimages.stride(2), dimages.stride(3), w2.stride(0), w2.stride(1),
+            HAS_CLS=has_cls, PRECISION=precision, BLOCK_M=tile_m, BLOCK_K=tile_k, BLOCK_D=tile_d, num_warps=warps,
+        )
+        return dimages, dw.view(weight.shape)
+
+    def _setup_context(ctx, inputs, output):
+        images, weight, bias, cls_token, pos_embed, patch_size = inputs
+        ctx.save_for_backward(images, weight)
+        ctx.patch_size = patch_size
+        ctx.has = (bias is not None, cls_token is not None, pos_embed is not None)
+
+    def _backward(ctx, grad_out):
+        images, weight = ctx.saved_tensors
+        has_bias, has_cls, has_pos = ctx.has
+        dimages, dweight = patch_embed_bwd(grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0])
+        grad32 = grad_out.float()
+        dbias = grad32[:, int(has_cls):].sum((0, 1)).to(weight.dtype) if has_bias else None
+        dcls = grad32[:, :1].sum(0, keepdim=True).to(grad_out.dtype) if has_cls else None
+        dpos = grad32.sum(0, keepdim=True).to(grad_out.dtype) if has_pos else None
+        return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
+
+    torch.library.register_autograd("vit_kernels::patch_embed_fwd", _backward, setup_context=_setup_context)
+
+
+def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_embed=None):
+    """The Triton implementation of ``vk.patch_embed`` (arguments already validated)."""
+    return torch.ops.vit_kernels.patch_embed_fwd(images, weight, bias, cls_token, pos_embed, patch_size)
+
+
 
 
 def patch_embed_ref(
@@ -33,3 +264,4 @@ def patch_embed_ref(
 
 
 backend.register("patch_embed", "torch", patch_embed_ref)
+backend.register("patch_embed", "triton", patch_embed_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
