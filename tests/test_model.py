@@ -131,18 +131,21 @@ def test_attention_maps_and_avg_pool():
         vit.create_model("vit_digits", class_token=False)
 
 
-@pytest.mark.parametrize("name", ["vit_digits", "vit_mnist_sincos"])
-def test_model_on_triton_backend_matches_torch(name):
-    """The whole model gives the same logits and parameter gradients with the Triton kernels."""
+@pytest.mark.parametrize("name,overrides", [
+    ("vit_digits", {}), ("vit_mnist_sincos", {}), ("vit_cifar10_small", {"depth": 1}), ("vit_mnist_postnorm", {"depth": 1}),
+])
+def test_model_on_triton_backend_matches_torch(name, overrides):
+    """The whole model (tiny configurations of the presets) gives the same logits and parameter
+    gradients with the Triton kernels as with the reference."""
     from vit_kernels import backend
 
     if backend.triton_device_reason(torch.device("cpu")) is not None:
         pytest.skip("the Triton backend does not run here")
     import vit_kernels as vk
 
-    model = vit.create_model(name).eval()
+    model = vit.create_model(name, **overrides).eval()
     size = model.config.img_size
-    images = torch.randn(3, model.config.in_chans, size, size)
+    images = torch.randn(2, model.config.in_chans, size, size)
     results = {}
     for choice in ("torch", "triton"):
         model.zero_grad()
@@ -153,3 +156,46 @@ def test_model_on_triton_backend_matches_torch(name):
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
     for n, g in results["torch"][1].items():
         torch.testing.assert_close(results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
+def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
+    from vit.data import load_digits
+    import vit_kernels as vk
+
+    train, _ = load_digits()
+    torch.manual_seed(0)
+    model = vit.create_model("vit_digits", embed_dim=32, depth=2, num_heads=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    with vk.use_backend(choice):
+        for _ in range(steps):
+            batch = torch.randint(len(train), (batch_size,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(train.images[batch]), train.labels[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _compare_loss_curves(steps: int) -> None:
+    from vit_kernels import backend
+
+    if backend.triton_device_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton backend does not run here")
+    reference, kernels = _loss_curve("torch", steps), _loss_curve("triton", steps)
+    assert reference[-1] < 0.5 * reference[0], "the run must actually learn for the comparison to mean anything"
+    gaps = [abs(a - b) for a, b in zip(reference, kernels)]
+    assert max(gaps[:20]) < 1e-3 and max(gaps) < 5e-2, (max(gaps[:20]), max(gaps))
+
+
+def test_training_follows_the_same_loss_curve_on_triton():
+    """30 AdamW steps on the digits (the interpreter is slow): the kernels track the reference."""
+    _compare_loss_curves(30)
+
+
+@pytest.mark.slow
+def test_training_follows_the_same_loss_curve_on_triton_long():
+    """300 AdamW steps on the digits, the same comparison over a whole short run."""
+    _compare_loss_curves(300)

@@ -16,42 +16,47 @@ from vit_kernels import backend
 from vit_kernels._triton import HAS_TRITON, tl, triton
 
 MAX_TRITON_COLS = 65536  # a row is one tile; wider rows use the reference
-ROWS_PER_PROGRAM_BWD = 16  # rows whose d(weight), d(bias) one backward program sums before writing a partial
+ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program sums before writing a partial
 
 
-# Forward, one program per row (D <= BLOCK_D columns in one tile):
+# Forward, one program per ROWS rows (D <= BLOCK_D columns, one tile per row):
 #   s = x + r (stored when there is a residual), mean = sum(s) / D, var = sum((s - mean)^2) / D,
 #   rstd = 1 / sqrt(var + eps), y = (s - mean) * rstd * w + b; mean and rstd saved for backward.
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, Residual, Weight, Bias, Y, Sum, Mean, Rstd,
-    num_cols,
+    num_rows, num_cols,
     stride_x, stride_r, stride_y, stride_s,
     eps,
-    BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < num_cols
-    s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mask_rows = rows < num_rows
+    mask_cols = cols < num_cols
+    mask = mask_rows[:, None] & mask_cols[None, :]
+    s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        s = (s + tl.load(Residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(Sum.dtype.element_ty)
-        tl.store(Sum + row * stride_s + cols, s, mask=mask)
-        s = s.to(tl.float32)  # normalise the rounded sum that is returned and that backward re-reads
-    mean = tl.sum(s, 0) / num_cols
-    centered = tl.where(mask, s - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 0) / num_cols + eps)
-    y = centered * rstd
+        r = tl.load(Residual + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rounded = (s + r).to(Sum.dtype.element_ty)
+        tl.store(Sum + rows[:, None] * stride_s + cols[None, :], rounded, mask=mask)
+        s = rounded.to(tl.float32)  # normalise the rounded sum that is returned and that backward re-reads
+    mean = tl.sum(s, 1) / num_cols
+    centered = tl.where(mask, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / num_cols + eps)
+    y = centered * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
+        y *= tl.load(Weight + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
+        y += tl.load(Bias + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=mask_rows)
+    tl.store(Rstd + rows, rstd, mask=mask_rows)
 
 
-# Backward, one program per ROWS rows, with xhat = (s - mean) * rstd and g = dy * w:
+# Backward, one program per TILES x ROWS rows (TILES tiles of ROWS rows each), with
+# xhat = (s - mean) * rstd and g = dy * w:
 #   ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dS, the gradient reaching the returned sum)
 #   dx = dr = ds;  d(weight) = sum_rows dy * xhat,  d(bias) = sum_rows dy, written as per-program
 #   partial sums (fp32) that the host adds up: no atomics, a deterministic result.
@@ -60,43 +65,48 @@ def _layer_norm_bwd_kernel(
     S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
     num_rows, num_cols,
     stride_s, stride_dy, stride_dsum, stride_ds,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEEDS_WB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < num_cols
+    mask_cols = cols < num_cols
     if HAS_WEIGHT:
-        w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(Weight + cols, mask=mask_cols, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid * ROWS + i
-        if row < num_rows:
-            row64 = row.to(tl.int64)
-            s = tl.load(S + row64 * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(Mean + row64)
-            rstd = tl.load(Rstd + row64)
-            xhat = tl.where(mask, (s - mean) * rstd, 0.0)
-            g = dy * w if HAS_WEIGHT else dy
-            c1 = tl.sum(g * xhat, 0) / num_cols
-            c2 = tl.sum(g, 0) / num_cols
-            ds = (g - c2 - xhat * c1) * rstd
-            if HAS_DSUM:
-                ds += tl.load(DSum + row64 * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DS + row64 * stride_ds + cols, ds.to(DS.dtype.element_ty), mask=mask)
-            if NEEDS_WB:
-                dw += dy * xhat
-                db += dy
+    for tile in range(TILES):
+        rows = (pid * TILES + tile).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        mask_rows = rows < num_rows
+        mask = mask_rows[:, None] & mask_cols[None, :]
+        s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=mask_rows, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=mask_rows, other=0.0)
+        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :] if HAS_WEIGHT else dy
+        c1 = tl.sum(g * xhat, 1) / num_cols
+        c2 = tl.sum(g, 1) / num_cols
+        ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_DSUM:
+            ds += tl.load(DSum + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DS + rows[:, None] * stride_ds + cols[None, :], ds.to(DS.dtype.element_ty), mask=mask)
+        if NEEDS_WB:
+            dw += tl.sum(dy * xhat, 0)
+            db += tl.sum(dy, 0)
     if NEEDS_WB:
-        tl.store(PartialW + pid.to(tl.int64) * num_cols + cols, dw, mask=mask)
-        tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, db, mask=mask)
+        tl.store(PartialW + pid.to(tl.int64) * num_cols + cols, dw, mask=mask_cols)
+        tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, db, mask=mask_cols)
 
 
 def _row_warps(block_d: int) -> int:
     """Warps per row: enough threads that each holds a handful of elements."""
     return max(1, min(16, block_d // 256))
+
+
+def _rows_per_program(block_d: int) -> int:
+    """Forward rows per program: several short rows share a program (ViT widths are 192 to 1024)."""
+    return max(1, min(16, 4096 // block_d))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -122,12 +132,13 @@ if HAS_TRITON:
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         r2 = _rows(residual) if residual is not None else x2
         block_d = triton.next_power_of_2(dim)
-        torch.library.wrap_triton(_layer_norm_fwd_kernel)[(rows,)](
+        per_program = _rows_per_program(block_d)
+        torch.library.wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(rows, per_program),)](
             x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, summed, mean, rstd,
-            dim,
+            rows, dim,
             x2.stride(0), r2.stride(0), y.stride(0), dim,
             eps,
-            BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            ROWS=per_program, BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, num_warps=_row_warps(block_d),
         )
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
@@ -141,16 +152,18 @@ if HAS_TRITON:
         s2, dy2 = _rows(summed), _rows(grad_y)
         rows, dim = s2.shape
         ds = torch.empty((rows, dim), dtype=summed.dtype, device=summed.device)
-        programs = triton.cdiv(rows, ROWS_PER_PROGRAM_BWD)
+        block_d = triton.next_power_of_2(dim)
+        tile_rows = _rows_per_program(block_d)
+        tiles = max(1, ROWS_PER_PROGRAM_BWD // tile_rows)
+        programs = triton.cdiv(rows, tile_rows * tiles)
         partial_w = torch.empty((programs if needs_weight_bias else 1, dim), dtype=torch.float32, device=summed.device)
         partial_b = torch.empty_like(partial_w)
         dsum2 = _rows(grad_sum) if grad_sum is not None else dy2
-        block_d = triton.next_power_of_2(dim)
         torch.library.wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
             s2, dy2, dsum2, weight if weight is not None else s2, mean, rstd, ds, partial_w, partial_b,
             rows, dim,
             s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),
-            ROWS=ROWS_PER_PROGRAM_BWD, BLOCK_D=block_d,
+            ROWS=tile_rows, TILES=tiles, BLOCK_D=block_d,
             HAS_DSUM=grad_sum is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias,
             num_warps=_row_warps(block_d),
         )
