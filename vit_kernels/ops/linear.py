@@ -37,7 +37,7 @@ def _tanh(u):
 def _gelu(z, TANH: tl.constexpr):
     if TANH:
         return 0.5 * z * (1.0 + _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z)))
-    return 0.5 * z * (1.0 + tl.erf(z * INV_SQRT_2))
+    return 0.5 * z * (1.0 + tl.math.erf(z * INV_SQRT_2))
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _gelu_grad(z, TANH: tl.constexpr):
     if TANH:
         t = _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z))
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_C * z * z)
-    return 0.5 * (1.0 + tl.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
+    return 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
 
 
 # C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile, tiles grouped GROUP_M
