@@ -112,6 +112,30 @@ def _attention_bwd_delta_kernel(
     tl.store(Delta + pid_bh.to(tl.int64) * seq_len + offs_m, delta, mask=offs_m < seq_len)
 
 
+# The backward's per-tile recomputation, shared by the dK/dV and dQ kernels, for query rows
+# rows_m and key rows rows_n of one (batch, head):
+#   P = 2^(s - lse) (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
+#   dP = z * dP~ / (1 - p),  dS = P (dP - delta)            -> (P~, dS)
+@triton.jit
+def _attention_bwd_tile(
+    q, k, v, do, lse, delta, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    inside = (rows_m < seq_len)[:, None] & (rows_n < seq_len)[None, :]
+    p = tl.where(inside, tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        offsets = (pid_bh * seq_len + rows_m[:, None]) * seq_len + rows_n[None, :]
+        keep = tl.rand(seed, offsets) >= dropout_p
+        p_dropped = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    else:
+        p_dropped = p
+    return p_dropped, p * (dp - delta[:, None])
+
+
 # dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
 #   P = 2^(s - lse),  P~ = z * P / (1 - p)
 #   dV += P~^T dO,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),  dK += scale * dS^T Q
@@ -144,9 +168,9 @@ def _attention_bwd_dkdv_kernel(
     do_base = DOut + batch.to(tl.int64) * stride_do_b
     do_cols = (head * head_dim + offs_d).to(tl.int64) * stride_do_c
     row_stats = pid_bh.to(tl.int64) * seq_len
+    seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
-        keep_scale = 1.0 / (1.0 - dropout_p)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -158,18 +182,9 @@ def _attention_bwd_dkdv_kernel(
         do = tl.load(do_base + rows_m[:, None].to(tl.int64) * stride_do_l + do_cols[None, :], mask=q_mask, other=0.0)
         lse = tl.load(Lse + row_stats + rows_m, mask=mask_m, other=0.0)
         delta = tl.load(Delta + row_stats + rows_m, mask=mask_m, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        p = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            offsets = (pid_bh * seq_len + rows_m[:, None]) * seq_len + offs_n[None, :]
-            keep = tl.rand(seed, offsets) >= dropout_p
-            p_dropped = tl.where(keep, p * keep_scale, 0.0)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        else:
-            p_dropped = p
+        p_dropped, ds = _attention_bwd_tile(q, k, v, do, lse, delta, rows_m, offs_n, seq_len, pid_bh, seed,
+                                            scale_log2, dropout_p, DROPOUT, PRECISION)
         dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     out_base = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_n[:, None].to(tl.int64) * stride_dqkv_l
@@ -212,9 +227,9 @@ def _attention_bwd_dq_kernel(
     delta = tl.load(Delta + row_stats + offs_m, mask=mask_m, other=0.0)
     k_cols = cols + model_dim * stride_qkv_c
     v_cols = cols + 2 * model_dim * stride_qkv_c
+    seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
-        keep_scale = 1.0 / (1.0 - dropout_p)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
@@ -224,13 +239,8 @@ def _attention_bwd_dq_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        p = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            offsets = (pid_bh * seq_len + offs_m[:, None]) * seq_len + rows_n[None, :]
-            dp = tl.where(tl.rand(seed, offsets) >= dropout_p, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        _, ds = _attention_bwd_tile(q, k, v, do, lse, delta, offs_m, rows_n, seq_len, pid_bh, seed,
+                                    scale_log2, dropout_p, DROPOUT, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_m[:, None].to(tl.int64) * stride_dqkv_l \

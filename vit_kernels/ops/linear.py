@@ -49,8 +49,19 @@ def _gelu_grad(z, TANH: tl.constexpr):
     return 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
 
 
-# C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile, tiles grouped GROUP_M
-# rows at a time so neighbouring programs share B tiles in L2:
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile row, tile column) of an M x N output, in groups of GROUP_M tile rows
+    so that neighbouring programs share B tiles in L2."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * tiles_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % group) % group_rows, (pid % group) // group_rows
+
+
+# C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile (grouped_tile order):
 #   acc = sum_k A[m, k] B[k, n]                 (fp32)
 #   acc += bias[n]
 #   GELU:      Z = acc (stored when SAVE_PREACT), acc = gelu(Z)
@@ -66,14 +77,7 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * tiles_n
-    first_m = (pid // group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

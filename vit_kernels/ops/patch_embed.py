@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vit_kernels import backend
 from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
-from vit_kernels.ops.linear import gemm_config
+from vit_kernels.ops.linear import gemm_config, grouped_tile
 
 
 @triton.jit
@@ -43,14 +43,7 @@ def _patch_embed_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(total_rows, BLOCK_M)
-    tiles_n = tl.cdiv(dim, BLOCK_N)
-    group = GROUP_M * tiles_n
-    first_m = (pid // group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
+    pid_m, pid_n = grouped_tile(total_rows, dim, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
