@@ -199,3 +199,18 @@ def test_training_follows_the_same_loss_curve_on_triton():
 def test_training_follows_the_same_loss_curve_on_triton_long():
     """300 AdamW steps on the digits, the same comparison over a whole short run."""
     _compare_loss_curves(300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_whole_vit_compiles_fullgraph_and_matches_eager_on_cuda(dtype):
+    import vit_kernels as vk
+
+    model = vit.create_model("vit_small_patch16_224", num_classes=10).cuda()
+    images = torch.randn(8, 3, 224, 224, device="cuda")
+    with vk.use_backend("auto"), torch.autocast("cuda", dtype=dtype):
+        eager = model(images)
+        compiled = torch.compile(model, fullgraph=True)(images)
+        compiled.float().sum().backward()
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=5e-2, rtol=5e-2)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
