@@ -87,3 +87,18 @@ def test_module_entry_point_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["model"] == "vit_mnist_sincos" and summary["dataset"] == "synthetic"
+
+
+def test_attention_plot(tmp_path, capsys):
+    from vit import plots
+
+    run_train(capsys, "--epochs", "1", "--out", str(tmp_path / "run"), "--no-progress")
+    out = tmp_path / "maps.png"
+    plots.main([str(tmp_path / "run" / "checkpoint"), "--index", "2", "--out", str(out)])
+    result = json.loads(capsys.readouterr().out.strip())
+    assert result["blocks"] == 3 and result["grid"] == [2, 2]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model, _ = checkpoint.load_model(tmp_path / "run" / "checkpoint")
+    maps = plots.class_token_maps(model.eval(), torch.randn(2, 1, 8, 8))
+    assert maps.shape == (2, 3, 2, 2) and (maps >= 0).all()
+    assert (maps.sum(dim=(-2, -1)) <= 1.0 + 1e-6).all(), "attention to patches is part of a softmax row"
