@@ -78,8 +78,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             parser.error(f"--index must be in [0, {len(test)}), got {args.index}")
         images = test.images[args.index : args.index + 1]
         title = f"label {stats['classes'][int(test.labels[args.index])]}"
-    shape = (1, -1, 1, 1)
-    shown = images[0] * torch.tensor(stats["std"]).view(shape)[0] + torch.tensor(stats["mean"]).view(shape)[0]
+    shown = images[0] * torch.tensor(stats["std"]).view(-1, 1, 1) + torch.tensor(stats["mean"]).view(-1, 1, 1)
     maps = class_token_maps(model, images)[0]
     path = plot_attention(shown, maps, args.out, title)
     print(json.dumps({"plot": str(path), "blocks": maps.shape[0], "grid": list(maps.shape[1:])}), flush=True)

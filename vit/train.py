@@ -157,8 +157,10 @@ def train(args: argparse.Namespace) -> dict:
         )
 
     # No weight decay on biases, norms, class token and position embedding (as timm does).
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n)]
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        is_matrix = param.ndim >= 2 and "pos_embed" not in name and "cls_token" not in name
+        (decay if is_matrix else no_decay).append(param)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
     )

@@ -223,10 +223,10 @@ if HAS_TRITON:
         images, weight = ctx.saved_tensors
         has_bias, has_cls, has_pos = ctx.has
         dimages, dweight = patch_embed_bwd(grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0])
-        grad32 = grad_out.float()
-        dbias = grad32[:, int(has_cls):].sum((0, 1)).to(weight.dtype) if has_bias else None
-        dcls = grad32[:, :1].sum(0, keepdim=True).to(grad_out.dtype) if has_cls else None
-        dpos = grad32.sum(0, keepdim=True).to(grad_out.dtype) if has_pos else None
+        per_token = grad_out.sum(0, keepdim=True, dtype=torch.float32)  # (1, T, D): one pass over dOut
+        dbias = per_token[0, int(has_cls):].sum(0).to(weight.dtype) if has_bias else None
+        dcls = per_token[:, :1].to(grad_out.dtype) if has_cls else None
+        dpos = per_token.to(grad_out.dtype) if has_pos else None
         return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
 
     torch.library.register_autograd("vit_kernels::patch_embed_fwd", _backward, setup_context=_setup_context)
