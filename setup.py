@@ -27,7 +27,7 @@ def extension_modules():
         return [], {}
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    compile_args = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
+    compile_args = {"cxx": ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]}
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         compile_args["nvcc"] = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo"]

@@ -6,10 +6,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from vit_kernels import backend
+from vit_kernels import _ext, backend
 
-# Backends that can run CPU tensors here (Triton through the interpreter under TRITON_INTERPRET=1).
-CPU_BACKENDS = ["torch"] + (["triton"] if backend.triton_device_reason(torch.device("cpu")) is None else [])
+# Backends that can run CPU tensors here: the reference, Triton through the interpreter under
+# TRITON_INTERPRET=1, and the C++ kernels when vit_kernels._C is built.
+CPU_BACKENDS = (
+    ["torch"]
+    + (["triton"] if backend.triton_device_reason(torch.device("cpu")) is None else [])
+    + (["extension"] if _ext.supports(torch.device("cpu"), torch.float32) is None else [])
+)
 
 
 def backend_dtypes(kernel_dtypes: Sequence[torch.dtype]) -> list[tuple[str, torch.dtype]]:

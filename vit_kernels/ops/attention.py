@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import backend
+from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -455,11 +455,29 @@ def attention_ref(
     q, k, v = split_qkv(qkv, num_heads)
     if not return_probs:
         return merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale))
+    return explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.softmax(scores, dim=-1))
+
+
+def explicit_attention(q, k, v, scale, dropout_p, softmax):
+    """q, k, v (B, H, L, Dh) -> (out (B, L, H*Dh), probs (B, H, L, L)) with the scores materialised:
+    probs = softmax(q k^T * scale), out = dropout(probs) v."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    probs = torch.softmax((q @ k.transpose(-2, -1)) * scale, dim=-1)
+    probs = softmax((q @ k.transpose(-2, -1)) * scale)
     dropped = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
     return merge_heads(dropped @ v), probs
 
 
+def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False):
+    """``vk.attention`` for the extension backend: scores by GEMM, the ``vit_kernels::softmax``
+    kernel, then a GEMM with v. Materialises the (B, H, L, L) scores: meant for ``return_probs``
+    (attention maps), not for speed."""
+    q, k, v = split_qkv(qkv, num_heads)
+    out, probs = explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.ops.vit_kernels.softmax(scores.contiguous()))
+    return (out, probs) if return_probs else out
+
+
 backend.register("attention", "torch", attention_ref)
 backend.register("attention", "triton", attention_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
+backend.register(
+    "attention", "extension", attention_extension, supports=_ext.supports, preferred=_ext.preferred("attention")
+)

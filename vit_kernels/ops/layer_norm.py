@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import backend
+from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, tl, triton
 
 MAX_TRITON_COLS = 65536  # a row is one tile; wider rows use the reference
@@ -202,6 +202,16 @@ def layer_norm_triton(
     return y if residual is None else (y, summed)
 
 
+def layer_norm_extension(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-6,
+    residual: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
+    if x.is_cuda and x.shape[-1] > _ext.MAX_CUDA_COLUMNS:
+        return layer_norm_ref(x, weight, bias, eps, residual)
+    contiguous = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
+    y, summed, _, _ = torch.ops.vit_kernels.fused_layer_norm(*contiguous, eps)
+    return y if residual is None else (y, summed)
 
 
 def layer_norm_ref(
@@ -220,4 +230,7 @@ def layer_norm_ref(
 backend.register("layer_norm", "torch", layer_norm_ref)
 backend.register(
     "layer_norm", "triton", layer_norm_triton, supports=backend.triton_supports_elementwise, preferred=backend.on_cuda
+)
+backend.register(
+    "layer_norm", "extension", layer_norm_extension, supports=_ext.supports, preferred=_ext.preferred("layer_norm")
 )

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import backend
+from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
 
 # Epilogues of the GEMM kernel.
@@ -289,6 +289,32 @@ def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none"
     return torch.ops.vit_kernels.mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, _activation(approximate))[0]
 
 
+def linear_extension(x, weight, bias=None, residual=None):
+    """``vk.linear`` for the extension backend: one GEMM (cuBLAS / oneDNN) accumulating onto the
+    residual (plus bias) instead of adding it in a separate pass."""
+    if residual is None or residual.dtype != x.dtype:
+        return linear_ref(x, weight, bias, residual)
+    out_features = weight.shape[0]
+    accumulator = residual.reshape(-1, out_features)
+    if bias is not None:
+        accumulator = accumulator + bias
+    out = torch.addmm(accumulator, x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def linear_gelu_extension(x, weight, bias=None, approximate="none"):
+    """``vk.linear_gelu`` for the extension backend: a GEMM without bias, then the fused
+    ``vit_kernels::bias_gelu`` epilogue (one read and one write of the activation)."""
+    preactivation = F.linear(x, weight)
+    return torch.ops.vit_kernels.bias_gelu(
+        preactivation.contiguous(), bias.contiguous() if bias is not None else None, approximate
+    )
+
+
+def mlp_extension(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
+    """``vk.mlp`` for the extension backend: ``linear_gelu_extension`` then ``linear_extension``."""
+    hidden = linear_gelu_extension(x, fc1_weight, fc1_bias, approximate)
+    return linear_extension(hidden, fc2_weight, fc2_bias, residual)
 
 
 def linear_ref(
@@ -331,3 +357,5 @@ backend.register("linear_gelu", "torch", linear_gelu_ref)
 backend.register("mlp", "torch", mlp_ref)
 for _op, _fn in (("linear", linear_triton), ("linear_gelu", linear_gelu_triton), ("mlp", mlp_triton)):
     backend.register(_op, "triton", _fn, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
+for _op, _fn in (("linear", linear_extension), ("linear_gelu", linear_gelu_extension), ("mlp", mlp_extension)):
+    backend.register(_op, "extension", _fn, supports=_ext.supports, preferred=_ext.preferred(_op))

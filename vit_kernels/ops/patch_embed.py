@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import backend
+from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
 from vit_kernels.ops.linear import gemm_config, grouped_tile
 
@@ -237,6 +237,25 @@ def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_emb
     return torch.ops.vit_kernels.patch_embed_fwd(images, weight, bias, cls_token, pos_embed, patch_size)
 
 
+def patch_embed_extension(images, weight, bias, patch_size, cls_token=None, pos_embed=None):
+    """``vk.patch_embed`` for the extension backend: ``vit_kernels::patchify`` (im2col from NCHW or
+    channels_last), one GEMM with the bias, then the class token and position embedding."""
+    if not (images.is_contiguous() or images.is_contiguous(memory_format=torch.channels_last)):
+        images = images.contiguous()
+    patches = torch.ops.vit_kernels.patchify(images, patch_size)  # (N, L, C*P*P)
+    tokens = F.linear(patches, weight.reshape(weight.shape[0], -1), bias)
+    return add_class_and_position(tokens, cls_token, pos_embed)
+
+
+def add_class_and_position(
+    tokens: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embed: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """tokens (N, L, D), cls_token (1, 1, D), pos_embed (1, L [+ 1], D) -> (N, L [+ 1], D)."""
+    if cls_token is not None:
+        tokens = torch.cat([cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+    if pos_embed is not None:
+        tokens = tokens + pos_embed
+    return tokens
 
 
 def patch_embed_ref(
@@ -249,12 +268,11 @@ def patch_embed_ref(
 ) -> torch.Tensor:
     """Eager reference: conv (stride = kernel = P), flatten, transpose, cat, add."""
     tokens = F.conv2d(images, weight, bias, stride=patch_size).flatten(2).transpose(1, 2)
-    if cls_token is not None:
-        tokens = torch.cat([cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
-    if pos_embed is not None:
-        tokens = tokens + pos_embed
-    return tokens
+    return add_class_and_position(tokens, cls_token, pos_embed)
 
 
 backend.register("patch_embed", "torch", patch_embed_ref)
 backend.register("patch_embed", "triton", patch_embed_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
+backend.register(
+    "patch_embed", "extension", patch_embed_extension, supports=_ext.supports, preferred=_ext.preferred("patch_embed")
+)

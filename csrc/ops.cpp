@@ -1,0 +1,37 @@
+// The schemas of every vit_kernels._C operator, defined once. CPU kernels live beside them
+// (layer_norm.cpp, bias_gelu.cpp, softmax.cpp, patchify.cpp), CUDA kernels in cuda/*.cu.
+//
+// All ops take contiguous tensors (the Python wrappers make them so) and treat a (..., C) tensor as
+// rows x C. Statistics and reduced gradients are float32 (float64 for float64 inputs).
+
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing vit_kernels._C loads this library, which runs the registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(vit_kernels, m) {
+  // y = LN(s) * weight + bias with s = x + residual; returns (y, s or an empty tensor, mean, rstd).
+  m.def("fused_layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns (d s, d weight, d bias); d s already includes grad_summed (the gradient reaching s directly).
+  m.def("fused_layer_norm_backward(Tensor grad_out, Tensor? grad_summed, Tensor summed, Tensor? weight,"
+        " Tensor mean, Tensor rstd, bool weight_bias_grad) -> (Tensor, Tensor, Tensor)");
+  // y = gelu(x + bias), approximate 'none' (erf) or 'tanh'.
+  m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
+  // d(x + bias) = grad_out * gelu'(x + bias).
+  m.def("bias_gelu_backward(Tensor grad_out, Tensor x, Tensor? bias, str approximate) -> Tensor");
+  // Softmax over the last dimension, and dx = y * (dy - sum(dy * y)).
+  m.def("softmax(Tensor x) -> Tensor");
+  m.def("softmax_backward(Tensor grad_out, Tensor out) -> Tensor");
+  // (N, C, H, W) (NCHW or channels_last) -> (N, (H/P) * (W/P), C * P * P), columns ordered (c, i, j)
+  // like a Conv2d weight flattened; and its adjoint, back to (N, C, H, W) NCHW with zeros where no
+  // patch reaches (H or W not a multiple of P).
+  m.def("patchify(Tensor images, int patch_size) -> Tensor");
+  m.def("unpatchify(Tensor patches, int channels, int height, int width, int patch_size) -> Tensor");
+}
