@@ -8,9 +8,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo test test-all bench bench-quick check-cuda clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -29,5 +29,38 @@ test: $(STAMP)
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes,
+# which also runs the regression gate over its own results.
+BENCH_OUT ?= build/bench
+bench: $(STAMP)
+	$(PY) -m benchmarks --out $(BENCH_OUT)/results.json --markdown $(BENCH_OUT)/results.md --plots $(BENCH_OUT)/plots
+
+bench-quick: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m benchmarks --quick --out $(BENCH_OUT)/quick.json --markdown $(BENCH_OUT)/quick.md \
+		--plots $(BENCH_OUT)/plots > /dev/null
+	$(PY) -m benchmarks --compare $(BENCH_OUT)/quick.json --results $(BENCH_OUT)/quick.json --threshold 0.05 | tail -1
+
+# Compile every CUDA source for sm_90 against torch's headers with torch's own nvcc flags (object
+# files only), so a CUDA compile error fails CI on a machine without a GPU. A CPU-only torch lacks one generated header,
+# c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in is searched after torch's own include dirs.
+CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
+CUDA_CHECK_DIR := build/check-cuda
+CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(CUDA_SOURCES))
+NVCC ?= nvcc
+NVCC_FLAGS := -std=c++20 -O2 -arch=sm_90 -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -DVIT_KERNELS_WITH_CUDA=1
+
+check-cuda: $(CUDA_OBJECTS)
+	@echo "check-cuda: compiled $(words $(CUDA_OBJECTS)) CUDA sources for sm_90"
+
+$(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h:
+	mkdir -p $(dir $@)
+	echo '#define C10_CUDA_BUILD_SHARED_LIBS' > $@
+
+$(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h $(STAMP)
+	@command -v $(NVCC) >/dev/null || { echo "check-cuda: $(NVCC) not found (install the CUDA toolkit)"; exit 1; }
+	$(NVCC) $(NVCC_FLAGS) $$($(PY) -c "import sysconfig, torch.utils.cpp_extension as e; \
+		print(' '.join(e.COMMON_NVCC_FLAGS + ['-I' + p for p in e.include_paths() + [sysconfig.get_paths()['include']]]))") \
+		-I$(CUDA_CHECK_DIR)/include -c $< -o $@
+
 clean:
-	rm -rf build *.egg-info runs .pytest_cache
+	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so

@@ -191,6 +191,14 @@ def use_backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+def unsupported_reason(op: str, backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None when ``backend`` implements ``op`` and can run it on ``device`` in ``dtype``, else why not."""
+    impl = _registry[op].get(backend)
+    if impl is None:
+        return f"{backend} does not implement {op}"
+    return backend_unavailable_reason(backend) or impl.supports(device, dtype)
+
+
 def resolve(op: str, device: torch.device, dtype: torch.dtype) -> Implementation:
     """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``."""
     impls = _registry[op]

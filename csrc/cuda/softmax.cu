@@ -7,7 +7,6 @@
 
 #include <torch/library.h>
 
-#include <limits>
 
 #include "common.cuh"
 
@@ -26,7 +25,7 @@ __global__ void softmax_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __r
   const int lane = threadIdx.x % 32;
   const scalar_t* in = x + row * cols;
   scalar_t* out = y + row * cols;
-  float peak = -std::numeric_limits<float>::infinity();
+  float peak = -INFINITY;
   for (int64_t col = lane; col < cols; col += 32) peak = fmaxf(peak, static_cast<float>(in[col]));
   peak = warp_max(peak);
   float total = 0.0f;

@@ -1,0 +1,125 @@
+"""python -m benchmarks: per-op and end-to-end benchmarks, or the regression gate.
+
+    python -m benchmarks --out results.json            # full suite on the GPU (or CPU if none)
+    python -m benchmarks --quick --out quick.json      # a few minutes on a CPU: the whole code path
+    python -m benchmarks --compare BASELINE.json --results CURRENT.json --threshold 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import cases, compare, e2e, environment, ops_bench, peaks, report
+from vit_kernels import backend
+
+# (model, batch) pairs for the per-op shapes and the end-to-end runs.
+FULL_OP_SHAPES = [("vit_tiny_patch16_224", 256), ("vit_small_patch16_224", 256), ("vit_base_patch16_224", 256),
+                  ("vit_large_patch16_224", 256), ("vit_cifar10_small", 256), ("vit_digits", 256)]
+FULL_MODELS = FULL_OP_SHAPES
+# On a CPU: ViT shapes at small batches, the smallest preset for interpreted Triton.
+QUICK_OP_SHAPES = [("vit_digits", 8), ("vit_small_patch16_224", 8), ("vit_base_patch16_224", 4)]
+QUICK_MODELS = [("vit_digits", 64), ("vit_tiny_patch16_224", 8)]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes and models, for a CPU / CI smoke run")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--ops", default=",".join(cases.OPS + cases.KERNELS),
+                        help="comma-separated ops (and extension kernels) to time ('' for none)")
+    parser.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: bfloat16,float16,float32 on "
+                        "CUDA, float32 on the CPU)")
+    parser.add_argument("--modes", default=",".join(ops_bench.MODES), help="per-op modes: forward,backward,full")
+    parser.add_argument("--no-models", action="store_true", help="skip the end-to-end model runs")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--out", type=Path, default=None, help="write every row to this JSON file")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this markdown file")
+    parser.add_argument("--plots", type=Path, default=None, help="write PNG plots to this folder")
+    parser.add_argument("--compare", type=Path, default=None, metavar="BASELINE", help="regression gate: baseline JSON")
+    parser.add_argument("--results", type=Path, default=None, metavar="CURRENT", help="regression gate: current JSON")
+    parser.add_argument("--threshold", type=float, default=0.05, help="regression gate: allowed slowdown (0.05 = 5%%)")
+    args = parser.parse_args(argv)
+    if (args.compare is None) != (args.results is None):
+        parser.error("--compare BASELINE and --results CURRENT go together")
+    return args
+
+
+def _choices(text: str, valid, what: str) -> list[str]:
+    chosen = [t for t in text.split(",") if t]
+    unknown = [t for t in chosen if t not in valid]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(valid)}")
+    return chosen
+
+
+def run(args: argparse.Namespace) -> list[dict[str, object]]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    default_dtypes = "bfloat16,float16,float32" if device.type == "cuda" else "float32"
+    dtypes = [DTYPES[d] for d in _choices(args.dtypes or default_dtypes, DTYPES, "dtype")]
+    ops = _choices(args.ops, cases.OPS + cases.KERNELS, "op")
+    modes = _choices(args.modes, ops_bench.MODES, "mode")
+    meta = environment.describe(device)
+    print(f"benchmarks on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_sha']})",
+          file=sys.stderr)
+    measured = peaks.measure_peaks(device, dtypes, args.quick)
+    print("peaks: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), file=sys.stderr)
+    rows: list[dict[str, object]] = []
+    op_shapes = QUICK_OP_SHAPES if args.quick else FULL_OP_SHAPES
+    interpreter = device.type == "cpu" and backend.TRITON_INTERPRET
+    for model, batch in op_shapes:
+        shape = cases.shape_of(model, batch)
+        tiny = shape.rows * shape.dim <= 8 * 5 * 64  # the interpreter runs a kernel per program, slowly
+        for op in ops:
+            for dtype in dtypes:
+                started = time.perf_counter()
+                new = ops_bench.run_case(
+                    cases.build_case(op, shape), device, dtype, modes, measured,
+                    compile_reference=not args.no_compile and (not args.quick or tiny),
+                    interpreted_triton=interpreter and tiny, meta=meta,
+                )
+                rows += new
+                print(f"  {op:12s} {shape.label:45s} {str(dtype):15s} {len(new):2d} rows "
+                      f"{time.perf_counter() - started:6.1f} s", file=sys.stderr)
+    if not args.no_models:
+        for model, batch in QUICK_MODELS if args.quick else FULL_MODELS:
+            for dtype in dtypes[:1]:  # end to end in the first dtype (bfloat16 autocast on CUDA)
+                started = time.perf_counter()
+                compile_models = not args.no_compile and (not args.quick or model == "vit_digits")
+                new = e2e.run_model(model, batch, device, dtype, measured, compile_models, meta)
+                rows += new
+                print(f"  {model:25s} B={batch:<4d} {str(dtype):15s} {len(new):2d} rows "
+                      f"{time.perf_counter() - started:6.1f} s", file=sys.stderr)
+    table = report.markdown(rows, measured, meta)
+    print(table)
+    if args.out:
+        report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick})
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table)
+    if args.plots:
+        for path in report.plot(rows, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare is not None:
+        table, regressions = compare.compare(args.compare, args.results, args.threshold)
+        print(table)
+        return 1 if regressions else 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

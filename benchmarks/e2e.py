@@ -1,0 +1,133 @@
+"""End-to-end benchmarks: images/second for a training step (forward, loss, backward, AdamW step)
+and for inference, and peak memory on CUDA, for a ViT preset in several variants measured side by
+side: our model on ``auto``, the same model on the ``torch`` backend (eager), ``torch.compile`` of
+that, and timm's model of the same name (eager and compiled) when timm is installed.
+
+Model FLOPs utilisation: the model's matmul FLOPs (forward; training = 3x forward) per second, as a
+fraction of the matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import vit_kernels as vk
+from benchmarks.ops_bench import add_speedups
+from benchmarks.timing import time_call
+from vit.model import ViT, get_config
+
+TIMM_NAMES = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"}
+
+
+def forward_flops(model: str, batch: int) -> float:
+    """Matmul FLOPs of one forward pass: patch projection, per block qkv, attention (q k^T and P v),
+    projection and MLP, and the head."""
+    c = get_config(model)
+    patches = (c.img_size // c.patch_size) ** 2
+    tokens = patches + int(c.class_token)
+    hidden = c.mlp_hidden_dim or int(c.embed_dim * c.mlp_ratio)
+    d = c.embed_dim
+    block = 2 * tokens * (3 * d * d + d * d + 2 * d * hidden) + 4 * tokens * tokens * d
+    return batch * (2 * patches * d * c.in_chans * c.patch_size**2 + c.depth * block + 2 * d * c.num_classes)
+
+
+def _timm_model(model: str) -> Optional[torch.nn.Module]:
+    try:
+        import timm
+    except ImportError:
+        return None
+    if model not in TIMM_NAMES:
+        return None
+    return timm.create_model(model, pretrained=False)  # random weights: no download
+
+
+def variants(model: str, device: torch.device, compile_models: bool) -> dict[str, tuple[torch.nn.Module, str, bool] | str]:
+    """name -> (module, backend to run it under, compiled?) or the reason the variant is absent."""
+    ours = ViT(get_config(model)).to(device)
+    found: dict[str, tuple[torch.nn.Module, str, bool] | str] = {"vit_kernels (auto)": (ours, "auto", False),
+                                                                   "eager (torch backend)": (ours, "torch", False)}
+    if compile_models:
+        found["torch.compile (torch backend)"] = (ours, "torch", True)
+    timm_model = _timm_model(model)
+    if timm_model is None:
+        reason = "timm is not installed" if model in TIMM_NAMES else "timm has no model of this name"
+        found["timm"] = found["timm + torch.compile"] = reason
+    else:
+        timm_model = timm_model.to(device)
+        found["timm"] = (timm_model, "torch", False)
+        if compile_models:
+            found["timm + torch.compile"] = (timm_model, "torch", True)
+    return found
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _step(module: torch.nn.Module, backend: str, compiled: bool, device: torch.device, dtype: torch.dtype,
+          mode: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[int], object]:
+    fn = torch.compile(module) if compiled else module
+    if mode == "inference":
+        module.eval()
+
+        def infer(i):
+            with vk.use_backend(backend), torch.inference_mode(), _autocast(device, dtype):
+                return fn(batches[i][0])
+        return infer
+    module.train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def train(i):
+        images, labels = batches[i]
+        with vk.use_backend(backend):
+            with _autocast(device, dtype):
+                loss = F.cross_entropy(fn(images), labels)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return train
+
+
+def run_model(model: str, batch: int, device: torch.device, dtype: torch.dtype, peaks: dict[str, float],
+              compile_models: bool, meta: dict[str, object]) -> list[dict[str, object]]:
+    """Rows for every variant x {train, inference} of one preset at one batch size."""
+    config = get_config(model)
+    batches = [
+        (torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
+         torch.randint(0, config.num_classes, (batch,), device=device))
+        for _ in range(2)
+    ]
+    dtype_name = str(dtype).removeprefix("torch.")
+    peak = peaks.get(f"matmul_tflops_{dtype_name}")
+    rows = []
+    for name, found in variants(model, device, compile_models).items():
+        base = {"kind": "model", "model": model, "shape": f"B={batch}", "dtype": dtype_name, "backend": name, **meta}
+        if isinstance(found, str):
+            rows.append({**base, "mode": "all", "skipped": found})
+            continue
+        module, backend_name, compiled = found
+        for mode in ("train", "inference"):
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                timing = time_call(_step(module, backend_name, compiled, device, dtype, mode, batches), device, 2,
+                                   warmup=3, repeats=10, budget_s=5.0)
+            except Exception as error:  # reported, not fatal: e.g. a compile failure
+                rows.append({**base, "mode": mode, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]})
+                continue
+            flops = forward_flops(model, batch) * (3 if mode == "train" else 1)
+            tflops = flops / (timing.median_ms * 1e-3) / 1e12
+            rows.append({
+                **base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
+                "throughput": batch / (timing.median_ms * 1e-3), "unit": "images/s", "model_tflops": tflops,
+                "fraction_of_peak": tflops / peak if peak else None,
+                "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            })
+    add_speedups(rows, ("model", "shape", "dtype", "mode"))
+    return rows

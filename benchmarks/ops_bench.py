@@ -1,0 +1,152 @@
+"""Per-op benchmarks: every op x implementation x mode x shape x dtype, validated against the
+reference before it is timed, with speedups over every other implementation measured in the same run.
+
+Implementations: the backends (``torch`` = the eager reference, which for attention is SDPA;
+``triton``; ``extension``), ``torch.compile`` of the reference, and for attention ``eager_math``
+(q k^T, softmax, @ v without SDPA). Modes: ``forward`` (no autograd), ``backward`` (the backward
+of one recorded forward, replayed), ``full`` (forward + backward).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+import vit_kernels as vk
+from benchmarks.cases import KERNELS, OpCase, eager_math_attention
+from benchmarks.timing import copies_to_rotate, time_call
+from vit_kernels import _ext, backend
+
+MODES = ("forward", "backward", "full")
+# The backward mode replays one recorded graph (retain_graph=True), which compiled graphs that donate
+# their saved buffers to the backward refuse: keep them for this process.
+torch._functorch.config.donated_buffer = False
+BACKENDS = ("torch", "triton", "extension")
+# Largest |difference| / max(1, max |reference|) accepted in validation, per dtype.
+VALIDATION_TOLERANCE = {torch.float32: 2e-3, torch.float16: 3e-2, torch.bfloat16: 8e-2}
+
+
+def implementations(case: OpCase, device: torch.device, dtype: torch.dtype, compile_reference: bool,
+                    interpreted_triton: bool) -> dict[str, Callable[..., object] | str]:
+    """name -> callable, or name -> the reason it does not run here."""
+    found: dict[str, Callable[..., object] | str] = {}
+    if case.op in KERNELS:  # a bare extension kernel against the eager code it replaces
+        found["torch"] = case.reference
+        found["extension"] = _ext.supports(device, dtype) or case.run
+    else:
+        for name in BACKENDS:
+            reason = backend.unsupported_reason(case.op, name, device, dtype)
+            if reason is None and name == "triton" and device.type == "cpu" and not interpreted_triton:
+                reason = "interpreted Triton is only run at the smallest shapes"
+            found[name] = reason if reason is not None else _on_backend(name, case.run)
+    if compile_reference:
+        found["torch.compile"] = torch.compile(case.reference, dynamic=False)
+    if case.op == "attention":
+        found["eager_math"] = eager_math_attention(case.shape.heads)
+    return found
+
+
+def _on_backend(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+    def run(**inputs):
+        with vk.use_backend(name):
+            return fn(**inputs)
+
+    return run
+
+
+def _outputs(result) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _forward_backward(fn, inputs: dict[str, torch.Tensor], upstream: list[torch.Tensor]):
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    outs = _outputs(fn(**leaves))
+    grads = torch.autograd.grad(outs, list(leaves.values()), [u.to(o.dtype) for u, o in zip(upstream, outs)])
+    return outs, grads
+
+
+def validate(case: OpCase, fn, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> Optional[str]:
+    """None when ``fn``'s outputs and input gradients match the reference computed in float32 from
+    the same (rounded) inputs; else what differs and by how much."""
+    wide = {k: v.float() for k, v in inputs.items()}
+    with torch.no_grad():
+        ref_outs = _outputs(case.reference(**wide))
+    upstream = [torch.randn_like(o) for o in ref_outs]
+    ref_outs, ref_grads = _forward_backward(case.reference, wide, upstream)
+    outs, grads = _forward_backward(fn, inputs, upstream)
+    names = [f"output {i}" for i in range(len(outs))] + [f"d{name}" for name in inputs]
+    for name, got, want in zip(names, list(outs) + list(grads), list(ref_outs) + list(ref_grads)):
+        scale = max(1.0, want.abs().max().item())
+        error = (got.float() - want).abs().max().item() / scale
+        if not error <= VALIDATION_TOLERANCE[dtype]:
+            return f"{name} differs from the reference by {error:.3g} (relative to its scale; allowed {VALIDATION_TOLERANCE[dtype]})"
+    return None
+
+
+def timed_call(fn, input_sets: list[dict[str, torch.Tensor]], mode: str) -> Callable[[int], object]:
+    if mode == "forward":
+        def call(i):
+            with torch.no_grad():
+                return fn(**input_sets[i])
+        return call
+    leaves = [{k: v.detach().requires_grad_() for k, v in inputs.items()} for inputs in input_sets]
+    if mode == "full":
+        def call(i):
+            outs = _outputs(fn(**leaves[i]))
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return call
+    recorded = []
+    for leaf_set in leaves:  # backward: record each forward once, replay only its backward
+        outs = _outputs(fn(**leaf_set))
+        recorded.append((outs, [torch.ones_like(o) for o in outs], list(leaf_set.values())))
+
+    def call(i):
+        outs, seeds, inputs = recorded[i]
+        return torch.autograd.grad(outs, inputs, seeds, retain_graph=True)
+    return call
+
+
+def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iterable[str], peaks: dict[str, float],
+             compile_reference: bool, interpreted_triton: bool, meta: dict[str, object]) -> list[dict[str, object]]:
+    """Rows for every implementation and mode of one case (with speedups filled in)."""
+    first = case.make_inputs(device, dtype)
+    set_bytes = sum(t.numel() * t.element_size() for t in first.values())
+    input_sets = [first] + [case.make_inputs(device, dtype) for _ in range(copies_to_rotate(set_bytes, device) - 1)]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for name, fn in implementations(case, device, dtype, compile_reference, interpreted_triton).items():
+        base = {"kind": "op", "op": case.op, "shape": case.shape.label, "dtype": str(dtype).removeprefix("torch."),
+                "backend": name, **meta}
+        if isinstance(fn, str):
+            rows.append({**base, "mode": "all", "skipped": fn})
+            continue
+        try:
+            problem = validate(case, fn, first, dtype)
+        except Exception as error:  # a failed compile or kernel is reported, not fatal to the run
+            problem = f"{type(error).__name__}: {error}".splitlines()[0]
+        if problem is not None:
+            rows.append({**base, "mode": "all", "invalid": problem})
+            continue
+        for mode in modes:
+            timing = time_call(timed_call(fn, input_sets, mode), device, len(input_sets))
+            amount, unit = case.work(mode, itemsize)
+            throughput = amount / (timing.median_ms * 1e-3) / 1e12 if unit == "TFLOP/s" else amount / (timing.median_ms * 1e-3) / 1e9
+            peak = peaks.get(f"matmul_tflops_{base['dtype']}") if unit == "TFLOP/s" else peaks.get("copy_gbps")
+            rows.append({**base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms,
+                         "q80_ms": timing.q80_ms, "throughput": throughput, "unit": unit,
+                         "fraction_of_peak": throughput / peak if peak else None})
+    add_speedups(rows, ("op", "shape", "dtype", "mode"))
+    return rows
+
+
+def add_speedups(rows: list[dict[str, object]], key_fields: tuple[str, ...]) -> None:
+    """For each timed row: ``speedup`` = {other implementation: its median / this median}, over the
+    rows that share ``key_fields`` (measured side by side in this run)."""
+    groups: dict[tuple, list[dict[str, object]]] = {}
+    for row in rows:
+        if "median_ms" in row:
+            groups.setdefault(tuple(row[k] for k in key_fields), []).append(row)
+    for group in groups.values():
+        for row in group:
+            row["speedup"] = {other["backend"]: other["median_ms"] / row["median_ms"] for other in group if other is not row}

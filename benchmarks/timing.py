@@ -1,0 +1,84 @@
+"""Timing with synchronisation: median and 20th/80th percentiles in milliseconds, after warm-up.
+
+On CUDA, ``triton.testing.do_bench`` (CUDA events, and it clears the L2 cache before every run)
+when triton is installed, else CUDA events directly. On the CPU, ``time.perf_counter``. Callers pass
+``call(i)`` and the number of input copies: successive runs use different copies, so a kernel is
+not timed on inputs left in cache by the previous run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    q20_ms: float
+    q80_ms: float
+
+
+def _summarise(samples_ms: list[float]) -> Timing:
+    q20, median, q80 = np.quantile(np.asarray(samples_ms), [0.2, 0.5, 0.8])
+    return Timing(float(median), float(q20), float(q80))
+
+
+def _rotating(call: Callable[[int], object], copies: int) -> Callable[[], object]:
+    counter = iter(range(1 << 62))
+    return lambda: call(next(counter) % copies)
+
+
+def time_call(
+    call: Callable[[int], object], device: torch.device, copies: int = 1, *, warmup: int = 3, repeats: int = 20,
+    budget_s: float = 2.0,
+) -> Timing:
+    """Time ``call(i)`` (i cycling over ``copies`` input sets): at least 3 and at most ``repeats``
+    samples, fewer when one run is long enough that ``repeats`` would exceed ``budget_s``."""
+    run = _rotating(call, copies)
+    if device.type == "cuda":
+        return _time_cuda(run, warmup, repeats)
+    for _ in range(warmup):
+        run()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() - started < budget_s):
+        t0 = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _summarise(samples)
+
+
+def _time_cuda(run: Callable[[], object], warmup: int, repeats: int) -> Timing:
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        median, q20, q80 = do_bench(run, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        return Timing(float(median), float(q20), float(q80))
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return _summarise(samples)
+
+
+def copies_to_rotate(bytes_per_set: int, device: torch.device) -> int:
+    """How many input sets to cycle through so that consecutive runs do not share cache: enough to
+    exceed twice the last-level cache (L2 on a GPU, assumed 64 MiB on the CPU), at most 8."""
+    cache = 64 << 20
+    if device.type == "cuda":
+        cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", cache)
+    return int(max(1, min(8, -(-2 * cache // max(bytes_per_set, 1)))))

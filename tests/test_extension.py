@@ -1,0 +1,278 @@
+"""The compiled ops of vit_kernels._C, called directly: opcheck (schema, fake, autograd registration,
+AOT dispatch), each op and its gradients against float64 formulas, and the TORCH_CHECK messages that
+bad input reaches. The public ops on the ``extension`` backend are covered by test_<op>.py."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import requires_cuda
+from tests.helpers import TOLERANCES, assert_close
+from vit_kernels import _ext
+
+BUILT = _ext.extension_unavailable_reason() is None
+pytestmark = pytest.mark.skipif(not BUILT, reason=f"vit_kernels._C is not built: {_ext.extension_unavailable_reason()}")
+ops = torch.ops.vit_kernels if BUILT else None
+
+
+@pytest.mark.skipif(os.environ.get("VIT_KERNELS_SKIP_EXT", "0") not in ("", "0"), reason="VIT_KERNELS_SKIP_EXT is set")
+def test_extension_is_built():
+    """`pip install -e .` builds the extension wherever a C++ compiler is found: a failed build must not
+    pass silently as "extension unavailable"."""
+    assert BUILT, _ext.extension_unavailable_reason()
+
+
+# ---- float64 formulas ----------------------------------------------------------------------------
+
+
+def layer_norm_formula(x, residual, weight, bias, eps):
+    s = x if residual is None else x + residual
+    y = F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+    return y, s
+
+
+def bias_gelu_formula(x, bias, approximate):
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def patchify_formula(images, patch_size):
+    return F.unfold(images, patch_size, stride=patch_size).transpose(1, 2)
+
+
+def unpatchify_formula(patches, channels, height, width, patch_size):
+    return F.fold(patches.transpose(1, 2), (height, width), patch_size, stride=patch_size)
+
+
+def compare_with_formula(op, formula, inputs, dtype, device="cpu", **kwargs):
+    """op in ``dtype`` against formula in float64: every output and the gradient of every float input."""
+    cast = [t.detach().to(device, dtype, copy=True).requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
+    wide = [t.detach().to(torch.float64, copy=True).requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
+    outs, ref_outs = op(*cast, **kwargs), formula(*wide, **kwargs)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    ref_outs = ref_outs if isinstance(ref_outs, (tuple, list)) else (ref_outs,)
+    upstream = [torch.randn_like(r) for r in ref_outs]
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert o.dtype == dtype and o.shape == r.shape, f"output {i}: {o.dtype} {tuple(o.shape)}"
+        assert_close(o.cpu(), r, dtype, f"output {i}")
+    torch.autograd.backward([o for o in outs if o.requires_grad], [g.to(device, dtype) for g, o in zip(upstream, outs) if o.requires_grad])
+    torch.autograd.backward(list(ref_outs), upstream)
+    for i, (c, w) in enumerate(zip(cast, wide)):
+        if isinstance(c, torch.Tensor):
+            assert c.grad is not None, f"no gradient for input {i}"
+            assert_close(c.grad.cpu(), w.grad, dtype, f"d(input {i})")
+
+
+def fused_layer_norm(x, residual, weight, bias, eps):
+    y, s, _, _ = ops.fused_layer_norm(x, residual, weight, bias, eps)
+    return y, (s if residual is not None else x)
+
+
+CPU_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 1023), (7, 13), (2, 197, 192), (3, 5, 768)])
+@pytest.mark.parametrize("parts", ["residual+affine", "affine", "residual", "bare"])
+def test_fused_layer_norm(dtype, shape, parts):
+    dim = shape[-1]
+    x = torch.randn(shape) * 2 + 0.5
+    residual = torch.randn(shape) if "residual" in parts else None
+    weight, bias = (torch.randn(dim), torch.randn(dim)) if "affine" in parts else (None, None)
+    inputs = [x, residual, weight, bias]
+    if residual is None:  # without a residual the op returns an empty s: compare y only
+        def op(x, r, w, b, eps):
+            return ops.fused_layer_norm(x, r, w, b, eps)[0]
+
+        def formula(x, r, w, b, eps):
+            return layer_norm_formula(x, r, w, b, eps)[0]
+
+        compare_with_formula(op, formula, inputs, dtype, eps=1e-5)
+    else:
+        compare_with_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, eps=1e-5)
+
+
+def test_fused_layer_norm_statistics():
+    x = torch.randn(9, 31, dtype=torch.float64)
+    _, _, mean, rstd = ops.fused_layer_norm(x, None, None, None, 1e-6)
+    torch.testing.assert_close(mean, x.mean(-1))
+    torch.testing.assert_close(rstd, (x.var(-1, unbiased=False) + 1e-6).rsqrt())
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 17, 96), (5, 1536)])
+def test_bias_gelu(dtype, approximate, shape):
+    x = torch.randn(shape) * 3  # covers the tails, where erf and tanh saturate
+    compare_with_formula(ops.bias_gelu, bias_gelu_formula, [x, torch.randn(shape[-1])], dtype, approximate=approximate)
+
+
+def test_bias_gelu_without_bias():
+    x = torch.randn(4, 33)
+    compare_with_formula(ops.bias_gelu, bias_gelu_formula, [x, None], torch.float32, approximate="none")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 197, 197), (4, 1023), (6, 50)])
+def test_softmax(dtype, shape):
+    x = torch.randn(shape) * 4
+    compare_with_formula(ops.softmax, lambda t: torch.softmax(t, -1), [x], dtype)
+
+
+def test_softmax_large_logits():
+    """Max subtraction: logits of 1e4 neither overflow nor lose the winner."""
+    x = torch.tensor([[1e4, 1e4 - 1.0, -1e4], [-5e3, -5e3, -5e3]])
+    torch.testing.assert_close(ops.softmax(x), torch.softmax(x.double(), -1).float())
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("geometry", [(2, 3, 8, 12, 4), (1, 1, 7, 7, 7), (3, 2, 11, 10, 3), (2, 3, 32, 32, 16)])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_patchify(dtype, geometry, layout):
+    """im2col from either layout, and its adjoint as the gradient; 11x10 with P=3 leaves a border no
+    patch reaches, whose gradient must be zero."""
+    n, c, h, w, p = geometry
+    images = torch.randn(n, c, h, w)
+
+    def op(images, patch_size):
+        if layout == "channels_last":
+            images = images.contiguous(memory_format=torch.channels_last)
+        return ops.patchify(images, patch_size)
+
+    compare_with_formula(op, patchify_formula, [images], dtype, patch_size=p)
+
+
+@pytest.mark.parametrize("geometry", [(2, 3, 8, 12, 4), (3, 2, 11, 10, 3)])
+def test_unpatchify(geometry):
+    n, c, h, w, p = geometry
+    patches = torch.randn(n, (h // p) * (w // p), c * p * p)
+    for dtype in (torch.float64, torch.float32):
+        compare_with_formula(ops.unpatchify, unpatchify_formula, [patches], dtype, channels=c, height=h, width=w, patch_size=p)
+
+
+# ---- opcheck: schema, fake tensors, autograd registration, AOT dispatch ----------------------------
+
+
+def opcheck_cases():
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    y, s, mean, rstd = ops.fused_layer_norm(x.detach(), r.detach(), w.detach(), b.detach(), 1e-5)
+    images = torch.randn(2, 3, 8, 12, requires_grad=True)
+    return {
+        "fused_layer_norm": (ops.fused_layer_norm, (x, r, w, b, 1e-5)),
+        "fused_layer_norm_plain": (ops.fused_layer_norm, (x, None, None, None, 1e-5)),
+        "fused_layer_norm_backward": (
+            ops.fused_layer_norm_backward, (torch.randn_like(y), torch.randn_like(s), s, w.detach(), mean, rstd, True),
+        ),
+        "bias_gelu": (ops.bias_gelu, (torch.randn(3, 11, requires_grad=True), torch.randn(11, requires_grad=True), "tanh")),
+        "bias_gelu_backward": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), torch.randn(11), "none")),
+        "softmax": (ops.softmax, (torch.randn(2, 3, 17, 17, requires_grad=True),)),
+        "softmax_backward": (ops.softmax_backward, (torch.randn(4, 9), torch.softmax(torch.randn(4, 9), -1))),
+        "patchify": (ops.patchify, (images, 4)),
+        "patchify_channels_last": (ops.patchify, (images.detach().contiguous(memory_format=torch.channels_last).requires_grad_(), 4)),
+        "unpatchify": (ops.unpatchify, (torch.randn(2, 6, 48, requires_grad=True), 3, 8, 12, 4)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(opcheck_cases() if BUILT else {}))
+def test_opcheck(case):
+    op, args = opcheck_cases()[case]
+    torch.library.opcheck(op, args)
+
+
+# ---- bad input reaches a TORCH_CHECK that says what was expected -------------------------------------
+
+
+BAD_INPUTS = [
+    (lambda: ops.fused_layer_norm(torch.randint(0, 5, (3, 4)), None, None, None, 1e-5), "x must be float32, float16 or bfloat16"),
+    (lambda: ops.fused_layer_norm(torch.randn(4, 3).t(), None, None, None, 1e-5), "x must be contiguous"),
+    (lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 5), None, None, 1e-5), "residual must have the input's shape"),
+    (lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 4).double(), None, None, 1e-5), "residual has dtype"),
+    (lambda: ops.fused_layer_norm(torch.randn(3, 4), None, torch.randn(5), None, 1e-5), r"weight must have shape \(4,\)"),
+    (lambda: ops.fused_layer_norm(torch.randn(3, 0), None, None, None, 1e-5), "C > 0"),
+    (lambda: ops.fused_layer_norm_backward(torch.randn(3, 4), None, torch.randn(3, 4), None, torch.randn(2), torch.randn(3), True),
+     r"mean must be a contiguous \(3,\)"),
+    (lambda: ops.bias_gelu(torch.randn(3, 4), torch.randn(3), "none"), r"bias must have shape \(4,\)"),
+    (lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"), "approximate must be 'none' or 'tanh'"),
+    (lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none"), "grad_out must have the input's shape"),
+    (lambda: ops.softmax(torch.randn(4, 6)[:, ::2]), "x must be contiguous"),
+    (lambda: ops.softmax_backward(torch.randn(4, 6), torch.randn(4, 6).half()), "grad_out has dtype"),
+    (lambda: ops.patchify(torch.randn(2, 3, 8), 4), r"images must have shape \(N, C, H, W\)"),
+    (lambda: ops.patchify(torch.randn(2, 3, 8, 8), 0), "patch_size must be positive"),
+    (lambda: ops.patchify(torch.randn(2, 3, 8, 8), 9), "smaller than one 9x9 patch"),
+    (lambda: ops.patchify(torch.randn(2, 3, 8, 16)[..., ::2], 4), "contiguous NCHW or channels_last"),
+    (lambda: ops.unpatchify(torch.randn(2, 5, 48), 3, 8, 12, 4), r"patches must have shape \(N, 6, 48\)"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BAD_INPUTS)))
+def test_bad_input_is_a_clear_error(index):
+    call, message = BAD_INPUTS[index]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+# ---- CUDA kernels (skip without a GPU) ----------------------------------------------------------
+
+needs_cuda_kernels = pytest.mark.skipif(not _ext.HAS_CUDA_KERNELS, reason="vit_kernels._C has no CUDA kernels")
+CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 197, 768), (5, 1024), (4, 6144)])
+def test_cuda_fused_layer_norm(dtype, shape):
+    dim = shape[-1]
+    inputs = [torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim)]
+    compare_with_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, device="cuda", eps=1e-5)
+
+
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072)])
+def test_cuda_bias_gelu(dtype, approximate, shape):
+    inputs = [torch.randn(shape) * 3, torch.randn(shape[-1])]
+    compare_with_formula(ops.bias_gelu, bias_gelu_formula, inputs, dtype, device="cuda", approximate=approximate)
+
+
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 12, 197, 197), (3, 1023)])
+def test_cuda_softmax(dtype, shape):
+    compare_with_formula(ops.softmax, lambda t: torch.softmax(t, -1), [torch.randn(shape) * 4], dtype, device="cuda")
+
+
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("geometry", [(2, 3, 224, 224, 16), (3, 2, 11, 10, 3)])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_cuda_patchify(dtype, geometry, layout):
+    n, c, h, w, p = geometry
+
+    def op(images, patch_size):
+        if layout == "channels_last":
+            images = images.contiguous(memory_format=torch.channels_last)
+        return ops.patchify(images, patch_size)
+
+    compare_with_formula(op, patchify_formula, [torch.randn(n, c, h, w)], dtype, device="cuda", patch_size=p)
+
+
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("case", sorted(opcheck_cases() if BUILT else {}))
+def test_cuda_opcheck(case):
+    op, args = opcheck_cases()[case]
+    # float32 on the GPU (its kernels take no float64); channels_last survives .to().
+    args = tuple(
+        a.detach().to("cuda", torch.float32).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+    torch.library.opcheck(op, args)
