@@ -178,7 +178,7 @@ if _C is not None:
 # Where ``auto`` picks the extension, per (op, device type): the dtypes in which the benchmarks
 # measured the extension's implementation faster than the reference, side by side in one run
 # (evidence: benchmarks/results/cpu-*.md, summarised in csrc/README.md). On the CPU only patch_embed
-# qualifies (patchify + GEMM: forward as fast as the convolution, backward 2.7-3.6x faster); the
+# qualifies (patchify + GEMM: forward within 10% of the convolution, backward 3.5-3.7x faster); the
 # C++ layer_norm and bias + GELU kernels measured slower than eager PyTorch, so auto leaves them
 # out. Nothing on CUDA until measured there.
 PREFERRED: dict[tuple[str, str], tuple[torch.dtype, ...]] = {("patch_embed", "cpu"): (torch.float32,)}
