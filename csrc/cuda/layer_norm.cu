@@ -18,7 +18,8 @@ namespace {
 
 constexpr const char* kForward = "vit_kernels::fused_layer_norm";
 constexpr const char* kBackward = "vit_kernels::fused_layer_norm_backward";
-// Shared memory budget: the forward's fp32 row, the backward's two fp32 partial rows.
+// Shared memory budget: the forward's fp32 row (24 KiB), the backward's two fp32 partial rows
+// (48 KiB + scratch, past the default 48 KiB limit, so the backward opts in to more).
 constexpr int64_t kMaxColumns = 6144;
 
 template <typename scalar_t, int kVec>
@@ -241,6 +242,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_backward_cuda(
       const bool vectorised =
           packs_fit<scalar_t>(cols, {grad_out.data_ptr(), dsum, summed.data_ptr(), w, ds.data_ptr()});
       auto launch = [&](auto kernel, int threads) {
+        if (shared_bytes > 48 * 1024) {  // above the default dynamic shared memory limit: opt in
+          C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(shared_bytes)));
+        }
         kernel<<<blocks, threads, shared_bytes, stream>>>(
             grad_out.data_ptr<scalar_t>(), dsum, summed.data_ptr<scalar_t>(), w, mean.data_ptr<float>(),
             rstd.data_ptr<float>(), ds.data_ptr<scalar_t>(), partial_w.data_ptr<float>(), partial_b.data_ptr<float>(),
