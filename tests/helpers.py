@@ -59,19 +59,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
-def check_against_formula(fn, formula, inputs, dtype: torch.dtype, names: Sequence[str], **kwargs) -> None:
-    """``fn`` in ``dtype`` against ``formula`` in float64: every output and every input gradient."""
-    cast = [None if t is None else t.to(dtype) for t in inputs]
+def check_against_formula(
+    fn, formula, inputs, dtype: torch.dtype, names: Sequence[str], device: str = "cpu", **kwargs
+) -> None:
+    """``fn`` in ``dtype`` on ``device`` against ``formula`` in float64 on the CPU: every output and
+    every input gradient."""
+    cast = [None if t is None else t.to(device, dtype) for t in inputs]
     wide = [None if t is None else t.double() for t in inputs]
     outs, grads, upstream = outputs_and_grads(fn, cast, **kwargs)
-    ref_outs, ref_grads, _ = outputs_and_grads(formula, wide, [g.double() for g in upstream], **kwargs)
+    ref_outs, ref_grads, _ = outputs_and_grads(formula, wide, [g.double().cpu() for g in upstream], **kwargs)
     assert len(outs) == len(ref_outs)
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
         assert o.dtype == dtype, f"output {i} has dtype {o.dtype}, expected {dtype}"
         assert o.shape == r.shape, f"output {i} shape {tuple(o.shape)} != {tuple(r.shape)}"
-        assert_close(o, r, dtype, f"output {i}")
+        assert_close(o.cpu(), r, dtype, f"output {i}")
     for name, g, r in zip(names, grads, ref_grads):
         if r is None:
             continue
         assert g is not None, f"no gradient for {name}"
-        assert_close(g, r, dtype, f"d{name}")
+        assert_close(g.cpu(), r, dtype, f"d{name}")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import requires_cuda
-from tests.helpers import TOLERANCES, assert_close
+from tests.helpers import check_against_formula
 from vit_kernels import _ext
 
 BUILT = _ext.extension_unavailable_reason() is None
@@ -30,7 +30,7 @@ def test_extension_is_built():
 def layer_norm_formula(x, residual, weight, bias, eps):
     s = x if residual is None else x + residual
     y = F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
-    return y, s
+    return y if residual is None else (y, s)
 
 
 def bias_gelu_formula(x, bias, approximate):
@@ -45,28 +45,13 @@ def unpatchify_formula(patches, channels, height, width, patch_size):
     return F.fold(patches.transpose(1, 2), (height, width), patch_size, stride=patch_size)
 
 
-def compare_with_formula(op, formula, inputs, dtype, device="cpu", **kwargs):
-    """op in ``dtype`` against formula in float64: every output and the gradient of every float input."""
-    cast = [t.detach().to(device, dtype, copy=True).requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
-    wide = [t.detach().to(torch.float64, copy=True).requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
-    outs, ref_outs = op(*cast, **kwargs), formula(*wide, **kwargs)
-    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    ref_outs = ref_outs if isinstance(ref_outs, (tuple, list)) else (ref_outs,)
-    upstream = [torch.randn_like(r) for r in ref_outs]
-    for i, (o, r) in enumerate(zip(outs, ref_outs)):
-        assert o.dtype == dtype and o.shape == r.shape, f"output {i}: {o.dtype} {tuple(o.shape)}"
-        assert_close(o.cpu(), r, dtype, f"output {i}")
-    torch.autograd.backward([o for o in outs if o.requires_grad], [g.to(device, dtype) for g, o in zip(upstream, outs) if o.requires_grad])
-    torch.autograd.backward(list(ref_outs), upstream)
-    for i, (c, w) in enumerate(zip(cast, wide)):
-        if isinstance(c, torch.Tensor):
-            assert c.grad is not None, f"no gradient for input {i}"
-            assert_close(c.grad.cpu(), w.grad, dtype, f"d(input {i})")
-
-
 def fused_layer_norm(x, residual, weight, bias, eps):
+    """(y, x + residual), or y alone without a residual (the op then returns an empty s)."""
     y, s, _, _ = ops.fused_layer_norm(x, residual, weight, bias, eps)
-    return y, (s if residual is not None else x)
+    return y if residual is None else (y, s)
+
+
+LAYER_NORM_INPUTS = ["x", "residual", "weight", "bias"]
 
 
 CPU_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -80,17 +65,8 @@ def test_fused_layer_norm(dtype, shape, parts):
     x = torch.randn(shape) * 2 + 0.5
     residual = torch.randn(shape) if "residual" in parts else None
     weight, bias = (torch.randn(dim), torch.randn(dim)) if "affine" in parts else (None, None)
-    inputs = [x, residual, weight, bias]
-    if residual is None:  # without a residual the op returns an empty s: compare y only
-        def op(x, r, w, b, eps):
-            return ops.fused_layer_norm(x, r, w, b, eps)[0]
-
-        def formula(x, r, w, b, eps):
-            return layer_norm_formula(x, r, w, b, eps)[0]
-
-        compare_with_formula(op, formula, inputs, dtype, eps=1e-5)
-    else:
-        compare_with_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, eps=1e-5)
+    check_against_formula(fused_layer_norm, layer_norm_formula, [x, residual, weight, bias], dtype, LAYER_NORM_INPUTS,
+                          eps=1e-5)
 
 
 def test_fused_layer_norm_statistics():
@@ -105,19 +81,19 @@ def test_fused_layer_norm_statistics():
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 17, 96), (5, 1536)])
 def test_bias_gelu(dtype, approximate, shape):
     x = torch.randn(shape) * 3  # covers the tails, where erf and tanh saturate
-    compare_with_formula(ops.bias_gelu, bias_gelu_formula, [x, torch.randn(shape[-1])], dtype, approximate=approximate)
+    check_against_formula(ops.bias_gelu, bias_gelu_formula, [x, torch.randn(shape[-1])], dtype, ["x", "bias"], approximate=approximate)
 
 
 def test_bias_gelu_without_bias():
     x = torch.randn(4, 33)
-    compare_with_formula(ops.bias_gelu, bias_gelu_formula, [x, None], torch.float32, approximate="none")
+    check_against_formula(ops.bias_gelu, bias_gelu_formula, [x, None], torch.float32, ["x", "bias"], approximate="none")
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3, 197, 197), (4, 1023), (6, 50)])
 def test_softmax(dtype, shape):
     x = torch.randn(shape) * 4
-    compare_with_formula(ops.softmax, lambda t: torch.softmax(t, -1), [x], dtype)
+    check_against_formula(ops.softmax, lambda t: torch.softmax(t, -1), [x], dtype, ["x"])
 
 
 def test_softmax_large_logits():
@@ -140,7 +116,7 @@ def test_patchify(dtype, geometry, layout):
             images = images.contiguous(memory_format=torch.channels_last)
         return ops.patchify(images, patch_size)
 
-    compare_with_formula(op, patchify_formula, [images], dtype, patch_size=p)
+    check_against_formula(op, patchify_formula, [images], dtype, ["images"], patch_size=p)
 
 
 @pytest.mark.parametrize("geometry", [(2, 3, 8, 12, 4), (3, 2, 11, 10, 3)])
@@ -148,7 +124,8 @@ def test_unpatchify(geometry):
     n, c, h, w, p = geometry
     patches = torch.randn(n, (h // p) * (w // p), c * p * p)
     for dtype in (torch.float64, torch.float32):
-        compare_with_formula(ops.unpatchify, unpatchify_formula, [patches], dtype, channels=c, height=h, width=w, patch_size=p)
+        check_against_formula(ops.unpatchify, unpatchify_formula, [patches], dtype, ["patches"], channels=c, height=h,
+                              width=w, patch_size=p)
 
 
 # ---- opcheck: schema, fake tensors, autograd registration, AOT dispatch ----------------------------
@@ -228,7 +205,7 @@ CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_cuda_fused_layer_norm(dtype, shape):
     dim = shape[-1]
     inputs = [torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim)]
-    compare_with_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, device="cuda", eps=1e-5)
+    check_against_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, LAYER_NORM_INPUTS, device="cuda", eps=1e-5)
 
 
 @requires_cuda
@@ -238,7 +215,7 @@ def test_cuda_fused_layer_norm(dtype, shape):
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072)])
 def test_cuda_bias_gelu(dtype, approximate, shape):
     inputs = [torch.randn(shape) * 3, torch.randn(shape[-1])]
-    compare_with_formula(ops.bias_gelu, bias_gelu_formula, inputs, dtype, device="cuda", approximate=approximate)
+    check_against_formula(ops.bias_gelu, bias_gelu_formula, inputs, dtype, ["x", "bias"], device="cuda", approximate=approximate)
 
 
 @requires_cuda
@@ -246,7 +223,7 @@ def test_cuda_bias_gelu(dtype, approximate, shape):
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (2, 12, 197, 197), (3, 1023)])
 def test_cuda_softmax(dtype, shape):
-    compare_with_formula(ops.softmax, lambda t: torch.softmax(t, -1), [torch.randn(shape) * 4], dtype, device="cuda")
+    check_against_formula(ops.softmax, lambda t: torch.softmax(t, -1), [torch.randn(shape) * 4], dtype, ["x"], device="cuda")
 
 
 @requires_cuda
@@ -262,7 +239,7 @@ def test_cuda_patchify(dtype, geometry, layout):
             images = images.contiguous(memory_format=torch.channels_last)
         return ops.patchify(images, patch_size)
 
-    compare_with_formula(op, patchify_formula, [torch.randn(n, c, h, w)], dtype, device="cuda", patch_size=p)
+    check_against_formula(op, patchify_formula, [torch.randn(n, c, h, w)], dtype, ["images"], device="cuda", patch_size=p)
 
 
 @requires_cuda
