@@ -66,6 +66,13 @@ inline bool gelu_is_tanh(const char* op, const std::string& approximate) {
 }  // namespace vit_kernels
 
 namespace vit_kernels {
+// Defined in layer_norm.cpp, shared with cuda/layer_norm.cu.
+void check_layer_norm_args(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, bool cpu);
+void check_layer_norm_backward_args(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_summed,
+                                    const at::Tensor& summed, const c10::optional<at::Tensor>& weight,
+                                    const at::Tensor& mean, const at::Tensor& rstd, bool cpu);
+
 // Defined in patchify.cpp, shared with cuda/patchify.cu.
 std::array<int64_t, 4> check_patchify_args(const at::Tensor& images, int64_t patch_size, bool cpu);
 void check_unpatchify_args(const at::Tensor& patches, int64_t channels, int64_t height, int64_t width,

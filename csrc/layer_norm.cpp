@@ -16,7 +16,41 @@
 #include "checks.h"
 #include "cpu_math.h"
 
-namespace vit_kernels::cpu {
+namespace vit_kernels {
+
+// Checks shared with cuda/layer_norm.cu (declared in checks.h).
+void check_layer_norm_args(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                           const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, bool cpu) {
+  constexpr const char* op = "vit_kernels::fused_layer_norm";
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must have shape (..., C) with C > 0, got ", x.sizes());
+  check_float_dtype(op, "x", x, cpu);
+  check_contiguous(op, "x", x);
+  if (residual.has_value()) check_like(op, "residual", *residual, x);
+  if (weight.has_value()) check_vector(op, "weight", *weight, x, x.size(-1));
+  if (bias.has_value()) check_vector(op, "bias", *bias, x, x.size(-1));
+}
+
+void check_layer_norm_backward_args(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_summed,
+                                    const at::Tensor& summed, const c10::optional<at::Tensor>& weight,
+                                    const at::Tensor& mean, const at::Tensor& rstd, bool cpu) {
+  constexpr const char* op = "vit_kernels::fused_layer_norm_backward";
+  check_float_dtype(op, "summed", summed, cpu);
+  check_contiguous(op, "summed", summed);
+  TORCH_CHECK(summed.dim() >= 1 && summed.size(-1) > 0, op, ": summed must have shape (..., C), got ", summed.sizes());
+  check_like(op, "grad_out", grad_out, summed);
+  if (grad_summed.has_value()) check_like(op, "grad_summed", *grad_summed, summed);
+  const int64_t cols = summed.size(-1), rows = row_count(summed);
+  if (weight.has_value()) check_vector(op, "weight", *weight, summed, cols);
+  const auto stat_dtype = summed.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  for (const auto& [name, stat] : {std::pair{"mean", &mean}, std::pair{"rstd", &rstd}}) {
+    TORCH_CHECK(stat->dim() == 1 && stat->size(0) == rows && stat->scalar_type() == stat_dtype && stat->is_contiguous() &&
+                    stat->device() == summed.device(),
+                op, ": ", name, " must be a contiguous (", rows, ",) ", stat_dtype, " tensor on ", summed.device(),
+                ", got ", stat->sizes(), " ", stat->scalar_type(), " on ", stat->device());
+  }
+}
+
+namespace cpu {
 namespace {
 
 constexpr const char* kForward = "vit_kernels::fused_layer_norm";
@@ -87,22 +121,12 @@ std::vector<acc_t> vector_or(const c10::optional<at::Tensor>& t, int64_t n, acc_
 // Rows per task: enough work per task to amortise the scheduling (about 16K elements).
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
-void check_forward(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                   const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, bool cpu) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, kForward, ": x must have shape (..., C) with C > 0, got ", x.sizes());
-  check_float_dtype(kForward, "x", x, cpu);
-  check_contiguous(kForward, "x", x);
-  if (residual.has_value()) check_like(kForward, "residual", *residual, x);
-  if (weight.has_value()) check_vector(kForward, "weight", *weight, x, x.size(-1));
-  if (bias.has_value()) check_vector(kForward, "bias", *bias, x, x.size(-1));
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_cpu(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, double eps) {
-  check_forward(x, residual, weight, bias, /*cpu=*/true);
+  check_layer_norm_args(x, residual, weight, bias, /*cpu=*/true);
   TORCH_CHECK(x.device().is_cpu(), kForward, ": expected CPU tensors here, got ", x.device());
   const int64_t cols = x.size(-1), rows = row_count(x);
   const auto stat_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -147,21 +171,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_backward_cpu(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_summed, const at::Tensor& summed,
     const c10::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd, bool weight_bias_grad) {
-  check_float_dtype(kBackward, "summed", summed, /*allow_double=*/true);
-  check_contiguous(kBackward, "summed", summed);
+  check_layer_norm_backward_args(grad_out, grad_summed, summed, weight, mean, rstd, /*cpu=*/true);
   TORCH_CHECK(summed.device().is_cpu(), kBackward, ": expected CPU tensors here, got ", summed.device());
-  TORCH_CHECK(summed.dim() >= 1 && summed.size(-1) > 0, kBackward, ": summed must have shape (..., C), got ",
-              summed.sizes());
-  check_like(kBackward, "grad_out", grad_out, summed);
-  if (grad_summed.has_value()) check_like(kBackward, "grad_summed", *grad_summed, summed);
   const int64_t cols = summed.size(-1), rows = row_count(summed);
-  if (weight.has_value()) check_vector(kBackward, "weight", *weight, summed, cols);
   const auto stat_dtype = summed.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  for (const auto& [name, stat] : {std::pair{"mean", &mean}, std::pair{"rstd", &rstd}}) {
-    TORCH_CHECK(stat->dim() == 1 && stat->size(0) == rows && stat->scalar_type() == stat_dtype && stat->is_contiguous(),
-                kBackward, ": ", name, " must be a contiguous (", rows, ",) ", stat_dtype, " tensor, got ",
-                stat->sizes(), " ", stat->scalar_type());
-  }
   at::Tensor ds = at::empty_like(summed);
   const int64_t chunks = weight_bias_grad ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)) : 1;
   at::Tensor partial_w = at::zeros({chunks, weight_bias_grad ? cols : 0}, summed.options().dtype(stat_dtype));
@@ -210,4 +223,5 @@ TORCH_LIBRARY_IMPL(vit_kernels, CPU, m) {
   m.impl("fused_layer_norm_backward", &fused_layer_norm_backward_cpu);
 }
 
-}  // namespace vit_kernels::cpu
+}  // namespace cpu
+}  // namespace vit_kernels

@@ -173,12 +173,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_cuda
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, double eps) {
   check_cuda_input(kForward, "x", x);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) <= kMaxColumns, kForward,
-              ": x must have shape (..., C) with 0 < C <= ", kMaxColumns, " on CUDA, got ", x.sizes());
-  check_contiguous(kForward, "x", x);
-  if (residual.has_value()) check_like(kForward, "residual", *residual, x);
-  if (weight.has_value()) check_vector(kForward, "weight", *weight, x, x.size(-1));
-  if (bias.has_value()) check_vector(kForward, "bias", *bias, x, x.size(-1));
+  check_layer_norm_args(x, residual, weight, bias, /*cpu=*/false);
+  TORCH_CHECK(x.size(-1) <= kMaxColumns, kForward, ": x must have shape (..., C) with C <= ", kMaxColumns,
+              " on CUDA, got ", x.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = row_count(x);
   at::Tensor y = at::empty_like(x);
@@ -212,19 +209,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_layer_norm_backward_cuda(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_summed, const at::Tensor& summed,
     const c10::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd, bool weight_bias_grad) {
   check_cuda_input(kBackward, "summed", summed);
-  TORCH_CHECK(summed.dim() >= 1 && summed.size(-1) > 0 && summed.size(-1) <= kMaxColumns, kBackward,
-              ": summed must have shape (..., C) with 0 < C <= ", kMaxColumns, " on CUDA, got ", summed.sizes());
-  check_contiguous(kBackward, "summed", summed);
-  check_like(kBackward, "grad_out", grad_out, summed);
-  if (grad_summed.has_value()) check_like(kBackward, "grad_summed", *grad_summed, summed);
+  check_layer_norm_backward_args(grad_out, grad_summed, summed, weight, mean, rstd, /*cpu=*/false);
+  TORCH_CHECK(summed.size(-1) <= kMaxColumns, kBackward, ": summed must have shape (..., C) with C <= ", kMaxColumns,
+              " on CUDA, got ", summed.sizes());
   const int64_t cols = summed.size(-1), rows = row_count(summed);
-  if (weight.has_value()) check_vector(kBackward, "weight", *weight, summed, cols);
-  for (const auto& [name, stat] : {std::pair{"mean", &mean}, std::pair{"rstd", &rstd}}) {
-    TORCH_CHECK(stat->is_cuda() && stat->dim() == 1 && stat->size(0) == rows && stat->scalar_type() == at::kFloat &&
-                    stat->is_contiguous(),
-                kBackward, ": ", name, " must be a contiguous (", rows, ",) float32 CUDA tensor, got ", stat->sizes(),
-                " ", stat->scalar_type(), " on ", stat->device());
-  }
   const c10::cuda::CUDAGuard guard(summed.device());
   at::Tensor ds = at::empty_like(summed);
   // Enough blocks to fill the GPU a few times over; each owns a contiguous chunk of rows.
