@@ -7,7 +7,11 @@ Kernel modules write ``from vit_kernels._triton import triton, tl`` and decorate
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import types
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 try:
     import triton
@@ -24,7 +28,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = types.SimpleNamespace(constexpr=object)
 
 
-
 def dot_precision(dtype) -> str:
     """tl.dot input precision: exact products for float32 inputs (tf32 would lose accuracy that
     PyTorch's float32 reference keeps); 16-bit inputs multiply exactly either way."""
@@ -33,4 +36,50 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-__all__ = ["HAS_TRITON", "dot_precision", "triton", "tl"]
+def interpreted(device) -> bool:
+    """Whether kernels launched on tensors of ``device`` run in the Triton interpreter: CPU tensors
+    (only possible under TRITON_INTERPRET=1). CUDA tensors, and the meta tensors of the compile check
+    (``python -m vit_kernels.gpu_check``), get the GPU's launch configurations."""
+    return device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher issued it: the kernel (a JITFunction or an Autotuner), the
+    grid, and the arguments exactly as passed (tensors, ints, floats, constexpr keywords)."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+_recorder: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("vit_kernels_launch_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list]:
+    """Inside the block, ``launch`` records each launch in the yielded list instead of running it, so
+    the launchers can be driven with meta tensors to enumerate the kernel variants they would
+    compile on a GPU."""
+    launches: list = []
+    token = _recorder.set(launches)
+    try:
+        yield launches
+    finally:
+        _recorder.reset(token)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)`` through ``torch.library.wrap_triton`` (so that
+    torch.compile traces it), or record it inside ``recording_launches``."""
+    launches = _recorder.get()
+    if launches is not None:
+        launches.append(Launch(kernel, tuple(grid), args, kwargs))
+        return
+    import torch
+
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+__all__ = ["HAS_TRITON", "Launch", "dot_precision", "interpreted", "launch", "recording_launches", "triton", "tl"]

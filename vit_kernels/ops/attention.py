@@ -18,10 +18,30 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
+from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+
+
+# Every attention kernel runs one program per (block of rows, batch * head), flattened onto grid
+# axis 0 (axes 1 and 2 stop at 65,535, which B * H passes at large batches) with the row blocks of
+# one (batch, head) adjacent, so that they share its K and V in L2.
+@triton.jit
+def _block_and_head(seq_len, num_heads, BLOCK: tl.constexpr):
+    """-> (row block, batch * head, batch, head) of this program."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(seq_len, BLOCK)
+    pid_bh = pid // blocks
+    return pid % blocks, pid_bh, pid_bh // num_heads, pid_bh % num_heads
+
+
+# The dropout keep mask z_ij of (batch * head, query i, key j): Philox on the int64 counter
+# (bh * L + i) * L + j, unique for every element of every head and image (no int32 wrap-around).
+@triton.jit
+def _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p):
+    counter = (pid_bh.to(tl.int64) * seq_len + rows_m[:, None]) * seq_len + rows_n[None, :]
+    return tl.rand(seed, counter) >= dropout_p
 
 
 # Forward, one program per (block of BLOCK_M query rows, batch * head), in the log2 domain:
@@ -39,10 +59,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -75,8 +92,7 @@ def _attention_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            offsets = (pid_bh * seq_len + offs_m[:, None]) * seq_len + rows_n[None, :]
-            p = tl.where(tl.rand(seed, offsets) >= dropout_p, p * keep_scale, 0.0)
+            p = tl.where(_dropout_keep(seed, pid_bh, offs_m, rows_n, seq_len, dropout_p), p * keep_scale, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -96,10 +112,7 @@ def _attention_bwd_delta_kernel(
     stride_out_b, stride_out_l, stride_do_b, stride_do_l, stride_do_c,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < seq_len)[:, None] & (offs_d < head_dim)[None, :]
@@ -127,8 +140,7 @@ def _attention_bwd_tile(
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep_scale = 1.0 / (1.0 - dropout_p)
-        offsets = (pid_bh * seq_len + rows_m[:, None]) * seq_len + rows_n[None, :]
-        keep = tl.rand(seed, offsets) >= dropout_p
+        keep = _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p)
         p_dropped = tl.where(keep, p * keep_scale, 0.0)
         dp = tl.where(keep, dp * keep_scale, 0.0)
     else:
@@ -150,10 +162,7 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -207,10 +216,7 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -258,10 +264,7 @@ def _attention_probs_kernel(
     scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -283,18 +286,78 @@ def _attention_probs_kernel(
         tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _launch_config(head_dim: int, seq_len: int) -> dict:
-    """Tile sizes and warps for ViT lengths (17 to 1025 tokens): tiles no longer than the sequence,
-    head dim padded to a power of two (at least 16, the smallest tl.dot operand)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    tile = max(16, min(64, triton.next_power_of_2(seq_len)))
-    if backend.TRITON_INTERPRET:  # fixed and small: the interpreter's cost is per tile op, not per flop
-        return {"BLOCK_M": min(tile, 32), "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 1, "stages": 1}
-    if block_d <= 64:
-        return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_D": block_d, "warps": 4, "stages": 3}
-    if block_d <= 128:
-        return {"BLOCK_M": tile, "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 4, "stages": 2}
-    return {"BLOCK_M": min(tile, 32), "BLOCK_N": min(tile, 32), "BLOCK_D": block_d, "warps": 8, "stages": 1}
+# Launch configurations on a GPU, per (float32 or 16-bit, padded head dim): (BLOCK_M, BLOCK_N,
+# warps, stages). float32 stays exact (ieee FMA, no tf32) and so holds its tiles in registers
+# without tensor cores: smaller tiles. The forward autotunes over its list; the backward runs one
+# entry, its dK/dV kernel (which keeps dK, dV, K and V tiles live across the loop) with narrower
+# query blocks. Every entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills.
+ATTENTION_FWD_TILES = {
+    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)),
+    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)),
+    (False, 256): ((64, 32, 8, 1), (32, 32, 4, 1)),
+    (True, 64): ((32, 32, 4, 2), (64, 32, 4, 2)),
+    (True, 128): ((32, 32, 4, 1), (16, 32, 4, 1)),
+    (True, 256): ((16, 32, 4, 1),),
+}
+ATTENTION_BWD_TILES = {  # dQ (BLOCK_M, BLOCK_N, warps, stages), dK/dV (BLOCK_M, BLOCK_N, warps, stages)
+    (False, 64): ((64, 64, 4, 2), (32, 64, 4, 2)),
+    (False, 128): ((64, 32, 4, 2), (32, 64, 8, 2)),
+    (False, 256): ((32, 32, 8, 1), (16, 32, 8, 1)),
+    (True, 64): ((32, 32, 4, 1), (16, 32, 4, 1)),
+    (True, 128): ((16, 32, 4, 1), (16, 32, 8, 1)),
+    (True, 256): ((16, 16, 4, 1), (16, 16, 8, 1)),
+}
+INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
+
+
+def _block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _tile_key(dtype: torch.dtype, head_dim: int) -> tuple[bool, int]:
+    return dtype == torch.float32, max(64, _block_d(head_dim))
+
+
+def _fit(tile: int, seq_len: int) -> int:
+    """Tiles no longer than the sequence (at least 16 rows, the smallest tl.dot operand)."""
+    return max(16, min(tile, triton.next_power_of_2(seq_len)))
+
+
+def attention_fwd_configs() -> list:
+    """Every forward configuration of every (dtype class, head dim) as triton.Config."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+        for tiles in ATTENTION_FWD_TILES.values() for bm, bn, warps, stages in tiles
+    ]
+
+
+def _prune_fwd_configs(configs, named_args, **kwargs):
+    """The autotuner's candidates for this call: the list for its dtype and head dim, with tiles
+    no longer than the sequence (duplicates after that dropped)."""
+    key = _tile_key(named_args["QKV"].dtype, named_args["head_dim"])
+    seq_len = named_args["seq_len"]
+    chosen, seen = [], set()
+    for bm, bn, warps, stages in ATTENTION_FWD_TILES[key]:
+        tile = (_fit(bm, seq_len), _fit(bn, seq_len), warps, stages)
+        if tile not in seen:
+            seen.add(tile)
+            chosen.append(triton.Config({"BLOCK_M": tile[0], "BLOCK_N": tile[1]}, num_warps=warps, num_stages=stages))
+    return chosen
+
+
+def _bwd_config(qkv: torch.Tensor, head_dim: int, seq_len: int, which: int) -> dict:
+    """Tiles of the dQ (which = 0) or dK/dV (which = 1) kernel."""
+    if interpreted(qkv.device):
+        tile = _fit(INTERPRETER_TILE, seq_len)
+        return {"BLOCK_M": tile, "BLOCK_N": tile, "num_warps": 1, "num_stages": 1}
+    bm, bn, warps, stages = ATTENTION_BWD_TILES[_tile_key(qkv.dtype, head_dim)][which]
+    return {"BLOCK_M": _fit(bm, seq_len), "BLOCK_N": _fit(bn, seq_len), "num_warps": warps, "num_stages": stages}
+
+
+def _row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:
+    """The flattened grid of ``_block_and_head``: (row blocks x batch * heads,)."""
+    return (triton.cdiv(seq_len, block) * batch_heads,)
 
 
 def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
@@ -304,6 +367,10 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
 
 
 if HAS_TRITON:
+    _attention_fwd_kernel_tuned = triton.autotune(
+        configs=attention_fwd_configs(), key=["seq_len", "head_dim"],
+        prune_configs_by={"early_config_prune": _prune_fwd_configs},
+    )(_attention_fwd_kernel)
 
     @torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())
     def attention_fwd(
@@ -313,18 +380,23 @@ if HAS_TRITON:
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
         lse = torch.empty((batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
-        cfg = _launch_config(head_dim, seq_len)
-        grid = (triton.cdiv(seq_len, cfg["BLOCK_M"]), batch * num_heads)
-        torch.library.wrap_triton(_attention_fwd_kernel)[grid](
+        args = (
             qkv, out, lse, seed,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             out.stride(0), out.stride(1),
             scale * LOG2E, dropout_p,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype),
-            num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
+        flags = dict(BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
+        if interpreted(qkv.device):
+            tile = _fit(INTERPRETER_TILE, seq_len)
+            launch(_attention_fwd_kernel, _row_blocks(tile, seq_len, batch * num_heads), *args, **flags,
+                   BLOCK_M=tile, BLOCK_N=tile, num_warps=1, num_stages=1)
+        else:
+            def grid(meta):
+                return _row_blocks(meta["BLOCK_M"], seq_len, batch * num_heads)
+
+            launch(_attention_fwd_kernel_tuned, grid, *args, **flags)
         return out, lse
 
     @torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())
@@ -334,19 +406,18 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        cfg = _launch_config(head_dim, seq_len)
+        block_d = _block_d(head_dim)
+        dq_cfg = _bwd_config(qkv, head_dim, seq_len, 0)
+        dkdv_cfg = _bwd_config(qkv, head_dim, seq_len, 1)
         delta = torch.empty_like(lse)
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
-        rows = triton.cdiv(seq_len, cfg["BLOCK_M"])
-        torch.library.wrap_triton(_attention_bwd_delta_kernel)[(rows, batch * num_heads)](
+        delta_rows = dq_cfg["BLOCK_M"]
+        launch(
+            _attention_bwd_delta_kernel, _row_blocks(delta_rows, seq_len, batch * num_heads),
             out, grad_out, delta,
             seq_len, num_heads, head_dim,
             out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"],
-        )
-        common = dict(
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-            DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
+            BLOCK_M=delta_rows, BLOCK_D=block_d,
         )
         args = (
             qkv, grad_out, lse, delta, seed, dqkv,
@@ -356,24 +427,26 @@ if HAS_TRITON:
             dqkv.stride(0), dqkv.stride(1),
             scale, scale * LOG2E, dropout_p,
         )
-        keys = triton.cdiv(seq_len, cfg["BLOCK_N"])
-        torch.library.wrap_triton(_attention_bwd_dkdv_kernel)[(keys, batch * num_heads)](*args, **common)
-        torch.library.wrap_triton(_attention_bwd_dq_kernel)[(rows, batch * num_heads)](*args, **common)
+        flags = dict(BLOCK_D=block_d, DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
+        launch(_attention_bwd_dkdv_kernel, _row_blocks(dkdv_cfg["BLOCK_N"], seq_len, batch * num_heads),
+               *args, **flags, **dkdv_cfg)
+        launch(_attention_bwd_dq_kernel, _row_blocks(dq_cfg["BLOCK_M"], seq_len, batch * num_heads),
+               *args, **flags, **dq_cfg)
         return dqkv
 
     @torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())
     def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """The softmax probabilities (B, H, L, L) from qkv and the forward's log-sum-exp."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        cfg = _launch_config(head_dim, seq_len)
+        cfg = _bwd_config(qkv, head_dim, seq_len, 0)  # one q tile against k tiles, as in dQ
         probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
-        torch.library.wrap_triton(_attention_probs_kernel)[(triton.cdiv(seq_len, cfg["BLOCK_M"]), batch * num_heads)](
+        launch(
+            _attention_probs_kernel, _row_blocks(cfg["BLOCK_M"], seq_len, batch * num_heads),
             qkv, lse, probs,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             scale * LOG2E,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], PRECISION=dot_precision(qkv.dtype),
-            num_warps=cfg["warps"], num_stages=cfg["stages"],
+            BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype), **cfg,
         )
         return probs
 

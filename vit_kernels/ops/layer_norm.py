@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, tl, triton
+from vit_kernels._triton import HAS_TRITON, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # a row is one tile; wider rows use the reference
 ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program sums before writing a partial
@@ -133,7 +133,8 @@ if HAS_TRITON:
         r2 = _rows(residual) if residual is not None else x2
         block_d = triton.next_power_of_2(dim)
         per_program = _rows_per_program(block_d)
-        torch.library.wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(rows, per_program),)](
+        launch(
+            _layer_norm_fwd_kernel, (triton.cdiv(rows, per_program),),
             x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, summed, mean, rstd,
             rows, dim,
             x2.stride(0), r2.stride(0), y.stride(0), dim,
@@ -159,7 +160,8 @@ if HAS_TRITON:
         partial_w = torch.empty((programs if needs_weight_bias else 1, dim), dtype=torch.float32, device=summed.device)
         partial_b = torch.empty_like(partial_w)
         dsum2 = _rows(grad_sum) if grad_sum is not None else dy2
-        torch.library.wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
+        launch(
+            _layer_norm_bwd_kernel, (programs,),
             s2, dy2, dsum2, weight if weight is not None else s2, mean, rstd, ds, partial_w, partial_b,
             rows, dim,
             s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),

@@ -15,15 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
+from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")  # the op-level names; "gelu" = exact erf GELU
-SQRT_2_OVER_PI = 0.7978845608028654
-INV_SQRT_2 = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
-GELU_TANH_C = 0.044715
+# GELU constants, as constexprs: a @triton.jit function may not read plain Python globals (the
+# interpreter allows it, the GPU compiler does not).
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+GELU_TANH_C = tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -61,54 +63,64 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     return first_m + (pid % group) % group_rows, (pid % group) // group_rows
 
 
-# C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile (grouped_tile order):
-#   acc = sum_k A[m, k] B[k, n]                 (fp32)
+# C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile (grouped_tile order)
+# and per slice of K (split-K, grid axis 1):
+#   acc = sum_{k in slice} A[m, k] B[k, n]      (fp32)
 #   acc += bias[n]
 #   GELU:      Z = acc (stored when SAVE_PREACT), acc = gelu(Z)
 #   GELU_GRAD: acc = acc * gelu'(Aux[m, n])      (dZ = dH * gelu'(Z), the MLP backward)
-#   acc += residual[m, n];  C = acc cast once
-# A and B are read by strides, so W^T, dY^T and strided activations need no copies.
+#   acc += residual[m, n];  C[slice, m, n] = acc cast once
+# With several K slices C is a float32 workspace (slices, M, N) that the host sums (only without
+# epilogue). Every operand is read by strides, so W^T, dY^T, strided biases and broadcast residuals
+# need no copies.
 @triton.jit
 def _linear_kernel(
     A, B, C, Bias, Aux, Residual,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_aux_m, stride_res_m,
+    M, N, K, k_per_split,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_c_split, stride_cm, stride_bias,
+    stride_aux_m, stride_res_m, stride_res_n,
     HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
     b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    step_a = BLOCK_K * stride_ak.to(tl.int64)
+    step_b = BLOCK_K * stride_bk.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start_k in range(0, K, BLOCK_K):
-        mask_k = start_k + offs_k < K
+    for start_k in range(k_start, k_end, BLOCK_K):
+        mask_k = start_k - k_start + tl.arange(0, BLOCK_K) < k_end - k_start
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += step_a
+        b_ptrs += step_b
 
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
+    cols = offs_n[None, :].to(tl.int64)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(Bias + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if EPILOGUE == 1:
         if SAVE_PREACT:
-            tl.store(Aux + rows * stride_aux_m + offs_n[None, :], acc.to(Aux.dtype.element_ty), mask=mask)
+            tl.store(Aux + rows * stride_aux_m + cols, acc.to(Aux.dtype.element_ty), mask=mask)
         acc = _gelu(acc, TANH)
     if EPILOGUE == 2:
-        z = tl.load(Aux + rows * stride_aux_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Aux + rows * stride_aux_m + cols, mask=mask, other=0.0).to(tl.float32)
         acc = acc * _gelu_grad(z, TANH)
     if HAS_RESIDUAL:
-        acc += tl.load(Residual + rows * stride_res_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(C + rows * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=mask)
+        acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols, acc.to(C.dtype.element_ty), mask=mask)
 
 
 # dZ = dY * gelu'(Z), elementwise over BLOCK elements (the linear_gelu backward, whose dY comes from
@@ -122,16 +134,63 @@ def _gelu_bwd_kernel(DY, Z, DZ, numel, TANH: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DZ + offs, (dy * _gelu_grad(z, TANH)).to(DZ.dtype.element_ty), mask=mask)
 
 
-def gemm_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes: small fixed tiles under the interpreter; on a GPU 128x128 tiles for ViT-sized
-    GEMMs (M = batch x tokens is large), narrower where N or M is small."""
-    if backend.TRITON_INTERPRET:
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
-    block_m = 128 if m >= 128 else max(16, triton.next_power_of_2(m))
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 64 if k >= 64 else 32, "GROUP_M": 8,
-            "num_warps": warps, "num_stages": 3}
+# GEMM tile configurations the autotuner chooses from on a GPU. 16-bit inputs use tensor cores
+# (mma / wgmma) with 128-wide tiles; float32 stays exact (ieee FMA, no tf32), where a 128 x 128
+# fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every entry is compiled
+# for sm_80 and sm_90 by `make check-gpu`, which fails on spills.
+GEMM_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
+GEMM_TILES_16BIT = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))
+GEMM_TILES_FP32 = ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
+MAX_BLOCK_K = 64  # split-K slices are multiples of every BLOCK_K above
+
+
+def gemm_configs(dtype: torch.dtype) -> list:
+    """The autotuner's candidates for A/B of ``dtype``, as triton.Config."""
+    tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in tiles
+    ]
+
+
+def gemm_config_pruner(a: str, m: str, n: str):
+    """The autotuner's ``early_config_prune`` for a GEMM kernel whose left operand, row count and
+    column count are the arguments named ``a``, ``m`` and ``n``: keep the configs of the operand's
+    dtype (float32 configs are the ones with BLOCK_K = 32) whose tiles are not much larger than
+    the problem."""
+
+    def prune(configs, named_args, **kwargs):
+        fp32 = named_args[a].dtype == torch.float32
+        wanted = [c for c in configs if (c.kwargs["BLOCK_K"] == 32) == fp32]
+        rows, cols = named_args[m], named_args[n]
+        fitting = [c for c in wanted if c.kwargs["BLOCK_M"] <= max(64, rows) and c.kwargs["BLOCK_N"] <= max(64, cols)]
+        return fitting or wanted[-1:]
+
+    return prune
+
+
+def autotuned_gemm(kernel, a: str, m: str, n: str, k: str):
+    """``kernel`` autotuned over every gemm_configs entry, keyed on the problem size (the autotuner
+    adds the operands' dtypes to the key)."""
+    return triton.autotune(
+        configs=gemm_configs(torch.float16) + gemm_configs(torch.float32), key=[m, n, k],
+        prune_configs_by={"early_config_prune": gemm_config_pruner(a, m, n)},
+    )(kernel)
+
+
+def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
+    """How many K slices a GEMM without epilogue is split into so that it fills the GPU: the
+    weight-gradient GEMMs (M, N = layer widths, K = batch x tokens) have few output tiles and a
+    very deep K. Slices are at least 1024 deep on a GPU (64 under the interpreter, which is how the
+    tests exercise the split path on small shapes)."""
+    if interpreted(device):
+        machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_CONFIG["BLOCK_M"]
+    else:
+        machine = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        min_depth, tile = 1024, 128
+    tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
+    slices = min(triton.cdiv(2 * machine, tiles), k // min_depth, 32)
+    return max(1, slices)
 
 
 def _matmul(
@@ -139,22 +198,39 @@ def _matmul(
     epilogue: int = EPILOGUE_NONE, tanh: bool = False, aux: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (M, N) contiguous, both read by strides.
-    ``aux`` (M, N): written with the pre-activation under EPILOGUE_GELU, read under EPILOGUE_GELU_GRAD."""
+    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (M, N) contiguous, all read by strides.
+    ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
+    EPILOGUE_GELU_GRAD. Without bias, epilogue or residual, a deep K is split into slices summed
+    in float32."""
     m, k = a.shape
     n = b.shape[1]
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    cfg = gemm_config(m, n, k)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    torch.library.wrap_triton(_linear_kernel)[grid](
+    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None
+    slices = split_k_slices(m, n, k, a.device) if plain else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+    slices = triton.cdiv(k, k_per_split) if k > 0 else 1
+    if slices > 1:
+        c = torch.empty((slices, m, n), dtype=torch.float32, device=a.device)
+    else:
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
+    args = (
         a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
-        m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
-        aux.stride(0) if aux is not None else 0, residual.stride(0) if residual is not None else 0,
-        HAS_BIAS=bias is not None, EPILOGUE=epilogue, TANH=tanh, SAVE_PREACT=aux is not None,
-        HAS_RESIDUAL=residual is not None, PRECISION=dot_precision(a.dtype), **cfg,
+        m, n, k, k_per_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if slices > 1 else 0, n,
+        bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
     )
-    return c
+    flags = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, TANH=tanh, SAVE_PREACT=aux is not None,
+                 HAS_RESIDUAL=residual is not None, PRECISION=dot_precision(a.dtype))
+    if interpreted(a.device):
+        cfg = GEMM_INTERPRETER_CONFIG
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), slices)
+        launch(_linear_kernel, grid, *args, **flags, **cfg)
+    else:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), slices)
+
+        launch(_linear_kernel_tuned, grid, *args, **flags)
+    return c.sum(0).to(out_dtype) if slices > 1 else c
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -166,9 +242,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool) -> torc
     grad, preact = grad.contiguous(), preact.contiguous()
     dz = torch.empty_like(preact)
     block = 1024
-    torch.library.wrap_triton(_gelu_bwd_kernel)[(triton.cdiv(preact.numel(), block),)](
-        grad, preact, dz, preact.numel(), TANH=tanh, BLOCK=block
-    )
+    launch(_gelu_bwd_kernel, (triton.cdiv(preact.numel(), block),), grad, preact, dz, preact.numel(), TANH=tanh, BLOCK=block)
     return dz
 
 
@@ -181,6 +255,9 @@ def _linear_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, nee
 
 
 if HAS_TRITON:
+    # On a GPU the GEMM autotunes over gemm_configs, keyed on the problem size (and, by the
+    # autotuner, on the operands' dtypes); the interpreter runs GEMM_INTERPRETER_CONFIG.
+    _linear_kernel_tuned = autotuned_gemm(_linear_kernel, "A", "M", "N", "K")
 
     @torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())
     def linear_fwd(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, dot_precision, tl, triton
-from vit_kernels.ops.linear import gemm_config, grouped_tile
+from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
+from vit_kernels.ops.linear import GEMM_INTERPRETER_CONFIG, MAX_BLOCK_K, autotuned_gemm, grouped_tile, split_k_slices
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _pixel_offsets(image, patch_row, patch_col, offs_k, P, stride_n, stride_c, s
 def _patch_embed_fwd_kernel(
     Images, W, Bias, Cls, Pos, Out,
     total_rows, dim, k_dim, tokens, grid_w, P,
-    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk,
+    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk, stride_bias,
     HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -68,7 +68,7 @@ def _patch_embed_fwd_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
     if HAS_BIAS:
-        bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        bias = tl.load(Bias + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(is_patch[:, None], bias[None, :], 0.0)
     if HAS_CLS:
         cls = tl.load(Cls + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -80,17 +80,21 @@ def _patch_embed_fwd_kernel(
 
 
 # d(weight)[d, k] = sum over patch rows m of dOut[m, d] * patch[m, k]: tiles of (D, K), the patches
-# re-gathered from the image while reducing over all N * L patch rows.
+# re-gathered from the image while reducing over the N * L patch rows, split into slices of
+# rows_per_split rows (grid axis 2) whose float32 partial sums the host adds up when there are several.
 @triton.jit
 def _patch_embed_bwd_weight_kernel(
     Images, DOut, DW,
-    num_patches, dim, k_dim, tokens, grid_w, P,
-    stride_n, stride_c, stride_h, stride_w,
+    num_patches, dim, k_dim, tokens, grid_w, P, rows_per_split,
+    stride_n, stride_c, stride_h, stride_w, stride_dw_split,
     HAS_CLS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    first_row = pid_s * rows_per_split
+    last_row = tl.minimum(first_row + rows_per_split, num_patches)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -98,9 +102,9 @@ def _patch_embed_bwd_weight_kernel(
     mask_k = offs_k < k_dim
     patches_per_image = tokens - HAS_CLS
     acc = tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32)
-    for start_m in range(0, num_patches, BLOCK_M):
+    for start_m in range(first_row, last_row, BLOCK_M):
         rows = start_m + offs_m
-        mask_m = rows < num_patches
+        mask_m = rows < last_row
         image = rows // patches_per_image
         patch = rows % patches_per_image
         out_rows = image.to(tl.int64) * tokens + HAS_CLS + patch
@@ -109,7 +113,8 @@ def _patch_embed_bwd_weight_kernel(
                                             stride_n, stride_c, stride_h, stride_w),
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(dout_t, a.to(dout_t.dtype), acc, input_precision=PRECISION)
-    tl.store(DW + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :], acc.to(DW.dtype.element_ty),
+    tl.store(DW + pid_s.to(tl.int64) * stride_dw_split + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :],
+             acc.to(DW.dtype.element_ty),
              mask=mask_d[:, None] & mask_k[None, :])
 
 
@@ -155,6 +160,7 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
 
 
 if HAS_TRITON:
+    _patch_embed_fwd_kernel_tuned = autotuned_gemm(_patch_embed_fwd_kernel, "Images", "total_rows", "dim", "k_dim")
 
     @torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())
     def patch_embed_fwd(
@@ -171,15 +177,24 @@ if HAS_TRITON:
         out = torch.empty((n, tokens, dim), dtype=out_dtype, device=images.device)
         pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
         cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
-        cfg = gemm_config(n * tokens, dim, k_dim)
-        grid = (triton.cdiv(n * tokens, cfg["BLOCK_M"]) * triton.cdiv(dim, cfg["BLOCK_N"]),)
-        torch.library.wrap_triton(_patch_embed_fwd_kernel)[grid](
+        args = (
             images, w2, bias if bias is not None else out, cls, pos, out,
             n * tokens, dim, k_dim, tokens, grid_w, patch_size,
             images.stride(0), images.stride(1), images.stride(2), images.stride(3), w2.stride(0), w2.stride(1),
-            HAS_BIAS=bias is not None, HAS_CLS=cls_token is not None, HAS_POS=pos_embed is not None,
-            PRECISION=dot_precision(images.dtype), **cfg,
+            bias.stride(0) if bias is not None else 0,
         )
+        flags = dict(HAS_BIAS=bias is not None, HAS_CLS=cls_token is not None, HAS_POS=pos_embed is not None,
+                     PRECISION=dot_precision(images.dtype))
+        rows = n * tokens
+        if interpreted(images.device):
+            cfg = GEMM_INTERPRETER_CONFIG
+            launch(_patch_embed_fwd_kernel, (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(dim, cfg["BLOCK_N"]),),
+                   *args, **flags, **cfg)
+        else:
+            def grid(meta):
+                return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(dim, meta["BLOCK_N"]),)
+
+            launch(_patch_embed_fwd_kernel_tuned, grid, *args, **flags)
         return out
 
     @torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())
@@ -192,21 +207,30 @@ if HAS_TRITON:
         grad_out = grad_out.to(images.dtype).contiguous()
         strides = (images.stride(0), images.stride(1), images.stride(2), images.stride(3))
         precision = dot_precision(images.dtype)
-        interpreted = backend.TRITON_INTERPRET
-        tile_d, tile_k, tile_m = (32, 32, 32) if interpreted else (64, 64, 64)
-        warps = 1 if interpreted else 4
-        dw = torch.empty((dim, k_dim), dtype=weight.dtype, device=images.device)
-        grid = (triton.cdiv(dim, tile_d), triton.cdiv(k_dim, tile_k))
-        torch.library.wrap_triton(_patch_embed_bwd_weight_kernel)[grid](
-            images, grad_out, dw, n * num_patches, dim, k_dim, tokens, grid_w, patch_size, *strides,
+        tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
+        warps = 1 if interpreted(images.device) else 4
+        slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
+        rows_per_split = triton.cdiv(triton.cdiv(n * num_patches, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+        slices = max(1, triton.cdiv(n * num_patches, rows_per_split))
+        partial = slices > 1
+        dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),
+                         dtype=torch.float32 if partial else weight.dtype, device=images.device)
+        grid = (triton.cdiv(dim, tile_d), triton.cdiv(k_dim, tile_k), slices)
+        launch(
+            _patch_embed_bwd_weight_kernel, grid,
+            images, grad_out, dw, n * num_patches, dim, k_dim, tokens, grid_w, patch_size, rows_per_split,
+            *strides, dim * k_dim if partial else 0,
             HAS_CLS=has_cls, PRECISION=precision, BLOCK_D=tile_d, BLOCK_K=tile_k, BLOCK_M=tile_m, num_warps=warps,
         )
+        if partial:
+            dw = dw.sum(0).to(weight.dtype)
         if not needs_images:
             return images.new_empty(0), dw.view(weight.shape)
         dimages = torch.empty_like(images)
         w2 = weight.reshape(dim, k_dim)
         grid = (triton.cdiv(n * num_patches, tile_m), triton.cdiv(k_dim, tile_k))
-        torch.library.wrap_triton(_patch_embed_bwd_input_kernel)[grid](
+        launch(
+            _patch_embed_bwd_input_kernel, grid,
             grad_out, w2, dimages, n * num_patches, dim, k_dim, tokens, grid_w, patch_size,
             dimages.stride(0), dimages.stride(1), dimages.stride(2), dimages.stride(3), w2.stride(0), w2.stride(1),
             HAS_CLS=has_cls, PRECISION=precision, BLOCK_M=tile_m, BLOCK_K=tile_k, BLOCK_D=tile_d, num_warps=warps,
