@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench bench-quick check-cuda clean
+.PHONY: install demo test test-all bench bench-quick check-cuda check-gpu check-gpu-all selftest clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -23,11 +23,15 @@ demo: $(STAMP)
 	$(PY) -m vit.train --model vit_digits --dataset digits --epochs 200 --backend auto --out runs/demo
 
 # Triton kernels run on the CPU through the interpreter; `slow` sweeps are left to `make test-all`.
+# Tests marked `aot` compile kernels for real GPU targets, which needs Triton's compiler rather than
+# its interpreter: they run in a second pytest process without TRITON_INTERPRET.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "aot and not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m aot $(PYTEST_ARGS)
 
 # Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes,
 # which also runs the regression gate over its own results.
@@ -40,17 +44,37 @@ bench-quick: $(STAMP)
 		--plots $(BENCH_OUT)/plots > /dev/null
 	$(PY) -m benchmarks --compare $(BENCH_OUT)/quick.json --results $(BENCH_OUT)/quick.json --threshold 0.05 | tail -1
 
-# Compile every CUDA source for sm_90 against torch's headers with torch's own nvcc flags (object
-# files only), so a CUDA compile error fails CI on a machine without a GPU. A CPU-only torch lacks one generated header,
-# c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in is searched after torch's own include dirs.
+# The GPU compile gate, without a GPU. check-gpu: every Triton kernel variant the launchers can
+# choose on CUDA (every autotune config) compiled ahead of time for sm_80 and sm_90, failing on a
+# compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
+# overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). Compiled
+# kernels are cached by Triton (~/.triton/cache), so a second run only re-checks.
+GPU_CHECK_OUT ?= build/check-gpu
+check-gpu: $(STAMP)
+	$(PY) -m vit_kernels.gpu_check --out $(GPU_CHECK_OUT)
+
+check-gpu-all: $(STAMP)
+	$(PY) -m vit_kernels.gpu_check --all --out $(GPU_CHECK_OUT)-all
+
+# What a user with a GPU runs first: the CUDA tests and a short benchmark on their device, one
+# results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
+selftest: $(STAMP)
+	$(PY) -m vit_kernels.selftest
+
+# Compile every CUDA source for sm_80 and sm_90 against torch's headers with torch's own nvcc
+# flags and -Xptxas -v (object files only), then fail on spills or shared memory over the limit,
+# so a CUDA compile error or a spilling kernel fails CI on a machine without a GPU. A CPU-only
+# torch lacks one generated header, c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in is
+# searched after torch's own include dirs.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
 CUDA_CHECK_DIR := build/check-cuda
 CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
-NVCC_FLAGS := -std=c++20 -O2 -arch=sm_90 -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -DVIT_KERNELS_WITH_CUDA=1
+NVCC_FLAGS := -std=c++20 -O2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
+	-DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -DVIT_KERNELS_WITH_CUDA=1
 
 check-cuda: $(CUDA_OBJECTS)
-	@echo "check-cuda: compiled $(words $(CUDA_OBJECTS)) CUDA sources for sm_90"
+	$(PY) -m vit_kernels.gpu_check.ptxas $(CUDA_OBJECTS:.o=.ptxas.log)
 
 $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h:
 	mkdir -p $(dir $@)
@@ -60,7 +84,7 @@ $(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUD
 	@command -v $(NVCC) >/dev/null || { echo "check-cuda: $(NVCC) not found (install the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVCC_FLAGS) $$($(PY) -c "import sysconfig, torch.utils.cpp_extension as e; \
 		print(' '.join(e.COMMON_NVCC_FLAGS + ['-I' + p for p in e.include_paths() + [sysconfig.get_paths()['include']]]))") \
-		-I$(CUDA_CHECK_DIR)/include -c $< -o $@
+		-I$(CUDA_CHECK_DIR)/include -c $< -o $@ 2> $(@:.o=.ptxas.log) || { cat $(@:.o=.ptxas.log); exit 1; }
 
 clean:
 	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so

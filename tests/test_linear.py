@@ -120,3 +120,38 @@ def test_autocast_casts_gemm_operands_and_promotes_residual():
     assert plain.dtype == torch.bfloat16 and gelu.dtype == torch.bfloat16
     assert with_residual.dtype == torch.float32
     torch.testing.assert_close(with_residual, linear_formula(x, w, b, residual), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("residual_layout", ["transposed", "expanded"])
+def test_strided_bias_and_residual_are_read_by_strides(on_backend, residual_layout):
+    """A bias with stride 2 and a residual whose last dimension is not unit-stride (a transposed
+    view, or a broadcast with stride 0): valid inputs, the same answer as the formula."""
+    x = torch.randn(3, 5, 16)
+    w1, w2 = torch.randn(24, 16) / 4, torch.randn(16, 24) / 5
+    b1, b2 = torch.randn(48)[::2], torch.randn(32)[::2]
+    if residual_layout == "transposed":
+        residual = torch.randn(3, 16, 5).transpose(1, 2)
+    else:
+        residual = torch.randn(1, 1, 16).expand(3, 5, 16)
+    assert b1.stride() == (2,) and (residual.stride(-1) != 1 or residual.stride(0) == 0)
+    check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula,
+                          [x, torch.randn(16, 16) / 4, b2, residual],
+                          torch.float32, ["x", "weight", "bias", "residual"])
+    check_against_formula(
+        lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, residual=r),
+        lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
+        [x, w1, b1, w2, b2, residual], torch.float32, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+
+
+def test_deep_weight_gradient_is_split_over_k():
+    """The weight gradient of a (4 x 197)-row input runs as a split-K GEMM (partial sums added in
+    float32) and matches the formula."""
+    from vit_kernels.ops.linear import split_k_slices
+
+    if "triton" not in CPU_BACKENDS:
+        pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU")
+    assert split_k_slices(48, 40, 4 * 197, torch.device("cpu")) > 1
+    inputs = [torch.randn(4, 197, 40), torch.randn(48, 40) / 7, torch.randn(48), None]
+    with vk.use_backend("triton"):
+        check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs,
+                              torch.float32, ["x", "weight", "bias", "residual"])

@@ -46,10 +46,11 @@ def interpreted(device) -> bool:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch as a launcher issued it: the kernel (a JITFunction or an Autotuner), the
-    grid, and the arguments exactly as passed (tensors, ints, floats, constexpr keywords)."""
+    grid (a tuple, or for an Autotuner a function of the chosen config's meta-parameters), and the
+    arguments exactly as passed (tensors, ints, floats, constexpr keywords)."""
 
     kernel: Any
-    grid: tuple
+    grid: Any
     args: tuple
     kwargs: dict
 
@@ -75,7 +76,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     torch.compile traces it), or record it inside ``recording_launches``."""
     launches = _recorder.get()
     if launches is not None:
-        launches.append(Launch(kernel, tuple(grid), args, kwargs))
+        launches.append(Launch(kernel, grid if callable(grid) else tuple(grid), args, kwargs))
         return
     import torch
 

@@ -99,9 +99,10 @@ def _layer_norm_bwd_kernel(
         tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, db, mask=mask_cols)
 
 
-def _row_warps(block_d: int) -> int:
-    """Warps per row: enough threads that each holds a handful of elements."""
-    return max(1, min(16, block_d // 256))
+def _warps(elements: int, per_warp: int) -> int:
+    """Warps for a program holding ``elements`` values of each live array, about ``per_warp`` of them
+    per warp (so each thread keeps a few dozen in registers), between 1 and 16."""
+    return max(1, min(16, elements // per_warp))
 
 
 def _rows_per_program(block_d: int) -> int:
@@ -140,7 +141,7 @@ if HAS_TRITON:
             x2.stride(0), r2.stride(0), y.stride(0), dim,
             eps,
             ROWS=per_program, BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, num_warps=_row_warps(block_d),
+            HAS_BIAS=bias is not None, num_warps=_warps(per_program * block_d, 1024),
         )
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
@@ -167,7 +168,7 @@ if HAS_TRITON:
             s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),
             ROWS=tile_rows, TILES=tiles, BLOCK_D=block_d,
             HAS_DSUM=grad_sum is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias,
-            num_warps=_row_warps(block_d),
+            num_warps=_warps(tile_rows * block_d, 512),
         )
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 

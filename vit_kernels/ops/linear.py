@@ -95,8 +95,8 @@ def _linear_kernel(
     mask_n = offs_n < N
     a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
     b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
-    step_a = BLOCK_K * stride_ak.to(tl.int64)
-    step_b = BLOCK_K * stride_bk.to(tl.int64)
+    step_a = BLOCK_K * tl.cast(stride_ak, tl.int64)  # a unit stride arrives as a constexpr int
+    step_b = BLOCK_K * tl.cast(stride_bk, tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start_k in range(k_start, k_end, BLOCK_K):
         mask_k = start_k - k_start + tl.arange(0, BLOCK_K) < k_end - k_start

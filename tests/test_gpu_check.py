@@ -1,0 +1,135 @@
+"""The GPU compile gate's parts, on this CPU: recording launches with meta tensors, autotune
+expansion, real ahead-of-time compiles for sm_80/sm_90 with resource usage, the int32 overflow
+analysis on real Triton IR, and the ptxas log parser."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = [
+    pytest.mark.aot,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="compiles for GPU targets: run without TRITON_INTERPRET (make test runs it so)"),
+]
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from vit_kernels._triton import recording_launches  # noqa: E402
+from vit_kernels.gpu_check import cases  # noqa: E402
+from vit_kernels.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
+from vit_kernels.gpu_check.int_range import find_overflows  # noqa: E402
+from vit_kernels.gpu_check.ptxas import parse  # noqa: E402
+from vit_kernels.ops import linear  # noqa: E402
+
+
+def meta(dtype, *shape):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_launchers_record_gpu_configs_on_meta_tensors():
+    """A linear forward on meta tensors records the autotuned GEMM; expansion yields each config its
+    pruning keeps, with grids computed from each config's tiles."""
+    x, w = meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768)
+    with recording_launches() as launches:
+        out = linear.linear_gelu_triton(x, w, meta(torch.bfloat16, 3072))
+    assert out.shape == (64, 197, 3072) and len(launches) == 1
+    variants = expand(launches[0])
+    assert {v.kwargs["BLOCK_M"] for v in variants} == {64, 128}
+    for v in variants:
+        tiles = triton.cdiv(64 * 197, v.kwargs["BLOCK_M"]) * triton.cdiv(3072, v.kwargs["BLOCK_N"])
+        assert v.grid == (tiles, 1, 1)
+    assert all(v.kwargs["BLOCK_K"] == 64 for v in variants)  # 16-bit operands: the tensor-core tiles only
+
+
+def test_attention_grid_stays_within_cuda_limits_at_large_batch():
+    """ViT-L/16 at batch 16,384 (262,144 batch x heads): every attention grid fits axis x, y = z = 1."""
+    qkv = meta(torch.float16, 16384, 197, 3 * 1024)
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    with recording_launches() as launches:
+        out, lse = torch.ops.vit_kernels.attention_fwd(qkv, 16, 0.125, 0.1, seed)
+        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, out, lse, seed, 16, 0.125, 0.1)
+    grids = [v.grid for launch in launches for v in expand(launch)]
+    assert len(grids) >= 4
+    assert all(g[0] < 2**31 and g[1] == 1 and g[2] == 1 for g in grids)
+
+
+def test_sweep_covers_every_op_and_flag():
+    quick = list(cases.cases(cases.QUICK))
+    assert {c.op for c in quick} == {"patch_embed", "attention", "linear", "linear_gelu", "mlp", "layer_norm"}
+    assert {c.batch for c in quick} >= {16384}
+    assert any("dropout=0.1" in c.flags for c in quick) and any("probs=True" in c.flags for c in quick)
+    assert {c.shape for c in quick if c.op == "attention"} >= {f"head_dim={d}" for d in cases.HEAD_DIMS}
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_a_recorded_launch_compiles_for_a_real_gpu(capability):
+    """A layer_norm forward (fp16, ViT-B width) compiled for sm_80/sm_90: registers and shared memory
+    read back from the cubin, no spills, and an occupancy figure."""
+    x, w = meta(torch.float16, 8, 197, 768), meta(torch.float16, 768)
+    with recording_launches() as launches:
+        torch.ops.vit_kernels.layer_norm_fwd(x, w, w, 1e-6, None)
+    (variant,) = expand(launches[0])
+    resources = compile_variant(variant, capability, bind(variant, capability))
+    assert resources.error is None
+    assert 16 <= resources.registers <= 255 and resources.spill_bytes == 0
+    assert resources.ctas_per_sm >= 1 and "tt.func" in resources.ttir
+
+
+@triton.jit
+def _offsets_kernel(X, stride, WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:
+        offset = pid.to(tl.int64) * stride
+    else:
+        offset = pid * stride
+    tl.store(X + offset, 1.0)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_int32_index_overflow_is_found_in_real_triton_ir(wide):
+    """pid * stride in int32 wraps for 70,000 programs with a stride of 40,000; in int64 it does not."""
+    x = meta(torch.float32, 10)
+    variant = Variant(_offsets_kernel, (70000, 1, 1), (x, 40000), {"WIDE": wide}, "")
+    resources = compile_variant(variant, 90, bind(variant, 90))
+    assert resources.error is None
+    overflows = find_overflows(resources.ttir, variant.int_args(), variant.grid)
+    if wide:
+        assert overflows == []
+    else:
+        assert len(overflows) == 1 and overflows[0].bits == 32 and overflows[0].high == 69999 * 40000
+        assert find_overflows(resources.ttir, {"stride": 4}, variant.grid) == []
+
+
+def test_a_compile_error_is_reported_not_raised():
+    @triton.jit
+    def broken(X):
+        tl.store(X, undefined_name)  # noqa: F821
+
+    x = meta(torch.float32, 4)
+    variant = Variant(broken, (1, 1, 1), (x,), {}, "")
+    resources = compile_variant(variant, 90, bind(variant, 90))
+    assert resources.error is not None and "undefined_name" in resources.error
+
+
+def test_occupancy_follows_registers_threads_and_shared_memory():
+    assert ctas_per_sm(90, 32, 4, 0) == 16  # thread-limited: 2048 / 128
+    assert ctas_per_sm(90, 255, 4, 0) == 2  # 256 registers x 128 threads = 32K of 64K
+    assert ctas_per_sm(80, 64, 4, 100 * 1024) == 1  # shared memory: 164 KB per SM
+
+
+def test_ptxas_log_is_parsed_per_kernel_and_target():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_80'
+ptxas info    : Function properties for _Z6kernelPf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 4096 bytes smem, 372 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_90'
+ptxas info    : Function properties for _Z6kernelPf
+    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 372 bytes cmem[0]
+"""
+    first, second = parse("kernel.cu", log)
+    assert (first.target, first.registers, first.shared_bytes, first.spill_stores) == (80, 40, 4096, 0)
+    assert (second.target, second.registers, second.shared_bytes, second.spill_loads) == (90, 255, 0, 12)

@@ -1,0 +1,128 @@
+"""python -m vit_kernels.gpu_check [--all] [--targets 80,90] [--jobs N] [--out DIR]
+
+Compiles every Triton kernel variant the launchers can choose on CUDA for each target, writes
+``DIR/report.json`` and ``DIR/report.md``, prints a summary, and exits 1 on any failure:
+
+* a compile error;
+* register spills (local memory) in any variant: 16-bit variants must not spill, and the float32
+  budget is also zero (FP32_SPILL_BUDGET): exact float32 tiles are sized to fit the register file,
+  since a spill costs a local-memory round trip per access in the inner loop;
+* shared memory over the target's per-block limit, or no CTA fitting on an SM;
+* a grid dimension over CUDA's limits (2^31 - 1 on x, 65,535 on y and z);
+* integer index arithmetic that overflows its type at the recorded sizes (``int_range``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from vit_kernels.gpu_check import cases as sweeps
+from vit_kernels.gpu_check.compile import GRID_LIMITS, TARGETS, Resources, Variant, bind, compile_variant, expand
+from vit_kernels.gpu_check.int_range import find_overflows
+from vit_kernels.gpu_check.report import write_reports
+
+FP32_SPILL_BUDGET = 0  # bytes of local memory per thread allowed in a float32-only variant
+_JOBS: list = []  # (variant, capability, bound), shared with forked workers
+
+
+def _compile_job(index: int) -> Resources:
+    variant, capability, bound = _JOBS[index]
+    return compile_variant(variant, capability, bound)
+
+
+def _is_16bit(bound) -> bool:
+    return any(t in ("*fp16", "*bf16") for t in bound.signature.values())
+
+
+def collect(sweep: sweeps.Sweep, targets: list[int]):
+    """-> unique compile jobs, and per launch its labels, variant, bound key per target."""
+    jobs: dict[str, tuple[Variant, int, object]] = {}
+    launches = []
+    for case in sweeps.cases(sweep):
+        for launch in sweeps.record(case):
+            for variant in expand(launch):
+                keys = {}
+                for capability in targets:
+                    bound = bind(variant, capability)
+                    jobs.setdefault(bound.key, (variant, capability, bound))
+                    keys[capability] = bound.key
+                launches.append((case, variant, keys))
+    return jobs, launches
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vit_kernels.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)")
+    parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (80, 90)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("--out", default="build/check-gpu", help="folder for report.json and report.md")
+    args = parser.parse_args(argv)
+    targets = [int(t) for t in args.targets.split(",")]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"--targets must be among {sorted(TARGETS)}, got {unknown}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+
+    start = time.time()
+    jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets)
+    keys = list(jobs)
+    _JOBS[:] = [jobs[k] for k in keys]
+    print(f"gpu_check: {len(launches)} launches, {len(keys)} unique variants to compile for "
+          f"{', '.join(f'sm_{t}' for t in targets)}", flush=True)
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = dict(zip(keys, pool.map(_compile_job, range(len(keys)), chunksize=4)))
+    else:
+        results = {k: _compile_job(i) for i, k in enumerate(keys)}
+
+    failures: list[str] = []
+    for key, resources in results.items():
+        variant, capability, bound = jobs[key]
+        where = f"{variant.name} [{variant.config}] sm_{capability}"
+        if resources.error:
+            failures.append(f"{where}: compile error: {resources.error}")
+            continue
+        budget = 0 if _is_16bit(bound) else FP32_SPILL_BUDGET
+        if resources.spill_bytes > budget:
+            failures.append(f"{where}: {resources.spill_bytes} bytes of spills per thread (budget {budget})")
+        if resources.shared_bytes > TARGETS[capability]["smem_block"]:
+            failures.append(f"{where}: {resources.shared_bytes} bytes of shared memory, over the "
+                            f"{TARGETS[capability]['smem_block']}-byte limit")
+        elif resources.ctas_per_sm == 0:
+            failures.append(f"{where}: no CTA fits on an SM")
+    checked = set()
+    for case, variant, keys_by_target in launches:
+        label = f"{case.op} {case.precision} {case.shape} {case.flags} batch={case.batch}: {variant.name}"
+        for axis, (size, limit) in enumerate(zip(variant.grid, GRID_LIMITS)):
+            if size > limit:
+                failures.append(f"{label}: grid axis {'xyz'[axis]} = {size} over CUDA's {limit}")
+        key = keys_by_target[targets[-1]]
+        signature = (key, tuple(sorted(variant.int_args().items())), variant.grid)
+        if signature in checked or results[key].error:
+            continue
+        checked.add(signature)
+        for overflow in find_overflows(results[key].ttir, variant.int_args(), variant.grid):
+            failures.append(f"{label} [{variant.config}]: {overflow}")
+
+    out = Path(args.out)
+    summary = write_reports(out, jobs, results, launches, failures, targets, time.time() - start)
+    print(summary)
+    for failure in failures[:200]:
+        print(f"FAIL {failure}")
+    if len(failures) > 200:
+        print(f"... and {len(failures) - 200} more failures (all in {out / 'report.json'})")
+    print(f"gpu_check: {len(failures)} failures; report in {out / 'report.md'} ({time.time() - start:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The sweep: every op's Triton launchers driven with meta tensors over dtypes, flags, head dims,
+ViT shapes and batch sizes, recording the launches they would issue on a GPU.
+
+Each case calls the same launcher code a CUDA call runs (the ``*_triton`` forward entry points
+and the registered backward ops), so the variants compiled are the launchers' own choices, not a
+second list kept by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from vit_kernels._triton import Launch, recording_launches
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
+PRECISIONS = {"fp32": (F32, F32), "fp16": (F16, F16), "bf16": (BF16, BF16), "bf16-autocast": (BF16, F32),
+              "fp16-autocast": (F16, F32)}
+MODELS = {"vit_tiny": (192, 3), "vit_small": (384, 6), "vit_base": (768, 12), "vit_large": (1024, 16)}  # D, H
+HEAD_DIMS = (4, 8, 12, 15, 64, 80, 128, 256)
+IMAGE, PATCH, CHANNELS = 224, 16, 3
+TOKENS = (IMAGE // PATCH) ** 2 + 1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of one op's launchers: forward and backward, with its description."""
+
+    op: str
+    precision: str
+    shape: str
+    flags: str
+    batch: int
+    run: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    precisions: tuple[str, ...]
+    batches: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    all_flags: bool
+
+
+QUICK = Sweep(("fp32", "fp16", "bf16", "bf16-autocast"), (256, 16384), (TOKENS,), False)
+FULL = Sweep(tuple(PRECISIONS), (1, 7, 256, 16384), (TOKENS, 50, 577), True)
+
+
+def _t(dtype, *shape) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _patch_embed_cases(sweep: Sweep) -> Iterator[Case]:
+    combos = list(itertools.product((True, False), repeat=3)) if sweep.all_flags else [
+        (True, True, True), (True, False, True), (False, False, False)]
+    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+        dt, rdt = PRECISIONS[precision]
+        for (has_bias, has_cls, has_pos), channels_last in itertools.product(combos, (False, True)):
+            if channels_last and not (has_bias and has_cls and has_pos):
+                continue
+
+            def run(dt=dt, rdt=rdt, dim=dim, batch=batch, has_bias=has_bias, has_cls=has_cls, has_pos=has_pos,
+                    channels_last=channels_last):
+                images = _t(dt, batch, CHANNELS, IMAGE, IMAGE)
+                if channels_last:
+                    images = images.to(memory_format=torch.channels_last)
+                weight = _t(dt, dim, CHANNELS, PATCH, PATCH)
+                tokens = TOKENS - 1 + has_cls
+                out = patch_embed.patch_embed_triton(
+                    images, weight, _t(dt, dim) if has_bias else None, PATCH,
+                    _t(rdt, 1, 1, dim) if has_cls else None, _t(rdt, 1, tokens, dim) if has_pos else None)
+                for needs_images in (False, True):
+                    torch.ops.vit_kernels.patch_embed_bwd(torch.empty_like(out), images, weight, PATCH, has_cls,
+                                                          needs_images)
+
+            flags = f"bias={has_bias} cls={has_cls} pos={has_pos}" + (" channels_last" if channels_last else "")
+            yield Case("patch_embed", precision, model, flags, batch, run)
+
+
+def _linear_cases(sweep: Sweep) -> Iterator[Case]:
+    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+        dt, rdt = PRECISIONS[precision]
+        x = (batch, TOKENS, dim)
+        for has_bias, has_residual in itertools.product((True, False), repeat=2):
+            def run_linear(dt=dt, rdt=rdt, x=x, dim=dim, has_bias=has_bias, has_residual=has_residual):
+                inp, weight = _t(dt, *x), _t(dt, dim, dim)
+                out, _ = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
+                                                          _t(rdt, *x) if has_residual else None, "none")
+                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), "none", has_bias)
+
+            yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
+        for has_bias, activation in itertools.product((True, False), ("gelu", "gelu_tanh")):
+            def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
+                inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
+                out, preact = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
+                                                               None, activation)
+                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
+
+            yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
+        biases = ((True, True), (False, False), (True, False)) if sweep.all_flags else ((True, True), (False, False))
+        for (bias1, bias2), activation, has_residual in itertools.product(biases, ("gelu", "gelu_tanh"), (True, False)):
+            def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
+                        has_residual=has_residual):
+                inp, w1, w2 = _t(dt, *x), _t(dt, 4 * dim, dim), _t(dt, dim, 4 * dim)
+                out, hidden, preact = torch.ops.vit_kernels.mlp_fwd(
+                    inp, w1, _t(dt, 4 * dim) if bias1 else None, w2, _t(dt, dim) if bias2 else None,
+                    _t(rdt, *x) if has_residual else None, activation)
+                torch.ops.vit_kernels.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation,
+                                              bias1, bias2)
+
+            yield Case("mlp", precision, model, f"bias={bias1},{bias2} {activation} residual={has_residual}", batch,
+                       run_mlp)
+
+
+def _attention_cases(sweep: Sweep) -> Iterator[Case]:
+    shapes = [(model, heads, dim // heads) for model, (dim, heads) in MODELS.items()]
+    shapes += [(f"head_dim={d}", 4, d) for d in HEAD_DIMS]
+    for precision, (shape, heads, head_dim), batch, seq_len in itertools.product(
+            sweep.precisions, shapes, sweep.batches, sweep.seq_lens):
+        dt, _ = PRECISIONS[precision]
+        if precision.endswith("autocast"):
+            continue  # attention takes the 16-bit qkv of the autocast GEMM: the plain 16-bit variants
+        for dropout_p, return_probs in ((0.0, False), (0.1, False), (0.0, True)):
+            def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
+                    return_probs=return_probs):
+                qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
+                seed = torch.empty(1, dtype=torch.int64, device="meta")
+                out, lse = torch.ops.vit_kernels.attention_fwd(qkv, heads, head_dim**-0.5, dropout_p, seed)
+                if return_probs:
+                    torch.ops.vit_kernels.attention_probs(qkv, lse, heads, head_dim**-0.5)
+                torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, out, lse, seed, heads,
+                                                    head_dim**-0.5, dropout_p)
+
+            flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}"
+            yield Case("attention", precision, shape, flags, batch, run)
+
+
+def _layer_norm_cases(sweep: Sweep) -> Iterator[Case]:
+    dims = {model: dim for model, (dim, _) in MODELS.items()}
+    if sweep.all_flags:
+        dims.update({"dim=1280": 1280, "dim=4096": 4096})
+    for precision, (shape, dim), batch in itertools.product(sweep.precisions, dims.items(), sweep.batches):
+        _, rdt = PRECISIONS[precision]  # layer_norm runs in the residual stream's dtype (fp32 under autocast)
+        for affine, has_residual in itertools.product((True, False), repeat=2):
+            def run(rdt=rdt, dim=dim, batch=batch, affine=affine, has_residual=has_residual):
+                x = _t(rdt, batch, TOKENS, dim)
+                weight = _t(rdt, dim) if affine else None
+                y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(
+                    x, weight, weight, 1e-6, _t(rdt, *x.shape) if has_residual else None)
+                torch.ops.vit_kernels.layer_norm_bwd(torch.empty_like(y), torch.empty_like(y) if has_residual else None,
+                                                     summed if has_residual else x, weight, mean, rstd, affine)
+
+            yield Case("layer_norm", precision, shape, f"affine={affine} residual={has_residual}", batch, run)
+
+
+def cases(sweep: Sweep) -> Iterator[Case]:
+    yield from _patch_embed_cases(sweep)
+    yield from _linear_cases(sweep)
+    yield from _attention_cases(sweep)
+    yield from _layer_norm_cases(sweep)
+
+
+def record(case: Case) -> list[Launch]:
+    """The launches ``case`` issues, recorded instead of run."""
+    with recording_launches() as launches:
+        case.run()
+    return launches
