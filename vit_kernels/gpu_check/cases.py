@@ -44,10 +44,14 @@ class Sweep:
     precisions: tuple[str, ...]
     batches: tuple[int, ...]
     seq_lens: tuple[int, ...]
-    all_flags: bool
+    all_flags: bool  # every flag combination, not only those a ViT block uses plus the flags off
 
 
-QUICK = Sweep(("fp32", "fp16", "bf16", "bf16-autocast"), (256, 16384), (TOKENS,), False)
+# The quick sweep (make check-gpu, in CI): float32, bfloat16 and bfloat16 autocast (fp16 differs from
+# bf16 only in the element type), the flags a ViT block uses and each flag off, every head dim, the
+# four ViT/16 widths at batch 256 and 16,384. The full sweep (make check-gpu-all) adds float16 and
+# float16 autocast, every flag combination, batch 1 and 7 (unaligned row counts) and L = 50, 577.
+QUICK = Sweep(("fp32", "bf16", "bf16-autocast"), (256, 16384), (TOKENS,), False)
 FULL = Sweep(tuple(PRECISIONS), (1, 7, 256, 16384), (TOKENS, 50, 577), True)
 
 
@@ -86,7 +90,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
     for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
         dt, rdt = PRECISIONS[precision]
         x = (batch, TOKENS, dim)
-        for has_bias, has_residual in itertools.product((True, False), repeat=2):
+        pairs = list(itertools.product((True, False), repeat=2)) if sweep.all_flags else [(True, True), (True, False),
+                                                                                           (False, False)]
+        for has_bias, has_residual in pairs:
             def run_linear(dt=dt, rdt=rdt, x=x, dim=dim, has_bias=has_bias, has_residual=has_residual):
                 inp, weight = _t(dt, *x), _t(dt, dim, dim)
                 out, _ = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
@@ -94,7 +100,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), "none", has_bias)
 
             yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
-        for has_bias, activation in itertools.product((True, False), ("gelu", "gelu_tanh")):
+        gelu_flags = list(itertools.product((True, False), ("gelu", "gelu_tanh"))) if sweep.all_flags else [
+            (True, "gelu"), (True, "gelu_tanh"), (False, "gelu")]
+        for has_bias, activation in gelu_flags:
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
                 out, preact = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
@@ -102,8 +110,10 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
-        biases = ((True, True), (False, False), (True, False)) if sweep.all_flags else ((True, True), (False, False))
-        for (bias1, bias2), activation, has_residual in itertools.product(biases, ("gelu", "gelu_tanh"), (True, False)):
+        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), ("gelu", "gelu_tanh"),
+                                           (True, False))) if sweep.all_flags else [
+            ((True, True), "gelu", True), ((True, True), "gelu_tanh", True), ((False, False), "gelu", False)]
+        for (bias1, bias2), activation, has_residual in mlp_flags:
             def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
                         has_residual=has_residual):
                 inp, w1, w2 = _t(dt, *x), _t(dt, 4 * dim, dim), _t(dt, dim, 4 * dim)
@@ -146,7 +156,9 @@ def _layer_norm_cases(sweep: Sweep) -> Iterator[Case]:
         dims.update({"dim=1280": 1280, "dim=4096": 4096})
     for precision, (shape, dim), batch in itertools.product(sweep.precisions, dims.items(), sweep.batches):
         _, rdt = PRECISIONS[precision]  # layer_norm runs in the residual stream's dtype (fp32 under autocast)
-        for affine, has_residual in itertools.product((True, False), repeat=2):
+        ln_flags = list(itertools.product((True, False), repeat=2)) if sweep.all_flags else [(True, True), (True, False),
+                                                                                              (False, False)]
+        for affine, has_residual in ln_flags:
             def run(rdt=rdt, dim=dim, batch=batch, affine=affine, has_residual=has_residual):
                 x = _t(rdt, batch, TOKENS, dim)
                 weight = _t(rdt, dim) if affine else None
