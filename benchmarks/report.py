@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
 def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> None:
+    """Atomically: a partial file renamed over ``path``, so a kill never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    os.replace(partial, path)
 
 
 def read_json(path: Path) -> dict[str, object]:
@@ -27,6 +31,11 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
+def _percent(fraction) -> str:
+    """A fraction of peak as a percentage; "n/a" where there is no trustworthy peak."""
+    return "n/a" if fraction is None else f"{100 * fraction:.2g}%"
+
+
 def _speedups(row: dict[str, object]) -> str:
     return ", ".join(f"{name} {ratio:.2f}x" for name, ratio in sorted(row.get("speedup", {}).items()))
 
@@ -43,7 +52,7 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
             lines.append(
                 f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | "
                 f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | {_fmt(r['throughput'])} {r['unit']} | "
-                f"{_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], 2)}% | {_speedups(r)} |"
+                f"{_percent(r['fraction_of_peak'])} | {_speedups(r)} |"
             )
         lines.append("")
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
@@ -54,7 +63,7 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
             lines.append(
                 f"| {r['model']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | {_fmt(r['throughput'], 4)} | "
                 f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | "
-                f"{_fmt(r['model_tflops'])} ({_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], 2)}%) | "
+                f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])}) | "
                 f"{_fmt(r['peak_memory_mb'], 5)} | {_speedups(r)} |"
             )
         lines.append("")
