@@ -212,6 +212,8 @@ def _shared_cpus(device: torch.device, threads: int) -> Optional[list[int]]:
 
 
 def _not_compared(spec: dict, base_status: str, cand_status: str) -> gate.Comparison:
+    if base_status == cand_status and base_status.startswith("not compared"):
+        return gate.Comparison(label(spec), None, None, None, base_status)
     if base_status == "ok" and cand_status.startswith("invalid"):
         return gate.Comparison(label(spec), None, None, None, gate.BROKEN + f" ({cand_status})")
     why = base_status if base_status != "ok" else cand_status
@@ -265,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
                     raise SystemExit(f"the {worker.name} side imported vit_kernels from {reply['vit_kernels']}, "
                                      f"not from {worker.tree.root}")
             statuses = [reply["status"] for reply in replies]
+            if (replies[0]["extension"] is None) != (replies[1]["extension"] is None):
+                one_sided = "not compared: the compiled extension loads on one side only, so auto differs"
+                statuses = [[one_sided if spec["backend"] == "auto" and status == "ok" else status
+                             for spec, status in zip(specs, side)] for side in statuses]
             comparable = [i for i in range(len(specs)) if statuses[0][i] == statuses[1][i] == "ok"]
             print(f"ab: {len(comparable)} of {len(specs)} cases run on both sides; rounds of about "
                   f"{2 * len(comparable) * args.slice_ms / 1e3:.1f} s", file=sys.stderr)

@@ -143,3 +143,24 @@ def test_work_counts():
     assert mlp.work("full", 4)[0] == 3 * mlp.work("forward", 4)[0]
     norm = cases.build_case("layer_norm", shape)
     assert norm.work("forward", 2) == (4 * 2 * 197 * 768 * 2, "GB/s")
+
+
+def test_plots_have_a_panel_per_shape_and_log_axes_for_wide_ranges(results, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(results.read_text())["rows"]
+    written = report.plot(rows, tmp_path)
+    assert {p.name for p in written} >= {"speedup_layer_norm.png", "speedup_bias_gelu.png"}
+    assert all(p.stat().st_size > 10_000 for p in written)
+    fig = report._speedup_figure(plt, "layer_norm", [r for r in rows if r.get("op") == "layer_norm"
+                                                      and "median_ms" in r and r["backend"] != "torch"])
+    assert len(fig.axes) == len({r["shape"] for r in rows if r.get("op") == "layer_norm"})
+    plt.close(fig)
+    fig, (narrow, wide) = plt.subplots(1, 2)
+    report._log_if_wide(narrow, [17.0, 55.0], "x")
+    report._log_if_wide(wide, [17.0, 55.0, 41_000.0], "x")
+    assert (narrow.get_xscale(), wide.get_xscale()) == ("linear", "log")
+    plt.close(fig)
