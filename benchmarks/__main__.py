@@ -2,7 +2,10 @@
 
     python -m benchmarks --out results.json            # full suite on the GPU (or CPU if none)
     python -m benchmarks --quick --out quick.json      # a few minutes on a CPU: the whole code path
+    python -m benchmarks ab --baseline origin/main     # the gate: baseline vs working tree, A/B rounds
     python -m benchmarks --compare BASELINE.json --results CURRENT.json --threshold 0.05
+
+Run `python -m benchmarks ab --help` for the gate's options.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cases, compare, e2e, environment, ops_bench, peaks, report
+from benchmarks import ab, cases, compare, e2e, environment, ops_bench, peaks, report
 from vit_kernels import backend
 
 # (model, batch) pairs for the per-op shapes and the end-to-end runs.
@@ -45,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare", type=Path, default=None, metavar="BASELINE", help="regression gate: baseline JSON")
     parser.add_argument("--results", type=Path, default=None, metavar="CURRENT", help="regression gate: current JSON")
     parser.add_argument("--threshold", type=float, default=0.05, help="regression gate: allowed slowdown (0.05 = 5%%)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="regression gate: bootstrap interval level")
     args = parser.parse_args(argv)
     if (args.compare is None) != (args.results is None):
         parser.error("--compare BASELINE and --results CURRENT go together")
@@ -112,11 +116,15 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ab"]:
+        parser = argparse.ArgumentParser(prog="python -m benchmarks ab", description=ab.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        ab.add_arguments(parser)
+        return ab.main(parser.parse_args(argv[1:]))
     args = parse_args(argv)
     if args.compare is not None:
-        table, regressions = compare.compare(args.compare, args.results, args.threshold)
-        print(table)
-        return 1 if regressions else 0
+        return compare.main(args.compare, args.results, args.threshold, args.confidence)
     run(args)
     return 0
 

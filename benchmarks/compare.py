@@ -1,44 +1,65 @@
-"""The regression gate: compare two results files metric by metric.
+"""The file-vs-file gate: compare two results files case by case.
 
-Metrics are keyed by (kind, op or model, shape, dtype, implementation, mode). Tracked: the median
-time (lower is better) and the throughput (higher is better). A metric regresses when it is worse
-than the baseline by more than ``threshold`` (0.05 = 5%).
+Cases are keyed by (kind, op or model, shape, dtype, implementation, mode); the metric is the time
+(throughput is its inverse). When both rows hold their samples (``samples_ms``, written by every
+run since they were added), the ratio current/baseline gets a bootstrap interval and the same
+verdicts and exit codes as ``python -m benchmarks ab`` (see ``benchmarks.gate``). Older files
+without samples are compared on the medians alone (verdict REGRESSION or within, no interval).
+
+The two runs were made at different times: load and clock drift between them are not controlled,
+which ``python -m benchmarks ab`` (both sides in alternating rounds) is for.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks import gate, stats
 from benchmarks.report import read_json
 
+MIN_SAMPLES = 3
 
-def _metrics(data: dict[str, object]) -> dict[tuple, dict[str, float]]:
+
+def _cases(data: dict[str, object]) -> dict[tuple, dict[str, object]]:
     out = {}
     for row in data["rows"]:
         if "median_ms" not in row:
             continue
         key = (row["kind"], row.get("op") or row.get("model"), row["shape"], row["dtype"], row["backend"], row["mode"])
-        out[key] = {"median_ms": row["median_ms"], "throughput": row["throughput"]}
+        out[key] = row
     return out
 
 
-def compare(baseline_path: Path, current_path: Path, threshold: float) -> tuple[str, int]:
-    """(printable table, number of regressions)."""
-    if not threshold >= 0:
-        raise SystemExit(f"--threshold must be a non-negative fraction such as 0.05, got {threshold}")
-    baseline, current = _metrics(read_json(baseline_path)), _metrics(read_json(current_path))
+def compare_rows(key: tuple, old: dict, new: dict, threshold: float, confidence: float) -> gate.Comparison:
+    name = " ".join(map(str, key[1:]))
+    base, cand = old.get("samples_ms") or [], new.get("samples_ms") or []
+    if len(base) >= MIN_SAMPLES and len(cand) >= MIN_SAMPLES:
+        ratio = stats.unpaired_ratio(base, cand, confidence)
+        return gate.judge(name, old["median_ms"], new["median_ms"], ratio, threshold)
+    point = new["median_ms"] / old["median_ms"]
+    verdict = stats.REGRESSION if point > 1 + threshold else stats.WITHIN
+    return gate.Comparison(name, old["median_ms"], new["median_ms"], stats.Ratio(point, point, point, 1), verdict)
+
+
+def compare(baseline_path: Path, current_path: Path, threshold: float,
+            confidence: float = 0.95) -> tuple[str, list[gate.Comparison]]:
+    """(printable report, one comparison per shared case)."""
+    gate.check_threshold(threshold)
+    baseline, current = _cases(read_json(baseline_path)), _cases(read_json(current_path))
     shared = sorted(set(baseline) & set(current), key=str)
-    lines = ["| case | metric | baseline | current | change | verdict |", "| --- | --- | --- | --- | --- | --- |"]
-    regressions = 0
-    for key in shared:
-        for metric, lower_is_better in (("median_ms", True), ("throughput", False)):
-            old, new = baseline[key][metric], current[key][metric]
-            change = (new - old) / old if old else 0.0
-            worse = change > threshold if lower_is_better else change < -threshold
-            regressions += worse
-            verdict = "REGRESSION" if worse else "ok"
-            lines.append(f"| {' / '.join(map(str, key))} | {metric} | {old:.4g} | {new:.4g} | {change:+.1%} | {verdict} |")
-    summary = (f"{len(shared)} shared cases ({len(set(baseline) - set(current))} only in the baseline, "
-               f"{len(set(current) - set(baseline))} only in the current results); "
-               f"{regressions} metric(s) worse by more than {threshold:.1%}.")
-    return "\n".join(lines + ["", summary]), regressions
+    comparisons = [compare_rows(key, baseline[key], current[key], threshold, confidence) for key in shared]
+    without = sum(c.rounds <= 1 for c in comparisons)
+    lines = [gate.table(comparisons, confidence), "",
+             f"{len(shared)} shared cases ({len(set(baseline) - set(current))} only in the baseline, "
+             f"{len(set(current) - set(baseline))} only in the current results"
+             + (f"; {without} without samples, compared on medians alone" if without else "") + ").",
+             gate.summary(comparisons, threshold) + "."]
+    if gate.exit_code(comparisons) == gate.EXIT_INCONCLUSIVE:
+        lines.append("inconclusive: noise too high for the samples these files hold")
+    return "\n".join(lines), comparisons
+
+
+def main(baseline_path: Path, current_path: Path, threshold: float, confidence: float = 0.95) -> int:
+    report, comparisons = compare(baseline_path, current_path, threshold, confidence)
+    print(report)
+    return gate.exit_code(comparisons)

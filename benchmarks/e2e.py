@@ -4,7 +4,7 @@ side: our model on ``auto``, the same model on the ``torch`` backend (eager), ``
 that, and timm's model of the same name (eager and compiled) when timm is installed.
 
 Model FLOPs utilisation: the model's matmul FLOPs (forward; training = 3x forward) per second, as a
-fraction of the matmul peak measured in the same run.
+fraction of the matmul peak measured in the same run ("n/a" where the model beats that peak).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import vit_kernels as vk
 from benchmarks.ops_bench import add_speedups
+from benchmarks.peaks import fraction_of
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 
@@ -125,8 +126,8 @@ def run_model(model: str, batch: int, device: torch.device, dtype: torch.dtype, 
             tflops = flops / (timing.median_ms * 1e-3) / 1e12
             rows.append({
                 **base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
-                "throughput": batch / (timing.median_ms * 1e-3), "unit": "images/s", "model_tflops": tflops,
-                "fraction_of_peak": tflops / peak if peak else None,
+                "samples_ms": list(timing.samples_ms), "throughput": batch / (timing.median_ms * 1e-3),
+                "unit": "images/s", "model_tflops": tflops, "fraction_of_peak": fraction_of(tflops, peak),
                 "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
             })
     add_speedups(rows, ("model", "shape", "dtype", "mode"))

@@ -15,6 +15,7 @@ import torch
 
 import vit_kernels as vk
 from benchmarks.cases import KERNELS, OpCase, eager_math_attention
+from benchmarks.peaks import fraction_of
 from benchmarks.timing import copies_to_rotate, time_call
 from vit_kernels import _ext, backend
 
@@ -133,8 +134,8 @@ def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iter
             throughput = amount / (timing.median_ms * 1e-3) / 1e12 if unit == "TFLOP/s" else amount / (timing.median_ms * 1e-3) / 1e9
             peak = peaks.get(f"matmul_tflops_{base['dtype']}") if unit == "TFLOP/s" else peaks.get("copy_gbps")
             rows.append({**base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms,
-                         "q80_ms": timing.q80_ms, "throughput": throughput, "unit": unit,
-                         "fraction_of_peak": throughput / peak if peak else None})
+                         "q80_ms": timing.q80_ms, "samples_ms": list(timing.samples_ms), "throughput": throughput,
+                         "unit": unit, "fraction_of_peak": fraction_of(throughput, peak)})
     add_speedups(rows, ("op", "shape", "dtype", "mode"))
     return rows
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
 def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> None:
+    """Atomically: a partial file renamed over ``path``, so a kill never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    os.replace(partial, path)
 
 
 def read_json(path: Path) -> dict[str, object]:
@@ -27,6 +31,11 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
+def _percent(fraction) -> str:
+    """A fraction of peak as a percentage; "n/a" where there is no trustworthy peak."""
+    return "n/a" if fraction is None else f"{100 * fraction:.2g}%"
+
+
 def _speedups(row: dict[str, object]) -> str:
     return ", ".join(f"{name} {ratio:.2f}x" for name, ratio in sorted(row.get("speedup", {}).items()))
 
@@ -43,7 +52,7 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
             lines.append(
                 f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | "
                 f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | {_fmt(r['throughput'])} {r['unit']} | "
-                f"{_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], 2)}% | {_speedups(r)} |"
+                f"{_percent(r['fraction_of_peak'])} | {_speedups(r)} |"
             )
         lines.append("")
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
@@ -54,7 +63,7 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
             lines.append(
                 f"| {r['model']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | {_fmt(r['throughput'], 4)} | "
                 f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | "
-                f"{_fmt(r['model_tflops'])} ({_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], 2)}%) | "
+                f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])}) | "
                 f"{_fmt(r['peak_memory_mb'], 5)} | {_speedups(r)} |"
             )
         lines.append("")
@@ -68,52 +77,114 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
     return "\n".join(lines)
 
 
+LOG_SPAN = 10.0  # values spanning more than this factor go on a log axis
+
+
+def _log_if_wide(ax, values: list[float], axis: str) -> None:
+    """A log scale on ``axis`` ("x" or "y") when the positive values span more than LOG_SPAN."""
+    positive = [v for v in values if v and v > 0]
+    if positive and max(positive) / min(positive) > LOG_SPAN:
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+
+
+def _label_bars(ax, bars, values: list[float], suffix: str, horizontal: bool) -> None:
+    for bar, value in zip(bars, values):
+        if not value:
+            continue
+        text = (f"{value:,.0f}" if value >= 1000 else f"{value:.3g}") + suffix
+        if horizontal:
+            ax.annotate(text, (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        else:
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                        textcoords="offset points", ha="center", fontsize=7, rotation=90)
+
+
+def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
+    """One panel per shape; in each, per mode (and dtype) a bar per implementation: its speedup
+    over the torch backend, value printed on the bar."""
+    shapes = sorted({r["shape"] for r in timed}, key=lambda s: [r["shape"] for r in timed].index(s))
+    names = sorted({r["backend"] for r in timed})
+    dtypes = sorted({r["dtype"] for r in timed})
+    colours = {name: f"C{k}" for k, name in enumerate(names)}
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 0.5, 4.6), squeeze=False, sharey=True)
+    values_all = [r["speedup"]["torch"] for r in timed]
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in timed if r["shape"] == shape]
+        groups = [(d, m) for d in dtypes for m in ("forward", "backward", "full")
+                  if any(r["dtype"] == d and r["mode"] == m for r in rows)]
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            values = [next((r["speedup"]["torch"] for r in rows if (r["dtype"], r["mode"]) == g and r["backend"] == name), 0)
+                      for g in groups]
+            bars = ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))], values, width,
+                          label=name, color=colours[name])
+            _label_bars(ax, bars, values, "x", horizontal=False)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([m if len(dtypes) == 1 else f"{d}\n{m}" for d, m in groups], fontsize=9)
+        ax.set_title(shape, fontsize=9)
+        ax.margins(y=0.25)
+    _log_if_wide(axes[0][0], values_all, "y")
+    axes[0][0].set_ylabel("speedup over the torch backend (x)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=9, ncol=len(names))
+    fig.suptitle(f"{op}: speedup over the torch backend ({', '.join(dtypes)}; above 1 = faster)", fontsize=11, x=0.02,
+                 ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def _throughput_figure(plt, models: list[dict[str, object]]):
+    """One panel per model and batch: images/second per variant, a bar for train and inference."""
+    panels = sorted({(r["model"], r["shape"], r["dtype"]) for r in models},
+                    key=lambda p: [(r["model"], r["shape"], r["dtype"]) for r in models].index(p))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, 2.6 * len(panels) + 0.6), squeeze=False)
+    for ax, (model, shape, dtype) in zip(axes[:, 0], panels):
+        rows = [r for r in models if (r["model"], r["shape"], r["dtype"]) == (model, shape, dtype)]
+        variants = list(dict.fromkeys(r["backend"] for r in rows))
+        for j, mode in enumerate(("train", "inference")):
+            values = [next((r["throughput"] for r in rows if r["backend"] == v and r["mode"] == mode), 0) for v in variants]
+            bars = ax.barh([i + (j - 0.5) * 0.4 for i in range(len(variants))], values, 0.4, label=mode,
+                           color=f"C{j}")
+            _label_bars(ax, bars, values, "", horizontal=True)
+        ax.set_yticks(range(len(variants)))
+        ax.set_yticklabels(variants, fontsize=9)
+        ax.invert_yaxis()
+        _log_if_wide(ax, [r["throughput"] for r in rows], "x")
+        ax.margins(x=0.18)
+        ax.set_title(f"{model} {shape} {dtype}", fontsize=10)
+        ax.set_xlabel("images / second", fontsize=9)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=9, ncol=2)
+    fig.suptitle("End to end: images / second (higher is better)", fontsize=11, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (2.6 * len(panels) + 0.6)))
+    return fig
+
+
 def plot(rows: list[dict[str, object]], out_dir: Path) -> list[Path]:
-    """speedup_<op>.png (each implementation's speedup over the torch backend, per shape and mode) and
-    images_per_second.png (per model, step and variant). Returns the files written."""
+    """speedup_<op>.png (per op: a panel per shape, each implementation's speedup over the torch
+    backend per mode) and images_per_second.png (a panel per model: train and inference per
+    variant). Axes go logarithmic where the values span more than 10x. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    ops = sorted({r["op"] for r in rows if r["kind"] == "op" and "median_ms" in r})
-    for op in ops:
-        timed = [r for r in rows if r.get("op") == op and "median_ms" in r and r["backend"] != "torch" and "torch" in r["speedup"]]
-        if not timed:
-            continue
-        groups = sorted({(r["shape"], r["dtype"], r["mode"]) for r in timed})
-        names = sorted({r["backend"] for r in timed})
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4))
-        width = 0.8 / len(names)
-        for j, name in enumerate(names):
-            values = [next((r["speedup"]["torch"] for r in timed if (r["shape"], r["dtype"], r["mode"]) == g and r["backend"] == name), 0)
-                      for g in groups]
-            ax.bar([i + j * width for i in range(len(groups))], values, width, label=name)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-        ax.set_xticklabels([f"{s}\n{d} {m}" for s, d, m in groups], fontsize=6, rotation=30, ha="right")
-        ax.set_ylabel("speedup over the torch backend")
-        ax.set_title(op)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"speedup_{op}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+    figures = {}
+    for op in sorted({r["op"] for r in rows if r["kind"] == "op" and "median_ms" in r}):
+        timed = [r for r in rows if r.get("op") == op and "median_ms" in r and r["backend"] != "torch"
+                 and "torch" in r.get("speedup", {})]
+        if timed:
+            figures[f"speedup_{op}.png"] = _speedup_figure(plt, op, timed)
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
     if models:
-        labels = [f"{r['model']} {r['shape']} {r['mode']}\n{r['backend']}" for r in models]
-        fig, ax = plt.subplots(figsize=(7, 0.35 * len(models) + 1.5))
-        ax.barh(range(len(models)), [r["throughput"] for r in models])
-        ax.set_yticks(range(len(models)))
-        ax.set_yticklabels(labels, fontsize=6)
-        ax.invert_yaxis()
-        ax.set_xlabel("images / second")
-        fig.tight_layout()
-        path = out_dir / "images_per_second.png"
-        fig.savefig(path, dpi=120)
+        figures["images_per_second.png"] = _throughput_figure(plt, models)
+    written = []
+    for name, fig in figures.items():
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written

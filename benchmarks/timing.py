@@ -1,4 +1,5 @@
-"""Timing with synchronisation: median and 20th/80th percentiles in milliseconds, after warm-up.
+"""Timing with synchronisation: median and 20th/80th percentiles in milliseconds, after warm-up,
+and every sample (so that two runs can be compared with confidence intervals).
 
 On CUDA, ``triton.testing.do_bench`` (CUDA events, and it clears the L2 cache before every run)
 when triton is installed, else CUDA events directly. On the CPU, ``time.perf_counter``. Callers pass
@@ -21,11 +22,13 @@ class Timing:
     median_ms: float
     q20_ms: float
     q80_ms: float
+    samples_ms: tuple[float, ...] = ()
 
 
-def _summarise(samples_ms: list[float]) -> Timing:
-    q20, median, q80 = np.quantile(np.asarray(samples_ms), [0.2, 0.5, 0.8])
-    return Timing(float(median), float(q20), float(q80))
+def _summarise(samples_ms) -> Timing:
+    samples = [float(s) for s in samples_ms]
+    q20, median, q80 = np.quantile(np.asarray(samples), [0.2, 0.5, 0.8])
+    return Timing(float(median), float(q20), float(q80), tuple(samples))
 
 
 def _rotating(call: Callable[[int], object], copies: int) -> Callable[[], object]:
@@ -59,8 +62,7 @@ def _time_cuda(run: Callable[[], object], warmup: int, repeats: int) -> Timing:
     except ImportError:
         do_bench = None
     if do_bench is not None:
-        median, q20, q80 = do_bench(run, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
-        return Timing(float(median), float(q20), float(q80))
+        return _summarise(do_bench(run, warmup=25, rep=100, return_mode="all"))
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
@@ -82,3 +84,22 @@ def copies_to_rotate(bytes_per_set: int, device: torch.device) -> int:
     if device.type == "cuda":
         cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", cache)
     return int(max(1, min(8, -(-2 * cache // max(bytes_per_set, 1)))))
+
+
+def slice_min_ms(call: Callable[[int], object], device: torch.device, copies: int = 1, *, slice_ms: float = 20.0,
+                 max_calls: int = 200) -> float:
+    """One sample for an A/B round: the fastest of the calls that fit in ``slice_ms`` (at least 3, at
+    most ``max_calls``) after one warm-up call; each call synchronised on CUDA. Load from other
+    processes only ever adds time, so the fastest call is the one least disturbed by it."""
+    run = _rotating(call, copies)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()
+    sync()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < 3 or (len(samples) < max_calls and (time.perf_counter() - started) * 1e3 < slice_ms):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return min(samples)

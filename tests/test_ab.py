@@ -1,0 +1,143 @@
+"""The A/B regression gate on real code and a real loaded machine.
+
+A throwaway git repository holds this checkout's library twice: a baseline commit, and a candidate
+commit whose ``vit_kernels.layer_norm`` burns 25% more time than the call it wraps. ``python -m
+benchmarks ab`` then runs each side in its own process from its own exported tree:
+
+* the baseline against itself, with busy-loop processes hogging the cores the sides run on, is
+  never reported as a regression;
+* the slowed candidate is reported as a regression in layer_norm, and in no other op.
+
+Small shapes: a round of every case takes a fraction of a second.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import ab, gate, stats
+from benchmarks.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOWDOWN = '''
+
+import time as _time
+
+_layer_norm_at_full_speed = layer_norm
+
+
+def layer_norm(*args, **kwargs):  # 25% slower: spin for a quarter of the call's own time
+    started = _time.perf_counter()
+    out = _layer_norm_at_full_speed(*args, **kwargs)
+    elapsed = _time.perf_counter() - started
+    while _time.perf_counter() - started < 1.25 * elapsed:
+        pass
+    return out
+'''
+GATE_ARGS = ["--ops", "layer_norm,linear,bias_gelu", "--shapes", "vit_digits:8", "--modes", "forward",
+             "--models", "none", "--min-rounds", "10", "--budget", "40", "--slice-ms", "15"]
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """baseline = HEAD~1 (this checkout's library), candidate = HEAD (layer_norm 25% slower)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path_factory.mktemp("repo")
+    for folder in ("vit_kernels", "vit", "csrc"):
+        shutil.copytree(ROOT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")  # the compiled extension stays untracked
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "baseline")
+    with open(repo / "vit_kernels" / "__init__.py", "a") as init:
+        init.write(SLOWDOWN)
+    _git(repo, "commit", "-qam", "slower layer_norm")
+    return repo
+
+
+def _gate(repo: Path, capsys, *args: str) -> tuple[int, dict[str, str]]:
+    code = main(["ab", "--repo", str(repo), *args, *GATE_ARGS])
+    printed = capsys.readouterr().out
+    print(printed)
+    verdicts = {}
+    for line in printed.splitlines():
+        if " vit_digits B=8 " in line:
+            parts = line.split()
+            verdicts[f"{parts[0]} {parts[4]}"] = parts[-1]  # "op backend": verdict
+    assert verdicts, printed
+    return code, verdicts
+
+
+@pytest.fixture
+def cpu_hogs():
+    """A busy loop on the core the sides are pinned to, and one free to run anywhere."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(hogs[0].pid, {max(os.sched_getaffinity(0))})
+    yield
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+def test_same_code_under_load_is_not_a_regression(repo, capsys, cpu_hogs):
+    code, verdicts = _gate(repo, capsys, "--baseline", "HEAD~1", "--candidate", "HEAD~1")
+    assert code in (gate.EXIT_OK, gate.EXIT_INCONCLUSIVE)
+    assert stats.REGRESSION not in verdicts.values(), verdicts
+    assert len(verdicts) == 6  # layer_norm, linear, bias_gelu x torch, extension
+
+
+def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
+    code, verdicts = _gate(repo, capsys, "--baseline", "HEAD~1", "--candidate", "HEAD")
+    assert code == gate.EXIT_REGRESSION
+    regressed = {case for case, verdict in verdicts.items() if verdict == stats.REGRESSION}
+    assert regressed == {"layer_norm torch", "layer_norm extension"}, verdicts
+
+
+class _NoisyWorker:
+    """Stands in for a worker process: 5 ms per request, times with 30% noise around the same value."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def time(self, case, slice_ms):
+        time.sleep(0.005)
+        return float(self.rng.lognormal(0.0, 0.3))
+
+
+def test_noise_adds_rounds_up_to_the_budget_then_is_inconclusive():
+    parser = ab.argparse.ArgumentParser()
+    ab.add_arguments(parser)
+    args = parser.parse_args(["--baseline", "HEAD", "--budget", "0.5", "--min-rounds", "5", "--threshold", "0.02"])
+    specs = [{"kind": "op", "op": "linear", "model": "vit_digits", "batch": 1, "dtype": "float32",
+              "backend": "torch", "mode": "forward"}]
+    samples, verdicts, rounds, seconds = ab.run_rounds([_NoisyWorker(1), _NoisyWorker(2)], specs, [0], args)
+    assert args.min_rounds < rounds < args.max_rounds and rounds == len(samples[0][0]) == len(samples[0][1])
+    assert seconds <= args.budget + 0.1
+    assert verdicts[0].verdict == stats.INCONCLUSIVE
+    assert gate.exit_code(list(verdicts.values())) == gate.EXIT_INCONCLUSIVE
+
+
+def test_unknown_revision_is_refused(repo):
+    with pytest.raises(SystemExit, match="not a commit"):
+        main(["ab", "--repo", str(repo), "--baseline", "no-such-branch", "--ops", "linear", "--models", "none"])
+
+
+def test_bad_options_are_refused(repo):
+    with pytest.raises(SystemExit, match="--shapes"):
+        main(["ab", "--repo", str(repo), "--baseline", "HEAD", "--shapes", "vit_digits"])
+    with pytest.raises(SystemExit, match="--ops"):
+        main(["ab", "--repo", str(repo), "--baseline", "HEAD", "--ops", "convolution"])
