@@ -69,6 +69,16 @@ class Run:
         return max(steps, default=-1)
 
 
+def wait_for_a_save_in_progress(out: Path, timeout: float) -> bool:
+    """Poll until a checkpoint is being written (its temporary folder exists)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(entry.name.startswith(".tmp-") for entry in os.scandir(out / checkpoint.FOLDERS)):
+            return True
+        time.sleep(0.0005)
+    return False
+
+
 def checkpoint_step(out: Path) -> int:
     """The latest checkpoint's step, after loading everything a resume loads."""
     if not (out / checkpoint.LATEST_LINK).exists():
@@ -81,7 +91,7 @@ def checkpoint_step(out: Path) -> int:
 
 @pytest.mark.parametrize(
     "kills, epochs, budget_seconds",
-    [pytest.param(3, 8, 60, id="3-kills"), pytest.param(15, 30, 150, id="15-kills", marks=pytest.mark.slow)],
+    [pytest.param(3, 8, 60, id="3-kills"), pytest.param(15, 30, 300, id="15-kills", marks=pytest.mark.slow)],
 )
 def test_killed_runs_resume_and_end_like_an_uninterrupted_run(tmp_path, kills, epochs, budget_seconds):
     reference = Run(train_args(tmp_path / "reference", epochs))
@@ -101,7 +111,10 @@ def test_killed_runs_resume_and_end_like_an_uninterrupted_run(tmp_path, kills, e
     while rounds < kills and time.monotonic() - started < budget_seconds:
         run = Run(["--resume", str(out / checkpoint.LATEST_LINK), "--out", str(out)])
         assert run.wait_for("resuming", 120), run.lines[-5:]
-        time.sleep(rng.uniform(0.0, 0.6))
+        if rounds % 2:  # every other kill aims at a checkpoint being written
+            wait_for_a_save_in_progress(out, 5.0)
+        else:
+            time.sleep(rng.uniform(0.0, 0.6))
         if run.process.poll() is not None:
             break  # finished before the kill came
         before = checkpoint_step(out)

@@ -103,6 +103,16 @@ def shard(batch: torch.Tensor, context: Context) -> torch.Tensor:
     return batch[context.rank :: context.world] if context.active else batch
 
 
+def is_peer_failure(error: BaseException, context: Context) -> bool:
+    """Whether ``error`` says another process is gone or a collective timed out."""
+    if not context.active:
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
 def _collective(function, *args, **kwargs):
     try:
         return function(*args, **kwargs)

@@ -27,6 +27,8 @@ CHANGEABLE_ON_RESUME = {
     "epochs", "out", "resume", "device", "backend", "no_progress", "debug", "checkpoint_every", "keep",
     "stop_at_step", "eval_every", "distributed", "dist_timeout", "data_path",
 }
+# Options that describe this launch, not the run: never taken from the checkpoint.
+LAUNCH_OPTIONS = {"resume", "stop_at_step", "out", "device", "distributed", "debug", "no_progress"}
 _INTERVAL = re.compile(r"^(\d+)\s*(steps?|epochs?)?$")
 
 
@@ -171,7 +173,7 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
                     "a resumed run keeps its course (start a new run to change it)"
                 )
         for name, value in saved.items():
-            if name not in explicit and name in vars(args) and name not in ("resume", "stop_at_step", "out"):
+            if name not in explicit and name in vars(args) and name not in LAUNCH_OPTIONS:
                 setattr(args, name, value)
     args.checkpoint_every = [tuple(item) for item in args.checkpoint_every or [(1, "epochs")]]
     if args.min_lr > args.lr:

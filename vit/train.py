@@ -239,6 +239,10 @@ def train(args: argparse.Namespace) -> dict:
     context, device = distributed.setup(args.distributed, args.device, args.dist_timeout)
     try:
         return _train(args, context, device)
+    except RuntimeError as error:
+        if distributed.is_peer_failure(error, context):  # e.g. raised in DDP's gradient all-reduce
+            raise distributed.PeerLost(str(error).splitlines()[0]) from error
+        raise
     finally:
         distributed.teardown(context)
 
@@ -405,7 +409,7 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
 def _stopped(bar, stop_signal: StopSignal, step: int, store: checkpoint.RunFolder, context: distributed.Context) -> dict:
     bar.close()
     reason = signal.Signals(stop_signal.received).name if stop_signal.received else "--stop-at-step"
-    _log(f"stopped by {reason} after step {step}; continue with: python -m vit.train --resume {store.root / checkpoint.LATEST_LINK}", context)
+    _log(f"stopped by {reason} after step {step}; continue with --resume {store.root / checkpoint.LATEST_LINK}", context)
     if stop_signal.received:
         raise SystemExit(128 + stop_signal.received)
     return {"stopped_at_step": step, "checkpoint": str(store.root / checkpoint.LATEST_LINK)}
