@@ -48,8 +48,8 @@ def test_resume_continues_from_the_saved_epoch(tmp_path, capsys):
     first = tmp_path / "first"
     run_train(capsys, "--epochs", "2", "--out", str(first), "--no-progress", "--seed", "5")
     saved, _ = checkpoint.load_model(first / "checkpoint")
-    resumed = run_train(capsys, "--epochs", "3", "--resume", str(first / "checkpoint"), "--out", str(tmp_path / "second"),
-                        "--no-progress", "--seed", "5")
+    # the README's form: only --resume, a longer --epochs and an --out
+    resumed = run_train(capsys, "--resume", str(first / "checkpoint"), "--epochs", "3", "--out", str(tmp_path / "second"))
     assert resumed["epochs"] == 3
     rows = json.loads((tmp_path / "second" / "metrics.json").read_text())
     assert [r["epoch"] for r in rows] == [1, 2, 3], "history carries over and training continues at epoch 3"
@@ -58,7 +58,7 @@ def test_resume_continues_from_the_saved_epoch(tmp_path, capsys):
     assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values()))
     steps_per_epoch = -(-1347 // 64)
     optimizer_state = load_file(str(tmp_path / "second" / "checkpoint" / checkpoint.OPTIMIZER_FILE))
-    assert optimizer_state["0.step"].item() == 3 * steps_per_epoch, "the optimizer state was restored, not restarted"
+    assert optimizer_state["head.weight.step"].item() == 3 * steps_per_epoch, "the optimizer state was restored, not restarted"
 
 
 def test_bad_arguments_fail_clearly(tmp_path, capsys):
@@ -67,15 +67,18 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
     assert "invalid choice: 'vit_nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train.parse_args(["--epochs", "0"])
-    assert "--epochs must be positive" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="checkpoint.json"):
+    assert "argument --epochs: must be in [1, 1e+06], got '0'" in capsys.readouterr().err
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint.json"):
         predict.main([str(tmp_path)])
-    with pytest.raises(ValueError, match="dataset 'cifar10' needs a path"):
+    with pytest.raises(SystemExit):
         train.main(["--dataset", "cifar10", "--epochs", "1", "--no-progress", "--out", str(tmp_path / "x")])
+    assert "--dataset cifar10 needs --data-path" in capsys.readouterr().err
     write_cifar(tmp_path / "cifar")
-    with pytest.raises(SystemExit, match="gives images \\(3, 32, 32\\).* expects \\(1, 8, 8\\)"):
+    with pytest.raises(SystemExit) as exit_info:
         train.main(["--dataset", "cifar10", "--data-path", str(tmp_path / "cifar"), "--model", "vit_digits",
                     "--epochs", "1", "--no-progress", "--out", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert "gives images (3, 32, 32), but model 'vit_digits' expects (1, 8, 8)" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs(tmp_path):

@@ -1,11 +1,27 @@
 """Checkpoints as a folder: ``model.safetensors`` (weights), ``optimizer.safetensors`` (AdamW
-moments) and ``checkpoint.json`` (model config, dataset statistics, training progress, the optimizer's
-non-tensor state). safetensors holds tensors only, so nothing executable is ever unpickled."""
+moments, keyed by parameter name), ``state.safetensors`` (RNG states) and ``checkpoint.json`` (model
+config, dataset, training options and progress, the optimizer's non-tensor state, file sizes).
+safetensors holds tensors only, so nothing executable is ever unpickled.
+
+Writes are atomic: a checkpoint is written to a hidden temporary folder beside its final place,
+every file and the folder are fsynced, and only then is it renamed into place. A run folder holds
+
+    checkpoints/ckpt-000007-epoch0003-step00000063/   complete checkpoints, never modified in place
+    checkpoint -> checkpoints/ckpt-...                the latest (a symlink, replaced atomically)
+    best       -> checkpoints/ckpt-...                the one with the best test accuracy
+
+so a kill at any moment leaves ``checkpoint`` pointing at a complete checkpoint (or absent, before
+the first one): the previous link stays valid until the new folder is complete, and old folders are
+deleted only once no link points at them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,26 +32,85 @@ from vit.model import ViT, ViTConfig
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.safetensors"
 META_FILE = "checkpoint.json"
+LATEST_LINK = "checkpoint"
+BEST_LINK = "best"
+FOLDERS = "checkpoints"
+_FOLDER_NAME = re.compile(r"^ckpt-(\d+)-")
 
 
-def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, incomplete or not a checkpoint."""
+
+
+def _fsync_path(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict keyed by parameter name (``{"state": {name: {key: value}},
+    "param_groups": [...]}``) -> tensors named ``"<name>.<key>"`` and the JSON-able rest."""
     tensors, scalars = {}, {}
-    for index, per_param in state["state"].items():
+    for name, per_param in state["state"].items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{name}.{key}"] = value.detach().contiguous().cpu()
             else:
-                scalars[f"{index}.{key}"] = value
+                scalars[f"{name}.{key}"] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state: dict[int, dict[str, Any]] = {}
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict[str, Any]] = {}
     for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
-        index, key = flat.split(".", 1)
-        state.setdefault(int(index), {})[key] = value
+        name, key = flat.rsplit(".", 1)
+        state.setdefault(name, {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def write_checkpoint(
+    folder: str | Path,
+    *,
+    model_state: dict[str, torch.Tensor],
+    meta: dict,
+    optimizer_state: Optional[dict] = None,
+    state_tensors: Optional[dict[str, torch.Tensor]] = None,
+) -> Path:
+    """Write a checkpoint to ``folder`` atomically (``folder`` must not exist yet); returns it.
+
+    ``model_state``: parameter name -> tensor; ``optimizer_state``: keyed by parameter name (see
+    :func:`flatten_optimizer`); ``state_tensors``: other tensors (RNG states)."""
+    folder = Path(folder)
+    if folder.exists():
+        raise FileExistsError(f"checkpoint folder {str(folder)!r} already exists")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    temporary = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    if temporary.exists():
+        shutil.rmtree(temporary)
+    temporary.mkdir()
+    meta = dict(meta)
+    files = {MODEL_FILE: {k: v.detach().contiguous().cpu() for k, v in model_state.items()}}
+    if optimizer_state is not None:
+        files[OPTIMIZER_FILE], meta["optimizer"] = flatten_optimizer(optimizer_state)
+    if state_tensors:
+        files[STATE_FILE] = {k: v.detach().contiguous().cpu() for k, v in state_tensors.items()}
+    for name, tensors in files.items():
+        save_file(tensors, str(temporary / name))
+        _fsync_path(temporary / name)
+    meta["files"] = {name: (temporary / name).stat().st_size for name in files}
+    with open(temporary / META_FILE, "w") as handle:
+        json.dump(meta, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_path(temporary)
+    os.rename(temporary, folder)
+    _fsync_path(folder.parent)
+    return folder
 
 
 def save_checkpoint(
@@ -47,41 +122,120 @@ def save_checkpoint(
     progress: dict,
     optimizer: Optional[torch.optim.Optimizer] = None,
 ) -> Path:
-    """Write the checkpoint folder; returns its path."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(weights, str(folder / MODEL_FILE))
-    meta = {"model": model_name, "config": dataclasses.asdict(model.config), "dataset": dataset, "progress": progress}
+    """Write a single model (and optionally its optimizer) to a new checkpoint ``folder``."""
+    optimizer_state = None
     if optimizer is not None:
-        tensors, optimizer_meta = _flatten_optimizer(optimizer.state_dict())
-        save_file(tensors, str(folder / OPTIMIZER_FILE))
-        meta["optimizer"] = optimizer_meta
-    (folder / META_FILE).write_text(json.dumps(meta, indent=2))
-    return folder
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+    meta = {"model": model_name, "config": dataclasses.asdict(model.config), "dataset": dataset, "progress": progress}
+    return write_checkpoint(folder, model_state=model.state_dict(), meta=meta, optimizer_state=optimizer_state)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder, given it or a run folder holding a ``checkpoint`` link to one."""
+    path = Path(path)
+    if not (path / META_FILE).is_file() and (path / LATEST_LINK / META_FILE).is_file():
+        path = path / LATEST_LINK
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint: expected a folder holding {META_FILE} and {MODEL_FILE} "
+            f"(or a run folder with a {LATEST_LINK!r} link to one)"
+        )
+    return path.resolve()
 
 
 def read_meta(folder: str | Path) -> dict:
-    path = Path(folder) / META_FILE
+    """The checkpoint's metadata, after checking every file it lists is there with its size."""
+    folder = resolve(folder)
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{str(folder / META_FILE)!r} is unreadable ({error})") from error
+    for name, size in meta.get("files", {MODEL_FILE: None}).items():
+        path = folder / name
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            raise CheckpointError(f"checkpoint {str(folder)!r} is incomplete: {name} is missing or has the wrong size")
+    meta["folder"] = str(folder)
+    return meta
+
+
+def load_tensors(folder: str | Path, name: str) -> dict[str, torch.Tensor]:
+    path = Path(folder) / name
     if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} not found: a checkpoint folder holds {META_FILE} and {MODEL_FILE}")
-    return json.loads(path.read_text())
+        raise CheckpointError(f"{str(path)!r} not found: the checkpoint holds no {name}")
+    return load_file(str(path))
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu") -> tuple[ViT, dict]:
-    """The model stored in ``folder`` (weights loaded strictly) and the checkpoint's metadata."""
+    """The model stored in ``folder`` (a checkpoint or a run folder; weights loaded strictly) and
+    the checkpoint's metadata."""
     meta = read_meta(folder)
-    weights_path = Path(folder) / MODEL_FILE
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"{str(weights_path)!r} not found beside {META_FILE}")
     model = ViT(ViTConfig(**meta["config"]))
-    model.load_state_dict(load_file(str(weights_path)), strict=True)
+    model.load_state_dict(load_tensors(meta["folder"], MODEL_FILE), strict=True)
     return model.to(device), meta
 
 
-def load_optimizer_state(folder: str | Path, optimizer: torch.optim.Optimizer, meta: dict) -> None:
-    """Restore the optimizer saved beside the model (moments move to the parameters' device)."""
-    path = Path(folder) / OPTIMIZER_FILE
-    if "optimizer" not in meta or not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} not found: the checkpoint holds no optimizer state to resume from")
-    optimizer.load_state_dict(_unflatten_optimizer(load_file(str(path)), meta["optimizer"]))
+def load_optimizer_state(folder: str | Path, meta: dict) -> dict:
+    """The optimizer state saved beside the model, keyed by parameter name."""
+    if "optimizer" not in meta:
+        raise CheckpointError(f"checkpoint {str(folder)!r} holds no optimizer state to resume from")
+    return unflatten_optimizer(load_tensors(folder, OPTIMIZER_FILE), meta["optimizer"])
+
+
+class RunFolder:
+    """The checkpoints of one run folder: numbered, atomically written, linked as ``checkpoint``
+    (latest) and ``best``; all but the ``keep`` latest and the best are deleted."""
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        self.root, self.keep = Path(root), keep
+        self.folders = self.root / FOLDERS
+
+    def clean_leftovers(self) -> None:
+        """Remove what a killed save or deletion left behind (never a complete checkpoint)."""
+        if self.folders.is_dir():
+            for leftover in self.folders.glob(".*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in self.root.glob(".*.tmp-*"):
+            leftover.unlink(missing_ok=True)
+
+    def _numbered(self) -> list[tuple[int, Path]]:
+        if not self.folders.is_dir():
+            return []
+        found = ((_FOLDER_NAME.match(p.name), p) for p in self.folders.iterdir())
+        return sorted((int(m.group(1)), p) for m, p in found if m)
+
+    def linked(self, link: str) -> Optional[Path]:
+        path = self.root / link
+        return path.resolve() if path.is_symlink() and path.exists() else None
+
+    def save(self, *, epoch: int, step: int, best: bool, **contents: Any) -> Path:
+        """Write a checkpoint (``contents`` as for :func:`write_checkpoint`), point ``checkpoint``
+        (and, if ``best``, ``best``) at it, then delete the ones no longer kept."""
+        numbered = self._numbered()
+        number = numbered[-1][0] + 1 if numbered else 1
+        folder = write_checkpoint(self.folders / f"ckpt-{number:06d}-epoch{epoch:04d}-step{step:08d}", **contents)
+        self._point(LATEST_LINK, folder)
+        if best:
+            self._point(BEST_LINK, folder)
+        self._prune()
+        return folder
+
+    def _point(self, link: str, target: Path) -> None:
+        path = self.root / link
+        if path.is_dir() and not path.is_symlink():  # a checkpoint folder of the older layout
+            os.rename(path, self.folders / f"ckpt-000000-{link}-legacy")
+        temporary = self.root / f".{link}.tmp-{os.getpid()}"
+        temporary.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(target, self.root), temporary)
+        os.replace(temporary, path)
+        _fsync_path(self.root)
+
+    def _prune(self) -> None:
+        kept = {p.resolve() for _, p in self._numbered()[-self.keep :]}
+        kept |= {p for p in (self.linked(LATEST_LINK), self.linked(BEST_LINK)) if p is not None}
+        for _, folder in self._numbered():
+            if folder.resolve() not in kept:
+                trash = self.folders / f".trash-{folder.name}"
+                os.rename(folder, trash)  # one atomic step out of sight, then the slow delete
+                shutil.rmtree(trash, ignore_errors=True)

@@ -8,6 +8,7 @@ Small ViT datasets fit in memory easily, and batching by index beats a per-item 
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import pickle
 import struct
@@ -32,6 +33,7 @@ class ImageData:
     mean: list[float] = field(default_factory=list)
     std: list[float] = field(default_factory=list)
     flip_ok: bool = False  # whether horizontal flips preserve the label (not for digits)
+    source: str = ""  # where the labels come from, for error messages
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -59,7 +61,8 @@ def normalise_with(images: torch.Tensor, mean: list[float], std: list[float]) ->
 
 
 def _pair(
-    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, classes: list[str], flip_ok: bool
+    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, classes: list[str], flip_ok: bool,
+    sources: tuple[str, str] = ("", ""),
 ) -> tuple[ImageData, ImageData]:
     """uint8 or [0, 1] float arrays (N, C, H, W) -> normalised train and test ImageData."""
     scale = 255.0 if train_x.dtype == np.uint8 else 1.0
@@ -67,8 +70,8 @@ def _pair(
     test_t = torch.from_numpy(np.ascontiguousarray(test_x)).float() / scale
     train_t, test_t, mean, std = _normalise(train_t, test_t)
     return (
-        ImageData(train_t, torch.from_numpy(np.asarray(train_y)).long(), classes, mean, std, flip_ok),
-        ImageData(test_t, torch.from_numpy(np.asarray(test_y)).long(), classes, mean, std, flip_ok),
+        ImageData(train_t, torch.from_numpy(np.asarray(train_y)).long(), classes, mean, std, flip_ok, sources[0]),
+        ImageData(test_t, torch.from_numpy(np.asarray(test_y)).long(), classes, mean, std, flip_ok, sources[1]),
     )
 
 
@@ -82,7 +85,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[ImageData, 
     train_x, test_x, train_y, test_y = train_test_split(
         images, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=seed
     )
-    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(10)], flip_ok=False)
+    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(10)], flip_ok=False, sources=("digits (train split)", "digits (test split)"))
 
 
 MNIST_LAYOUT = (
@@ -121,12 +124,12 @@ def load_mnist(path: str | Path) -> tuple[ImageData, ImageData]:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"MNIST path {str(folder)!r} is not a directory; expected {MNIST_LAYOUT}")
-    arrays = {}
+    arrays, found_at = {}, {}
     for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         found = _find(folder, stem)
         if found is None:
             raise FileNotFoundError(f"{stem} not found in {str(folder)!r}; expected {MNIST_LAYOUT}")
-        arrays[stem] = read_idx(found)
+        arrays[stem], found_at[stem] = read_idx(found), str(found)
     train_x, train_y = arrays["train-images-idx3-ubyte"], arrays["train-labels-idx1-ubyte"]
     test_x, test_y = arrays["t10k-images-idx3-ubyte"], arrays["t10k-labels-idx1-ubyte"]
     for images, labels, split in ((train_x, train_y, "train"), (test_x, test_y, "t10k")):
@@ -134,18 +137,43 @@ def load_mnist(path: str | Path) -> tuple[ImageData, ImageData]:
             raise ValueError(
                 f"MNIST {split} files in {str(folder)!r} disagree: images {images.shape} (N, H, W), labels {labels.shape} (N,)"
             )
-    return _pair(train_x[:, None], train_y, test_x[:, None], test_y, [str(i) for i in range(10)], flip_ok=False)
+    sources = (found_at["train-labels-idx1-ubyte"], found_at["t10k-labels-idx1-ubyte"])
+    return _pair(train_x[:, None], train_y, test_x[:, None], test_y, [str(i) for i in range(10)], flip_ok=False, sources=sources)
 
 
 CIFAR_LAYOUT = "the extracted cifar-10-batches-py folder: data_batch_1 .. data_batch_5 and test_batch (python pickles)"
 
 
-def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+# The only globals a CIFAR-10 python batch refers to: numpy's array and scalar reconstructors (the
+# module was renamed numpy._core in numpy 2). Lists, dicts, bytes, str, int need no global.
+CIFAR_PICKLE_GLOBALS = {
+    (module, name)
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+    for name in ("_reconstruct", "scalar")
+} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: any other global (a function or class
+    that unpickling would call) is refused before anything runs."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}: a CIFAR-10 batch holds only numpy arrays, lists and bytes")
+        return super().find_class(module, name)
+
+
+def read_cifar_pickle(path: Path) -> object:
+    """A CIFAR-10 batch or batches.meta file, read with :class:`RestrictedUnpickler`."""
     with open(path, "rb") as handle:
         try:
-            batch = pickle.load(handle, encoding="bytes")
+            return RestrictedUnpickler(handle, encoding="bytes").load()
         except Exception as error:
             raise ValueError(f"{path} is not a CIFAR-10 python batch ({error}); expected {CIFAR_LAYOUT}") from error
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    batch = read_cifar_pickle(path)
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path} lacks the b'data' / b'labels' entries of a CIFAR-10 batch; expected {CIFAR_LAYOUT}")
     data = np.asarray(batch[b"data"], dtype=np.uint8)
@@ -170,13 +198,14 @@ def load_cifar10(path: str | Path) -> tuple[ImageData, ImageData]:
     classes = [str(i) for i in range(10)]
     meta = folder / "batches.meta"
     if meta.is_file():
-        with open(meta, "rb") as handle:
-            names_raw = pickle.load(handle, encoding="bytes").get(b"label_names")
+        contents = read_cifar_pickle(meta)
+        names_raw = contents.get(b"label_names") if isinstance(contents, dict) else None
         if names_raw:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names_raw]
     train_x = np.concatenate([x for x, _ in train])
     train_y = np.concatenate([y for _, y in train])
-    return _pair(train_x, train_y, test_x, test_y, classes, flip_ok=True)
+    sources = (f"{folder / 'data_batch_1'} .. data_batch_5", str(folder / "test_batch"))
+    return _pair(train_x, train_y, test_x, test_y, classes, flip_ok=True, sources=sources)
 
 
 FOLDER_LAYOUT = (
@@ -245,7 +274,7 @@ def load_image_folder(
         train_x, test_x, train_y, test_y = train_test_split(
             images, labels, test_size=test_fraction, stratify=labels, random_state=seed
         )
-    return _pair(train_x, train_y, test_x, test_y, classes, flip_ok=True)
+    return _pair(train_x, train_y, test_x, test_y, classes, flip_ok=True, sources=(str(root), str(root)))
 
 
 def load_synthetic(
@@ -263,7 +292,7 @@ def load_synthetic(
 
     train_x, train_y = draw(train_size)
     test_x, test_y = draw(test_size)
-    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(num_classes)], flip_ok=True)
+    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(num_classes)], flip_ok=True, sources=("synthetic", "synthetic"))
 
 
 def load_dataset(
@@ -285,6 +314,27 @@ def load_dataset(
     if name == "folder":
         return load_image_folder(path, img_size, in_chans)
     return load_synthetic(img_size, in_chans, num_classes, seed=seed)
+
+
+def check_labels(data: ImageData, num_classes: int) -> None:
+    """Every label in [0, num_classes), else a ValueError naming the file the labels come from."""
+    if len(data) == 0:
+        raise ValueError(f"{data.source}: no images")
+    low, high = int(data.labels.min()), int(data.labels.max())
+    if low < 0 or high >= num_classes:
+        raise ValueError(
+            f"{data.source}: labels range over [{low}, {high}], but the model has {num_classes} classes "
+            f"(labels must lie in [0, {num_classes - 1}]; see --num-classes)"
+        )
+
+
+def resize(data: ImageData, img_size: int) -> ImageData:
+    """The same data with images (N, C, H, W) resized to (N, C, img_size, img_size) (bilinear,
+    antialiased; a no-op at the same size)."""
+    if data.images.shape[-2:] == (img_size, img_size):
+        return data
+    images = torch.nn.functional.interpolate(data.images, size=(img_size, img_size), mode="bilinear", antialias=True, align_corners=False)
+    return dataclasses.replace(data, images=images)
 
 
 def augment(images: torch.Tensor, generator: torch.Generator, max_shift: int, flip: bool) -> torch.Tensor:

@@ -17,13 +17,13 @@ import torch
 
 import vit_kernels as vk
 from vit import checkpoint
-from vit.data import DATASETS, load_dataset, normalise_with, read_image
+from vit.data import DATASETS, check_labels, load_dataset, normalise_with, read_image, resize
 from vit.train import evaluate, pick_device
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint folder written by python -m vit.train")
+    parser.add_argument("checkpoint", help="checkpoint folder written by python -m vit.train (or its run folder)")
     parser.add_argument("--dataset", default=None, choices=DATASETS, help="default: the one it was trained on")
     parser.add_argument("--data-path", default=None)
     parser.add_argument("--image", default=None, help="classify this image file instead")
@@ -40,8 +40,9 @@ def classify_image(model: torch.nn.Module, meta: dict, path: str, device: torch.
     images = normalise_with(pixels, meta["dataset"]["mean"], meta["dataset"]["std"]).to(device)
     probabilities = torch.softmax(model(images).float(), dim=-1)[0]
     index = int(probabilities.argmax())
-    classes = meta["dataset"].get("classes") or [str(i) for i in range(config.num_classes)]
-    return {"image": path, "class": index, "label": classes[index], "probabilities": [round(p, 6) for p in probabilities.tolist()]}
+    classes = meta["dataset"].get("classes") or []
+    label = classes[index] if index < len(classes) else str(index)
+    return {"image": path, "class": index, "label": label, "probabilities": [round(p, 6) for p in probabilities.tolist()]}
 
 
 def predict(args: argparse.Namespace) -> dict:
@@ -58,6 +59,8 @@ def predict(args: argparse.Namespace) -> dict:
         name, path, img_size=config.img_size, in_chans=config.in_chans, num_classes=config.num_classes,
         seed=meta["progress"]["args"].get("seed", 0),
     )
+    test = resize(test, config.img_size)
+    check_labels(test, config.num_classes)
     result = evaluate(model, test, device, "auto")
     return {"checkpoint": args.checkpoint, "dataset": name, "images": len(test), "accuracy": result.accuracy, "loss": result.loss}
 

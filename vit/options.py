@@ -1,0 +1,185 @@
+"""Options of ``python -m vit.train``: each checked by argparse (finite, in range, an existing or
+creatable path, an available device), so a bad value ends with one line and exit code 2.
+
+``--resume PATH`` alone continues a run: every training option comes from the checkpoint; given
+again, an option that would change the run's course (model, data, schedule, seed, ...) must match
+it, while those that do not (``--epochs`` up, ``--out``, ``--device``, checkpointing, ...) may change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import vit_kernels as vk
+from vit import distributed
+from vit.data import DATASETS
+from vit.model import list_models
+
+# Options a resumed run may change; every other one is part of the run's course.
+CHANGEABLE_ON_RESUME = {
+    "epochs", "out", "resume", "device", "backend", "no_progress", "debug", "checkpoint_every", "keep",
+    "stop_at_step", "eval_every", "distributed", "dist_timeout", "data_path",
+}
+# Options that describe this launch, not the run: never taken from the checkpoint.
+LAUNCH_OPTIONS = {"resume", "stop_at_step", "out", "device", "distributed", "debug", "no_progress"}
+_INTERVAL = re.compile(r"^(\d+)\s*(steps?|epochs?)?$")
+
+
+def _number(kind: type, low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` in [low, high] ((low, high] if ``low_open``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        if value < low or value > high or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text!r}")
+        return value
+
+    return parse
+
+
+def interval(text: str) -> tuple[int, str]:
+    """``N``, ``Nepochs`` or ``Nsteps`` -> (N, "epochs" | "steps")."""
+    match = _INTERVAL.match(text.strip().lower())
+    if not match or int(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive count of epochs or steps such as 2, 2epochs or 500steps, got {text!r}")
+    unit = "steps" if (match.group(2) or "").startswith("step") else "epochs"
+    return int(match.group(1)), unit
+
+
+def device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def existing_path(text: str) -> str:
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return str(Path(text).expanduser().resolve())
+
+
+def creatable_folder(text: str) -> str:
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {str(parent)!r} is not a writable folder")
+    return str(path)
+
+
+def checkpoint_path(text: str) -> str:
+    from vit.checkpoint import CheckpointError, resolve
+
+    try:
+        return str(resolve(Path(text).expanduser()))
+    except CheckpointError as error:
+        raise argparse.ArgumentTypeError(str(error))
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """Errors as one line (``prog: error: ...``, exit code 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    parser = OneLineErrors(prog="python -m vit.train", description=description)
+    add = parser.add_argument
+    add("--model", default="vit_digits", choices=list_models(), help="preset name")
+    add("--num-classes", type=_number(int, 1, 1_000_000), default=None, help="classifier size (default: the dataset's class count)")
+    add("--img-size", type=_number(int, 1, 8192), default=None, help="image side (default: the preset's); images are resized to it")
+    add("--dataset", default="digits", choices=DATASETS)
+    add("--data-path", type=existing_path, default=None, help="folder of the dataset (mnist, cifar10, folder)")
+    add("--epochs", type=_number(int, 1, 1_000_000), default=60)
+    add("--batch-size", type=_number(int, 1, 1 << 24), default=64, help="global batch (split over processes)")
+    add("--lr", type=_number(float, 0.0, 10.0, low_open=True), default=2e-3, help="peak learning rate")
+    add("--min-lr", type=_number(float, 0.0, 10.0), default=1e-5, help="learning rate at the end of the cosine (<= --lr)")
+    add("--weight-decay", type=_number(float, 0.0, 10.0), default=0.05)
+    add("--warmup-epochs", type=_number(float, 0.0, 1_000_000.0), default=3.0, help="linear warm-up")
+    add("--label-smoothing", type=_number(float, 0.0, 0.999), default=0.1)
+    add("--shift", type=_number(int, 0, 8192), default=1, help="random translation in pixels, below the image size (0 disables)")
+    add("--no-augment", action="store_true", help="no shift and no flip")
+    add("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="auto = bf16 on CUDA only; fp16 uses a gradient scaler")
+    add("--device", type=device, default="auto", help="auto | cpu | cuda | cuda:N")
+    add("--backend", default="auto", choices=vk.backend.CHOICES)
+    add("--seed", type=_number(int, 0, 2**62), default=0)
+    add("--out", type=creatable_folder, default=None, help="run folder for metrics and checkpoints (default runs/<model>-<dataset>)")
+    add("--resume", type=checkpoint_path, default=None, help="checkpoint (or run folder) to continue from; its options are the defaults")
+    add("--eval-every", type=_number(int, 1, 1_000_000), default=1, help="evaluate every N epochs (and after the last)")
+    add("--checkpoint-every", type=interval, action="append", default=None, metavar="N[epochs|steps]",
+        help="save a checkpoint every N epochs and/or steps (repeat for both; default 1epochs); also at the end, "
+             "at a new best test accuracy and on SIGTERM/SIGINT")
+    add("--keep", type=_number(int, 1, 1_000_000), default=2, help="how many latest checkpoints to keep (plus the best)")
+    add("--stop-at-step", type=_number(int, 1, 1 << 62), default=None, help="save and stop once this global step is done")
+    add("--distributed", choices=distributed.MODES, default="none", help="ddp or fsdp, under torchrun --nproc_per_node N")
+    add("--dist-timeout", type=_number(float, 1.0, 86_400.0), default=300.0, help="seconds before a stalled collective fails")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    return parser
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> set[str]:
+    """The options given on the command line (not defaulted)."""
+    unset = object()
+    # an append action extends its default, so it is told apart by being non-empty instead
+    probe = argparse.Namespace(**{dest: unset for dest in vars(parser.parse_args([])) if dest != "checkpoint_every"})
+    parsed = vars(parser.parse_args(argv, probe))
+    return {dest for dest, value in parsed.items() if value is not unset and (dest != "checkpoint_every" or value)}
+
+
+def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
+    """Parse and validate; with ``--resume``, the checkpoint's options fill in what is not given."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    if args.resume:
+        from vit.checkpoint import CheckpointError, read_meta
+
+        try:
+            saved = read_meta(args.resume)["progress"]["args"]
+        except (CheckpointError, KeyError) as error:
+            parser.error(f"--resume {args.resume}: {error}")
+        explicit = _explicit(parser, argv)
+        for name in sorted(explicit - CHANGEABLE_ON_RESUME):
+            if name in saved and getattr(args, name) != saved[name]:
+                parser.error(
+                    f"--{name.replace('_', '-')} {getattr(args, name)} differs from the resumed run's {saved[name]}; "
+                    "a resumed run keeps its course (start a new run to change it)"
+                )
+        for name, value in saved.items():
+            if name not in explicit and name in vars(args) and name not in LAUNCH_OPTIONS:
+                setattr(args, name, value)
+    args.checkpoint_every = [tuple(item) for item in args.checkpoint_every or [(1, "epochs")]]
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if args.dataset in ("mnist", "cifar10", "folder") and args.data_path is None:
+        parser.error(f"--dataset {args.dataset} needs --data-path")
+    if args.distributed == "fsdp" and args.amp == "fp16":
+        parser.error("--amp fp16 is not supported with --distributed fsdp (use bf16)")
+    return args
