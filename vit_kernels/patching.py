@@ -23,7 +23,7 @@ _LOOKS_LIKE = (
     ("attention", re.compile(r"attention|attn", re.IGNORECASE)),
     ("MLP", re.compile(r"mlp|feedforward|ffn|glu", re.IGNORECASE)),
     ("norm", re.compile(r"norm", re.IGNORECASE)),
-    ("patch embedding", re.compile(r"patch_?embed|embeddings?$", re.IGNORECASE)),
+    ("patch embedding", re.compile(r"patch_?embed", re.IGNORECASE)),
 )
 
 
