@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest clean
+.PHONY: install demo test test-all test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -32,6 +32,25 @@ test: $(STAMP)
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m aot $(PYTEST_ARGS)
+
+# The drop-in layers against the real timm, transformers and torchvision, in an environment of their
+# own (pins in tests/integration/requirements.txt: a matching torch/torchvision pair). The project is
+# installed there as a wheel (its extension built CPU-only), so the tree's extension, built for the
+# main venv's torch, stays untouched; --import-mode=importlib keeps the tree off sys.path.
+INT_VENV := .venv-integration
+INT_PY := $(INT_VENV)/bin/python
+INT_STAMP := $(INT_VENV)/.installed
+INT_SOURCES := $(shell find vit_kernels vit -name '*.py') $(wildcard csrc/*.cpp csrc/*.h)
+
+$(INT_STAMP): pyproject.toml setup.py tests/integration/requirements.txt $(INT_SOURCES)
+	test -x $(INT_PY) || $(PYTHON) -m venv $(INT_VENV)
+	$(INT_PY) -m pip install -q -r tests/integration/requirements.txt
+	VIT_KERNELS_CUDA=0 $(INT_PY) -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+	touch $(INT_STAMP)
+
+test-integration: $(INT_STAMP)
+	cd tests/integration && ../../$(INT_VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
+		--rootdir=. -c pytest.ini . $(PYTEST_ARGS)
 
 # Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes.
 BENCH_OUT ?= build/bench
@@ -93,4 +112,4 @@ $(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUD
 		-I$(CUDA_CHECK_DIR)/include -c $< -o $@ 2> $(@:.o=.ptxas.log) || { cat $(@:.o=.ptxas.log); exit 1; }
 
 clean:
-	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so
+	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so $(INT_VENV)

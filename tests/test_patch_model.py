@@ -1,42 +1,98 @@
-"""patch_model swaps timm-style layers for fused ones, keeps the parameters, keeps the output."""
+"""patch_model on plain PyTorch layers (the main environment has no timm/transformers/torchvision;
+tests/integration checks those against the real libraries): swaps keep the parameters and the
+outputs and gradients, unknown layers are reported, masks are refused clearly."""
 
+import copy
+
+import pytest
 import torch
 from torch import nn
 
 import vit_kernels as vk
-from tests import timm_like
 from vit_kernels import nn as vkn
 
 
-def test_patch_model_replaces_known_layers_and_keeps_outputs():
-    model = timm_like.VisionTransformer().double().eval()
-    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    before = model(images)
-    params_before = {name: p for name, p in model.named_parameters()}
-    report = vk.patch_model(model)
-    replaced = {name: new for name, _, new in report.replaced}
-    assert replaced["patch_embed"] == "PatchEmbed"
-    assert replaced["blocks.0.attn"] == "Attention" and replaced["blocks.1.mlp"] == "Mlp"
-    assert replaced["blocks.1.norm2"] == "LayerNorm" and replaced["norm"] == "LayerNorm"
-    assert isinstance(model.blocks[0].attn, vkn.Attention) and isinstance(model.patch_embed, vkn.PatchEmbed)
-    assert len(report.replaced) == 1 + 2 * 4 + 1
-    params_after = dict(model.named_parameters())
-    assert params_after.keys() == params_before.keys()
-    assert all(params_after[n] is params_before[n] for n in params_before), "parameters must be the same tensors"
-    torch.testing.assert_close(model(images), before)
-    assert "replaced 10 layer(s)" in str(report)
+def _assert_same_outputs_and_grads(model, reference, x):
+    out, expected = model(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-def test_patch_model_skips_what_it_cannot_fuse():
-    model = nn.Sequential(timm_like.Mlp(8, 16, act_layer=nn.SiLU), nn.LayerNorm((4, 8)))
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("training", [False, True])
+def test_transformer_encoder_is_exact(batch_first, norm_first, activation, training):
+    vk.set_backend("torch")
+    dropout = 0.0 if training else 0.1  # dropout masks come from different random streams
+    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=dropout, activation=activation,
+                                       batch_first=batch_first, norm_first=norm_first)
+    reference = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().train(training)
+    model = copy.deepcopy(reference)
+    params_before = dict(model.named_parameters())
     report = vk.patch_model(model)
-    assert report.replaced == []
+    assert report.skipped == []
+    assert [new.rsplit(".", 1)[-1] for _, _, new in report.replaced[:4]] == [
+        "FusedTransformerEncoderLayer", "FusedMultiheadAttention", "LayerNorm", "LayerNorm"]
+    assert all(p is params_before[n] for n, p in model.named_parameters()), "parameters must be the same tensors"
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    _assert_same_outputs_and_grads(model, reference, torch.randn(5, 3, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_multihead_self_attention_is_exact(need_weights, average):
+    vk.set_backend("torch")
+    reference = nn.MultiheadAttention(12, 3, batch_first=True).double()
+    model = copy.deepcopy(reference)
+    assert len(vk.patch_model(model).replaced) == 1
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    out, weights = model(x, x, x, need_weights=need_weights, average_attn_weights=average)
+    expected, expected_weights = reference(x, x, x, need_weights=need_weights, average_attn_weights=average)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=1e-12)
+    else:
+        assert weights is None and expected_weights is None
+
+
+def test_masks_and_cross_attention_are_refused_clearly():
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    vk.patch_model(model)
+    x, y = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="attn_mask"):
+        model(x, x, x, attn_mask=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="same tensor"):
+        model(x, y, y)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    vk.patch_model(layer)
+    with pytest.raises(ValueError, match="src_key_padding_mask"):
+        layer(x, src_key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+
+
+def test_layer_norms_are_swapped_with_their_tensors_and_unknown_layers_reported():
+    class RMSNorm(nn.Module):
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm((4, 8)), RMSNorm(), nn.Conv2d(3, 8, 4, stride=4),
+                          nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    weight = model[0].weight
+    report = vk.patch_model(model)
+    assert isinstance(model[0], vkn.LayerNorm) and model[0].weight is weight
     reasons = dict(report.skipped)
-    assert "SiLU" in reasons["0"] and "last dimension" in reasons["1"]
+    assert set(reasons) == {"1", "2", "3", "4"}
+    assert "last dimension" in reasons["1"] and "norm-like" in reasons["2"]
+    assert "patch-embedding-like" in reasons["3"] and "kdim/vdim" in reasons["4"]
+    assert "skipped 4 layer(s)" in str(report)
 
 
-def test_patch_model_preserves_training_mode_and_dropout():
-    model = timm_like.Mlp(8, 16, drop=0.25).train()
-    wrapper = nn.Sequential(model)
-    vk.patch_model(wrapper)
-    assert wrapper[0].training and wrapper[0].drop == 0.25
+def test_patch_model_keeps_training_mode_and_rejects_non_modules():
+    model = nn.Sequential(nn.LayerNorm(8)).train()
+    vk.patch_model(model)
+    assert model[0].training
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        vk.patch_model("not a model")

@@ -34,6 +34,65 @@ def _add_dropped(out: torch.Tensor, p: float, training: bool, residual: Optional
     return out if residual is None else residual + out
 
 
+def self_attention(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: Optional[torch.Tensor],
+    proj_weight: torch.Tensor,
+    proj_bias: Optional[torch.Tensor],
+    num_heads: int,
+    *,
+    attn_drop: float = 0.0,
+    proj_drop: float = 0.0,
+    training: bool = False,
+    residual: Optional[torch.Tensor] = None,
+    return_probs: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Packed-projection self-attention on the fused ops, shared by every attention layer.
+
+    x (B, L, D); qkv_weight (3*D', D) as one ``Linear(D, 3*D')``; proj_weight (D_out, D').
+    Returns (B, L, D_out) [+ residual] and, with ``return_probs``, the probabilities (B, H, L, L).
+    Dropout acts only when ``training``; the residual add is fused into the projection when no
+    dropout follows it.
+    """
+    qkv = vkf.linear(x, qkv_weight, qkv_bias)
+    result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs)
+    out, probs = result if return_probs else (result, None)
+    if training and proj_drop > 0:
+        out = _add_dropped(vkf.linear(out, proj_weight, proj_bias), proj_drop, True, residual)
+    else:
+        out = vkf.linear(out, proj_weight, proj_bias, residual=residual)
+    return (out, probs) if return_probs else out
+
+
+def feed_forward(
+    x: torch.Tensor,
+    fc1: nn.Linear,
+    fc2: nn.Linear,
+    act: str,
+    *,
+    hidden_drop: float = 0.0,
+    out_drop: float = 0.0,
+    training: bool = False,
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """fc1 -> act -> dropout(hidden_drop) -> fc2 -> dropout(out_drop) [+ residual], fused where
+    dropout allows. x (..., D_in) -> (..., D_out)."""
+    hidden_dropping = training and hidden_drop > 0
+    out_dropping = training and out_drop > 0
+    approximate = _GELU_APPROXIMATE.get(act)
+    if approximate is not None and not hidden_dropping and not out_dropping:
+        return vkf.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate=approximate, residual=residual)
+    if approximate is not None:
+        hidden = vkf.linear_gelu(x, fc1.weight, fc1.bias, approximate=approximate)
+    else:
+        hidden = torch.relu(vkf.linear(x, fc1.weight, fc1.bias))
+    hidden = F.dropout(hidden, hidden_drop, hidden_dropping)
+    if not out_dropping:
+        return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual)
+    return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias), out_drop, True, residual)
+
+
 class PatchEmbed(nn.Module):
     """Image to tokens: (N, C, H, W) -> (N, T, D), one fused op.
 
@@ -103,20 +162,30 @@ class Attention(nn.Module):
         *,
         return_probs: bool = False,
         attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L)."""
-        if attn_mask is not None:
-            raise ValueError("attn_mask is not supported: ViT attention is unmasked")
-        qkv = vkf.linear(x, self.qkv.weight, self.qkv.bias)
-        result = vkf.attention(
-            qkv, self.num_heads, dropout_p=self.attn_drop if self.training else 0.0, return_probs=return_probs
+        """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L).
+
+        ``attn_mask`` and ``is_causal`` are accepted as timm's blocks pass them; only their
+        defaults (no mask, not causal) are supported: ViT attention is unmasked.
+        """
+        check_unmasked(attn_mask=attn_mask, is_causal=is_causal)
+        return self_attention(
+            x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
+            attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
+            residual=residual, return_probs=return_probs,
         )
-        out, probs = result if return_probs else (result, None)
-        if self.training and self.proj_drop > 0:
-            out = _add_dropped(vkf.linear(out, self.proj.weight, self.proj.bias), self.proj_drop, True, residual)
-        else:
-            out = vkf.linear(out, self.proj.weight, self.proj.bias, residual=residual)
-        return (out, probs) if return_probs else out
+
+
+def check_unmasked(**masks: object) -> None:
+    """Raise when any of the given masks (tensors) or causal flags (bools) is set: the fused
+    attention computes full, unmasked softmax attention."""
+    for name, value in masks.items():
+        if value is not None and value is not False:
+            raise ValueError(
+                f"{name}={value if isinstance(value, bool) else 'a tensor'} is not supported: the fused attention "
+                f"is unmasked (pass {name}=None{'/False' if isinstance(value, bool) else ''}, or keep the original layer)"
+            )
 
 
 class Mlp(nn.Module):
@@ -141,21 +210,10 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (..., D) -> (..., D_out) [+ residual]."""
-        dropping = self.training and self.drop > 0
-        approximate = _GELU_APPROXIMATE.get(self.act)
-        if approximate is not None and not dropping:
-            return vkf.mlp(
-                x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                approximate=approximate, residual=residual,
-            )
-        if approximate is not None:
-            hidden = vkf.linear_gelu(x, self.fc1.weight, self.fc1.bias, approximate=approximate)
-        else:
-            hidden = torch.relu(vkf.linear(x, self.fc1.weight, self.fc1.bias))
-        if not dropping:
-            return vkf.linear(hidden, self.fc2.weight, self.fc2.bias, residual=residual)
-        hidden = F.dropout(hidden, self.drop, True)
-        return _add_dropped(vkf.linear(hidden, self.fc2.weight, self.fc2.bias), self.drop, True, residual)
+        return feed_forward(
+            x, self.fc1, self.fc2, self.act, hidden_drop=self.drop, out_drop=self.drop,
+            training=self.training, residual=residual,
+        )
 
 
 class LayerNorm(nn.LayerNorm):

@@ -1,30 +1,36 @@
-"""``patch_model``: the adapter for models we don't own (timm ViTs, plain PyTorch).
+"""``patch_model``: the adapter for models we don't own (timm, Hugging Face, torchvision, plain PyTorch).
 
-Known layers are swapped in place for the fused ones, keeping the very same parameter tensors
-(so optimizers, state dicts and weight tying are unaffected):
-
-* ``nn.LayerNorm`` over one dimension                  -> ``vit_kernels.nn.LayerNorm``
-* timm ``Attention`` (qkv, proj, num_heads; no q/k norm) -> ``vit_kernels.nn.Attention``
-* timm ``Mlp`` (fc1, act = GELU / GELU-tanh / ReLU, fc2) -> ``vit_kernels.nn.Mlp``
-* timm ``PatchEmbed`` (Conv2d with kernel == stride)     -> ``vit_kernels.nn.PatchEmbed``
-
-Layers are recognised by their structure, so timm need not be installed. Anything else is left as
-it is and listed in the report's ``skipped`` with the reason.
+A layer is swapped only when its class is one the adapters in ``vit_kernels.integrations`` know and
+every submodule, parameter, buffer and forward argument it has is understood; the swap keeps the
+very same parameter tensors (so optimizers, state dicts and weight tying are unaffected). Everything
+attention-, MLP-, norm- or patch-embedding-like that stays as it is is listed in the report's
+``skipped`` with the reason, so the coverage is visible.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from torch import nn
 
-from vit_kernels import nn as vkn
+from vit_kernels.integrations import RULES
+from vit_kernels.integrations._common import own_tensors, qualified_name
+
+# What a module we do not know looks like, by its class name.
+_LOOKS_LIKE = (
+    ("attention", re.compile(r"attention|attn", re.IGNORECASE)),
+    ("MLP", re.compile(r"mlp|feedforward|ffn|glu", re.IGNORECASE)),
+    ("norm", re.compile(r"norm", re.IGNORECASE)),
+    ("patch embedding", re.compile(r"patch_?embed", re.IGNORECASE)),
+)
 
 
 @dataclass
 class PatchReport:
-    """What ``patch_model`` did: ``replaced`` rows are (qualified name, old class, new class)."""
+    """What ``patch_model`` did: ``replaced`` rows are (qualified name, old class, new class);
+    ``skipped`` rows are (qualified name, reason) for the layers it left as they are."""
 
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -38,111 +44,65 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _is_identity(module: Optional[nn.Module]) -> bool:
-    return module is None or isinstance(module, nn.Identity)
-
-
-def _dropout_p(module: Optional[nn.Module]) -> float:
-    return module.p if isinstance(module, nn.Dropout) else 0.0
-
-
-def _activation_name(act: nn.Module) -> Optional[str]:
-    if isinstance(act, nn.GELU):
-        return {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate]
-    if isinstance(act, nn.ReLU):
-        return "relu"
+def _unknown_layer_reason(module: nn.Module) -> Optional[str]:
+    """Why an unknown module that looks like a layer we fuse is left alone, or None when it does not."""
+    cls = type(module)
+    if isinstance(module, nn.Conv2d) and module.kernel_size == module.stride and module.kernel_size != (1, 1):
+        return "a patch-embedding-like Conv2d called directly by its model (only known patch-embedding layers are fused)"
+    for kind, pattern in _LOOKS_LIKE:
+        if pattern.search(cls.__name__):
+            tensors = own_tensors(module)
+            extra = f" (its own parameters/buffers: {', '.join(tensors)})" if tensors else ""
+            return f"{kind}-like {qualified_name(cls)} is not a layer vit_kernels knows{extra}"
     return None
 
 
-def _swap_layer_norm(module: nn.Module) -> tuple[Optional[nn.Module], str]:
-    if len(module.normalized_shape) != 1:
-        return None, "normalizes over more than the last dimension"
-    new = vkn.LayerNorm(module.normalized_shape[0], eps=module.eps, elementwise_affine=False, bias=False)
-    new.weight, new.bias = module.weight, module.bias
-    return new, ""
+def _visit(parent: nn.Module, prefix: str, report: PatchReport) -> None:
+    for child_name, child in list(parent.named_children()):
+        _patch(parent, child_name, child, f"{prefix}.{child_name}" if prefix else child_name, report)
 
 
-def _swap_attention(module: nn.Module) -> tuple[Optional[nn.Module], str]:
-    if not (_is_identity(getattr(module, "q_norm", None)) and _is_identity(getattr(module, "k_norm", None))):
-        return None, "uses q/k normalization"
-    if not _is_identity(getattr(module, "norm", None)):
-        return None, "normalizes inside attention"
-    dim, heads = module.qkv.in_features, module.num_heads
-    scale = getattr(module, "scale", None)
-    if scale is not None and abs(scale - (dim // heads) ** -0.5) > 1e-12:
-        return None, f"uses a non-default scale {scale}"
-    new = vkn.Attention(
-        dim,
-        heads,
-        attn_drop=_dropout_p(getattr(module, "attn_drop", None)),
-        proj_drop=_dropout_p(getattr(module, "proj_drop", None)),
-    )
-    new.qkv, new.proj = module.qkv, module.proj
-    return new, ""
+def _patch(parent: Optional[nn.Module], child_name: str, child: nn.Module, name: str, report: PatchReport) -> None:
+    """Swap ``child`` (``parent.<child_name>``; the model itself when ``parent`` is None) or say why not."""
+    cls = type(child)
+    if cls.__module__.startswith("vit_kernels."):
+        return  # ours already
+    rule = RULES.get(qualified_name(cls))
+    if rule is None:
+        why = _unknown_layer_reason(child)
+        if why:
+            report.skipped.append((name or "(model)", why))
+        _visit(child, name, report)
+        return
+    swap = rule(child)
+    label = name or "(model)"
+    if swap.new is not None and swap.new is not child and parent is None:
+        swap = type(swap)(None, "is the model itself: wrap it in a parent module to replace it", descend=False)
+    if swap.new is None:
+        report.skipped.append((label, swap.reason))
+    else:
+        if swap.new is not child:
+            swap.new.train(child.training)
+            setattr(parent, child_name, swap.new)
+        report.replaced.append((label, cls.__name__, _describe(swap.new, child)))
+    if swap.descend:
+        _visit(swap.new if swap.new is not None else child, name, report)
 
 
-def _swap_mlp(module: nn.Module) -> tuple[Optional[nn.Module], str]:
-    act = _activation_name(module.act)
-    if act is None:
-        return None, f"activation {type(module.act).__name__} is not one of GELU, GELU(tanh), ReLU"
-    if not _is_identity(getattr(module, "norm", None)):
-        return None, "normalizes inside the MLP"
-    drop1, drop2 = _dropout_p(getattr(module, "drop1", None)), _dropout_p(getattr(module, "drop2", None))
-    if drop1 != drop2:
-        return None, f"uses two different dropout rates ({drop1}, {drop2})"
-    if not isinstance(module.fc1, nn.Linear) or not isinstance(module.fc2, nn.Linear):
-        return None, "fc1/fc2 are not nn.Linear"
-    new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act, drop=drop1)
-    new.fc1, new.fc2 = module.fc1, module.fc2
-    return new, ""
-
-
-def _swap_patch_embed(module: nn.Module) -> tuple[Optional[nn.Module], str]:
-    proj = module.proj
-    if not isinstance(proj, nn.Conv2d) or proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
-        return None, "projection is not a square Conv2d with stride == kernel"
-    if proj.padding not in ((0, 0), "valid") or proj.dilation != (1, 1) or proj.groups != 1:
-        return None, "projection uses padding, dilation or groups"
-    if not getattr(module, "flatten", True) or not _is_identity(getattr(module, "norm", None)):
-        return None, "does not flatten to tokens, or normalizes the tokens"
-    if getattr(module, "dynamic_img_size", False) or getattr(module, "dynamic_img_pad", False):
-        return None, "uses dynamic image sizes"
-    img_size = getattr(module, "img_size", None)
-    new = vkn.PatchEmbed(img_size, proj.kernel_size[0], proj.in_channels, proj.out_channels)
-    new.proj = proj
-    return new, ""
-
-
-def _matcher(module: nn.Module) -> Optional[Callable[[nn.Module], tuple[Optional[nn.Module], str]]]:
-    """The swap function for ``module``, recognised by type or structure, or None."""
-    if isinstance(module, (vkn.LayerNorm, vkn.Attention, vkn.Mlp, vkn.PatchEmbed)):
-        return None
-    if isinstance(module, nn.LayerNorm):
-        return _swap_layer_norm
-    name = type(module).__name__
-    if name == "Attention" and all(hasattr(module, a) for a in ("qkv", "proj", "num_heads")):
-        return _swap_attention
-    if name == "Mlp" and all(hasattr(module, a) for a in ("fc1", "act", "fc2")):
-        return _swap_mlp
-    if name == "PatchEmbed" and hasattr(module, "proj") and getattr(module, "img_size", None) is not None:
-        return _swap_patch_embed
-    return None
+def _describe(new: nn.Module, old: nn.Module) -> str:
+    if new is old and qualified_name(type(new)) in RULES:
+        return f"{type(new).__name__} (fused attention via its attention interface)"
+    return f"{type(new).__module__}.{type(new).__name__}"
 
 
 def patch_model(model: nn.Module) -> PatchReport:
-    """Swap known layers of ``model`` in place for fused ones with the same parameters."""
+    """Swap the known layers of ``model`` in place for fused ones with the same parameters.
+
+    Returns the report: every swapped layer, and every attention-, MLP-, norm- or patch-embedding-
+    like layer left alone with the reason. ``print(report)`` lists both.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            swap = _matcher(child)
-            if swap is None:
-                continue
-            qualified = f"{parent_name}.{child_name}" if parent_name else child_name
-            new, why = swap(child)
-            if new is None:
-                report.skipped.append((qualified, why))
-                continue
-            new.train(child.training)
-            setattr(parent, child_name, new)
-            report.replaced.append((qualified, type(child).__name__, type(new).__name__))
+    _patch(None, "", model, "", report)
     return report

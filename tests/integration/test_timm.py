@@ -1,0 +1,80 @@
+"""patch_model on real timm models (pretrained=False, tiny sizes): outputs and every parameter
+gradient equal to the original in float64, train and eval; BEiT attention is skipped with a reason."""
+
+import pytest
+import timm
+import torch
+
+from exactness import compare, patched_copy
+from vit_kernels import nn as vkn
+
+SMALL = {"img_size": 32, "num_classes": 5}
+FAMILIES = {
+    "vit_tiny": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8}),
+    "vit_small": ("vit_small_patch16_224", {"depth": 1}),
+    "vit_base": ("vit_base_patch16_224", {"depth": 1}),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", {"depth": 2, "patch_size": 8}),
+    "avg_pool_no_class_token": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "class_token": False, "global_pool": "avg"}),
+    "registers_layer_scale": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "reg_tokens": 4, "init_values": 0.1}),
+    "reg4_gap": ("vit_base_patch16_reg4_gap_256", {"depth": 1, "embed_dim": 64, "num_heads": 4}),
+}
+
+
+def _timm_vit(name, **overrides):
+    model = timm.create_model(name, pretrained=False, **{**SMALL, **overrides}).double()
+    for p in model.parameters():  # random everywhere (timm zeroes class tokens and some biases)
+        torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("training", [False, True])
+def test_plain_timm_vits_are_exact(family, training, record_difference):
+    name, overrides = FAMILIES[family]
+    reference = _timm_vit(name, **overrides).train(training)
+    model, report = patched_copy(reference)
+    assert report.skipped == [], report
+    depth = overrides["depth"]
+    kinds = [new.rsplit(".", 1)[-1] for _, _, new in report.replaced]
+    assert kinds.count("Attention") == depth and kinds.count("Mlp") == depth and kinds.count("FusedPatchEmbed") == 1
+    assert isinstance(model.blocks[0].attn, vkn.Attention) and isinstance(model.blocks[0].mlp, vkn.Mlp)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    record_difference(f"timm {family}", *compare(reference, model, images))
+
+
+def test_dynamic_image_size_is_exact(record_difference):
+    reference = _timm_vit("vit_tiny_patch16_224", depth=2, patch_size=8, dynamic_img_size=True)
+    model, report = patched_copy(reference)
+    assert report.skipped == [], report
+    for size in ((32, 32), (48, 40)):
+        images = torch.randn(2, 3, *size, dtype=torch.float64)
+        record_difference("timm dynamic_img_size", *compare(reference, model, images))
+
+
+def test_beit_attention_is_skipped_with_its_parameters_named(record_difference):
+    reference = _timm_vit("beit_base_patch16_224", depth=1, embed_dim=64, num_heads=4)
+    model, report = patched_copy(reference)
+    reasons = dict(report.skipped)
+    assert "q_bias" in reasons["blocks.0.attn"] and "relative_position_bias_table" in reasons["blocks.0.attn"]
+    assert type(model.blocks[0].attn) is type(reference.blocks[0].attn)
+    record_difference("timm beit (attention kept)", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
+
+
+def test_qk_norm_and_swiglu_are_reported_not_swapped():
+    model = _timm_vit("vit_tiny_patch16_224", depth=1, qk_norm=True)
+    reasons = dict(patched_copy(model)[1].skipped)
+    assert "qk_norm" in reasons["blocks.0.attn"]
+    eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=28, depth=1, num_classes=5)
+    eva_reasons = dict(patched_copy(eva)[1].skipped)
+    assert any("attention-like" in why for why in eva_reasons.values()), eva_reasons
+    assert any("MLP-like" in why for why in eva_reasons.values()), eva_reasons
+
+
+def test_a_real_mask_is_refused_clearly():
+    model, _ = patched_copy(_timm_vit("vit_tiny_patch16_224", depth=1, patch_size=8))
+    tokens = torch.randn(1, 17, 192, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attn_mask"):
+        model.blocks[0](tokens, attn_mask=torch.zeros(17, 17, dtype=torch.float64))
+    with pytest.raises(ValueError, match="is_causal"):
+        model.blocks[0](tokens, is_causal=True)

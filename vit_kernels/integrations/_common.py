@@ -1,0 +1,118 @@
+"""What every adapter shares: naming classes without importing their library, the checks that a
+layer holds nothing we do not understand, activation names, and swapping a module's class for a
+subclass with a fused ``forward`` (which keeps every parameter, buffer, attribute and method)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch.nn.functional as F
+from torch import nn
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class, e.g. ``timm.layers.attention.Attention``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class Swap:
+    """A rule's verdict on one module: ``new`` replaces it (``new is module`` when only its class
+    changed), or ``reason`` says why it stays; ``descend`` visits its children afterwards."""
+
+    new: Optional[nn.Module] = None
+    reason: str = ""
+    descend: bool = False
+
+    @classmethod
+    def skip(cls, reason: str) -> "Swap":
+        return cls(None, reason, descend=True)
+
+
+# A rule takes the module and returns a Swap.
+Rule = Callable[[nn.Module], Swap]
+
+
+def own_tensors(module: nn.Module) -> list[str]:
+    """Names of the parameters and buffers held directly by ``module`` (not by its children)."""
+    return [n for n, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None]
+
+
+def unknown_parts(module: nn.Module, children: Iterable[str], tensors: Iterable[str] = ()) -> Optional[str]:
+    """Why ``module`` holds more than the named children and own tensors, or None."""
+    extra_children = sorted(set(dict(module.named_children())) - set(children))
+    extra_tensors = sorted(set(own_tensors(module)) - set(tensors))
+    parts = []
+    if extra_children:
+        parts.append(f"submodules {extra_children}")
+    if extra_tensors:
+        parts.append(f"parameters/buffers {extra_tensors}")
+    return f"has {' and '.join(parts)} the fused layer does not compute" if parts else None
+
+
+def unknown_forward_args(module: nn.Module, accepted: Iterable[str]) -> Optional[str]:
+    """Why the original ``forward`` takes arguments the replacement does not, or None."""
+    params = inspect.signature(type(module).forward).parameters
+    names = [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = sorted(set(names) - set(accepted))
+    return f"forward takes argument(s) {extra} the fused layer does not understand" if extra else None
+
+
+def dropout_p(module: Optional[nn.Module]) -> Optional[float]:
+    """The rate of an ``nn.Dropout``, 0 for Identity/None, None for anything else."""
+    if module is None or isinstance(module, nn.Identity):
+        return 0.0
+    if type(module) is nn.Dropout:
+        return float(module.p)
+    return None
+
+
+def is_identity(module: object) -> bool:
+    return module is None or type(module) is nn.Identity
+
+
+# Activation classes of other libraries by what they compute.
+_ACTIVATION_CLASSES = {
+    "timm.layers.activations.GELU": "gelu",
+    "timm.layers.activations.GELUTanh": "gelu_tanh",
+    "transformers.activations.PytorchGELUTanh": "gelu_tanh",
+    "transformers.activations.GELUTanh": "gelu_tanh",
+    "transformers.activations.NewGELUActivation": "gelu_tanh",
+}
+
+
+def activation_name(act: object) -> Optional[str]:
+    """'gelu', 'gelu_tanh' or 'relu' for an activation module or function computing exactly that, else None."""
+    if type(act) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if type(act) is nn.ReLU:
+        return "relu"
+    if act in (F.relu, F.gelu):
+        return "relu" if act is F.relu else "gelu"
+    name = qualified_name(type(act))
+    if name == "transformers.activations.GELUActivation":
+        return "gelu" if getattr(act, "act", None) is F.gelu else None
+    return _ACTIVATION_CLASSES.get(name)
+
+
+def describe_activation(act: object) -> str:
+    return getattr(act, "__name__", None) or type(act).__name__
+
+
+_FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
+
+
+def with_fused_forward(module: nn.Module, forward: Callable, prefix: str = "Fused") -> nn.Module:
+    """Give ``module`` a subclass of its class whose ``forward`` is ``forward``; everything else
+    (parameters, buffers, attributes, methods, hooks, state-dict keys) is untouched."""
+    original = type(module)
+    key = (original, forward)
+    if key not in _FUSED_CLASSES:
+        _FUSED_CLASSES[key] = type(
+            f"{prefix}{original.__name__}", (original,),
+            {"forward": forward, "__module__": forward.__module__, "__doc__": forward.__doc__},
+        )
+    module.__class__ = _FUSED_CLASSES[key]
+    return module

@@ -1,0 +1,119 @@
+"""Hugging Face ViT on the fused ops.
+
+Attention runs through transformers' own dispatch: ``register()`` adds ``"vit_kernels"`` to
+``AttentionInterface``, then ``ViTForImageClassification.from_pretrained(..., attn_implementation=
+"vit_kernels")`` (or ``model.set_attn_implementation("vit_kernels")``) computes every attention with
+``vit_kernels.attention``. ``patch_model`` swaps the rest:
+
+* ``ViTMLP``               -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU, GELU(tanh), ReLU;
+* ``ViTPatchEmbeddings``   keeps its class and computes ``forward`` with the fused patch embedding;
+* ``nn.LayerNorm``         as for any PyTorch model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import vit_kernels.functional as vkf
+from vit_kernels import nn as vkn
+from vit_kernels.integrations._common import (
+    Rule,
+    Swap,
+    activation_name,
+    describe_activation,
+    unknown_forward_args,
+    unknown_parts,
+    with_fused_forward,
+)
+
+ATTN_IMPLEMENTATION = "vit_kernels"
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query/key/value (B, H, L, Dh) -> (out (B, L, H, Dh), None).
+
+    Self-attention without a mask (ViT's encoder); a mask, causal attention or differing q/k/v
+    shapes (cross-attention, grouped queries) raise ValueError.
+    """
+    vkn.check_unmasked(attention_mask=attention_mask, is_causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))))
+    if key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            f"query, key and value must have one shape (B, H, L, Dh) for the fused self-attention, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    batch, heads, length, head_dim = query.shape
+    qkv = torch.cat([t.transpose(1, 2).reshape(batch, length, heads * head_dim) for t in (query, key, value)], dim=-1)
+    out = vkf.attention(qkv, heads, scale=scaling, dropout_p=dropout)
+    return out.view(batch, length, heads, head_dim), None
+
+
+def register() -> str:
+    """Register ``attention_forward`` as ``attn_implementation="vit_kernels"``; returns that name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+def attention_dispatch(module: nn.Module) -> Swap:
+    """HF attention modules are not swapped: they call the configured attention function."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if implementation == ATTN_IMPLEMENTATION:
+        return Swap(module, descend=False)
+    return Swap(None, (
+        f"runs transformers' {implementation!r} attention; load the model with attn_implementation="
+        f"'{ATTN_IMPLEMENTATION}' after vit_kernels.integrations.huggingface.register()"
+    ), descend=False)
+
+
+def swap_mlp(module: nn.Module) -> Swap:
+    why = unknown_parts(module, ("fc1", "fc2", "activation_fn")) or unknown_forward_args(module, ("hidden_states",))
+    if why:
+        return Swap.skip(why)
+    act = activation_name(module.activation_fn)
+    if act is None:
+        return Swap.skip(f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), ReLU")
+    if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
+        return Swap.skip("fc1/fc2 are not nn.Linear")
+    new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act)
+    new.fc1, new.fc2 = module.fc1, module.fc2
+    return Swap(new)
+
+
+def patch_embeddings_forward(self, pixel_values):
+    """pixel_values (N, C, H, W) -> tokens (N, L, D)."""
+    if pixel_values.shape[1] != self.num_channels:
+        raise ValueError(f"pixel_values must have {self.num_channels} channels, got {pixel_values.shape[1]}")
+    return vkf.patch_embed(pixel_values, self.projection.weight, self.projection.bias, patch_size=self.projection.kernel_size[0])
+
+
+def swap_patch_embeddings(module: nn.Module) -> Swap:
+    why = unknown_parts(module, ("projection",)) or unknown_forward_args(module, ("pixel_values",))
+    if why:
+        return Swap.skip(why)
+    proj = module.projection
+    if type(proj) is not nn.Conv2d or proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
+        return Swap.skip("projection is not a square Conv2d with stride == kernel")
+    if proj.padding != (0, 0) or proj.dilation != (1, 1) or proj.groups != 1:
+        return Swap.skip("projection uses padding, dilation or groups")
+    return Swap(with_fused_forward(module, patch_embeddings_forward), descend=False)
+
+
+_VIT = "transformers.models.vit.modeling_vit"
+RULES: dict[str, Rule] = {
+    f"{_VIT}.ViTAttention": attention_dispatch,
+    f"{_VIT}.ViTMLP": swap_mlp,
+    f"{_VIT}.ViTPatchEmbeddings": swap_patch_embeddings,
+}
