@@ -143,7 +143,7 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 out, lse = torch.ops.vit_kernels.attention_fwd(qkv, heads, head_dim**-0.5, dropout_p, seed)
                 if return_probs:
                     torch.ops.vit_kernels.attention_probs(qkv, lse, heads, head_dim**-0.5)
-                torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, out, lse, seed, heads,
+                torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads,
                                                     head_dim**-0.5, dropout_p)
 
             flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}"

@@ -44,11 +44,13 @@ def _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p):
     return tl.rand(seed, counter) >= dropout_p
 
 
-# Forward, one program per (block of BLOCK_M query rows, batch * head), in the log2 domain:
-#   s_ij = (q_i . k_j) * scale * log2(e)
-#   m_i = max_j s_ij,  l_i = sum_j 2^(s_ij - m_i)            (online over key blocks, rescaled by 2^(m_old - m_new))
-#   o_i = sum_j z_ij / (1 - p) * 2^(s_ij - m_i) v_j / l_i     (z_ij the dropout keep mask, 1 without dropout)
-#   lse_i = m_i + log2(l_i), so that P_ij = 2^(s_ij - lse_i)
+# Forward, one program per (block of BLOCK_M query rows, batch * head), with c = scale * log2(e):
+#   s_ij = q_i . k_j                                          (unscaled dot products)
+#   m_i = max_j s_ij,  l_i = sum_j 2^((s_ij - m_i) c)         (online over key blocks, rescaled by 2^((m_old - m_new) c))
+#   o_i = sum_j z_ij / (1 - p) * 2^((s_ij - m_i) c) v_j / l_i (z_ij the dropout keep mask, 1 without dropout)
+#   lse_i = m_i + log2(l_i) / c, so that P_ij = 2^((s_ij - lse_i) c)
+# Subtracting before scaling keeps large logits exact where it matters: for the largest terms
+# s_ij - m_i is exact (Sterbenz), where s_ij * c would round at the magnitude of s_ij.
 @triton.jit
 def _attention_fwd_kernel(
     QKV, Out, Lse, Seed,
@@ -85,11 +87,11 @@ def _attention_fwd_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2((m_i - m_new) * scale_log2)
+        p = tl.exp2((s - m_new[:, None]) * scale_log2)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(_dropout_keep(seed, pid_bh, offs_m, rows_n, seq_len, dropout_p), p * keep_scale, 0.0)
@@ -100,43 +102,25 @@ def _attention_fwd_kernel(
     out_ptrs = Out + batch.to(tl.int64) * stride_out_b + offs_m[:, None].to(tl.int64) * stride_out_l \
         + (head * head_dim + offs_d)[None, :]
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=mask_m)
+    tl.store(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i) / scale_log2, mask=mask_m)
 
 
-# delta_i = sum_d dO_id * O_id per (batch * head, row): the row term of the softmax gradient,
-#   dS_ij = P_ij (dP_ij - delta_i), which holds with dropout too (delta = rowsum(dP~ * P~)).
-@triton.jit
-def _attention_bwd_delta_kernel(
-    Out, DOut, Delta,
-    seq_len, num_heads, head_dim,
-    stride_out_b, stride_out_l, stride_do_b, stride_do_l, stride_do_c,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < seq_len)[:, None] & (offs_d < head_dim)[None, :]
-    rows = offs_m[:, None].to(tl.int64)
-    col = head * head_dim + offs_d
-    o = tl.load(Out + batch.to(tl.int64) * stride_out_b + rows * stride_out_l + col[None, :], mask=mask, other=0.0)
-    do = tl.load(DOut + batch.to(tl.int64) * stride_do_b + rows * stride_do_l + col[None, :].to(tl.int64) * stride_do_c,
-                 mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * seq_len + offs_m, delta, mask=offs_m < seq_len)
-
-
-# The backward's per-tile recomputation, shared by the dK/dV and dQ kernels, for query rows
+# The backward's per-tile recomputation, shared by the dQ and dK/dV kernels, for query rows
 # rows_m and key rows rows_n of one (batch, head):
-#   P = 2^(s - lse) (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
-#   dP = z * dP~ / (1 - p),  dS = P (dP - delta)            -> (P~, dS)
+#   P = 2^((s - lse) c) (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
+#   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
+# The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
+# these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
+# cancels exactly where the math does (one token; a saturated, one-hot softmax) instead of keeping
+# the rounding difference between two ways of computing dO . v_j.
 @triton.jit
-def _attention_bwd_tile(
-    q, k, v, do, lse, delta, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
+def _attention_bwd_p_dp(
+    q, k, v, do, lse, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     inside = (rows_m < seq_len)[:, None] & (rows_n < seq_len)[None, :]
-    p = tl.where(inside, tl.exp2(s - lse[:, None]), 0.0)
+    p = tl.where(inside, tl.exp2((s - lse[:, None]) * scale_log2), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -145,11 +129,11 @@ def _attention_bwd_tile(
         dp = tl.where(keep, dp * keep_scale, 0.0)
     else:
         p_dropped = p
-    return p_dropped, p * (dp - delta[:, None])
+    return p, p_dropped, dp
 
 
 # dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
-#   P = 2^(s - lse),  P~ = z * P / (1 - p)
+#   P = 2^((s - lse) c),  P~ = z * P / (1 - p)
 #   dV += P~^T dO,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),  dK += scale * dS^T Q
 @triton.jit
 def _attention_bwd_dkdv_kernel(
@@ -191,8 +175,9 @@ def _attention_bwd_dkdv_kernel(
         do = tl.load(do_base + rows_m[:, None].to(tl.int64) * stride_do_l + do_cols[None, :], mask=q_mask, other=0.0)
         lse = tl.load(Lse + row_stats + rows_m, mask=mask_m, other=0.0)
         delta = tl.load(Delta + row_stats + rows_m, mask=mask_m, other=0.0)
-        p_dropped, ds = _attention_bwd_tile(q, k, v, do, lse, delta, rows_m, offs_n, seq_len, pid_bh, seed,
-                                            scale_log2, dropout_p, DROPOUT, PRECISION)
+        p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, lse, rows_m, offs_n, seq_len, pid_bh, seed,
+                                               scale_log2, dropout_p, DROPOUT, PRECISION)
+        ds = p * (dp - delta[:, None])
         dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
@@ -202,9 +187,13 @@ def _attention_bwd_dkdv_kernel(
     tl.store(out_base + (2 * model_dim + out_cols)[None, :], dv.to(DQKV.dtype.element_ty), mask=kv_mask)
 
 
-# dQ, one program per (block of BLOCK_M query rows, batch * head), looping over key blocks:
-#   dQ = scale * sum_j dS_ij k_j, dS as in the dK/dV kernel (recomputed rather than shared through atomics,
-#   which keeps the result deterministic).
+# dQ and delta, one program per (block of BLOCK_M query rows, batch * head), in two passes over the
+# key blocks (it runs before the dK/dV kernel, which reads delta):
+#   delta_i = sum_j P_ij dP_ij / sum_j P_ij           (stored; dividing by the recomputed row sum, 1 up
+#                                                      to the rounding of lse, keeps that rounding a
+#                                                      relative error of dS instead of an absolute one)
+#   dQ = scale * sum_j dS_ij k_j,  dS = P (dP - delta)
+# dS is recomputed in both kernels rather than shared through atomics: a deterministic result.
 @triton.jit
 def _attention_bwd_dq_kernel(
     QKV, DOut, Lse, Delta, Seed, DQKV,
@@ -230,31 +219,44 @@ def _attention_bwd_dq_kernel(
                  + ((head * head_dim + offs_d).to(tl.int64) * stride_do_c)[None, :], mask=q_mask, other=0.0)
     row_stats = pid_bh.to(tl.int64) * seq_len
     lse = tl.load(Lse + row_stats + offs_m, mask=mask_m, other=0.0)
-    delta = tl.load(Delta + row_stats + offs_m, mask=mask_m, other=0.0)
     k_cols = cols + model_dim * stride_qkv_c
     v_cols = cols + 2 * model_dim * stride_qkv_c
     seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
 
+    weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        rows_n = start_n + offs_n
+        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
+        kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
+        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
+        p, _, dp = _attention_bwd_p_dp(q, k, v, do, lse, offs_m, rows_n, seq_len, pid_bh, seed,
+                                       scale_log2, dropout_p, DROPOUT, PRECISION)
+        weighted += tl.sum(p * dp, 1)
+        row_sum += tl.sum(p, 1)
+    delta = weighted / tl.where(mask_m, row_sum, 1.0)
+    tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
+
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         rows_n = start_n + offs_n
-        mask_n = rows_n < seq_len
         kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
-        kv_mask = mask_n[:, None] & mask_d[None, :]
+        kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
         k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        _, ds = _attention_bwd_tile(q, k, v, do, lse, delta, offs_m, rows_n, seq_len, pid_bh, seed,
-                                    scale_log2, dropout_p, DROPOUT, PRECISION)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        p, _, dp = _attention_bwd_p_dp(q, k, v, do, lse, offs_m, rows_n, seq_len, pid_bh, seed,
+                                       scale_log2, dropout_p, DROPOUT, PRECISION)
+        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_m[:, None].to(tl.int64) * stride_dqkv_l \
         + (head * head_dim + offs_d)[None, :]
     tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=q_mask)
 
 
-# Probabilities for return_probs: P_ij = 2^(s_ij - lse_i), recomputed from the saved log-sum-exp,
+# Probabilities for return_probs: P_ij = 2^((s_ij - lse_i) c), recomputed from the saved log-sum-exp,
 # one program per (block of query rows, batch * head), written to (B, H, L, L).
 @triton.jit
 def _attention_probs_kernel(
@@ -281,8 +283,8 @@ def _attention_probs_kernel(
         mask_n = rows_n < seq_len
         k = tl.load(base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        p = tl.exp2(s - lse[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        p = tl.exp2((s - lse[:, None]) * scale_log2)
         tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -376,7 +378,7 @@ if HAS_TRITON:
     def attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv (B, L, 3D) -> out (B, L, D), lse (B*H, L) float32 in log2 units."""
+        """qkv (B, L, 3D) -> out (B, L, D), lse (B*H, L) float32, in units of q . k."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
         lse = torch.empty((batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
@@ -401,7 +403,7 @@ if HAS_TRITON:
 
     @torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())
     def attention_bwd(
-        grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
+        grad_out: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
@@ -411,14 +413,6 @@ if HAS_TRITON:
         dkdv_cfg = _bwd_config(qkv, head_dim, seq_len, 1)
         delta = torch.empty_like(lse)
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
-        delta_rows = dq_cfg["BLOCK_M"]
-        launch(
-            _attention_bwd_delta_kernel, _row_blocks(delta_rows, seq_len, batch * num_heads),
-            out, grad_out, delta,
-            seq_len, num_heads, head_dim,
-            out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            BLOCK_M=delta_rows, BLOCK_D=block_d,
-        )
         args = (
             qkv, grad_out, lse, delta, seed, dqkv,
             seq_len, num_heads, head_dim, model_dim,
@@ -428,10 +422,10 @@ if HAS_TRITON:
             scale, scale * LOG2E, dropout_p,
         )
         flags = dict(BLOCK_D=block_d, DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
+        launch(_attention_bwd_dq_kernel, _row_blocks(dq_cfg["BLOCK_M"], seq_len, batch * num_heads),
+               *args, **flags, **dq_cfg)  # first: it writes delta
         launch(_attention_bwd_dkdv_kernel, _row_blocks(dkdv_cfg["BLOCK_N"], seq_len, batch * num_heads),
                *args, **flags, **dkdv_cfg)
-        launch(_attention_bwd_dq_kernel, _row_blocks(dq_cfg["BLOCK_M"], seq_len, batch * num_heads),
-               *args, **flags, **dq_cfg)
         return dqkv
 
     @torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())
@@ -453,12 +447,12 @@ if HAS_TRITON:
     def _fwd_setup_context(ctx, inputs, output):
         qkv, num_heads, scale, dropout_p, seed = inputs
         out, lse = output
-        ctx.save_for_backward(qkv, out, lse, seed)
+        ctx.save_for_backward(qkv, lse, seed)
         ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
 
     def _fwd_backward(ctx, grad_out, grad_lse):
-        qkv, out, lse, seed = ctx.saved_tensors
-        dqkv = attention_bwd(grad_out, qkv, out, lse, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
+        qkv, lse, seed = ctx.saved_tensors
+        dqkv = attention_bwd(grad_out, qkv, lse, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
         return dqkv, None, None, None, None
 
     torch.library.register_autograd("vit_kernels::attention_fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -543,10 +537,12 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
 def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False):
     """``vk.attention`` for the extension backend: scores by GEMM, the ``vit_kernels::softmax``
     kernel, then a GEMM with v. Materialises the (B, H, L, L) scores: meant for ``return_probs``
-    (attention maps), not for speed."""
-    q, k, v = split_qkv(qkv, num_heads)
+    (attention maps), not for speed. 16-bit inputs are computed in float32, as fused attention
+    kernels do: scores rounded to 16 bits lose whole units at large logits."""
+    compute = torch.float32 if qkv.dtype in (torch.float16, torch.bfloat16) else qkv.dtype
+    q, k, v = split_qkv(qkv.to(compute), num_heads)
     out, probs = explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.ops.vit_kernels.softmax(scores.contiguous()))
-    return (out, probs) if return_probs else out
+    return (out.to(qkv.dtype), probs.to(qkv.dtype)) if return_probs else out.to(qkv.dtype)
 
 
 backend.register("attention", "torch", attention_ref)

@@ -26,7 +26,7 @@ ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program 
 def _layer_norm_fwd_kernel(
     X, Residual, Weight, Bias, Y, Sum, Mean, Rstd,
     num_rows, num_cols,
-    stride_x, stride_r, stride_y, stride_s,
+    stride_x, stride_r, stride_y, stride_s, stride_w, stride_b,
     eps,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -47,9 +47,9 @@ def _layer_norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / num_cols + eps)
     y = centered * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(Weight + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
+        y *= tl.load(Weight + cols * stride_w, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(Bias + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(Bias + cols * stride_b, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Mean + rows, mean, mask=mask_rows)
     tl.store(Rstd + rows, rstd, mask=mask_rows)
@@ -64,7 +64,7 @@ def _layer_norm_fwd_kernel(
 def _layer_norm_bwd_kernel(
     S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
     num_rows, num_cols,
-    stride_s, stride_dy, stride_dsum, stride_ds,
+    stride_s, stride_dy, stride_dsum, stride_ds, stride_w,
     ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEEDS_WB: tl.constexpr,
 ):
@@ -72,7 +72,7 @@ def _layer_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask_cols = cols < num_cols
     if HAS_WEIGHT:
-        w = tl.load(Weight + cols, mask=mask_cols, other=0.0).to(tl.float32)
+        w = tl.load(Weight + cols * stride_w, mask=mask_cols, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tile in range(TILES):
@@ -139,6 +139,7 @@ if HAS_TRITON:
             x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, summed, mean, rstd,
             rows, dim,
             x2.stride(0), r2.stride(0), y.stride(0), dim,
+            weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
             eps,
             ROWS=per_program, BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, num_warps=_warps(per_program * block_d, 1024),
@@ -166,6 +167,7 @@ if HAS_TRITON:
             s2, dy2, dsum2, weight if weight is not None else s2, mean, rstd, ds, partial_w, partial_b,
             rows, dim,
             s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),
+            weight.stride(0) if weight is not None else 0,
             ROWS=tile_rows, TILES=tiles, BLOCK_D=block_d,
             HAS_DSUM=grad_sum is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias,
             num_warps=_warps(tile_rows * block_d, 512),

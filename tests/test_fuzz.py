@@ -1,0 +1,503 @@
+"""Property-based differential tests: every op on every backend that runs here, on drawn shapes,
+dtypes, layouts and magnitudes, against float64 formulas written below.
+
+Each drawn case builds its inputs in the drawn dtype and layout (transposed, sliced, expanded with
+stride 0, cut from a wider tensor, channels_last, every 1-D parameter strided), runs the op and
+backpropagates a random upstream gradient, and compares the output and every input gradient with the
+same formula in float64 on the same (rounded) inputs. The bound on the max-abs error is
+``max(atol + rtol * max|reference|, 2 x PyTorch's own error)``, where PyTorch's own error is that of a
+plain PyTorch composition (``F.linear``, ``F.layer_norm``, ``softmax(q k^T) v``, ``F.conv2d``) in the
+same dtype on the same inputs.
+
+``make test`` runs a fixed-seed budget of examples per op and backend; the ``slow`` tests run the
+``thorough`` profile (thousands of cases). Classes of failures found so far are kept as explicit
+``@example`` cases.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import vit_kernels as vk
+from vit_kernels import backend
+from tests.helpers import CPU_BACKENDS, TOLERANCES
+
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+QUICK = settings(max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_QUICK", "30")), derandomize=True, **SETTINGS)
+THOROUGH = settings(max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_THOROUGH", "600")), derandomize=False, **SETTINGS)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LAYOUTS_2D = ("contiguous", "transposed", "sliced", "offset")
+LAYOUTS_1D = ("contiguous", "strided", "expanded", "offset")
+RESIDUAL_LAYOUTS = ("contiguous", "transposed", "sliced", "expanded", "offset")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0,
+         shift: float = 0.0) -> torch.Tensor:
+    """Random N(shift, scale^2) values of ``shape`` in ``dtype``, laid out as ``layout``:
+
+    contiguous; transposed (last two dims swapped in memory); sliced / strided (every other
+    element of the last dim); expanded (stride 0 along the first dim); offset (cut from a wider
+    tensor, non-zero storage offset); channels_last (4-D).
+    """
+
+    def randn(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
+
+    if layout == "contiguous":
+        return randn(*shape)
+    if layout == "transposed" and len(shape) >= 2:
+        return randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+    if layout in ("sliced", "strided"):
+        return randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+    if layout == "expanded":
+        return randn(1, *shape[1:]).expand(shape)
+    if layout == "offset":
+        return randn(*shape[:-1], shape[-1] + 3)[..., 2 : 2 + shape[-1]]
+    if layout == "channels_last" and len(shape) == 4:
+        return randn(*shape).contiguous(memory_format=torch.channels_last)
+    return randn(*shape)
+
+
+def leaf(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The same tensor (same strides and storage) as a leaf that requires grad."""
+    return None if t is None else t.detach().requires_grad_(True)
+
+
+def wide(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A float64 leaf with the values of ``t`` (after its rounding to ``t``'s dtype)."""
+    return None if t is None else t.detach().double().requires_grad_(True)
+
+
+def run(fn: Callable, inputs: list, upstream: Optional[list] = None) -> tuple[list, list, list]:
+    """fn(*inputs) and the gradients of every input that requires grad for ``upstream`` (random
+    N(0, 1) when not given). Returns (outputs, grads, upstream)."""
+    result = fn(*inputs)
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    if upstream is None:
+        upstream = [torch.randn(o.shape, dtype=torch.float64) for o in outs]
+    targets = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(outs, targets, [g.to(o.dtype) for g, o in zip(upstream, outs)], allow_unused=True)
+    return [o.detach() for o in outs], list(grads), upstream
+
+
+def max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    if reference.numel() == 0:
+        return 0.0
+    return (actual.double() - reference).abs().max().item()
+
+
+def check_case(name: str, backend_name: str, op: Callable, formula: Callable, baseline: Callable,
+               inputs: list, dtype: torch.dtype, input_names: list[str]) -> None:
+    """``op`` on ``backend_name`` against ``formula`` (float64), bounded by ``baseline``'s error."""
+    ours_in = [leaf(t) for t in inputs]
+    base_in = [leaf(t) for t in inputs]
+    ref_in = [wide(t) for t in inputs]
+    ref_outs, ref_grads, upstream = run(formula, ref_in)
+    with vk.use_backend(backend_name):
+        outs, grads, _ = run(op, ours_in, upstream)
+    base_outs, base_grads, _ = run(baseline, base_in, upstream)
+    names = [f"output {i}" for i in range(len(outs))] + [f"d{n}" for n, t in zip(input_names, inputs) if t is not None]
+    atol, rtol = TOLERANCES[dtype]
+    for what, ours, base, ref in zip(names, outs + grads, base_outs + base_grads, ref_outs + ref_grads):
+        if ref is None:
+            continue
+        assert ours is not None, f"{name} on {backend_name}: no {what}"
+        assert ours.shape == ref.shape, f"{name} on {backend_name}: {what} shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+        assert ours.dtype == dtype, f"{name} on {backend_name}: {what} dtype {ours.dtype}, expected {dtype}"
+        error, own = max_error(ours, ref), max_error(base, ref)
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        bound = max(atol + rtol * scale, 2 * own)
+        assert error <= bound, (
+            f"{name} on {backend_name} ({dtype}): {what} max error {error:.3g} > bound {bound:.3g} "
+            f"(PyTorch's own error {own:.3g}, max |reference| {scale:.3g})"
+        )
+
+
+def runnable(op: str, backend_name: str, dtype: torch.dtype) -> bool:
+    return backend.unsupported_reason(op, backend_name, torch.device("cpu"), dtype) is None
+
+
+def fuzz(op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict]) -> tuple[Callable, Callable]:
+    """A quick (fixed seed, ``make test``) and a thorough (``slow``) test of ``check`` over every
+    CPU backend, with the regression ``examples`` run first."""
+
+    def body(backend_name: str, case: dict) -> None:
+        if not runnable(op, backend_name, case["dtype"]):
+            return
+        check(case, backend_name)
+
+    def build(profile: settings, marks: tuple) -> Callable:
+        test = given(case=cases)(body)
+        for case in examples:
+            test = example(case=case)(test)
+        test = profile(test)
+        test = pytest.mark.parametrize("backend_name", CPU_BACKENDS)(test)
+        for mark in marks:
+            test = mark(test)
+        return test
+
+    return build(QUICK, ()), build(THOROUGH, (pytest.mark.slow,))
+
+
+sizes = st.integers
+
+
+# ----------------------------------------------------------------------------- linear family
+
+
+def gelu64(z: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(z) = z Phi(z) = 0.5 z (1 + erf(z / sqrt 2)); tanh: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))."""
+    if approximate == "tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+
+
+@st.composite
+def linear_cases(draw) -> dict:
+    return dict(
+        batch=draw(st.lists(sizes(1, 7), min_size=0, max_size=2)),
+        k=draw(st.sampled_from([1, 2, 3, 5, 7, 13, 17, 24, 31, 40])),
+        n=draw(st.sampled_from([1, 2, 3, 5, 8, 11, 19, 24, 37])),
+        hidden=draw(st.sampled_from([1, 3, 7, 16, 23, 48])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        x_layout=draw(st.sampled_from(LAYOUTS_2D)),
+        w_layout=draw(st.sampled_from(LAYOUTS_2D)),
+        w2_layout=draw(st.sampled_from(LAYOUTS_2D)),
+        bias=draw(st.sampled_from((None,) + LAYOUTS_1D)),
+        bias2=draw(st.sampled_from((None,) + LAYOUTS_1D)),
+        residual=draw(st.sampled_from((None,) + RESIDUAL_LAYOUTS)),
+        scale=draw(st.sampled_from([0.1, 1.0, 4.0, 30.0])),
+        approximate=draw(st.sampled_from(["none", "tanh"])),
+        seed=draw(sizes(0, 2**31 - 1)),
+    )
+
+
+def linear_inputs(case: dict, second: bool = False) -> tuple[list, torch.Size]:
+    """x (..., K), W (N, K) or W1 (Hd, K), b, [W2 (N, Hd), b2], residual (..., N)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, k, n = case["dtype"], case["k"], case["n"]
+    rows = case["batch"]
+    x_shape = (*rows, k) if len(rows) else (k,)
+    x = make(x_shape, case["x_layout"] if len(rows) else "contiguous", dtype, gen, case["scale"])
+    first_out = case["hidden"] if second else n
+    w = make((first_out, k), case["w_layout"], dtype, gen, 1 / math.sqrt(k))
+    b = None if case["bias"] is None else make((first_out,), case["bias"], dtype, gen)
+    out_shape = (*x_shape[:-1], n)
+    extra = []
+    if second:
+        w2 = make((n, case["hidden"]), case["w2_layout"], dtype, gen, 1 / math.sqrt(case["hidden"]))
+        b2 = None if case["bias2"] is None else make((n,), case["bias2"], dtype, gen)
+        extra = [w2, b2]
+    layout = case["residual"]
+    if layout in ("transposed", "expanded") and len(out_shape) < 2:
+        layout = "strided"
+    r = None if layout is None else make(out_shape, layout, dtype, gen)
+    return [x, w, b, *extra, r], out_shape
+
+
+def check_linear(case: dict, backend_name: str) -> None:
+    inputs, _ = linear_inputs(case)
+    check_case(
+        "linear", backend_name,
+        lambda x, w, b, r: vk.linear(x, w, b, residual=r),
+        lambda x, w, b, r: x @ w.T + (0 if b is None else b) + (0 if r is None else r),
+        lambda x, w, b, r: F.linear(x, w, b) + (0 if r is None else r),
+        inputs, case["dtype"], ["x", "weight", "bias", "residual"],
+    )
+
+
+def check_linear_gelu(case: dict, backend_name: str) -> None:
+    inputs, _ = linear_inputs(case)
+    approximate = case["approximate"]
+    check_case(
+        "linear_gelu", backend_name,
+        lambda x, w, b: vk.linear_gelu(x, w, b, approximate=approximate),
+        lambda x, w, b: gelu64(x @ w.T + (0 if b is None else b), approximate),
+        lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate),
+        inputs[:3], case["dtype"], ["x", "weight", "bias"],
+    )
+
+
+def check_mlp(case: dict, backend_name: str) -> None:
+    inputs, _ = linear_inputs(case, second=True)
+    approximate = case["approximate"]
+
+    def formula(x, w1, b1, w2, b2, r):
+        h = gelu64(x @ w1.T + (0 if b1 is None else b1), approximate)
+        return h @ w2.T + (0 if b2 is None else b2) + (0 if r is None else r)
+
+    check_case(
+        "mlp", backend_name,
+        lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r),
+        formula,
+        lambda x, w1, b1, w2, b2, r: F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
+        + (0 if r is None else r),
+        inputs, case["dtype"], ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+    )
+
+
+LINEAR_BASE = dict(batch=[3, 5], k=13, n=11, hidden=23, dtype=torch.float32, x_layout="contiguous",
+                   w_layout="contiguous", w2_layout="contiguous", bias="contiguous", bias2="contiguous",
+                   residual=None, scale=1.0, approximate="none", seed=1)
+LINEAR_EXAMPLES = [  # the failure classes found so far: strided biases, non-unit-stride residuals
+    {**LINEAR_BASE, "bias": "strided", "bias2": "strided"},
+    {**LINEAR_BASE, "residual": "transposed"},
+    {**LINEAR_BASE, "residual": "expanded", "bias": "expanded"},
+    {**LINEAR_BASE, "x_layout": "transposed", "w_layout": "transposed", "dtype": torch.float16, "approximate": "tanh"},
+]
+
+test_linear_fuzz, test_linear_fuzz_thorough = fuzz("linear", linear_cases(), check_linear, LINEAR_EXAMPLES)
+test_linear_gelu_fuzz, test_linear_gelu_fuzz_thorough = fuzz(
+    "linear_gelu", linear_cases(), check_linear_gelu, LINEAR_EXAMPLES)
+test_mlp_fuzz, test_mlp_fuzz_thorough = fuzz("mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES)
+
+
+# ----------------------------------------------------------------------------- layer_norm
+
+
+@st.composite
+def layer_norm_cases(draw) -> dict:
+    return dict(
+        batch=draw(st.lists(sizes(1, 6), min_size=0, max_size=2)),
+        dim=draw(st.sampled_from([1, 2, 3, 7, 16, 33, 48, 100, 130])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        x_layout=draw(st.sampled_from(LAYOUTS_2D + ("expanded",))),
+        weight=draw(st.sampled_from((None,) + LAYOUTS_1D)),
+        bias=draw(st.sampled_from((None,) + LAYOUTS_1D)),
+        residual=draw(st.sampled_from((None,) + RESIDUAL_LAYOUTS)),
+        shift=draw(st.sampled_from([0.0, 3.0, 100.0, 1000.0])),
+        scale=draw(st.sampled_from([1e-3, 1.0, 50.0])),
+        eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+        seed=draw(sizes(0, 2**31 - 1)),
+    )
+
+
+def check_layer_norm(case: dict, backend_name: str) -> None:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, dim, eps = case["dtype"], case["dim"], case["eps"]
+    shape = (*case["batch"], dim)
+    matrix = len(shape) >= 2
+
+    def layout(name: str) -> Optional[str]:
+        chosen = case[name]
+        return chosen if matrix or chosen not in ("transposed", "expanded") else "sliced"
+
+    x = make(shape, layout("x_layout"), dtype, gen, case["scale"], case["shift"])
+    w = None if case["weight"] is None else make((dim,), case["weight"], dtype, gen, 1.0, 1.0)
+    b = None if case["bias"] is None else make((dim,), case["bias"], dtype, gen)
+    r = None if case["residual"] is None else make(shape, layout("residual"), dtype, gen, case["scale"])
+
+    def formula(x, w, b, r):
+        # s = x + r;  y = (s - mean(s)) / sqrt(var(s) + eps) * w + b  (biased variance)
+        s = x if r is None else x + r
+        mean = s.mean(-1, keepdim=True)
+        y = (s - mean) / torch.sqrt(((s - mean) ** 2).mean(-1, keepdim=True) + eps)
+        y = y * (1 if w is None else w) + (0 if b is None else b)
+        return y if r is None else (y, s)
+
+    def baseline(x, w, b, r):
+        s = x if r is None else x + r
+        y = F.layer_norm(s, (dim,), w, b, eps)
+        return y if r is None else (y, s)
+
+    check_case(
+        "layer_norm", backend_name, lambda x, w, b, r: vk.layer_norm(x, w, b, eps, residual=r),
+        formula, baseline, [x, w, b, r], dtype, ["x", "weight", "bias", "residual"],
+    )
+
+
+LAYER_NORM_BASE = dict(batch=[4], dim=33, dtype=torch.float32, x_layout="contiguous", weight="contiguous",
+                       bias="contiguous", residual=None, shift=0.0, scale=1.0, eps=1e-6, seed=2)
+LAYER_NORM_EXAMPLES = [  # strided weight/bias; rows with a large mean
+    {**LAYER_NORM_BASE, "weight": "strided", "bias": "strided"},
+    {**LAYER_NORM_BASE, "residual": "transposed", "x_layout": "expanded"},
+    {**LAYER_NORM_BASE, "shift": 1000.0, "scale": 1.0},
+    {**LAYER_NORM_BASE, "shift": 1000.0, "scale": 1e-3, "dtype": torch.float16},
+]
+
+test_layer_norm_fuzz, test_layer_norm_fuzz_thorough = fuzz(
+    "layer_norm", layer_norm_cases(), check_layer_norm, LAYER_NORM_EXAMPLES)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention64(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """Per head h: softmax(scale q_h k_h^T) v_h, heads concatenated; qkv (B, L, 3D) -> (B, L, D)."""
+    b, length, three_d = qkv.shape
+    dim = three_d // 3
+    q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    return (probs @ v).transpose(1, 2).reshape(b, length, dim), probs
+
+
+def attention_pytorch(qkv: torch.Tensor, heads: int, scale: float, return_probs: bool):
+    """PyTorch's own attention in the input's dtype: ``F.scaled_dot_product_attention``, or, for the
+    probabilities (which it does not return), softmax(scale q k^T) and its product with v."""
+    b, length, three_d = qkv.shape
+    dim = three_d // 3
+    q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
+    if not return_probs:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(b, length, dim)
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
+    return (probs @ v).transpose(1, 2).reshape(b, length, dim), probs
+
+
+@st.composite
+def attention_cases(draw) -> dict:
+    return dict(
+        batch=draw(sizes(1, 3)),
+        length=draw(st.sampled_from([1, 2, 3, 5, 7, 16, 17, 31, 50])),
+        heads=draw(sizes(1, 3)),
+        head_dim=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 12, 15, 16, 20, 64])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "sliced", "offset"])),
+        magnitude=draw(st.sampled_from([0.3, 1.0, 3.0, 10.0, 30.0])),
+        scale=draw(st.sampled_from([None, 0.05, 1.0])),
+        return_probs=draw(st.booleans()),
+        seed=draw(sizes(0, 2**31 - 1)),
+    )
+
+
+def attention_qkv(case: dict) -> torch.Tensor:
+    """qkv (B, L, 3D) in the case's layout: contiguous; transposed (stored (L, B, 3D)); sliced
+    (every other token of a longer sequence); offset (cut from a wider projection)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, length, width = case["batch"], case["length"], 3 * case["heads"] * case["head_dim"]
+    layout = case["layout"]
+    if layout == "transposed":
+        return make((length, b, width), "contiguous", case["dtype"], gen, case["magnitude"]).transpose(0, 1)
+    if layout == "sliced":
+        return make((b, 2 * length, width), "contiguous", case["dtype"], gen, case["magnitude"])[:, ::2]
+    return make((b, length, width), layout, case["dtype"], gen, case["magnitude"])
+
+
+def check_attention(case: dict, backend_name: str) -> None:
+    heads, head_dim = case["heads"], case["head_dim"]
+    scale = head_dim**-0.5 if case["scale"] is None else case["scale"]
+    probs = case["return_probs"]
+    check_case(
+        "attention", backend_name,
+        lambda qkv: vk.attention(qkv, heads, scale=case["scale"], return_probs=probs),
+        lambda qkv: attention64(qkv, heads, scale) if probs else attention64(qkv, heads, scale)[0],
+        lambda qkv: attention_pytorch(qkv, heads, scale, probs),
+        [attention_qkv(case)], case["dtype"], ["qkv"],
+    )
+
+
+ATTENTION_BASE = dict(batch=2, length=17, heads=2, head_dim=8, dtype=torch.float32, layout="contiguous",
+                      magnitude=1.0, scale=None, return_probs=False, seed=3)
+ATTENTION_EXAMPLES = [  # saturated softmax (logits ~1e4), L = 1 (dq = dk = 0), sliced qkv
+    {**ATTENTION_BASE, "magnitude": 30.0, "head_dim": 16},
+    {**ATTENTION_BASE, "magnitude": 30.0, "head_dim": 64, "length": 5, "return_probs": True},
+    {**ATTENTION_BASE, "length": 1},
+    {**ATTENTION_BASE, "layout": "sliced", "dtype": torch.float16, "head_dim": 5},
+]
+
+test_attention_fuzz, test_attention_fuzz_thorough = fuzz(
+    "attention", attention_cases(), check_attention, ATTENTION_EXAMPLES)
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_single_token_gradients_are_exact_zeros(backend_name, dtype):
+    """With one token the softmax is the constant 1: out = v, so dq = dk = 0 exactly. (The kernel
+    backends; the torch backend is PyTorch's scaled_dot_product_attention, whose CPU backward
+    leaves rounding-level values there.)"""
+    if not runnable("attention", backend_name, dtype):
+        pytest.skip(backend.unsupported_reason("attention", backend_name, torch.device("cpu"), dtype))
+    qkv = (torch.randn(3, 1, 3 * 2 * 16) * 10).to(dtype).requires_grad_(True)
+    with vk.use_backend(backend_name):
+        out = vk.attention(qkv, 2)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, qkv.detach()[..., 64:], atol=0, rtol=0)
+    assert torch.count_nonzero(qkv.grad[..., :64]) == 0, "dq and dk must be exactly zero for L = 1"
+    torch.testing.assert_close(qkv.grad[..., 64:], grad_out, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- patch_embed
+
+
+@st.composite
+def patch_embed_cases(draw) -> dict:
+    return dict(
+        batch=draw(sizes(1, 3)),
+        channels=draw(st.sampled_from([1, 3, 5])),
+        patch=draw(sizes(1, 8)),
+        grid=(draw(sizes(1, 4)), draw(sizes(1, 4))),
+        dim=draw(st.sampled_from([1, 3, 8, 13, 24])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        image_layout=draw(st.sampled_from(["contiguous", "channels_last", "sliced", "transposed", "offset"])),
+        weight_layout=draw(st.sampled_from(["contiguous", "transposed", "channels_last"])),
+        bias=draw(st.sampled_from((None,) + LAYOUTS_1D)),
+        cls=draw(st.booleans()),
+        pos=draw(st.sampled_from([None, "contiguous", "sliced", "expanded_tokens"])),
+        scale=draw(st.sampled_from([0.5, 1.0, 20.0])),
+        seed=draw(sizes(0, 2**31 - 1)),
+    )
+
+
+def check_patch_embed(case: dict, backend_name: str) -> None:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, p, dim, c = case["dtype"], case["patch"], case["dim"], case["channels"]
+    gh, gw = case["grid"]
+    shape = (case["batch"], c, gh * p, gw * p)
+    images = make(shape, case["image_layout"], dtype, gen, case["scale"])
+    w = make((dim, c, p, p), case["weight_layout"], dtype, gen, 1 / math.sqrt(c * p * p))
+    b = None if case["bias"] is None else make((dim,), case["bias"], dtype, gen)
+    cls = make((1, 1, dim), "contiguous", dtype, gen) if case["cls"] else None
+    tokens = gh * gw + case["cls"]
+    if case["pos"] == "expanded_tokens":  # one row broadcast over every token (stride 0)
+        pos = make((1, 1, dim), "contiguous", dtype, gen).expand(1, tokens, dim)
+    else:
+        pos = None if case["pos"] is None else make((1, tokens, dim), case["pos"], dtype, gen)
+
+    def formula(images, w, b, cls, pos):
+        # tokens[n, l] = sum_{c,i,j} images[n, c, P r + i, P s + j] w[d, c, i, j] + b[d], l = r * gw + s;
+        # then [cls | tokens] + pos
+        n = images.shape[0]
+        patches = images.reshape(n, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * p * p)
+        out = patches @ w.reshape(dim, -1).T + (0 if b is None else b)
+        if cls is not None:
+            out = torch.cat([cls.expand(n, 1, dim), out], dim=1)
+        return out if pos is None else out + pos
+
+    def baseline(images, w, b, cls, pos):
+        out = F.conv2d(images, w, b, stride=p).flatten(2).transpose(1, 2)
+        if cls is not None:
+            out = torch.cat([cls.expand(out.shape[0], 1, dim), out], dim=1)
+        return out if pos is None else out + pos
+
+    check_case(
+        "patch_embed", backend_name,
+        lambda images, w, b, cls, pos: vk.patch_embed(images, w, b, patch_size=p, cls_token=cls, pos_embed=pos),
+        formula, baseline, [images, w, b, cls, pos], dtype, ["images", "weight", "bias", "cls_token", "pos_embed"],
+    )
+
+
+PATCH_BASE = dict(batch=2, channels=3, patch=4, grid=(3, 2), dim=13, dtype=torch.float32, image_layout="contiguous",
+                  weight_layout="contiguous", bias="contiguous", cls=True, pos="contiguous", scale=1.0, seed=4)
+PATCH_EXAMPLES = [  # strided bias; sliced images; broadcast position embedding
+    {**PATCH_BASE, "bias": "strided"},
+    {**PATCH_BASE, "image_layout": "sliced", "weight_layout": "transposed", "pos": "expanded_tokens"},
+    {**PATCH_BASE, "image_layout": "channels_last", "channels": 5, "patch": 1, "cls": False, "pos": "sliced"},
+]
+
+test_patch_embed_fuzz, test_patch_embed_fuzz_thorough = fuzz(
+    "patch_embed", patch_embed_cases(), check_patch_embed, PATCH_EXAMPLES)
