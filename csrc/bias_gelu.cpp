@@ -33,7 +33,7 @@ VIT_KERNELS_CPU_CLONES void gelu_grad_row(acc_t* __restrict dz, const acc_t* __r
 }
 
 void check_input(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must have shape (..., C) with C > 0, got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape (..., C), got a 0-dim tensor");
   check_float_dtype(op, "x", x, /*allow_double=*/true);
   check_contiguous(op, "x", x);
   TORCH_CHECK(x.device().is_cpu(), op, ": expected CPU tensors here, got ", x.device());
@@ -45,6 +45,7 @@ template <typename scalar_t, typename RowFn>
 void for_each_row(const at::Tensor& x, const c10::optional<at::Tensor>& bias, at::Tensor& out, RowFn row_fn) {
   using acc_t = acc_type<scalar_t>;
   const int64_t cols = x.size(-1), rows = row_count(x);
+  if (x.numel() == 0) return;  // no rows, or rows of width 0 (as F.gelu, an empty result)
   std::vector<acc_t> b(cols, acc_t(0));
   if (bias.has_value()) load_row(bias->data_ptr<scalar_t>(), b.data(), cols);
   const scalar_t* x_ptr = x.data_ptr<scalar_t>();

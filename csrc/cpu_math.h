@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <bit>
 #include <type_traits>
 
@@ -32,8 +33,12 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 
 // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2]; exp(r) by its
 // Taylor series to r^7 (relative error < 1e-8 there); 2^n by building the float's exponent bits.
+// Non-finite and out-of-range values behave as std::exp: NaN stays NaN, exp(x) = 0 below -87
+// (exp(-87) is 1.6e-38, at the edge of the normal floats) and +inf above 88. The polynomial runs on a
+// clamped copy and the special cases are chosen by select, with no branch, so loops still vectorise.
 VIT_KERNELS_INLINE float fast_exp(float x) {
-  const float above = x > -87.0f ? x : -87.0f;  // clamp: exp underflows / overflows past these
+  const float value = x;
+  const float above = x > -87.0f ? x : -87.0f;  // NaN -> -87 here; restored below
   x = above < 88.0f ? above : 88.0f;
   // Round to nearest by adding and subtracting 1.5 * 2^23 (|x / ln 2| < 2^22): no library call.
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -47,7 +52,9 @@ VIT_KERNELS_INLINE float fast_exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const float result = p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const float in_range = value < -87.0f ? 0.0f : (value > 88.0f ? std::numeric_limits<float>::infinity() : result);
+  return value == value ? in_range : value;
 }
 
 // erf(x) = 1 - t (a1 + t (a2 + ...)) exp(-x^2), t = 1 / (1 + p |x|), odd in x; absolute error < 1.5e-7

@@ -9,6 +9,7 @@
 // loops over it vectorise. Weight/bias gradients are summed per chunk of rows, then over chunks.
 
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <torch/library.h>
 
 #include <vector>
@@ -62,17 +63,26 @@ VIT_KERNELS_CPU_CLONES void add_rows(acc_t* __restrict s, const acc_t* __restric
   for (int64_t i = 0; i < n; ++i) s[i] += r[i];
 }
 
-// Two passes over the row in cache: the mean, then the centred sum of squares (no cancellation).
+// Two passes over the row in cache: the mean, then the centred sums (no cancellation). The
+// corrected two-pass form: the centred values' own mean c removes the rounding of the first sum, so
+// rows with a large mean and a small spread keep their digits; var = sum((s - m0)^2) / n - c^2.
 template <typename acc_t>
 VIT_KERNELS_CPU_CLONES void row_moments(const acc_t* __restrict s, int64_t n, acc_t eps, acc_t& mean, acc_t& rstd) {
   acc_t sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += s[i];
-  mean = sum / acc_t(n);
-  acc_t squares = 0;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < n; ++i) squares += (s[i] - mean) * (s[i] - mean);
-  rstd = acc_t(1) / std::sqrt(squares / acc_t(n) + eps);
+  const acc_t first = sum / acc_t(n);
+  acc_t centred = 0, squares = 0;
+#pragma omp simd reduction(+ : centred, squares)
+  for (int64_t i = 0; i < n; ++i) {
+    centred += s[i] - first;
+    squares += (s[i] - first) * (s[i] - first);
+  }
+  const acc_t correction = centred / acc_t(n);
+  mean = first + correction;
+  // A variance past the float range has no finite reciprocal: NaN, as PyTorch gives, not a silent 0.
+  const acc_t variance = std::max(squares / acc_t(n) - correction * correction, acc_t(0));
+  rstd = std::isinf(variance) ? std::numeric_limits<acc_t>::quiet_NaN() : acc_t(1) / std::sqrt(variance + eps);
 }
 
 template <typename acc_t>

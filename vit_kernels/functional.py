@@ -58,9 +58,9 @@ def patch_embed(
     n, channels, height, width = images.shape
     dim = weight.shape[0]
     check_shape("weight", weight, (dim, channels, patch_size, patch_size), "(D, C, P, P)")
-    if height % patch_size or width % patch_size:
+    if height % patch_size or width % patch_size or height == 0 or width == 0:
         raise ValueError(
-            f"images height and width must be divisible by patch_size={patch_size}, got {height}x{width}"
+            f"images height and width must be positive multiples of patch_size={patch_size}, got {height}x{width}"
         )
     num_patches = (height // patch_size) * (width // patch_size)
     tokens = num_patches + (cls_token is not None)

@@ -74,7 +74,7 @@ __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x, const scalar_t*
 at::Tensor bias_gelu_launch(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                             const at::Tensor* grad_out, c10::string_view approximate) {
   check_cuda_input(op, "x", x);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must have shape (..., C) with C > 0, got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape (..., C), got a 0-dim tensor");
   check_contiguous(op, "x", x);
   if (bias.has_value()) check_vector(op, "bias", *bias, x, x.size(-1));
   if (grad_out != nullptr) check_like(op, "grad_out", *grad_out, x);

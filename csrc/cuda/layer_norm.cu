@@ -74,13 +74,22 @@ __global__ void layer_norm_fwd_kernel(const scalar_t* __restrict__ x, const scal
       sum += s[k];
     }
   }
-  const float mu = block_sum(sum, scratch) / static_cast<float>(cols);
-  float squares = 0.0f;
+  const float first = block_sum(sum, scratch) / static_cast<float>(cols);
+  // Corrected two-pass moments: the centred values' own mean removes the rounding of the first sum.
+  float centred = 0.0f, squares = 0.0f;
   for (int64_t col = threadIdx.x * kVec; col < cols; col += blockDim.x * kVec) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) squares += (s_row[col + k] - mu) * (s_row[col + k] - mu);
+    for (int k = 0; k < kVec; ++k) {
+      const float d = s_row[col + k] - first;
+      centred += d;
+      squares += d * d;
+    }
   }
-  const float inv = rsqrtf(block_sum(squares, scratch) / static_cast<float>(cols) + eps);
+  const float correction = block_sum(centred, scratch) / static_cast<float>(cols);
+  const float mu = first + correction;
+  const float variance = fmaxf(block_sum(squares, scratch) / static_cast<float>(cols) - correction * correction, 0.0f);
+  // A variance past the float range has no finite reciprocal: NaN, as PyTorch gives, not a silent 0.
+  const float inv = isinf(variance) ? __int_as_float(0x7fc00000) : rsqrtf(variance + eps);
   if (threadIdx.x == 0) {
     mean[row] = mu;
     rstd[row] = inv;

@@ -48,12 +48,13 @@ def _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p):
 #   s_ij = q_i . k_j                                          (unscaled dot products)
 #   m_i = max_j s_ij,  l_i = sum_j 2^((s_ij - m_i) c)         (online over key blocks, rescaled by 2^((m_old - m_new) c))
 #   o_i = sum_j z_ij / (1 - p) * 2^((s_ij - m_i) c) v_j / l_i (z_ij the dropout keep mask, 1 without dropout)
-#   lse_i = m_i + log2(l_i) / c, so that P_ij = 2^((s_ij - lse_i) c)
+#   saved per row: m_i and 1 / l_i, so that P_ij = 2^((s_ij - m_i) c) / l_i
 # Subtracting before scaling keeps large logits exact where it matters: for the largest terms
-# s_ij - m_i is exact (Sterbenz), where s_ij * c would round at the magnitude of s_ij.
+# s_ij - m_i is exact (Sterbenz), where s_ij * c, or a log-sum-exp m_i + log2(l_i) / c, would round
+# at the magnitude of s_ij and scale every probability of the row by that rounding.
 @triton.jit
 def _attention_fwd_kernel(
-    QKV, Out, Lse, Seed,
+    QKV, Out, RowMax, RowInvSum, Seed,
     seq_len, num_heads, head_dim, model_dim,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_out_b, stride_out_l,
@@ -102,12 +103,13 @@ def _attention_fwd_kernel(
     out_ptrs = Out + batch.to(tl.int64) * stride_out_b + offs_m[:, None].to(tl.int64) * stride_out_l \
         + (head * head_dim + offs_d)[None, :]
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i) / scale_log2, mask=mask_m)
+    tl.store(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, m_i, mask=mask_m)
+    tl.store(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, 1.0 / l_i, mask=mask_m)
 
 
 # The backward's per-tile recomputation, shared by the dQ and dK/dV kernels, for query rows
 # rows_m and key rows rows_n of one (batch, head):
-#   P = 2^((s - lse) c) (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
+#   P = 2^((s - m) c) / l (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
 #   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
 # The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
 # these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
@@ -115,12 +117,12 @@ def _attention_fwd_kernel(
 # the rounding difference between two ways of computing dO . v_j.
 @triton.jit
 def _attention_bwd_p_dp(
-    q, k, v, do, lse, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
+    q, k, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     inside = (rows_m < seq_len)[:, None] & (rows_n < seq_len)[None, :]
-    p = tl.where(inside, tl.exp2((s - lse[:, None]) * scale_log2), 0.0)
+    p = tl.where(inside, tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None], 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -133,11 +135,11 @@ def _attention_bwd_p_dp(
 
 
 # dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
-#   P = 2^((s - lse) c),  P~ = z * P / (1 - p)
+#   P = 2^((s - m) c) / l,  P~ = z * P / (1 - p)
 #   dV += P~^T dO,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),  dK += scale * dS^T Q
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    QKV, DOut, Lse, Delta, Seed, DQKV,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
     seq_len, num_heads, head_dim, model_dim,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
@@ -173,9 +175,10 @@ def _attention_bwd_dkdv_kernel(
         q_mask = mask_m[:, None] & mask_d[None, :]
         q = tl.load(base + rows_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :], mask=q_mask, other=0.0)
         do = tl.load(do_base + rows_m[:, None].to(tl.int64) * stride_do_l + do_cols[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(Lse + row_stats + rows_m, mask=mask_m, other=0.0)
+        row_max = tl.load(RowMax + row_stats + rows_m, mask=mask_m, other=0.0)
+        inv_sum = tl.load(RowInvSum + row_stats + rows_m, mask=mask_m, other=0.0)
         delta = tl.load(Delta + row_stats + rows_m, mask=mask_m, other=0.0)
-        p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, lse, rows_m, offs_n, seq_len, pid_bh, seed,
+        p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, rows_m, offs_n, seq_len, pid_bh, seed,
                                                scale_log2, dropout_p, DROPOUT, PRECISION)
         ds = p * (dp - delta[:, None])
         dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
@@ -190,13 +193,13 @@ def _attention_bwd_dkdv_kernel(
 # dQ and delta, one program per (block of BLOCK_M query rows, batch * head), in two passes over the
 # key blocks (it runs before the dK/dV kernel, which reads delta):
 #   delta_i = sum_j P_ij dP_ij / sum_j P_ij           (stored; dividing by the recomputed row sum, 1 up
-#                                                      to the rounding of lse, keeps that rounding a
+#                                                      to the rounding of 1 / l, keeps that rounding a
 #                                                      relative error of dS instead of an absolute one)
 #   dQ = scale * sum_j dS_ij k_j,  dS = P (dP - delta)
 # dS is recomputed in both kernels rather than shared through atomics: a deterministic result.
 @triton.jit
 def _attention_bwd_dq_kernel(
-    QKV, DOut, Lse, Delta, Seed, DQKV,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
     seq_len, num_heads, head_dim, model_dim,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
@@ -218,7 +221,8 @@ def _attention_bwd_dq_kernel(
     do = tl.load(DOut + batch.to(tl.int64) * stride_do_b + offs_m[:, None].to(tl.int64) * stride_do_l
                  + ((head * head_dim + offs_d).to(tl.int64) * stride_do_c)[None, :], mask=q_mask, other=0.0)
     row_stats = pid_bh.to(tl.int64) * seq_len
-    lse = tl.load(Lse + row_stats + offs_m, mask=mask_m, other=0.0)
+    row_max = tl.load(RowMax + row_stats + offs_m, mask=mask_m, other=0.0)
+    inv_sum = tl.load(RowInvSum + row_stats + offs_m, mask=mask_m, other=0.0)
     k_cols = cols + model_dim * stride_qkv_c
     v_cols = cols + 2 * model_dim * stride_qkv_c
     seed = 0
@@ -233,7 +237,7 @@ def _attention_bwd_dq_kernel(
         kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
         k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        p, _, dp = _attention_bwd_p_dp(q, k, v, do, lse, offs_m, rows_n, seq_len, pid_bh, seed,
+        p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
                                        scale_log2, dropout_p, DROPOUT, PRECISION)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
@@ -247,7 +251,7 @@ def _attention_bwd_dq_kernel(
         kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
         k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        p, _, dp = _attention_bwd_p_dp(q, k, v, do, lse, offs_m, rows_n, seq_len, pid_bh, seed,
+        p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
                                        scale_log2, dropout_p, DROPOUT, PRECISION)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
 
@@ -256,11 +260,11 @@ def _attention_bwd_dq_kernel(
     tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=q_mask)
 
 
-# Probabilities for return_probs: P_ij = 2^((s_ij - lse_i) c), recomputed from the saved log-sum-exp,
+# Probabilities for return_probs: P_ij = 2^((s_ij - m_i) c) / l_i, recomputed from the saved row statistics,
 # one program per (block of query rows, batch * head), written to (B, H, L, L).
 @triton.jit
 def _attention_probs_kernel(
-    QKV, Lse, Probs,
+    QKV, RowMax, RowInvSum, Probs,
     seq_len, num_heads, head_dim, model_dim,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     scale_log2,
@@ -276,7 +280,8 @@ def _attention_probs_kernel(
     cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
     q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    lse = tl.load(Lse + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
+    row_max = tl.load(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
+    inv_sum = tl.load(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
     probs_base = Probs + pid_bh.to(tl.int64) * seq_len * seq_len + offs_m[:, None].to(tl.int64) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         rows_n = start_n + offs_n
@@ -284,7 +289,7 @@ def _attention_probs_kernel(
         k = tl.load(base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p = tl.exp2((s - lse[:, None]) * scale_log2)
+        p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
         tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -378,12 +383,13 @@ if HAS_TRITON:
     def attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv (B, L, 3D) -> out (B, L, D), lse (B*H, L) float32, in units of q . k."""
+        """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
+        and 1 / the row sum of the exponentials."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
-        lse = torch.empty((batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
+        stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         args = (
-            qkv, out, lse, seed,
+            qkv, out, stats[0], stats[1], seed,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             out.stride(0), out.stride(1),
@@ -399,11 +405,11 @@ if HAS_TRITON:
                 return _row_blocks(meta["BLOCK_M"], seq_len, batch * num_heads)
 
             launch(_attention_fwd_kernel_tuned, grid, *args, **flags)
-        return out, lse
+        return out, stats
 
     @torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())
     def attention_bwd(
-        grad_out: torch.Tensor, qkv: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
+        grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
@@ -411,10 +417,10 @@ if HAS_TRITON:
         block_d = _block_d(head_dim)
         dq_cfg = _bwd_config(qkv, head_dim, seq_len, 0)
         dkdv_cfg = _bwd_config(qkv, head_dim, seq_len, 1)
-        delta = torch.empty_like(lse)
+        delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
         args = (
-            qkv, grad_out, lse, delta, seed, dqkv,
+            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
@@ -429,14 +435,14 @@ if HAS_TRITON:
         return dqkv
 
     @torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())
-    def attention_probs(qkv: torch.Tensor, lse: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
-        """The softmax probabilities (B, H, L, L) from qkv and the forward's log-sum-exp."""
+    def attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         cfg = _bwd_config(qkv, head_dim, seq_len, 0)  # one q tile against k tiles, as in dQ
         probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
         launch(
             _attention_probs_kernel, _row_blocks(cfg["BLOCK_M"], seq_len, batch * num_heads),
-            qkv, lse, probs,
+            qkv, stats[0], stats[1], probs,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             scale * LOG2E,
@@ -446,25 +452,25 @@ if HAS_TRITON:
 
     def _fwd_setup_context(ctx, inputs, output):
         qkv, num_heads, scale, dropout_p, seed = inputs
-        out, lse = output
-        ctx.save_for_backward(qkv, lse, seed)
+        out, stats = output
+        ctx.save_for_backward(qkv, stats, seed)
         ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
 
-    def _fwd_backward(ctx, grad_out, grad_lse):
-        qkv, lse, seed = ctx.saved_tensors
-        dqkv = attention_bwd(grad_out, qkv, lse, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
+    def _fwd_backward(ctx, grad_out, grad_stats):
+        qkv, stats, seed = ctx.saved_tensors
+        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
         return dqkv, None, None, None, None
 
     torch.library.register_autograd("vit_kernels::attention_fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
     def _probs_setup_context(ctx, inputs, output):
-        qkv, lse, num_heads, scale = inputs
+        qkv, stats, num_heads, scale = inputs
         ctx.save_for_backward(qkv, output)
         ctx.num_heads, ctx.scale = num_heads, scale
 
     def _probs_backward(ctx, grad_probs):
         # d(softmax): dS = P * (dP - rowsum(dP * P)); dq = scale dS k, dk = scale dS^T q. The
-        # probabilities are materialised anyway, so this runs as plain tensor ops. lse gets no
+        # probabilities are materialised anyway, so this runs as plain tensor ops. stats get no
         # gradient: the formula above is the full derivative of softmax with respect to S.
         qkv, probs = ctx.saved_tensors
         q, k, _ = split_qkv(qkv, ctx.num_heads)
@@ -490,10 +496,10 @@ def attention_triton(
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
     else:
         seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
-    out, lse = torch.ops.vit_kernels.attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    out, stats = torch.ops.vit_kernels.attention_fwd(qkv, num_heads, scale, dropout_p, seed)
     if not return_probs:
         return out
-    return out, torch.ops.vit_kernels.attention_probs(qkv, lse, num_heads, scale)
+    return out, torch.ops.vit_kernels.attention_probs(qkv, stats, num_heads, scale)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

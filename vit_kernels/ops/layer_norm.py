@@ -20,7 +20,8 @@ ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program 
 
 
 # Forward, one program per ROWS rows (D <= BLOCK_D columns, one tile per row):
-#   s = x + r (stored when there is a residual), mean = sum(s) / D, var = sum((s - mean)^2) / D,
+#   s = x + r (stored when there is a residual), m0 = sum(s) / D, c = sum(s - m0) / D, mean = m0 + c,
+#   var = sum((s - m0)^2) / D - c^2  (= sum((s - mean)^2) / D, the corrected two-pass form),
 #   rstd = 1 / sqrt(var + eps), y = (s - mean) * rstd * w + b; mean and rstd saved for backward.
 @triton.jit
 def _layer_norm_fwd_kernel(
@@ -44,7 +45,14 @@ def _layer_norm_fwd_kernel(
         s = rounded.to(tl.float32)  # normalise the rounded sum that is returned and that backward re-reads
     mean = tl.sum(s, 1) / num_cols
     centered = tl.where(mask, s - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / num_cols + eps)
+    # corrected two-pass moments: the centred values' own mean removes the rounding of the first sum
+    # (rows with a large mean and a small spread keep their digits)
+    correction = tl.sum(centered, 1) / num_cols
+    mean += correction
+    var = tl.sum(centered * centered, 1) / num_cols - correction * correction
+    centered = tl.where(mask, centered - correction[:, None], 0.0)
+    # a variance past the float range has no finite reciprocal: NaN, as PyTorch gives, not a silent 0
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(tl.maximum(var, 0.0) + eps), float("nan"))
     y = centered * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(Weight + cols * stride_w, mask=mask_cols, other=0.0).to(tl.float32)[None, :]

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -204,6 +205,8 @@ def _matmul(
     in float32."""
     m, k = a.shape
     n = b.shape[1]
+    if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
+        return torch.empty((m, n), dtype=out_dtype, device=a.device)
     plain = bias is None and epilogue == EPILOGUE_NONE and residual is None
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
@@ -234,13 +237,16 @@ def _matmul(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., K) -> (M, K) by a view where strides allow (the kernel takes any 2-D strides)."""
-    return t.reshape(-1, t.shape[-1])
+    """(..., K) -> (M, K) by a view where strides allow (the kernel takes any 2-D strides); M or K
+    may be 0."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool) -> torch.Tensor:
     grad, preact = grad.contiguous(), preact.contiguous()
     dz = torch.empty_like(preact)
+    if dz.numel() == 0:
+        return dz
     block = 1024
     launch(_gelu_bwd_kernel, (triton.cdiv(preact.numel(), block),), grad, preact, dz, preact.numel(), TANH=tanh, BLOCK=block)
     return dz

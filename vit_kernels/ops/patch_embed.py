@@ -210,7 +210,7 @@ if HAS_TRITON:
         tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
         warps = 1 if interpreted(images.device) else 4
         slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
-        rows_per_split = triton.cdiv(triton.cdiv(n * num_patches, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), MAX_BLOCK_K)) * MAX_BLOCK_K
         slices = max(1, triton.cdiv(n * num_patches, rows_per_split))
         partial = slices > 1
         dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),

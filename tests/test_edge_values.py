@@ -1,0 +1,179 @@
+"""Non-finite and empty inputs behave on every backend as they do in PyTorch: NaN and Inf propagate
+to the same outputs and gradients (no clamping), empty batches give empty results, and inputs
+PyTorch refuses are refused by every backend with the same Python exception type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vit_kernels as vk
+from vit_kernels import _ext
+from tests.helpers import CPU_BACKENDS, TOLERANCES
+
+
+def run(fn, inputs):
+    """fn(*leaves) and the gradient of every tensor input for a fixed upstream gradient of ones."""
+    leaves = [t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
+    result = fn(*leaves)
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    targets = [t for t in leaves if isinstance(t, torch.Tensor)]
+    grads = torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """NaN where PyTorch has NaN, the same infinities, close finite values."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(actual.isnan(), expected.isnan()), f"{what}: NaN at {actual.isnan().nonzero().tolist()}, PyTorch at {expected.isnan().nonzero().tolist()}"
+    assert torch.equal(actual.isposinf(), expected.isposinf()), f"{what}: +inf differs from PyTorch"
+    assert torch.equal(actual.isneginf(), expected.isneginf()), f"{what}: -inf differs from PyTorch"
+    finite = expected.isfinite()
+    atol, rtol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual[finite], expected[finite], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def poke(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+NAN, INF = float("nan"), float("inf")
+
+# (name, our op, PyTorch's own composition, inputs): one non-finite value placed in an input.
+x8, w5, b5 = torch.randn(4, 8), torch.randn(5, 8), torch.randn(5)
+ln_w, ln_b = torch.randn(8), torch.randn(8)
+w_hidden, w_out = torch.randn(6, 8), torch.randn(8, 6)
+qkv = torch.randn(2, 5, 24)
+images, patch_w = torch.randn(2, 3, 8, 8), torch.randn(8, 3, 4, 4)
+
+
+def torch_attention(qkv, probs=False):
+    """softmax(q k^T / sqrt(Dh)) v with PyTorch's softmax: NaN and Inf as the math gives them."""
+    b, length, three_d = qkv.shape
+    q, k, v = qkv.unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    p = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1)
+    out = (p @ v).transpose(1, 2).reshape(b, length, three_d // 3)
+    return (out, p) if probs else out
+
+
+NON_FINITE_CASES = [
+    ("layer_norm nan", lambda x, w, b: vk.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
+     [poke(x8, (1, 2), NAN), ln_w, ln_b]),
+    ("layer_norm inf", lambda x, w, b: vk.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
+     [poke(x8, (1, 2), INF), ln_w, ln_b]),
+    ("layer_norm 1e30 (variance overflows)", lambda x, w, b: vk.layer_norm(x, w, b),
+     lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6), [x8 * 1e30, ln_w, ln_b]),
+    ("linear nan", lambda x, w, b: vk.linear(x, w, b), F.linear, [poke(x8, (0, 3), NAN), w5, b5]),
+    ("linear inf bias", lambda x, w, b: vk.linear(x, w, b), F.linear, [x8, w5, poke(b5, (2,), -INF)]),
+    ("linear_gelu +inf", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: F.gelu(F.linear(x, w, b)),
+     [x8, w5, poke(b5, (1,), INF)]),
+    ("linear_gelu -inf tanh", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
+     lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), [x8, w5, poke(b5, (1,), -INF)]),
+    ("linear_gelu nan", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: F.gelu(F.linear(x, w, b)),
+     [poke(x8, (2, 0), NAN), w5, b5]),
+    ("mlp nan", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), lambda x, w1, w2: F.linear(F.gelu(F.linear(x, w1)), w2),
+     [poke(x8, (3, 7), NAN), w_hidden, w_out]),
+    ("attention nan (probs)", lambda t: vk.attention(t, 2, return_probs=True), lambda t: torch_attention(t, True),
+     [poke(qkv, (0, 1, 0), NAN)]),
+    ("attention +inf key (probs)", lambda t: vk.attention(t, 2, return_probs=True), lambda t: torch_attention(t, True),
+     [poke(qkv, (1, 3, 9), INF)]),
+    ("attention nan", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (0, 1, 0), NAN)]),
+    ("attention -inf value", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (1, 2, 20), -INF)]),
+    ("patch_embed nan", lambda x, w: vk.patch_embed(x, w, patch_size=4),
+     lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2), [poke(images, (1, 2, 5, 6), NAN), patch_w]),
+    ("patch_embed inf", lambda x, w: vk.patch_embed(x, w, patch_size=4),
+     lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2), [poke(images, (0, 0, 0, 0), INF), patch_w]),
+]
+
+
+def torch_backend_is_sdpa(name: str) -> bool:
+    """The torch backend's attention without probabilities is F.scaled_dot_product_attention, whose
+    fused CPU kernel does not follow the math for non-finite inputs (a NaN query gives a finite row):
+    that is PyTorch's own behaviour, which the kernel backends are not held to."""
+    return name.startswith("attention") and "probs" not in name
+
+
+def kernel_op(name: str) -> str:
+    return name.split()[0]
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("name,op,reference,inputs", NON_FINITE_CASES, ids=[c[0] for c in NON_FINITE_CASES])
+def test_non_finite_values_propagate_as_in_pytorch(backend_name, name, op, reference, inputs):
+    if backend_name == "torch" and torch_backend_is_sdpa(name):
+        pytest.skip(torch_backend_is_sdpa.__doc__)
+    expected_outs, expected_grads = run(reference, inputs)
+    with vk.use_backend(backend_name):
+        outs, grads = run(op, inputs)
+    for i, (o, e) in enumerate(zip(outs, expected_outs)):
+        assert_same_values(o, e, f"{name} on {backend_name}: output {i}")
+    for i, (g, e) in enumerate(zip(grads, expected_grads)):
+        assert_same_values(g, e, f"{name} on {backend_name}: gradient of input {i}")
+
+
+# Empty inputs: (name, op, inputs, expected output shape)
+EMPTY_CASES = [
+    ("linear no rows", lambda x, w, b: vk.linear(x, w, b), [torch.randn(0, 8), w5, b5], (0, 5)),
+    ("linear K = 0", lambda x, w, b: vk.linear(x, w, b), [torch.randn(3, 0), torch.randn(5, 0), b5], (3, 5)),
+    ("linear N = 0", lambda x, w: vk.linear(x, w), [torch.randn(3, 8), torch.randn(0, 8)], (3, 0)),
+    ("linear_gelu K = 0", lambda x, w, b: vk.linear_gelu(x, w, b), [torch.randn(2, 3, 0), torch.randn(5, 0), b5], (2, 3, 5)),
+    ("mlp no rows", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), [torch.randn(0, 8), w_hidden, w_out], (0, 8)),
+    ("mlp hidden = 0", lambda x, w1, w2, b2: vk.mlp(x, w1, None, w2, b2),
+     [torch.randn(2, 8), torch.randn(0, 8), torch.randn(8, 0), ln_b], (2, 8)),
+    ("layer_norm no rows", lambda x, w, b: vk.layer_norm(x, w, b), [torch.randn(0, 8), ln_w, ln_b], (0, 8)),
+    ("attention no images", lambda t: vk.attention(t, 2), [torch.randn(0, 5, 24)], (0, 5, 8)),
+    ("patch_embed no images", lambda x, w: vk.patch_embed(x, w, patch_size=4), [torch.randn(0, 3, 8, 8), patch_w], (0, 4, 8)),
+]
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("name,op,inputs,shape", EMPTY_CASES, ids=[c[0] for c in EMPTY_CASES])
+def test_empty_inputs_give_what_pytorch_gives(backend_name, name, op, inputs, shape):
+    with vk.use_backend("torch"):
+        expected_outs, expected_grads = run(op, inputs)
+    with vk.use_backend(backend_name):
+        outs, grads = run(op, inputs)
+    assert tuple(outs[0].shape) == shape
+    for o, e in zip(outs + grads, expected_outs + expected_grads):
+        assert (o is None) == (e is None)
+        if e is not None:
+            assert_same_values(o, e, f"{name} on {backend_name}")
+
+
+# Inputs PyTorch refuses (F.conv2d on an image smaller than a patch; a LayerNorm over zero features is
+# refused here as meaningless) raise the same ValueError, naming the argument, on every backend.
+REFUSED_CASES = [
+    ("patch_embed 0x0 images", lambda: vk.patch_embed(torch.randn(2, 3, 0, 0), patch_w, patch_size=4), "images height and width"),
+    ("attention without tokens", lambda: vk.attention(torch.randn(2, 0, 24), 2), "qkv must hold at least one token"),
+    ("layer_norm of width 0", lambda: vk.layer_norm(torch.randn(3, 0), None, None), "x must have a non-empty last dimension"),
+]
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("name,call,message", REFUSED_CASES, ids=[c[0] for c in REFUSED_CASES])
+def test_refused_inputs_raise_the_same_error_everywhere(backend_name, name, call, message):
+    with vk.use_backend(backend_name), pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.skipif(_ext.extension_unavailable_reason() is not None, reason="vit_kernels._C is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_extension_softmax_non_finite_rows_as_torch(dtype):
+    """NaN anywhere in a row, +inf, or a row of -inf give NaN rows as torch.softmax does; large
+    finite logits stay exact."""
+    rows = torch.tensor([
+        [NAN, 1.0, 2.0, 0.5],
+        [INF, 1.0, 2.0, 0.5],
+        [-INF, -INF, -INF, -INF],
+        [-INF, 1.0, -INF, 3.0],
+        [80.0, -80.0, 0.0, 1.0],
+        [1e4, 1.0, -1e4, 2.0],
+    ]).to(dtype)
+    assert_same_values(torch.ops.vit_kernels.softmax(rows), torch.softmax(rows, dim=-1), f"softmax {dtype}")
+    x = torch.linspace(-120.0, 100.0, 4096, dtype=torch.float32).reshape(-1, 4)
+    assert torch.isfinite(torch.ops.vit_kernels.softmax(x)).all()
+    torch.testing.assert_close(torch.ops.vit_kernels.softmax(x), torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+
