@@ -27,7 +27,7 @@ CASES = [
     # patch_embed
     (lambda: vk.patch_embed(torch.randn(3, 16, 16), pw, patch_size=4), ValueError, "images must have 4 dimensions"),
     (lambda: vk.patch_embed(torch.randn(2, 1, 16, 16), pw, patch_size=4), ValueError, "weight must have shape"),
-    (lambda: vk.patch_embed(torch.randn(2, 3, 18, 16), pw, patch_size=4), ValueError, "divisible by patch_size=4"),
+    (lambda: vk.patch_embed(torch.randn(2, 3, 18, 16), pw, patch_size=4), ValueError, "positive multiples of patch_size=4"),
     (lambda: vk.patch_embed(images, pw, patch_size=2), ValueError, "weight must have shape"),
     (lambda: vk.patch_embed(images, pw, torch.randn(7), patch_size=4), ValueError, "bias must have shape"),
     (lambda: vk.patch_embed(images, pw, patch_size=4, pos_embed=torch.randn(1, 17, 8)), ValueError, "pos_embed must have shape"),
