@@ -190,6 +190,22 @@ def _attention_bwd_dkdv_kernel(
     tl.store(out_base + (2 * model_dim + out_cols)[None, :], dv.to(DQKV.dtype.element_ty), mask=kv_mask)
 
 
+# One key block of the dQ kernel's two passes: k and the recomputed (P, dP) of its query rows.
+@triton.jit
+def _attention_bwd_dq_key_block(
+    q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n, mask_d, stride_qkv_l, seq_len,
+    pid_bh, seed, scale_log2, dropout_p, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows_n = start_n + offs_n
+    kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
+    kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
+    k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
+    p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
+                                   scale_log2, dropout_p, DROPOUT, PRECISION)
+    return k, p, dp
+
+
 # dQ and delta, one program per (block of BLOCK_M query rows, batch * head), in two passes over the
 # key blocks (it runs before the dK/dV kernel, which reads delta):
 #   delta_i = sum_j P_ij dP_ij / sum_j P_ij           (stored; dividing by the recomputed row sum, 1 up
@@ -232,13 +248,9 @@ def _attention_bwd_dq_kernel(
     weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
-        rows_n = start_n + offs_n
-        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
-        kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
-        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                       scale_log2, dropout_p, DROPOUT, PRECISION)
+        k, p, dp = _attention_bwd_dq_key_block(q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n,
+                                               mask_d, stride_qkv_l, seq_len, pid_bh, seed, scale_log2, dropout_p,
+                                               DROPOUT, PRECISION)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
     delta = weighted / tl.where(mask_m, row_sum, 1.0)
@@ -246,13 +258,9 @@ def _attention_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
-        rows_n = start_n + offs_n
-        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
-        kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
-        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                       scale_log2, dropout_p, DROPOUT, PRECISION)
+        k, p, dp = _attention_bwd_dq_key_block(q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n,
+                                               mask_d, stride_qkv_l, seq_len, pid_bh, seed, scale_log2, dropout_p,
+                                               DROPOUT, PRECISION)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_m[:, None].to(tl.int64) * stride_dqkv_l \
