@@ -489,8 +489,6 @@ def attention_triton(
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.attention`` (arguments already validated)."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
-    if head_dim > MAX_HEAD_DIM:  # a tile of q, k and v would not fit in registers / shared memory
-        return attention_ref(qkv, num_heads, scale, dropout_p, return_probs)
     scale = head_dim**-0.5 if scale is None else scale
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
@@ -549,8 +547,25 @@ def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=
     return (out, probs) if return_probs else out
 
 
-backend.register("attention", "torch", attention_ref)
-backend.register("attention", "triton", attention_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
-backend.register(
-    "attention", "extension", attention_extension, supports=_ext.supports, preferred=_ext.preferred("attention")
+def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:
+    """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory."""
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM} (a q/k/v tile would not fit on chip)"
+    return None
+
+
+def _without_dropout(args: tuple) -> tuple:
+    """The call made deterministic for validation: dropout off."""
+    qkv, num_heads, scale, _, return_probs = args
+    return (qkv, num_heads, scale, 0.0, return_probs)
+
+
+# The implementations of vk.attention: backend -> function, support by device / dtype, shape limits.
+backend.implementations(
+    "attention",
+    validation_args=_without_dropout,
+    torch=backend.Impl(attention_ref),
+    triton=backend.Impl(attention_triton, supports=backend.triton_supports_dot, limits=_triton_limits),
+    extension=backend.Impl(attention_extension, supports=_ext.supports, preferred=_ext.preferred("attention")),
 )

@@ -199,8 +199,6 @@ def layer_norm_triton(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
-    if x.shape[-1] > MAX_TRITON_COLS:
-        return layer_norm_ref(x, weight, bias, eps, residual)
     y, summed, _, _ = torch.ops.vit_kernels.layer_norm_fwd(x, weight, bias, eps, residual)
     return y if residual is None else (y, summed)
 
@@ -210,8 +208,6 @@ def layer_norm_extension(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
-    if x.is_cuda and x.shape[-1] > _ext.MAX_CUDA_COLUMNS:
-        return layer_norm_ref(x, weight, bias, eps, residual)
     contiguous = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
     y, summed, _, _ = torch.ops.vit_kernels.fused_layer_norm(*contiguous, eps)
     return y if residual is None else (y, summed)
@@ -230,10 +226,25 @@ def layer_norm_ref(
     return y if residual is None else (y, summed)
 
 
-backend.register("layer_norm", "torch", layer_norm_ref)
-backend.register(
-    "layer_norm", "triton", layer_norm_triton, supports=backend.triton_supports_elementwise, preferred=backend.on_cuda
-)
-backend.register(
-    "layer_norm", "extension", layer_norm_extension, supports=_ext.supports, preferred=_ext.preferred("layer_norm")
+def _triton_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:
+    """A row is one tile: at most MAX_TRITON_COLS columns."""
+    if x.shape[-1] > MAX_TRITON_COLS:
+        return f"D = {x.shape[-1]} > {MAX_TRITON_COLS} columns (a row is one tile)"
+    return None
+
+
+def _extension_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:
+    """The CUDA kernel keeps a row in shared memory: at most _ext.MAX_CUDA_COLUMNS columns."""
+    if x.device.type == "cuda" and x.shape[-1] > _ext.MAX_CUDA_COLUMNS:
+        return f"D = {x.shape[-1]} > {_ext.MAX_CUDA_COLUMNS} columns on CUDA (a row is kept in shared memory)"
+    return None
+
+
+# The implementations of vk.layer_norm: backend -> function, support by device / dtype, shape limits.
+backend.implementations(
+    "layer_norm",
+    torch=backend.Impl(layer_norm_ref),
+    triton=backend.Impl(layer_norm_triton, supports=backend.triton_supports_elementwise, limits=_triton_limits),
+    extension=backend.Impl(layer_norm_extension, supports=_ext.supports, limits=_extension_limits,
+                           preferred=_ext.preferred("layer_norm")),
 )

@@ -295,8 +295,10 @@ def patch_embed_ref(
     return add_class_and_position(tokens, cls_token, pos_embed)
 
 
-backend.register("patch_embed", "torch", patch_embed_ref)
-backend.register("patch_embed", "triton", patch_embed_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
-backend.register(
-    "patch_embed", "extension", patch_embed_extension, supports=_ext.supports, preferred=_ext.preferred("patch_embed")
+# The implementations of vk.patch_embed: backend -> function, support by device / dtype, shape limits.
+backend.implementations(
+    "patch_embed",
+    torch=backend.Impl(patch_embed_ref),
+    triton=backend.Impl(patch_embed_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(patch_embed_extension, supports=_ext.supports, preferred=_ext.preferred("patch_embed")),
 )
