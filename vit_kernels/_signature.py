@@ -109,20 +109,9 @@ def untimeable(args: Sequence[Any]) -> bool:
     return False
 
 
-def static_shape_key(args: Sequence[Any], dtype: torch.dtype) -> tuple:
-    """``argument_key`` for use while torch.compile traces: symbolic sizes become -1 (so such a
-    signature never matches a measured one and the static default decides)."""
-    parts: list = []
-    first = True
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            shape = tuple(s if isinstance(s, int) else -1 for s in a.shape)
-            if shape and (first or len(shape) >= 3) and shape[0] >= 0:
-                shape = (bucket(shape[0]),) + shape[1:]
-            parts.append((shape, "" if a.dtype == dtype else str(a.dtype).replace("torch.", ""), True))
-            first = False
-        elif a is None or isinstance(a, (bool, int, float, str)):
-            parts.append(a)
-        else:
-            parts.append(type(a).__name__)
-    return tuple(parts)
+def traced_key(args: Sequence[Any]) -> tuple:
+    """The part of a signature that can be read while torch.compile traces without specialising on
+    (or guarding) any size: which arguments are tensors ("tensor") and the others by value. Under
+    tracing a measured decision is matched by op, device, dtype and grad mode (see backend)."""
+    return tuple("tensor" if isinstance(a, torch.Tensor) else a if a is None or isinstance(a, (bool, int, float, str))
+                 else type(a).__name__ for a in args)

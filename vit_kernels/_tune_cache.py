@@ -84,6 +84,11 @@ class DiskCache:
             self._entries = self._read()
         return self._entries.get(key)
 
+    def items(self) -> list[tuple[str, dict]]:
+        if self._entries is None:
+            self._entries = self._read()
+        return list(self._entries.items())
+
     def put(self, key: str, entry: dict) -> None:
         """Store ``entry`` and write the file (merged with the one on disk, atomically)."""
         if self._entries is None:

@@ -422,6 +422,10 @@ class _Call:
         dtype = str(self.dtype).replace("torch.", "")
         return f"{self.op}|{_signature.device_name(self.device)}|{dtype}|grad={self.grad}|{self.arg_key!r}"
 
+    def prefix(self) -> str:
+        """The signature up to the arguments: op, device, dtype and grad mode."""
+        return self.signature()[: -len(repr(self.arg_key))]
+
     def record(self, requested: str, backend: str, source: str, reason: str, candidates: dict) -> Record:
         return Record(self.op, _signature.device_name(self.device), str(self.dtype),
                       _signature.describe_arguments(self.arg_key), self.grad, requested, backend, source, reason,
@@ -457,6 +461,8 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implemen
                                            "no other implementation can take this call", excluded)
     key = call.signature()
     entry = _measured.get(key) or _disk.get(key)
+    if entry is None and call.args is None:
+        entry = _unanimous(call.prefix())
     if entry is not None and entry["backend"] in capable:
         _measured[key] = entry
         return impls[entry["backend"]], call.record(requested, entry["backend"], "cache", entry["reason"],
@@ -473,6 +479,18 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implemen
     _disk.put(key, entry)
     return impls[entry["backend"]], call.record(requested, entry["backend"], "measured", entry["reason"],
                                                  {**_describe(entry), **excluded})
+
+
+def _unanimous(prefix: str) -> Optional[dict]:
+    """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
+    grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
+    shapes being compiled), else None (the static default decides)."""
+    entries = [e for k, e in {**dict(_disk.items()), **_measured}.items() if k.startswith(prefix)]
+    if entries and len({e["backend"] for e in entries}) == 1:
+        entry = dict(entries[0])
+        entry["reason"] = f"the {len(entries)} measured signature(s) of this op, device, dtype agree: {entry['reason']}"
+        return entry
+    return None
 
 
 def _measure_call(call: _Call, capable: list[str]) -> dict:
@@ -545,8 +563,9 @@ def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
 @torch.compiler.assume_constant_result
 def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.dtype, arg_key: tuple,
                     grad: bool, limits: tuple) -> str:
-    """The decision while torch.compile traces (called once per trace, outside the graph): the
-    cached decision or the static default, never a measurement."""
+    """The decision while torch.compile traces (called once per trace, outside the graph, without
+    reading sizes so that none is specialised): the cached decision or the static default, never a
+    measurement."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     call = _Call(op, device, dtype, arg_key, grad, dict(limits))
     with _lock:
@@ -568,7 +587,7 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
         limits = tuple(sorted(_limit_reasons(op, args).items()))
         grad = _signature.needs_grad(args)
         name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
-                               _signature.static_shape_key(args, dtype), grad, limits)
+                               _signature.traced_key(args), grad, limits)
         return _registry[op][name]
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
