@@ -552,7 +552,9 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
 
 
 def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
-    reasons = {}
+    reasons: dict[str, str] = {}
+    if not args:  # resolve(op, device, dtype) without the call: device and dtype decide alone
+        return reasons
     for b, impl in _registry[op].items():
         reason = impl.limits(*args)
         if reason is not None:
