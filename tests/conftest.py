@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import backend  # noqa: E402
+from tests.helpers import CPU_BACKENDS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -35,26 +36,33 @@ def restore_backend():
     vk.set_autotune(settings["enabled"], margin=settings["margin"])
 
 
-@pytest.fixture
-def use_backend():
-    """``use_backend(name)``: run the test body's ops on ``name`` (strictly: a call it cannot take
-    raises) and, on leaving, assert through ``vk.explain()`` that ``name`` actually ran.
+@pytest.fixture(params=CPU_BACKENDS)
+def on_backend(request):
+    """Run the test body with each backend that can run CPU tensors here, strictly (a call the
+    backend cannot take raises, naming the limit), and check through ``vk.explain()`` that the
+    backend named is the one that ran every op of the body."""
+    name = request.param
+    backend.clear_decisions()
+    with vk.use_backend(name, strict=True):
+        yield name
+    rows = [r for r in vk.explain() if r.requested == name]
+    assert rows, f"no op ran under use_backend({name!r})"
+    assert {r.backend for r in rows} == {name}, f"asked for {name}, but:\n{vk.explain()}"
 
-        def test_x(use_backend):
-            with use_backend("triton"):
-                vk.layer_norm(...)
-    """
-    import contextlib
 
-    @contextlib.contextmanager
-    def scope(name: str, *, strict: bool = True):
-        backend.clear_decisions()
-        with vk.use_backend(name, strict=strict):
-            yield
-        ran = vk.explain().ran()
-        assert name in ran, f"asked for {name}, but explain() shows {sorted(ran)} ran:\n{vk.explain()}"
-
-    return scope
+@pytest.fixture(autouse=True)
+def named_backend_ran(request):
+    """For tests parametrized by ``backend_name``: every op the test ran under
+    ``use_backend(backend_name)`` must show in ``vk.explain()`` as run by that backend (no fallback)."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("backend_name") if callspec is not None else None
+    if name is None:
+        yield
+        return
+    backend.clear_decisions()
+    yield
+    wrong = [r for r in vk.explain() if r.requested == name and r.backend != name]
+    assert not wrong, f"asked for {name}, but:\n{vk.explain()}"
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

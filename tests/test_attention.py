@@ -37,13 +37,6 @@ def formula_out(qkv, num_heads, scale=None):
     return attention_formula(qkv, num_heads, scale)[0]
 
 
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    """Run the test body with each backend that can run CPU tensors here."""
-    with vk.use_backend(request.param):
-        yield request.param
-
-
 # float16 on the torch backend is PyTorch's own error: test_error_within_twice_pytorch measures it.
 BACKEND_DTYPES = [("torch", torch.float32)] + [(name, dt) for name in CPU_BACKENDS[1:] for dt in (torch.float32, torch.float16)]
 

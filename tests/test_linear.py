@@ -85,12 +85,6 @@ def test_mlp(backend_name, dtype, x_shape, d, hidden, approximate, with_residual
                               ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
 
 
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    with vk.use_backend(request.param):
-        yield request.param
-
-
 def test_strided_input_is_read_in_place(on_backend):
     wide = torch.randn(2, 9, 40)
     x = wide[:, :, 3:35]  # rows with an outer stride of 40

@@ -38,8 +38,10 @@ def tune(
         grad = model.training and any(p.requires_grad for p in model.parameters())
     if not isinstance(grad, bool):
         raise TypeError(f"grad must be a bool or None, got {type(grad).__name__}")
-    before = {id(r): r.calls for r in backend._journal.snapshot()}
-    keys_before = {(r.op, r.device, r.dtype, r.shapes, r.grad, r.requested) for r in backend.explain()}
+    def identity(r):
+        return (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested, r.source)
+
+    calls_before = {identity(r): r.calls for r in backend.explain()}
     enabled = backend.autotune_settings()["enabled"]
     backend.set_autotune(True)
     try:
@@ -47,7 +49,4 @@ def tune(
             model(*example_inputs)
     finally:
         backend.set_autotune(enabled)
-    del before
-    rows = [r for r in backend.explain()
-            if (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested) not in keys_before or r.requested == "auto"]
-    return Explanation(rows)
+    return Explanation([r for r in backend.explain() if r.calls > calls_before.get(identity(r), 0)])
