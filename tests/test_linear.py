@@ -38,6 +38,8 @@ SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
 def test_linear(backend_name, dtype, x_shape, k, n, with_bias, with_residual):
+    if backend_name == "extension" and not with_residual:
+        pytest.skip("the extension's linear takes only calls with a residual to fuse (a limit in its table)")
     inputs = [
         torch.randn(x_shape),
         torch.randn(n, k) / math.sqrt(k),
