@@ -547,6 +547,37 @@ def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=
     return (out, probs) if return_probs else out
 
 
+# ---- the extension's glue: fake implementations and autograd of vit_kernels::softmax ----------------
+
+
+def _register_extension_ops() -> None:
+    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
+    they trace under torch.compile and differentiate like any torch op."""
+    ops = torch.ops.vit_kernels
+
+    # --- softmax ------------------------------------------------------------------------------
+    @torch.library.register_fake("vit_kernels::softmax")
+    def _(x):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::softmax_backward")
+    def _(grad_out, out):
+        return torch.empty_like(out)
+
+    def softmax_setup(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def softmax_backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return ops.softmax_backward(grad.contiguous(), out)
+
+    torch.library.register_autograd("vit_kernels::softmax", softmax_backward, setup_context=softmax_setup)
+
+
+if _ext.LOADED:
+    _register_extension_ops()
+
+
 def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:
     """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
@@ -567,5 +598,5 @@ backend.implementations(
     validation_args=_without_dropout,
     torch=backend.Impl(attention_ref),
     triton=backend.Impl(attention_triton, supports=backend.triton_supports_dot, limits=_triton_limits),
-    extension=backend.Impl(attention_extension, supports=_ext.supports, preferred=_ext.preferred("attention")),
+    extension=backend.Impl(attention_extension, supports=_ext.supports),
 )

@@ -431,6 +431,40 @@ def mlp_ref(
     return linear_ref(hidden, fc2_weight, fc2_bias, residual)
 
 
+# ---- the extension's glue: fake implementations and autograd of vit_kernels::bias_gelu ----------------
+
+
+def _register_extension_ops() -> None:
+    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
+    they trace under torch.compile and differentiate like any torch op."""
+    ops = torch.ops.vit_kernels
+
+    # --- bias_gelu ----------------------------------------------------------------------------
+    @torch.library.register_fake("vit_kernels::bias_gelu")
+    def _(x, bias, approximate):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::bias_gelu_backward")
+    def _(grad_out, x, bias, approximate):
+        return torch.empty_like(x)
+
+    def bias_gelu_setup(ctx, inputs, output):
+        x, bias, ctx.approximate = inputs
+        ctx.save_for_backward(x, bias)
+
+    def bias_gelu_backward(ctx, grad):
+        x, bias = ctx.saved_tensors
+        dz = ops.bias_gelu_backward(grad.contiguous(), x, bias, ctx.approximate)
+        dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dz if ctx.needs_input_grad[0] else None, dbias, None
+
+    torch.library.register_autograd("vit_kernels::bias_gelu", bias_gelu_backward, setup_context=bias_gelu_setup)
+
+
+if _ext.LOADED:
+    _register_extension_ops()
+
+
 def _extension_linear_limits(x, weight, bias=None, residual=None) -> Optional[str]:
     """The extension's linear is a GEMM accumulating onto a residual of x's dtype."""
     if residual is None:
@@ -446,18 +480,17 @@ backend.implementations(
     "linear",
     torch=backend.Impl(linear_ref),
     triton=backend.Impl(linear_triton, supports=backend.triton_supports_dot),
-    extension=backend.Impl(linear_extension, supports=_ext.supports, limits=_extension_linear_limits,
-                           preferred=_ext.preferred("linear")),
+    extension=backend.Impl(linear_extension, supports=_ext.supports, limits=_extension_linear_limits),
 )
 backend.implementations(
     "linear_gelu",
     torch=backend.Impl(linear_gelu_ref),
     triton=backend.Impl(linear_gelu_triton, supports=backend.triton_supports_dot),
-    extension=backend.Impl(linear_gelu_extension, supports=_ext.supports, preferred=_ext.preferred("linear_gelu")),
+    extension=backend.Impl(linear_gelu_extension, supports=_ext.supports),
 )
 backend.implementations(
     "mlp",
     torch=backend.Impl(mlp_ref),
     triton=backend.Impl(mlp_triton, supports=backend.triton_supports_dot),
-    extension=backend.Impl(mlp_extension, supports=_ext.supports, preferred=_ext.preferred("mlp")),
+    extension=backend.Impl(mlp_extension, supports=_ext.supports),
 )
