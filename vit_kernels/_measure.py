@@ -28,11 +28,12 @@ TOLERANCES = {
     torch.bfloat16: (5e-2, 5e-2),
 }
 
-# Repetitions: after one untimed run (validation, which also compiles and warms caches), up to
-# ``repeats`` timed runs or ``budget_s`` seconds, whichever comes first. On CUDA the median counts;
-# on the CPU, shared with other processes, the minimum (the least disturbed run).
-CPU_REPEATS, CPU_BUDGET_S = 3, 0.2
-CUDA_REPEATS, CUDA_BUDGET_S = 25, 0.1
+# Repetitions: after one untimed run each (validation, which also compiles and warms caches), the
+# candidates are timed in interleaved rounds (A B C, A B C, ...: a burst of load from another process
+# hits all of them alike) until ``repeats`` rounds or ``budget_s`` seconds of timed runs. On CUDA the
+# median counts; on the CPU, shared with other processes, the minimum (the least disturbed run).
+CPU_REPEATS, CPU_BUDGET_S = 10, 0.15
+CUDA_REPEATS, CUDA_BUDGET_S = 25, 0.3
 
 
 @dataclass
@@ -110,16 +111,24 @@ def _mismatch(actual: list, expected: list, dtype: torch.dtype, what: str) -> Op
     return None
 
 
-def _time(run: Callable, device: torch.device) -> float:
+def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, float]:
+    """Milliseconds per run of each of ``runs``, timed in interleaved rounds."""
     repeats, budget = (CUDA_REPEATS, CUDA_BUDGET_S) if device.type == "cuda" else (CPU_REPEATS, CPU_BUDGET_S)
-    times: list[float] = []
-    while len(times) < repeats and sum(times) < budget:
-        _synchronize(device)
-        start = time.perf_counter()
-        run()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return (statistics.median(times) if device.type == "cuda" else min(times)) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    spent = 0.0
+    for _ in range(repeats):
+        for name, run in runs.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            elapsed = time.perf_counter() - start
+            times[name].append(elapsed)
+            spent += elapsed
+        if spent >= budget:
+            break
+    pick = statistics.median if device.type == "cuda" else min
+    return {name: pick(t) * 1e3 for name, t in times.items()}
 
 
 def measure(
@@ -141,16 +150,22 @@ def measure(
         with torch.autocast(device.type, enabled=False):
             expected = _Runner(reference, validation_args, grad, None, wide)
             ref_outs, ref_grads = expected()
+        runs: dict[str, _Runner] = {}
         for name, fn in candidates.items():
             result = results[name] = Candidate(name)
             try:
-                check = _Runner(fn, validation_args, grad, expected.upstream)
-                outs, grads = check()
+                outs, grads = _Runner(fn, validation_args, grad, expected.upstream)()
                 result.error = _mismatch(outs, ref_outs, dtype, "output") or _mismatch(grads, ref_grads, dtype, "gradient")
                 if result.error is None:
-                    result.time_ms = _time(_Runner(fn, args, grad, expected.upstream), device)
-                    if not math.isfinite(result.time_ms):
-                        result.error = "its time is not finite"
+                    runs[name] = _Runner(fn, args, grad, expected.upstream)
             except Exception as error:  # an implementation that raises is excluded, not fatal
                 result.error = f"raised {type(error).__name__}: {error}"
+        try:
+            for name, ms in _time(runs, device).items():
+                results[name].time_ms = ms
+                if not math.isfinite(ms):
+                    results[name].error = "its time is not finite"
+        except Exception as error:
+            for name in runs:
+                results[name].error = f"raised {type(error).__name__} while timed: {error}"
     return results
