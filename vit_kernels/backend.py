@@ -63,6 +63,11 @@ LimitCheck = Callable[..., Optional[str]]
 Preference = Callable[[torch.device, torch.dtype], bool]
 
 
+class CannotRunError(RuntimeError):
+    """Raised under ``strict=True`` when the backend asked for cannot take a call (the message names
+    the op, the shapes and the capability or limit)."""
+
+
 def _always(device: torch.device, dtype: torch.dtype) -> None:
     return None
 
@@ -529,7 +534,7 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
         return _auto(call, "auto", None)
     if choice.name not in impls:
         if choice.strict:
-            raise RuntimeError(f"backend {choice.name!r} does not implement {call.op} (strict=True)")
+            raise CannotRunError(f"backend {choice.name!r} does not implement {call.op} (strict=True)")
         impl, record = _auto(call, choice.name, None)
         record.reason = f"{choice.name} does not implement {call.op}; auto: {record.reason}"
         return impl, record
@@ -538,7 +543,7 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
         return impls[choice.name], call.record(choice.name, choice.name, "requested",
                                                f"use_backend / set_backend asked for {choice.name}", {})
     if choice.strict:
-        raise RuntimeError(
+        raise CannotRunError(
             f"backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype} "
             f"{_signature.describe_arguments(call.arg_key)}: {reason} (strict=True)"
         )
