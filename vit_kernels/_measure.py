@@ -41,7 +41,8 @@ class Candidate:
     """The outcome for one implementation: its median time, or why it is not valid."""
 
     backend: str
-    time_ms: Optional[float] = None
+    time_ms: Optional[float] = None  # the statistic that ranks: min on the CPU, median on CUDA
+    median_ms: Optional[float] = None  # the median, which must agree on the CPU (see backend)
     error: Optional[str] = None  # validation failure or exception: the implementation is excluded
 
     @property
@@ -111,8 +112,8 @@ def _mismatch(actual: list, expected: list, dtype: torch.dtype, what: str) -> Op
     return None
 
 
-def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, float]:
-    """Milliseconds per run of each of ``runs``, timed in interleaved rounds."""
+def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[float, float]]:
+    """(ranking, median) milliseconds per run of each of ``runs``, timed in interleaved rounds."""
     repeats, budget = (CUDA_REPEATS, CUDA_BUDGET_S) if device.type == "cuda" else (CPU_REPEATS, CPU_BUDGET_S)
     times: dict[str, list[float]] = {name: [] for name in runs}
     spent = 0.0
@@ -128,7 +129,7 @@ def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, float]:
         if spent >= budget:
             break
     pick = statistics.median if device.type == "cuda" else min
-    return {name: pick(t) * 1e3 for name, t in times.items()}
+    return {name: (pick(t) * 1e3, statistics.median(t) * 1e3) for name, t in times.items()}
 
 
 def measure(
@@ -161,8 +162,8 @@ def measure(
             except Exception as error:  # an implementation that raises is excluded, not fatal
                 result.error = f"raised {type(error).__name__}: {error}"
         try:
-            for name, ms in _time(runs, device).items():
-                results[name].time_ms = ms
+            for name, (ms, median) in _time(runs, device).items():
+                results[name].time_ms, results[name].median_ms = ms, median
                 if not math.isfinite(ms):
                     results[name].error = "its time is not finite"
         except Exception as error:

@@ -33,6 +33,7 @@ import contextvars
 import importlib.util
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -502,11 +503,13 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
     impls = _registry[call.op]
     validation = _validation_args.get(call.op, lambda args: args)(tuple(call.args))
     _measuring.active = True
+    started = time.perf_counter()
     try:
         results = _measure.measure({b: impls[b].fn for b in capable}, impls["torch"].fn, call.args, validation,
                                    call.device, call.dtype, call.grad)
     finally:
         _measuring.active = False
+    cost_ms = (time.perf_counter() - started) * 1e3
     for b, result in results.items():
         if not result.valid and b != "torch":
             _warn_once((call.op, b, call.signature()),
@@ -516,7 +519,11 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
     reference = results["torch"].time_ms
     valid = {b: r.time_ms for b, r in results.items() if r.valid and r.time_ms is not None}
     margin = _settings.margin
-    winners = {b: t for b, t in valid.items() if b != "torch" and (reference is None or t * (1 + margin) <= reference)}
+    # A candidate must beat the reference by the margin on the ranking statistic and on the median,
+    # so that a burst of load during some rounds cannot make the choice.
+    ref_median = results["torch"].median_ms
+    winners = {b: t for b, t in valid.items() if b != "torch" and (
+        reference is None or (t * (1 + margin) <= reference and results[b].median_ms * (1 + margin) <= ref_median))}
     chosen = min(winners, key=winners.get) if winners else "torch"
     if chosen == "torch":
         reason = f"no valid candidate beat the reference by the {margin:.0%} margin"
@@ -525,7 +532,8 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
     candidates: dict[str, object] = {
         b: (r.time_ms if r.valid else f"invalid: {r.error}") for b, r in results.items()
     }
-    return {"backend": chosen, "reason": f"measured: {reason}", "candidates": candidates, "margin": margin}
+    return {"backend": chosen, "reason": f"measured in {cost_ms:.0f} ms: {reason}", "candidates": candidates,
+            "margin": margin, "cost_ms": cost_ms}
 
 
 def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
