@@ -49,8 +49,11 @@ def implementations(case: OpCase, device: torch.device, dtype: torch.dtype, comp
 
 
 def _on_backend(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` on backend ``name``, strictly: a call outside its limits raises CannotRunError (the row
+    is then skipped with the reason) instead of timing the fallback under this backend's name."""
+
     def run(**inputs):
-        with vk.use_backend(name):
+        with vk.use_backend(name, strict=True):
             return fn(**inputs)
 
     return run
@@ -123,6 +126,9 @@ def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iter
             continue
         try:
             problem = validate(case, fn, first, dtype)
+        except backend.CannotRunError as error:
+            rows.append({**base, "mode": "all", "skipped": str(error)})
+            continue
         except Exception as error:  # a failed compile or kernel is reported, not fatal to the run
             problem = f"{type(error).__name__}: {error}".splitlines()[0]
         if problem is not None:

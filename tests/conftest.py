@@ -1,11 +1,22 @@
-"""Shared fixtures: a per-test seed, the backend restored after each test, device helpers."""
+"""Shared fixtures: a per-test seed, the backend restored after each test, dispatch kept
+deterministic and off the user's cache, device helpers."""
 
+import os
+import tempfile
 import zlib
 
-import pytest
-import torch
+# Measuring is off in the test suite (auto takes its static defaults, so tests know what runs) and
+# decisions go to a folder of this run only; subprocesses (CLI tests) inherit both. Tests of the
+# measured auto turn it on for themselves (tests/test_dispatch.py).
+os.environ["VIT_KERNELS_AUTOTUNE"] = "0"
+os.environ["VIT_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-kernels-test-cache-")
 
-import vit_kernels as vk
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import vit_kernels as vk  # noqa: E402
+from vit_kernels import backend  # noqa: E402
+from tests.helpers import CPU_BACKENDS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -19,8 +30,50 @@ def seed(request) -> int:
 @pytest.fixture(autouse=True)
 def restore_backend():
     previous = vk.get_backend()
+    settings = backend.autotune_settings()
     yield
     vk.set_backend(previous)
+    vk.set_autotune(settings["enabled"], margin=settings["margin"])
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so fixtures can see whether the body ran."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def on_backend(request):
+    """Run the test body with each backend that can run CPU tensors here, strictly (a call the
+    backend cannot take raises, naming the limit), and check through ``vk.explain()`` that the
+    backend named is the one that ran every op of the body."""
+    name = request.param
+    backend.clear_decisions()
+    with vk.use_backend(name, strict=True):
+        yield name
+    report = getattr(request.node, "report_call", None)
+    if report is None or not report.passed:
+        return
+    rows = [r for r in vk.explain() if r.requested == name]
+    assert rows, f"no op ran under use_backend({name!r})"
+    assert {r.backend for r in rows} == {name}, f"asked for {name}, but:\n{vk.explain()}"
+
+
+@pytest.fixture(autouse=True)
+def named_backend_ran(request):
+    """For tests parametrized by ``backend_name``: every op the test ran under
+    ``use_backend(backend_name)`` must show in ``vk.explain()`` as run by that backend (no fallback)."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("backend_name") if callspec is not None else None
+    if name is None:
+        yield
+        return
+    backend.clear_decisions()
+    yield
+    wrong = [r for r in vk.explain() if r.requested == name and r.backend != name]
+    assert not wrong, f"asked for {name}, but:\n{vk.explain()}"
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -37,13 +37,6 @@ def formula_out(qkv, num_heads, scale=None):
     return attention_formula(qkv, num_heads, scale)[0]
 
 
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    """Run the test body with each backend that can run CPU tensors here."""
-    with vk.use_backend(request.param):
-        yield request.param
-
-
 # float16 on the torch backend is PyTorch's own error: test_error_within_twice_pytorch measures it.
 BACKEND_DTYPES = [("torch", torch.float32)] + [(name, dt) for name in CPU_BACKENDS[1:] for dt in (torch.float32, torch.float16)]
 
@@ -251,6 +244,18 @@ def test_compiles_without_graph_break():
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
-def test_head_dims_beyond_the_kernel_use_the_reference(on_backend):
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_head_dims_beyond_the_kernel_are_a_limit_of_its_table(name):
+    """Head dim 260 > 256: Triton cannot take the call; strict raises naming the limit, otherwise
+    the reference runs, with a warning and a fallback row in explain()."""
     qkv = torch.randn(1, 5, 3 * 260)
-    check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=1)
+    if name != "triton":
+        with vk.use_backend(name, strict=True):
+            check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=1)
+        return
+    with vk.use_backend("triton", strict=True), pytest.raises(RuntimeError, match="head dim 260 > 256"):
+        vk.attention(qkv, 1)
+    with vk.use_backend("triton"), pytest.warns(RuntimeWarning, match="head dim 260 > 256"):
+        check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=1)
+    (row,) = {(r.backend, r.source) for r in vk.explain() if r.requested == "triton"}
+    assert row == ("torch", "fallback")

@@ -45,44 +45,72 @@ def test_use_backend_restores_previous_choice():
 
 
 @pytest.fixture
-def fake_triton_linear():
-    """Temporarily register a 'triton' linear that tags its output, supported on float32 only."""
+def fake_kernel_linear():
+    """Temporarily register a 'kernel' linear, supported on float32 only and the static default."""
     calls = []
 
     def fake(x, weight, bias, residual):
         calls.append(x.dtype)
         return torch.nn.functional.linear(x, weight, bias) + (0 if residual is None else residual)
 
-    saved = dict(backend._registry["linear"])
-    saved_check = backend._backend_checks.get("triton")
-    backend.register("linear", "triton", fake, supports=lambda d, t: None if t == torch.float32 else "float32 only")
-    backend.register_backend_check("triton", lambda: None)
+    vk.set_autotune(False)
+    backend.register("linear", "kernel", fake, supports=lambda d, t: None if t == torch.float32 else "float32 only",
+                     preferred=lambda d, t: True)
+    backend.clear_decisions()
     yield calls
-    backend._registry["linear"] = saved
-    backend._backend_checks["triton"] = saved_check
+    backend.unregister("linear", "kernel")
+    backend.clear_decisions()
 
 
-def test_auto_prefers_registered_kernel_and_falls_back(fake_triton_linear):
-    vk.set_backend("auto")
+def test_auto_takes_the_static_default_and_falls_back(fake_kernel_linear):
     vk.linear(torch.randn(2, 4), torch.randn(3, 4))
-    assert fake_triton_linear == [torch.float32]
+    assert fake_kernel_linear == [torch.float32]
     vk.linear(torch.randn(2, 4).double(), torch.randn(3, 4).double())  # unsupported dtype: torch runs
-    assert fake_triton_linear == [torch.float32]
+    assert fake_kernel_linear == [torch.float32]
+    assert [r.backend for r in vk.explain()] == ["kernel", "torch"]
     assert backend.resolve("layer_norm", torch.device("cpu"), torch.float32).backend != "triton"
 
 
-def test_explicit_backend_raises_where_it_cannot_run(fake_triton_linear):
-    vk.set_backend("triton")
-    with pytest.raises(RuntimeError, match="backend 'triton' cannot run linear on cpu torch.float64: float32 only"):
+def test_explicit_backend_falls_back_with_a_warning_or_raises_when_strict(fake_kernel_linear):
+    vk.set_backend("kernel")
+    with pytest.warns(RuntimeWarning, match="backend 'kernel' cannot run linear on cpu torch.float64: float32 only"):
         vk.linear(torch.randn(2, 4).double(), torch.randn(3, 4).double())
-    # ops the backend does not implement use the automatic choice
+    assert vk.explain().rows[-1].source == "fallback"
+    vk.set_backend("kernel", strict=True)
+    with pytest.raises(RuntimeError, match="backend 'kernel' cannot run linear on cpu torch.float64 .*: float32 only"):
+        vk.linear(torch.randn(2, 4).double(), torch.randn(3, 4).double())
+    # ops the backend does not implement use the automatic choice, strict or not
+    with pytest.raises(RuntimeError, match="backend 'kernel' does not implement layer_norm"):
+        vk.layer_norm(torch.randn(2, 4), None, None)
+    vk.set_backend("kernel")
     vk.layer_norm(torch.randn(2, 4), None, None)
 
 
-def test_auto_skips_implementations_not_preferred(fake_triton_linear):
-    backend.register("linear", "triton", backend._registry["linear"]["triton"].fn, preferred=lambda d, t: False)
+def test_auto_skips_implementations_not_preferred(fake_kernel_linear):
+    backend.register("linear", "kernel", backend._registry["linear"]["kernel"].fn, preferred=lambda d, t: False)
     vk.linear(torch.randn(2, 4), torch.randn(3, 4))
-    assert fake_triton_linear == []
+    assert fake_kernel_linear == []
+
+
+def test_static_defaults_are_the_reference_except_patch_embed_extension_on_cpu():
+    cpu = torch.device("cpu")
+    for op in backend.OPS:
+        for name, impl in backend._registry[op].items():
+            expected = op == "patch_embed" and name == "extension"
+            assert impl.preferred(cpu, torch.float32) is expected, (op, name)
+            assert not impl.preferred(torch.device("cuda"), torch.float16), (op, name)
+
+
+def test_shape_limits_are_in_the_tables_not_inside_implementations():
+    qkv = torch.randn(1, 3, 3 * 300)
+    assert "head dim 300 > 256" in backend.unsupported_reason("attention", "triton", torch.device("cpu"),
+                                                              torch.float32, (qkv, 1, None, 0.0, False)) or \
+        backend.triton_device_reason(torch.device("cpu")) is not None
+    x = torch.randn(2, 70000)
+    reason = backend._registry["layer_norm"]["triton"].limits(x, None, None, 1e-6, None)
+    assert reason is not None and "65536" in reason
+    reason = backend._registry["linear"]["extension"].limits(x, None, None, None)
+    assert reason is not None and "no residual" in reason
 
 
 def _run_with_env(code: str, **env: str) -> subprocess.CompletedProcess:

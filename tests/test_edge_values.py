@@ -44,6 +44,7 @@ NAN, INF = float("nan"), float("inf")
 
 # (name, our op, PyTorch's own composition, inputs): one non-finite value placed in an input.
 x8, w5, b5 = torch.randn(4, 8), torch.randn(5, 8), torch.randn(5)
+r5 = torch.randn(4, 5)
 ln_w, ln_b = torch.randn(8), torch.randn(8)
 w_hidden, w_out = torch.randn(6, 8), torch.randn(8, 6)
 qkv = torch.randn(2, 5, 24)
@@ -59,6 +60,14 @@ def torch_attention(qkv, probs=False):
     return (out, p) if probs else out
 
 
+def linear_residual(x, w, b, r):
+    return vk.linear(x, w, b, residual=r)
+
+
+def linear_residual_reference(x, w, b, r):
+    return F.linear(x, w, b) + r
+
+
 NON_FINITE_CASES = [
     ("layer_norm nan", lambda x, w, b: vk.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
      [poke(x8, (1, 2), NAN), ln_w, ln_b]),
@@ -66,8 +75,10 @@ NON_FINITE_CASES = [
      [poke(x8, (1, 2), INF), ln_w, ln_b]),
     ("layer_norm 1e30 (variance overflows)", lambda x, w, b: vk.layer_norm(x, w, b),
      lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6), [x8 * 1e30, ln_w, ln_b]),
-    ("linear nan", lambda x, w, b: vk.linear(x, w, b), F.linear, [poke(x8, (0, 3), NAN), w5, b5]),
-    ("linear inf bias", lambda x, w, b: vk.linear(x, w, b), F.linear, [x8, w5, poke(b5, (2,), -INF)]),
+    # linear with a residual: the extension implements linear only fused with its residual add.
+    ("linear nan", linear_residual, linear_residual_reference, [poke(x8, (0, 3), NAN), w5, b5, r5]),
+    ("linear inf bias", linear_residual, linear_residual_reference, [x8, w5, poke(b5, (2,), -INF), r5]),
+    ("linear inf residual", linear_residual, linear_residual_reference, [x8, w5, b5, poke(r5, (1, 4), INF)]),
     ("linear_gelu +inf", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: F.gelu(F.linear(x, w, b)),
      [x8, w5, poke(b5, (1,), INF)]),
     ("linear_gelu -inf tanh", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
@@ -116,9 +127,9 @@ def test_non_finite_values_propagate_as_in_pytorch(backend_name, name, op, refer
 
 # Empty inputs: (name, op, inputs, expected output shape)
 EMPTY_CASES = [
-    ("linear no rows", lambda x, w, b: vk.linear(x, w, b), [torch.randn(0, 8), w5, b5], (0, 5)),
-    ("linear K = 0", lambda x, w, b: vk.linear(x, w, b), [torch.randn(3, 0), torch.randn(5, 0), b5], (3, 5)),
-    ("linear N = 0", lambda x, w: vk.linear(x, w), [torch.randn(3, 8), torch.randn(0, 8)], (3, 0)),
+    ("linear no rows", linear_residual, [torch.randn(0, 8), w5, b5, torch.randn(0, 5)], (0, 5)),
+    ("linear K = 0", linear_residual, [torch.randn(3, 0), torch.randn(5, 0), b5, torch.randn(3, 5)], (3, 5)),
+    ("linear N = 0", lambda x, w, r: vk.linear(x, w, residual=r), [torch.randn(3, 8), torch.randn(0, 8), torch.randn(3, 0)], (3, 0)),
     ("linear_gelu K = 0", lambda x, w, b: vk.linear_gelu(x, w, b), [torch.randn(2, 3, 0), torch.randn(5, 0), b5], (2, 3, 5)),
     ("mlp no rows", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), [torch.randn(0, 8), w_hidden, w_out], (0, 8)),
     ("mlp hidden = 0", lambda x, w1, w2, b2: vk.mlp(x, w1, None, w2, b2),

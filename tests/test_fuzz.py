@@ -108,8 +108,13 @@ def check_case(name: str, backend_name: str, op: Callable, formula: Callable, ba
     base_in = [leaf(t) for t in inputs]
     ref_in = [wide(t) for t in inputs]
     ref_outs, ref_grads, upstream = run(formula, ref_in, seed=seed)
-    with vk.use_backend(backend_name):
-        outs, grads, _ = run(op, ours_in, upstream)
+    try:
+        with vk.use_backend(backend_name, strict=True):
+            outs, grads, _ = run(op, ours_in, upstream)
+    except backend.CannotRunError:
+        # Outside the backend's stated limits (e.g. the extension's linear without a residual):
+        # dispatch would hand the call to another backend, so there is nothing of this one to check.
+        return
     base_outs, base_grads, _ = run(baseline, base_in, upstream)
     names = [f"output {i}" for i in range(len(outs))] + [f"d{n}" for n, t in zip(input_names, inputs) if t is not None]
     atol, rtol = TOLERANCES[dtype]

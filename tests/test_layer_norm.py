@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula
+from tests.helpers import backend_dtypes, check_against_formula
 
 
 def layer_norm_formula(x, weight, bias, residual, eps):
@@ -21,12 +21,6 @@ def layer_norm_formula(x, weight, bias, residual, eps):
 
 def run_layer_norm(x, weight, bias, residual, eps):
     return vk.layer_norm(x, weight, bias, eps, residual=residual)
-
-
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    with vk.use_backend(request.param):
-        yield request.param
 
 
 @pytest.mark.parametrize("shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)])

@@ -38,6 +38,8 @@ SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
 def test_linear(backend_name, dtype, x_shape, k, n, with_bias, with_residual):
+    if backend_name == "extension" and not with_residual:
+        pytest.skip("the extension's linear takes only calls with a residual to fuse (a limit in its table)")
     inputs = [
         torch.randn(x_shape),
         torch.randn(n, k) / math.sqrt(k),
@@ -83,12 +85,6 @@ def test_mlp(backend_name, dtype, x_shape, d, hidden, approximate, with_residual
     with vk.use_backend(backend_name):
         check_against_formula(run, mlp_formula, inputs, dtype,
                               ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
-
-
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    with vk.use_backend(request.param):
-        yield request.param
 
 
 def test_strided_input_is_read_in_place(on_backend):

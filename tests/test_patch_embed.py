@@ -4,15 +4,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula
+from tests.helpers import backend_dtypes, check_against_formula
 
 BACKEND_DTYPES = backend_dtypes([torch.float32, torch.float16])
-
-
-@pytest.fixture(params=CPU_BACKENDS)
-def on_backend(request):
-    with vk.use_backend(request.param):
-        yield request.param
 
 
 def patch_embed_formula(images, weight, bias, cls_token, pos_embed, patch_size):

@@ -3,10 +3,21 @@
     import vit_kernels as vk
     out = vk.attention(qkv, num_heads=12)          # qkv (B, L, 3*D) -> (B, L, D)
     vk.set_backend("torch")                          # or "auto" | "triton" | "extension"
+    with vk.use_backend("triton", strict=True): ...  # this thread / task only; raise, don't fall back
+    vk.tune(model, (images,))                        # let auto measure every op signature now
+    print(vk.explain())                              # what ran for each signature, and why
 """
 
 from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
-from vit_kernels.backend import available_backends, get_backend, set_backend, use_backend
+from vit_kernels.backend import (
+    autotune_settings,
+    available_backends,
+    explain,
+    get_backend,
+    set_autotune,
+    set_backend,
+    use_backend,
+)
 from vit_kernels.functional import attention, layer_norm, linear, linear_gelu, mlp, patch_embed
 
 from vit_kernels import backend as _backend
@@ -14,12 +25,15 @@ from vit_kernels import backend as _backend
 _backend.apply_environment()
 
 from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
+from vit_kernels.tuning import tune  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "autotune_settings",
     "available_backends",
+    "explain",
     "get_backend",
     "layer_norm",
     "linear",
@@ -28,6 +42,8 @@ __all__ = [
     "patch_embed",
     "patch_model",
     "PatchReport",
+    "set_autotune",
     "set_backend",
+    "tune",
     "use_backend",
 ]

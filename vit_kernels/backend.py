@@ -1,40 +1,84 @@
 """Which implementation of each op runs: ``auto | triton | extension | torch``.
 
-Every op (``patch_embed``, ``attention``, ...) has up to three implementations, each registered here
-by the module that defines it. The choice is made once per call of an op, from the op name, the
-device and the dtype of its main input; nothing here reads the environment after import.
+Every op (``patch_embed``, ``attention``, ...) declares its implementations in one table at the end
+of ``vit_kernels/ops/<op>.py`` (``implementations(op, torch=Impl(...), triton=Impl(...), ...)``):
+per backend, the function, a support check by device and dtype, limits by shape (e.g. head dim <=
+256), and whether it is the static default. ``resolve`` is the only place that chooses or falls back.
 
 * ``torch``: the pure-PyTorch reference, runs everywhere, the fallback.
-* ``triton``: the Triton kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+* ``triton``: the Triton kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the
+  interpreter is a test tool: ``auto`` never picks interpreted Triton).
 * ``extension``: the compiled ``vit_kernels._C`` ops (CUDA kernels and C++ CPU kernels).
 
-``auto`` walks the backends in order of preference and takes the first one whose implementation
-supports the device and dtype *and* declares itself worth choosing there (an implementation is only
-preferred where the benchmarks show it faster than the reference). It never fails: ``torch`` is last.
+The choice is context-local: ``use_backend`` lives in a ``contextvars.ContextVar``, so a thread or
+task never sees another's. ``set_backend`` (and ``VIT_KERNELS_BACKEND``, read once at import) sets
+the process-wide default that every context starts from. When the chosen backend cannot take a call
+(device, dtype, or a shape limit), ``strict=True`` raises naming the op and the limit; otherwise the
+call falls back to ``auto``'s choice, with a warning once and a record in ``explain()``.
+
+``auto``, the first time it meets a call signature (see ``_signature``), times each capable
+implementation on clones of the real inputs, validates it against the reference, and picks the
+fastest valid one that beats the reference by the margin (``_measure``); decisions are cached in
+memory and on disk (``_tune_cache``). Nothing is timed while tracing (torch.compile, export, fake
+tensors) or with measuring off (``VIT_KERNELS_AUTOTUNE=0``, ``set_autotune(False)``): then the
+cached decision, else the static default decides. Static defaults: the extension's ``patch_embed``
+on CPU float32 (measured 3.5x faster backward in benchmarks/results/cpu-*.md), the reference
+everywhere else: nothing else was ever measured faster on hardware this project could time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import os
+import threading
+import time
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-BACKENDS = ("triton", "extension", "torch")  # auto's order of preference
+from vit_kernels import _measure, _signature
+from vit_kernels._explain import Explanation, Journal, Record
+from vit_kernels._tune_cache import DiskCache, default_folder
+
+BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
 CHOICES = ("auto",) + BACKENDS
 OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm")
 
-# Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors.
+# Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors;
+# VIT_KERNELS_AUTOTUNE=0 turns measuring off.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+AUTOTUNE = os.environ.get("VIT_KERNELS_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 # ``supports(device, dtype)`` returns None when the implementation can run there, else the reason.
 SupportCheck = Callable[[torch.device, torch.dtype], Optional[str]]
-# ``preferred(device, dtype)`` says whether ``auto`` should pick the implementation there.
+# ``limits(*args)`` (the op's call arguments) returns None when the shapes are within the
+# implementation's limits, else which limit they exceed.
+LimitCheck = Callable[..., Optional[str]]
+# ``preferred(device, dtype)``: whether the implementation is the static default there.
 Preference = Callable[[torch.device, torch.dtype], bool]
+
+
+class CannotRunError(RuntimeError):
+    """Raised under ``strict=True`` when the backend asked for cannot take a call (the message names
+    the op, the shapes and the capability or limit)."""
+
+
+def _always(device: torch.device, dtype: torch.dtype) -> None:
+    return None
+
+
+def _no_limits(*args: Any) -> None:
+    return None
+
+
+def _never(device: torch.device, dtype: torch.dtype) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -44,19 +88,22 @@ class Implementation:
     fn: Callable
     supports: SupportCheck
     preferred: Preference
+    limits: LimitCheck = _no_limits
 
 
-def _always(device: torch.device, dtype: torch.dtype) -> None:
-    return None
+@dataclass(frozen=True)
+class Impl:
+    """One row of an op's table: ``fn`` and its support check, shape limits and static preference."""
 
-
-def _everywhere(device: torch.device, dtype: torch.dtype) -> bool:
-    return True
+    fn: Callable
+    supports: SupportCheck = _always
+    limits: LimitCheck = _no_limits
+    preferred: Preference = _never
 
 
 _registry: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
+_validation_args: dict[str, Callable[[tuple], tuple]] = {}
 _backend_checks: dict[str, Callable[[], Optional[str]]] = {}
-_preference = "auto"
 
 
 def register(
@@ -65,19 +112,45 @@ def register(
     fn: Callable,
     *,
     supports: SupportCheck = _always,
-    preferred: Preference = _everywhere,
+    preferred: Preference = _never,
+    limits: LimitCheck = _no_limits,
 ) -> None:
-    """Register ``fn`` as the ``backend`` implementation of ``op``."""
+    """Register ``fn`` as the ``backend`` implementation of ``op`` (a name outside BACKENDS registers
+    an extra candidate, e.g. a test-only implementation)."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _registry[op][backend] = Implementation(op, backend, fn, supports, preferred)
+    if not isinstance(backend, str) or not backend.isidentifier() or backend == "auto":
+        raise ValueError(f"backend must be one of {BACKENDS} or another identifier, got {backend!r}")
+    _registry[op][backend] = Implementation(op, backend, fn, supports, preferred, limits)
+    _forget_choices()
+
+
+def unregister(op: str, backend: str) -> None:
+    """Remove the ``backend`` implementation of ``op`` (for test-only implementations)."""
+    _registry[op].pop(backend, None)
+    _forget_choices()
+
+
+def implementations(op: str, *, validation_args: Optional[Callable[[tuple], tuple]] = None, **table: Impl) -> None:
+    """Declare the table of ``op``: ``implementations("layer_norm", torch=Impl(...), triton=Impl(...))``.
+
+    ``validation_args(args) -> args`` makes a call deterministic for validation (e.g. dropout off)."""
+    if "torch" not in table:
+        raise ValueError(f"the table of {op} must name its torch reference")
+    for name, impl in table.items():
+        if not isinstance(impl, Impl):
+            raise TypeError(f"implementations({op!r}, {name}=...) must be an Impl, got {type(impl).__name__}")
+        register(op, name, impl.fn, supports=impl.supports, preferred=impl.preferred, limits=impl.limits)
+    if validation_args is not None:
+        _validation_args[op] = validation_args
 
 
 def register_backend_check(backend: str, check: Callable[[], Optional[str]]) -> None:
     """Register a whole-backend check: returns None when usable on this machine, else the reason."""
     _backend_checks[backend] = check
+
+
+# ---- capability ------------------------------------------------------------------------------------
 
 
 def triton_unavailable_reason() -> Optional[str]:
@@ -118,23 +191,17 @@ def triton_supports_dot(device: torch.device, dtype: torch.dtype) -> Optional[st
     return reason
 
 
-def on_cuda(device: torch.device, dtype: torch.dtype) -> bool:
-    """``auto`` preference for kernels measured faster than the reference on CUDA (interpreted
-    Triton on the CPU never is)."""
-    return device.type == "cuda"
-
-
 register_backend_check("triton", triton_unavailable_reason)
 register_backend_check("torch", lambda: None)
 
 
 def backend_unavailable_reason(backend: str) -> Optional[str]:
     """Why ``backend`` cannot be used on this machine at all, or None when it can."""
-    if backend not in BACKENDS:
+    if backend not in BACKENDS and not any(backend in impls for impls in _registry.values()):
         raise ValueError(f"backend must be one of {CHOICES}, got {backend!r}")
     check = _backend_checks.get(backend)
     if check is None:
-        return f"the {backend} backend is not installed"
+        return None if backend not in BACKENDS else f"the {backend} backend is not installed"
     return check()
 
 
@@ -143,7 +210,7 @@ def available_backends() -> dict[str, dict[str, object]]:
 
     Example: ``{"triton": {"attention": "triton is not installed ...", ...}, "torch": {...}}``.
     A backend's per-op entry only says whether it can run on this machine at all; whether it
-    supports a given device and dtype is decided per call.
+    supports a given device, dtype and shape is decided per call (see ``explain``).
     """
     report: dict[str, dict[str, object]] = {}
     for backend in BACKENDS:
@@ -159,63 +226,91 @@ def available_backends() -> dict[str, dict[str, object]]:
     return report
 
 
-def get_backend() -> str:
-    """The current preference: ``"auto"`` or a backend name."""
-    return _preference
+def unsupported_reason(
+    op: str, backend: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None
+) -> Optional[str]:
+    """None when ``backend`` implements ``op`` and can run it on ``device`` in ``dtype`` (and, given
+    the call's ``args``, within its shape limits), else why not."""
+    impl = _registry[op].get(backend)
+    if impl is None:
+        return f"{backend} does not implement {op}"
+    reason = backend_unavailable_reason(backend) or impl.supports(device, dtype)
+    if reason is None and args is not None:
+        reason = impl.limits(*args)
+    return reason
 
 
-def set_backend(name: str) -> None:
-    """Prefer ``name`` for every op it implements (``"auto"`` restores the automatic choice).
+def _auto_exclusion(backend: str, device: torch.device) -> Optional[str]:
+    """Why ``auto`` leaves out an implementation that could run."""
+    if backend == "triton" and device.type == "cpu":
+        return "interpreted Triton (TRITON_INTERPRET=1) is a test tool, never a candidate for auto on the CPU"
+    return None
 
-    Raises ValueError for an unknown name and RuntimeError, with the reason, for a backend that is
-    not installed or cannot run on this machine.
-    """
-    global _preference
-    if name not in CHOICES:
+
+# ---- the context-local choice ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Choice:
+    name: str
+    strict: bool
+
+
+_process_choice = _Choice("auto", False)
+_context_choice: contextvars.ContextVar[Optional[_Choice]] = contextvars.ContextVar("vit_kernels_backend", default=None)
+
+
+def _active() -> _Choice:
+    choice = _context_choice.get()
+    return _process_choice if choice is None else choice
+
+
+def _check_choice(name: str, strict: bool) -> _Choice:
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, one of {CHOICES}, got {type(name).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    extra = {b for impls in _registry.values() for b in impls if b not in BACKENDS}
+    if name not in CHOICES and name not in extra:
         raise ValueError(f"backend must be one of {CHOICES}, got {name!r}")
     if name != "auto":
         reason = backend_unavailable_reason(name)
         if reason is not None:
             raise RuntimeError(f"backend {name!r} is not available: {reason}")
-    _preference = name
+    return _Choice(name, strict)
+
+
+def get_backend() -> str:
+    """The choice in force in this thread / task: ``"auto"`` or a backend name."""
+    return _active().name
+
+
+def set_backend(name: str, *, strict: bool = False) -> None:
+    """Prefer ``name`` for every op it implements, process-wide (``"auto"`` restores the automatic
+    choice); a ``use_backend`` block in force in this context takes the new choice too, until it ends.
+
+    Raises ValueError for an unknown name and RuntimeError, with the reason, for a backend that is
+    not installed or cannot run on this machine. ``strict``: see ``use_backend``.
+    """
+    global _process_choice
+    _process_choice = _check_choice(name, strict)
+    if _context_choice.get() is not None:
+        _context_choice.set(_process_choice)
 
 
 @contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Context manager: ``with use_backend("torch"): ...`` restores the previous choice on exit."""
-    previous = _preference
-    set_backend(name)
+def use_backend(name: str, *, strict: bool = False) -> Iterator[None]:
+    """``with use_backend("torch"): ...``: the choice for this thread / task only, restored on exit.
+
+    With ``strict=True`` a call that ``name`` cannot take (device, dtype or a shape limit) raises
+    RuntimeError naming the op and the limit; without it, the call falls back to ``auto``'s choice,
+    which ``explain()`` records and one warning reports.
+    """
+    token = _context_choice.set(_check_choice(name, strict))
     try:
         yield
     finally:
-        set_backend(previous)
-
-
-def unsupported_reason(op: str, backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """None when ``backend`` implements ``op`` and can run it on ``device`` in ``dtype``, else why not."""
-    impl = _registry[op].get(backend)
-    if impl is None:
-        return f"{backend} does not implement {op}"
-    return backend_unavailable_reason(backend) or impl.supports(device, dtype)
-
-
-def resolve(op: str, device: torch.device, dtype: torch.dtype) -> Implementation:
-    """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``."""
-    impls = _registry[op]
-    if _preference != "auto" and _preference in impls:
-        impl = impls[_preference]
-        reason = impl.supports(device, dtype)
-        if reason is not None:
-            raise RuntimeError(
-                f"backend {_preference!r} cannot run {op} on {device.type} {dtype}: {reason}; "
-                f"use set_backend('auto') to fall back automatically"
-            )
-        return impl
-    for backend in BACKENDS:
-        impl = impls.get(backend)
-        if impl is not None and impl.supports(device, dtype) is None and impl.preferred(device, dtype):
-            return impl
-    return impls["torch"]
+        _context_choice.reset(token)
 
 
 def apply_environment() -> None:
@@ -225,3 +320,308 @@ def apply_environment() -> None:
         raise ValueError(f"VIT_KERNELS_BACKEND must be one of {CHOICES}, got {name!r}")
     set_backend(name)
 
+
+# ---- autotune settings and state -------------------------------------------------------------------
+
+
+@dataclass
+class _Settings:
+    enabled: bool
+    margin: float = 0.05  # a candidate must be at least 5% faster than the reference to be chosen
+
+
+_settings = _Settings(AUTOTUNE)
+_disk = DiskCache(default_folder())
+_measured: dict[str, dict] = {}  # signature string -> decision entry (as stored on disk)
+_memo: dict[tuple, tuple[Implementation, Record]] = {}  # per-call fast path
+_journal = Journal()
+_warned: set[tuple] = set()
+_lock = threading.RLock()
+_measuring = threading.local()
+
+
+def _forget_choices() -> None:
+    _memo.clear()
+
+
+def set_autotune(
+    enabled: Optional[bool] = None,
+    *,
+    margin: Optional[float] = None,
+    cache_dir: Union[str, os.PathLike, bool, None] = None,
+) -> None:
+    """Configure ``auto``'s measuring (each argument left None is unchanged).
+
+    enabled: measure new signatures (False: cached decisions or static defaults only; the initial
+    value is ``VIT_KERNELS_AUTOTUNE``, read at import). margin: how much faster than the reference
+    (0.05 = 5%) a kernel must be to be chosen. cache_dir: the folder of the on-disk cache, or False
+    to keep decisions in memory only.
+    """
+    global _disk
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        _settings.enabled = enabled
+    if margin is not None:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10:
+            raise ValueError(f"margin must be a number in [0, 10), got {margin!r}")
+        _settings.margin = float(margin)
+    if cache_dir is not None:
+        if cache_dir is True or not isinstance(cache_dir, (str, os.PathLike, bool)):
+            raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
+        _disk = DiskCache(None if cache_dir is False else Path(cache_dir).expanduser())
+    _forget_choices()
+
+
+def autotune_settings() -> dict[str, object]:
+    """The measuring settings in force: ``{"enabled", "margin", "cache_file"}``."""
+    return {"enabled": _settings.enabled, "margin": _settings.margin,
+            "cache_file": None if _disk.path is None else str(_disk.path)}
+
+
+def clear_decisions(*, journal: bool = True) -> None:
+    """Forget the decisions measured in this process (and, by default, what ``explain`` shows);
+    the on-disk cache is read again on next use."""
+    with _lock:
+        _measured.clear()
+        _memo.clear()
+        _warned.clear()
+        _disk.clear()
+        if journal:
+            _journal.clear()
+
+
+def explain() -> Explanation:
+    """Every op signature run in this process: what ran, why, the measured times, cache or not."""
+    return _journal.snapshot()
+
+
+# ---- resolve ---------------------------------------------------------------------------------------
+
+
+def _warn_once(key: tuple, message: str, stacklevel: int) -> None:
+    """Warn once per ``key``; ``stacklevel`` counts from here to the caller of the public op."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _candidate_order(op: str) -> list[str]:
+    impls = _registry[op]
+    return [b for b in BACKENDS if b in impls and b != "torch"] + [b for b in impls if b not in BACKENDS] + ["torch"]
+
+
+@dataclass
+class _Call:
+    """What a decision is made from: the op, where it runs, its arguments' key, and (outside
+    tracing) the arguments themselves."""
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    arg_key: tuple
+    grad: bool
+    limit_reasons: dict[str, str]
+    args: Optional[Sequence[Any]] = None
+
+    def signature(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{self.op}|{_signature.device_name(self.device)}|{dtype}|grad={self.grad}|{self.arg_key!r}"
+
+    def prefix(self) -> str:
+        """The signature up to the arguments: op, device, dtype and grad mode."""
+        return self.signature()[: -len(repr(self.arg_key))]
+
+    def record(self, requested: str, backend: str, source: str, reason: str, candidates: dict) -> Record:
+        return Record(self.op, _signature.device_name(self.device), str(self.dtype),
+                      _signature.describe_arguments(self.arg_key), self.grad, requested, backend, source, reason,
+                      candidates)
+
+
+def _capability(call: _Call, backend: str) -> Optional[str]:
+    impl = _registry[call.op][backend]
+    return (backend_unavailable_reason(backend) or impl.supports(call.device, call.dtype)
+            or call.limit_reasons.get(backend))
+
+
+def _describe(entry: dict) -> dict[str, str]:
+    out = {}
+    for b, v in entry["candidates"].items():
+        out[b] = v if isinstance(v, str) else f"{v:.3f} ms"
+    return out
+
+
+def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implementation, Record]:
+    impls = _registry[call.op]
+    capable: list[str] = []
+    excluded: dict[str, str] = {}
+    for b in _candidate_order(call.op):
+        reason = "asked for, but cannot take this call" if b == exclude else _capability(call, b)
+        reason = reason or _auto_exclusion(b, call.device)
+        if reason is None:
+            capable.append(b)
+        else:
+            excluded[b] = f"excluded: {reason}"
+    if capable == ["torch"]:
+        return impls["torch"], call.record(requested, "torch", "only candidate",
+                                           "no other implementation can take this call", excluded)
+    key = call.signature()
+    entry = _measured.get(key) or _disk.get(key)
+    if entry is None and call.args is None:
+        entry = _unanimous(call.prefix())
+    if entry is not None and entry["backend"] in capable:
+        _measured[key] = entry
+        return impls[entry["backend"]], call.record(requested, entry["backend"], "cache", entry["reason"],
+                                                     {**_describe(entry), **excluded})
+    measurable = call.args is not None and not _signature.untimeable(call.args)
+    if not (_settings.enabled and measurable) or getattr(_measuring, "active", False):
+        chosen = next((b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype)), "torch")
+        why = ("measuring is off (VIT_KERNELS_AUTOTUNE=0 or set_autotune(False))" if not _settings.enabled
+               else "nothing is timed while tracing (torch.compile, export, fake or meta tensors)")
+        candidates = {b: "not measured" for b in capable}
+        return impls[chosen], call.record(requested, chosen, "static default", f"{why}; static default", {**candidates, **excluded})
+    entry = _measure_call(call, capable)
+    _measured[key] = entry
+    _disk.put(key, entry)
+    return impls[entry["backend"]], call.record(requested, entry["backend"], "measured", entry["reason"],
+                                                 {**_describe(entry), **excluded})
+
+
+def _unanimous(prefix: str) -> Optional[dict]:
+    """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
+    grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
+    shapes being compiled), else None (the static default decides)."""
+    entries = [e for k, e in {**dict(_disk.items()), **_measured}.items() if k.startswith(prefix)]
+    if entries and len({e["backend"] for e in entries}) == 1:
+        entry = dict(entries[0])
+        entry["reason"] = f"the {len(entries)} measured signature(s) of this op, device, dtype agree: {entry['reason']}"
+        return entry
+    return None
+
+
+def _measure_call(call: _Call, capable: list[str]) -> dict:
+    impls = _registry[call.op]
+    validation = _validation_args.get(call.op, lambda args: args)(tuple(call.args))
+    _measuring.active = True
+    started = time.perf_counter()
+    try:
+        results = _measure.measure({b: impls[b].fn for b in capable}, impls["torch"].fn, call.args, validation,
+                                   call.device, call.dtype, call.grad)
+    finally:
+        _measuring.active = False
+    cost_ms = (time.perf_counter() - started) * 1e3
+    for b, result in results.items():
+        if not result.valid and b != "torch":
+            _warn_once((call.op, b, call.signature()),
+                       f"vit_kernels: the {b} implementation of {call.op} failed validation on "
+                       f"{_signature.device_name(call.device)} {call.dtype} "
+                       f"{_signature.describe_arguments(call.arg_key)}: {result.error}; auto does not use it there", 8)
+    reference = results["torch"].time_ms
+    valid = {b: r.time_ms for b, r in results.items() if r.valid and r.time_ms is not None}
+    margin = _settings.margin
+    # A candidate must beat the reference by the margin on the ranking statistic and on the median,
+    # so that a burst of load during some rounds cannot make the choice.
+    ref_median = results["torch"].median_ms
+    winners = {b: t for b, t in valid.items() if b != "torch" and (
+        reference is None or (t * (1 + margin) <= reference and results[b].median_ms * (1 + margin) <= ref_median))}
+    chosen = min(winners, key=winners.get) if winners else "torch"
+    if chosen == "torch":
+        reason = f"no valid candidate beat the reference by the {margin:.0%} margin"
+    else:
+        reason = f"fastest valid, {reference / valid[chosen]:.2f}x the reference (margin {margin:.0%})" if reference else "fastest valid"
+    candidates: dict[str, object] = {
+        b: (r.time_ms if r.valid else f"invalid: {r.error}") for b, r in results.items()
+    }
+    return {"backend": chosen, "reason": f"measured in {cost_ms:.0f} ms: {reason}", "candidates": candidates,
+            "margin": margin, "cost_ms": cost_ms}
+
+
+def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
+    impls = _registry[call.op]
+    if choice.name == "auto":
+        return _auto(call, "auto", None)
+    if choice.name not in impls:
+        if choice.strict:
+            raise CannotRunError(f"backend {choice.name!r} does not implement {call.op} (strict=True)")
+        impl, record = _auto(call, choice.name, None)
+        record.reason = f"{choice.name} does not implement {call.op}; auto: {record.reason}"
+        return impl, record
+    reason = _capability(call, choice.name)
+    if reason is None:
+        return impls[choice.name], call.record(choice.name, choice.name, "requested",
+                                               f"use_backend / set_backend asked for {choice.name}", {})
+    if choice.strict:
+        raise CannotRunError(
+            f"backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype} "
+            f"{_signature.describe_arguments(call.arg_key)}: {reason} (strict=True)"
+        )
+    impl, record = _auto(call, choice.name, choice.name)
+    _warn_once((call.op, choice.name, reason),
+               f"vit_kernels: backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype}: "
+               f"{reason}; {impl.backend} runs it instead (use_backend(..., strict=True) raises instead)", 6)
+    record.source = "fallback"
+    record.reason = f"{choice.name} cannot take this call: {reason}; {record.reason}"
+    return impl, record
+
+
+def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
+    reasons: dict[str, str] = {}
+    if not args:  # resolve(op, device, dtype) without the call: device and dtype decide alone
+        return reasons
+    for b, impl in _registry[op].items():
+        reason = impl.limits(*args)
+        if reason is not None:
+            reasons[b] = reason
+    return reasons
+
+
+@torch.compiler.assume_constant_result
+def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.dtype, arg_key: tuple,
+                    grad: bool, limits: tuple) -> str:
+    """The decision while torch.compile traces (called once per trace, outside the graph, without
+    reading sizes so that none is specialised): the cached decision or the static default, never a
+    measurement."""
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    call = _Call(op, device, dtype, arg_key, grad, dict(limits))
+    with _lock:
+        impl, record = _decide(call, _active())
+        record.source += " (traced)"
+        _journal.add((record.requested, op, str(device), dtype, arg_key, grad, "traced"), record).calls += 1
+    return impl.backend
+
+
+def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None) -> Implementation:
+    """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``; ``args``
+    (the call's arguments, as the implementation takes them) let shape limits and measuring apply.
+
+    This is the only place that chooses or falls back; every decision is recorded for ``explain``."""
+    if op not in _registry:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    args = () if args is None else args
+    if torch.compiler.is_compiling():
+        limits = tuple(sorted(_limit_reasons(op, args).items()))
+        grad = _signature.needs_grad(args)
+        name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
+                               _signature.traced_key(args), grad, limits)
+        return _registry[op][name]
+    choice = _active()
+    arg_key = _signature.argument_key(args, dtype)
+    grad = _signature.needs_grad(args)
+    memo_key = (choice, op, device, dtype, arg_key, grad)
+    hit = _memo.get(memo_key)
+    if hit is not None:
+        hit[1].calls += 1
+        return hit[0]
+    with _lock:
+        call = _Call(op, device, dtype, arg_key, grad, _limit_reasons(op, args), args or None)
+        impl, record = _decide(call, choice)
+        record = _journal.add((choice.name, op, str(device), dtype, arg_key, grad), record)
+        record.calls += 1
+        if record.source != "static default" or not _signature.untimeable(args):
+            _memo[memo_key] = (impl, record)
+    return impl
+
+
+def dispatch(op: str, device: torch.device, dtype: torch.dtype, args: Sequence[Any]) -> Any:
+    """Resolve ``op`` for this call and run the chosen implementation on ``args``."""
+    return resolve(op, device, dtype, args).fn(*args)

@@ -1,4 +1,5 @@
-"""The public ops: validate the arguments, pick a backend once per call, run it.
+"""The public ops: validate the arguments, then ``backend.dispatch`` picks the implementation
+once per call (the op's table in ``vit_kernels/ops/<op>.py``; see ``vk.explain()``) and runs it.
 
 Every op is differentiable on every backend. Shapes use D = H * Dh (model width = heads x head dim).
 
@@ -75,8 +76,9 @@ def patch_embed(
     check_same_dtype("images", images, weight=weight, bias=bias)
     if amp is None:
         check_same_dtype("images", images, cls_token=cls_token, pos_embed=pos_embed)
-    impl = backend.resolve("patch_embed", images.device, images.dtype)
-    return impl.fn(images, weight, bias, patch_size, cls_token, pos_embed)
+    return backend.dispatch(
+        "patch_embed", images.device, images.dtype, (images, weight, bias, patch_size, cls_token, pos_embed)
+    )
 
 
 def attention(
@@ -108,8 +110,7 @@ def attention(
     dropout_p = check_probability("dropout_p", dropout_p)
     if not isinstance(return_probs, bool):
         raise TypeError(f"return_probs must be a bool, got {type(return_probs).__name__}")
-    impl = backend.resolve("attention", qkv.device, qkv.dtype)
-    return impl.fn(qkv, num_heads, scale, dropout_p, return_probs)
+    return backend.dispatch("attention", qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs))
 
 
 def _check_linear_args(
@@ -154,8 +155,7 @@ def linear(
     check_same_dtype("x", x, weight=weight, bias=bias)
     if amp is None:
         check_same_dtype("x", x, residual=residual)
-    impl = backend.resolve("linear", x.device, x.dtype)
-    return impl.fn(x, weight, bias, residual)
+    return backend.dispatch("linear", x.device, x.dtype, (x, weight, bias, residual))
 
 
 def linear_gelu(
@@ -174,8 +174,7 @@ def linear_gelu(
     check_same_device("x", x, weight=weight, bias=bias)
     x, weight, bias = cast_all(autocast_dtype(x.device), x, weight, bias)
     check_same_dtype("x", x, weight=weight, bias=bias)
-    impl = backend.resolve("linear_gelu", x.device, x.dtype)
-    return impl.fn(x, weight, bias, approximate)
+    return backend.dispatch("linear_gelu", x.device, x.dtype, (x, weight, bias, approximate))
 
 
 def mlp(
@@ -212,8 +211,9 @@ def mlp(
     check_same_dtype("x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias)
     if amp is None:
         check_same_dtype("x", x, residual=residual)
-    impl = backend.resolve("mlp", x.device, x.dtype)
-    return impl.fn(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
+    return backend.dispatch(
+        "mlp", x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
+    )
 
 
 def layer_norm(
@@ -243,5 +243,4 @@ def layer_norm(
     if autocast_dtype(x.device) is not None:
         x, weight, bias, residual = cast_all(torch.float32, x, weight, bias, residual)
     check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
-    impl = backend.resolve("layer_norm", x.device, x.dtype)
-    return impl.fn(x, weight, bias, eps, residual)
+    return backend.dispatch("layer_norm", x.device, x.dtype, (x, weight, bias, eps, residual))

@@ -497,8 +497,6 @@ def attention_triton(
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.attention`` (arguments already validated)."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
-    if head_dim > MAX_HEAD_DIM:  # a tile of q, k and v would not fit in registers / shared memory
-        return attention_ref(qkv, num_heads, scale, dropout_p, return_probs)
     scale = head_dim**-0.5 if scale is None else scale
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
@@ -559,8 +557,56 @@ def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=
     return (out.to(qkv.dtype), probs.to(qkv.dtype)) if return_probs else out.to(qkv.dtype)
 
 
-backend.register("attention", "torch", attention_ref)
-backend.register("attention", "triton", attention_triton, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
-backend.register(
-    "attention", "extension", attention_extension, supports=_ext.supports, preferred=_ext.preferred("attention")
+# ---- the extension's glue: fake implementations and autograd of vit_kernels::softmax ----------------
+
+
+def _register_extension_ops() -> None:
+    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
+    they trace under torch.compile and differentiate like any torch op."""
+    ops = torch.ops.vit_kernels
+
+    # --- softmax ------------------------------------------------------------------------------
+    @torch.library.register_fake("vit_kernels::softmax")
+    def _(x):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::softmax_backward")
+    def _(grad_out, out):
+        return torch.empty_like(out)
+
+    def softmax_setup(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def softmax_backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return ops.softmax_backward(grad.contiguous(), out)
+
+    torch.library.register_autograd("vit_kernels::softmax", softmax_backward, setup_context=softmax_setup)
+
+
+if _ext.LOADED:
+    _register_extension_ops()
+
+
+def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:
+    """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory."""
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM} (a q/k/v tile would not fit on chip)"
+    return None
+
+
+def _without_dropout(args: tuple) -> tuple:
+    """The call made deterministic for validation: dropout off."""
+    qkv, num_heads, scale, _, return_probs = args
+    return (qkv, num_heads, scale, 0.0, return_probs)
+
+
+# The implementations of vk.attention: backend -> function, support by device / dtype, shape limits.
+backend.implementations(
+    "attention",
+    validation_args=_without_dropout,
+    torch=backend.Impl(attention_ref),
+    triton=backend.Impl(attention_triton, supports=backend.triton_supports_dot, limits=_triton_limits),
+    extension=backend.Impl(attention_extension, supports=_ext.supports),
 )

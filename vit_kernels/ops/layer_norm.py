@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, launch, tl, triton
 
-MAX_TRITON_COLS = 65536  # a row is one tile; wider rows use the reference
+MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
+MAX_CUDA_COLS = 6144  # the extension's CUDA kernel keeps a row in shared memory
 ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program sums before writing a partial
 
 
@@ -209,8 +210,6 @@ def layer_norm_triton(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
-    if x.shape[-1] > MAX_TRITON_COLS:
-        return layer_norm_ref(x, weight, bias, eps, residual)
     y, summed, _, _ = torch.ops.vit_kernels.layer_norm_fwd(x, weight, bias, eps, residual)
     return y if residual is None else (y, summed)
 
@@ -220,8 +219,6 @@ def layer_norm_extension(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
-    if x.is_cuda and x.shape[-1] > _ext.MAX_CUDA_COLUMNS:
-        return layer_norm_ref(x, weight, bias, eps, residual)
     contiguous = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
     y, summed, _, _ = torch.ops.vit_kernels.fused_layer_norm(*contiguous, eps)
     return y if residual is None else (y, summed)
@@ -240,10 +237,75 @@ def layer_norm_ref(
     return y if residual is None else (y, summed)
 
 
-backend.register("layer_norm", "torch", layer_norm_ref)
-backend.register(
-    "layer_norm", "triton", layer_norm_triton, supports=backend.triton_supports_elementwise, preferred=backend.on_cuda
-)
-backend.register(
-    "layer_norm", "extension", layer_norm_extension, supports=_ext.supports, preferred=_ext.preferred("layer_norm")
+# ---- the extension's glue: fake implementations and autograd of vit_kernels::fused_layer_norm ----------------
+
+def _stat_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _row_count(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.dim() else 1
+
+
+def _register_extension_ops() -> None:
+    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
+    they trace under torch.compile and differentiate like any torch op."""
+    ops = torch.ops.vit_kernels
+
+    # --- fused_layer_norm ---------------------------------------------------------------------
+    @torch.library.register_fake("vit_kernels::fused_layer_norm")
+    def _(x, residual, weight, bias, eps):
+        summed = torch.empty_like(x) if residual is not None else x.new_empty((0,))
+        stats = x.new_empty((_row_count(x),), dtype=_stat_dtype(x))
+        return torch.empty_like(x), summed, stats, torch.empty_like(stats)
+
+    @torch.library.register_fake("vit_kernels::fused_layer_norm_backward")
+    def _(grad_out, grad_summed, summed, weight, mean, rstd, weight_bias_grad):
+        reduced = summed.new_empty((summed.shape[-1] if weight_bias_grad else 0,), dtype=_stat_dtype(summed))
+        return torch.empty_like(summed), reduced, torch.empty_like(reduced)
+
+    def layer_norm_setup(ctx, inputs, output):
+        x, residual, weight, bias, _ = inputs
+        _, summed, mean, rstd = output
+        ctx.save_for_backward(summed if residual is not None else x, weight, mean, rstd)
+        ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+
+    def layer_norm_backward(ctx, grad_y, grad_summed, _grad_mean, _grad_rstd):
+        summed, weight, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_summed = grad_summed.contiguous() if ctx.has_residual else None
+        ds, dw, db = ops.fused_layer_norm_backward(
+            grad_y.contiguous(), grad_summed, summed, weight, mean, rstd, needs[2] or needs[3]
+        )
+        dw = dw.to(weight.dtype) if needs[2] else None
+        db = db.to(summed.dtype) if needs[3] else None
+        return ds if needs[0] else None, ds if needs[1] else None, dw, db, None
+
+    torch.library.register_autograd("vit_kernels::fused_layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
+
+
+if _ext.LOADED:
+    _register_extension_ops()
+
+
+def _triton_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:
+    """A row is one tile: at most MAX_TRITON_COLS columns."""
+    if x.shape[-1] > MAX_TRITON_COLS:
+        return f"D = {x.shape[-1]} > {MAX_TRITON_COLS} columns (a row is one tile)"
+    return None
+
+
+def _extension_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:
+    """The CUDA kernel keeps a row in shared memory: at most MAX_CUDA_COLS columns."""
+    if x.device.type == "cuda" and x.shape[-1] > MAX_CUDA_COLS:
+        return f"D = {x.shape[-1]} > {MAX_CUDA_COLS} columns on CUDA (a row is kept in shared memory)"
+    return None
+
+
+# The implementations of vk.layer_norm: backend -> function, support by device / dtype, shape limits.
+backend.implementations(
+    "layer_norm",
+    torch=backend.Impl(layer_norm_ref),
+    triton=backend.Impl(layer_norm_triton, supports=backend.triton_supports_elementwise, limits=_triton_limits),
+    extension=backend.Impl(layer_norm_extension, supports=_ext.supports, limits=_extension_limits),
 )

@@ -374,14 +374,14 @@ def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none"
 
 def linear_extension(x, weight, bias=None, residual=None):
     """``vk.linear`` for the extension backend: one GEMM (cuBLAS / oneDNN) accumulating onto the
-    residual (plus bias) instead of adding it in a separate pass."""
-    if residual is None or residual.dtype != x.dtype:
-        return linear_ref(x, weight, bias, residual)
+    residual (plus bias) instead of adding it in a separate pass. Takes only calls with a residual
+    of x's dtype (``_extension_linear_limits``): without one it would just be ``F.linear``."""
     out_features = weight.shape[0]
-    accumulator = residual.reshape(-1, out_features)
+    rows = math.prod(x.shape[:-1])  # explicit, so that K = 0 or N = 0 reshape too
+    accumulator = residual.reshape(rows, out_features)
     if bias is not None:
         accumulator = accumulator + bias
-    out = torch.addmm(accumulator, x.reshape(-1, x.shape[-1]), weight.t())
+    out = torch.addmm(accumulator, x.reshape(rows, x.shape[-1]), weight.t())
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -395,9 +395,12 @@ def linear_gelu_extension(x, weight, bias=None, approximate="none"):
 
 
 def mlp_extension(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
-    """``vk.mlp`` for the extension backend: ``linear_gelu_extension`` then ``linear_extension``."""
+    """``vk.mlp`` for the extension backend: ``linear_gelu_extension``, then fc2 as one GEMM that
+    accumulates onto the residual (``linear_extension``) when there is one of the hidden dtype, else
+    a plain GEMM (+ the residual): the fused part of this composition is the bias + GELU epilogue."""
     hidden = linear_gelu_extension(x, fc1_weight, fc1_bias, approximate)
-    return linear_extension(hidden, fc2_weight, fc2_bias, residual)
+    fc2 = linear_extension if _extension_linear_limits(hidden, fc2_weight, fc2_bias, residual) is None else linear_ref
+    return fc2(hidden, fc2_weight, fc2_bias, residual)
 
 
 def linear_ref(
@@ -435,10 +438,66 @@ def mlp_ref(
     return linear_ref(hidden, fc2_weight, fc2_bias, residual)
 
 
-backend.register("linear", "torch", linear_ref)
-backend.register("linear_gelu", "torch", linear_gelu_ref)
-backend.register("mlp", "torch", mlp_ref)
-for _op, _fn in (("linear", linear_triton), ("linear_gelu", linear_gelu_triton), ("mlp", mlp_triton)):
-    backend.register(_op, "triton", _fn, supports=backend.triton_supports_dot, preferred=backend.on_cuda)
-for _op, _fn in (("linear", linear_extension), ("linear_gelu", linear_gelu_extension), ("mlp", mlp_extension)):
-    backend.register(_op, "extension", _fn, supports=_ext.supports, preferred=_ext.preferred(_op))
+# ---- the extension's glue: fake implementations and autograd of vit_kernels::bias_gelu ----------------
+
+
+def _register_extension_ops() -> None:
+    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
+    they trace under torch.compile and differentiate like any torch op."""
+    ops = torch.ops.vit_kernels
+
+    # --- bias_gelu ----------------------------------------------------------------------------
+    @torch.library.register_fake("vit_kernels::bias_gelu")
+    def _(x, bias, approximate):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::bias_gelu_backward")
+    def _(grad_out, x, bias, approximate):
+        return torch.empty_like(x)
+
+    def bias_gelu_setup(ctx, inputs, output):
+        x, bias, ctx.approximate = inputs
+        ctx.save_for_backward(x, bias)
+
+    def bias_gelu_backward(ctx, grad):
+        x, bias = ctx.saved_tensors
+        dz = ops.bias_gelu_backward(grad.contiguous(), x, bias, ctx.approximate)
+        dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dz if ctx.needs_input_grad[0] else None, dbias, None
+
+    torch.library.register_autograd("vit_kernels::bias_gelu", bias_gelu_backward, setup_context=bias_gelu_setup)
+
+
+if _ext.LOADED:
+    _register_extension_ops()
+
+
+def _extension_linear_limits(x, weight, bias=None, residual=None) -> Optional[str]:
+    """The extension's linear is a GEMM accumulating onto a residual of x's dtype."""
+    if residual is None:
+        return "no residual to fuse (without one the extension's linear would be F.linear)"
+    if residual.dtype != x.dtype:
+        return f"the residual's dtype {residual.dtype} differs from x's {x.dtype} (autocast)"
+    return None
+
+
+# The implementations of vk.linear, vk.linear_gelu and vk.mlp: backend -> function, support by
+# device / dtype, shape limits.
+backend.implementations(
+    "linear",
+    torch=backend.Impl(linear_ref),
+    triton=backend.Impl(linear_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(linear_extension, supports=_ext.supports, limits=_extension_linear_limits),
+)
+backend.implementations(
+    "linear_gelu",
+    torch=backend.Impl(linear_gelu_ref),
+    triton=backend.Impl(linear_gelu_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(linear_gelu_extension, supports=_ext.supports),
+)
+backend.implementations(
+    "mlp",
+    torch=backend.Impl(mlp_ref),
+    triton=backend.Impl(mlp_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(mlp_extension, supports=_ext.supports),
+)

@@ -1,0 +1,237 @@
+"""The measured, validated auto: which implementation it picks, the margin, the warning for an
+invalid one, the caches (memory, disk, a second process, a corrupt file), no timing under
+torch.compile, context-local choice across threads, strict mode, and explain."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from vit_kernels import _measure, backend
+from tests import dispatch_impls
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def measured(tmp_path):
+    """auto measuring, decisions in a fresh cache folder, the test implementations of linear installed."""
+    vk.set_autotune(True, margin=0.05, cache_dir=tmp_path)
+    backend.clear_decisions()
+    saved = dispatch_impls.install()
+    yield tmp_path
+    dispatch_impls.uninstall(saved)
+    vk.set_autotune(cache_dir=os.environ["VIT_KERNELS_CACHE_DIR"])
+
+
+def _linear_call(k: int = 8):
+    return vk.linear(torch.randn(4, k), torch.randn(3, k))
+
+
+def _row(op="linear"):
+    rows = [r for r in vk.explain() if r.op == op]
+    assert len(rows) == 1, vk.explain()
+    return rows[0]
+
+
+def test_auto_picks_the_fastest_valid_and_rejects_the_wrong_one_with_one_warning(measured):
+    with pytest.warns(RuntimeWarning, match="the wrong implementation of linear failed validation") as caught:
+        out = _linear_call()
+        _linear_call()
+    assert sum("failed validation" in str(w.message) for w in caught) == 1
+    row = _row()
+    assert (row.backend, row.source, row.calls) == ("fast", "measured", 2)
+    for name in ("torch", "slow", "fast"):
+        assert row.candidates[name].endswith(" ms"), row.candidates
+    assert row.candidates["wrong"].startswith("invalid: output 0 differs")
+    assert row.candidates["limited"].startswith("excluded: K = 8 > 4")
+    assert out.shape == (4, 3)
+    assert json.loads(next(measured.glob("dispatch-*.json")).read_text())["entries"]
+
+
+def test_the_margin_keeps_the_reference_unless_beaten_by_it(measured):
+    dispatch_impls.install(fast_s=dispatch_impls.REFERENCE_S / 2)  # twice as fast as the reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vk.set_autotune(margin=2.0)  # must be 3x faster
+        _linear_call()
+        assert _row().backend == "torch"
+        assert "margin" in _row().reason
+        backend.clear_decisions()
+        vk.set_autotune(margin=0.5, cache_dir=False)  # must be 1.5x faster
+        _linear_call()
+        assert _row().backend == "fast"
+
+
+def test_batch_sizes_in_one_bucket_share_a_decision(measured, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vk.linear(torch.randn(5, 8), torch.randn(3, 8))
+        monkeypatch.setattr(_measure, "measure", lambda *a, **k: pytest.fail("measured twice"))
+        vk.linear(torch.randn(7, 8), torch.randn(3, 8))
+    row = _row()
+    assert (row.source, row.calls) == ("measured", 2)
+    assert row.shapes.startswith("(8,8)")
+
+
+def _second_process(cache: Path, **env) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.dispatch_impls"], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "VIT_KERNELS_AUTOTUNE": "1", "VIT_KERNELS_CACHE_DIR": str(cache), **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reuses_the_disk_cache_and_a_corrupt_file_only_warns(tmp_path):
+    first = _second_process(tmp_path)
+    assert (first["backend"], first["source"]) == ("fast", "measured")
+    second = _second_process(tmp_path)
+    assert (second["backend"], second["source"]) == ("fast", "cache")
+    assert not any("failed validation" in w for w in second["warnings"])
+    (cache_file,) = tmp_path.glob("dispatch-*.json")
+    cache_file.write_text("{ not json")
+    third = _second_process(tmp_path)
+    assert (third["backend"], third["source"]) == ("fast", "measured")
+    assert any("ignoring the unreadable dispatch cache" in w for w in third["warnings"])
+    assert json.loads(cache_file.read_text())["format"] == 1  # rewritten
+
+
+def test_nothing_is_timed_under_torch_compile(measured, monkeypatch):
+    monkeypatch.setattr(_measure, "measure", lambda *a, **k: pytest.fail("timed while tracing"))
+    compiled = torch.compile(lambda x, w: vk.linear(x, w), fullgraph=True, backend="eager")
+    out = compiled(torch.randn(4, 8), torch.randn(3, 8))
+    assert out.shape == (4, 3)
+    row = _row()
+    assert row.source == "static default (traced)" and row.backend == "torch"
+
+
+def test_compile_uses_a_decision_measured_before(measured):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _linear_call()  # what vk.tune does for a model
+    compiled = torch.compile(lambda x, w: vk.linear(x, w), fullgraph=True, backend="eager")
+    compiled(torch.randn(4, 8), torch.randn(3, 8))
+    traced = [r for r in vk.explain() if r.source.endswith("(traced)")]
+    assert [(r.backend, r.source) for r in traced] == [("fast", "cache (traced)")]
+
+
+def test_measuring_off_takes_the_static_default(measured, monkeypatch):
+    monkeypatch.setattr(_measure, "measure", lambda *a, **k: pytest.fail("timed with measuring off"))
+    vk.set_autotune(False)
+    _linear_call()
+    row = _row()
+    assert (row.backend, row.source) == ("torch", "static default")
+    assert "measuring is off" in row.reason
+
+
+def test_environment_variable_turns_measuring_off():
+    code = "import vit_kernels as vk; print(vk.autotune_settings()['enabled'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "VIT_KERNELS_AUTOTUNE": "0"})
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_two_threads_never_see_each_others_choice(measured):
+    barrier = threading.Barrier(2)
+    seen: dict[str, list] = {}
+
+    def worker(name: str):
+        with vk.use_backend(name):
+            barrier.wait()
+            for _ in range(20):
+                seen.setdefault(name, []).append(vk.get_backend())
+                backend.resolve("linear", torch.device("cpu"), torch.float32, (torch.randn(2, 3), torch.randn(3, 3), None, None))
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("slow", "fast")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"slow": ["slow"] * 20, "fast": ["fast"] * 20}
+    assert vk.get_backend() == "auto"
+    assert {(r.requested, r.backend) for r in vk.explain()} == {("slow", "slow"), ("fast", "fast")}
+
+
+def test_set_backend_is_the_default_of_other_threads():
+    vk.set_backend("torch")
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(vk.get_backend()))
+    t.start()
+    t.join()
+    assert seen == ["torch"]
+
+
+def test_strict_raises_naming_the_op_and_the_limit(measured):
+    with vk.use_backend("limited", strict=True):
+        with pytest.raises(RuntimeError, match=r"backend 'limited' cannot run linear .*: K = 8 > 4 \(strict=True\)"):
+            _linear_call(8)
+        _linear_call(4)  # within the limit
+    assert _row().backend == "limited"
+
+
+def test_without_strict_the_fallback_warns_once_and_is_recorded(measured):
+    vk.set_autotune(False)
+    with vk.use_backend("limited"):
+        with pytest.warns(RuntimeWarning, match="backend 'limited' cannot run linear .*K = 8 > 4; torch runs it instead"):
+            _linear_call(8)
+            _linear_call(8)
+    row = _row()
+    assert (row.requested, row.backend, row.source) == ("limited", "torch", "fallback")
+    assert "K = 8 > 4" in row.reason
+
+
+def test_interpreted_triton_is_never_a_candidate_for_auto():
+    if backend.triton_device_reason(torch.device("cpu")) is not None:
+        pytest.skip("Triton cannot run CPU tensors here (TRITON_INTERPRET=1 not set)")
+    backend.clear_decisions()
+    vk.layer_norm(torch.randn(3, 8), None, None)
+    row = _row("layer_norm")
+    assert row.backend != "triton"
+    assert "interpreted Triton" in row.candidates["triton"]
+
+
+def test_explain_is_printable_and_data(measured):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _linear_call()
+    text = str(vk.explain())
+    assert "linear" in text and "fast" in text and "measured" in text
+    (data,) = vk.explain().as_dicts()
+    assert data["op"] == "linear" and data["backend"] == "fast" and data["dtype"] == "torch.float32"
+    json.dumps(data)
+
+
+def test_tune_measures_every_signature_of_a_model(tmp_path):
+    vk.set_autotune(False, cache_dir=tmp_path)
+    backend.clear_decisions()
+    model = vk.nn.Block(16, num_heads=2) if hasattr(vk, "nn") else None
+    if model is None:
+        from vit_kernels.nn import Block
+
+        model = Block(16, num_heads=2)
+    rows = vk.tune(model, (torch.randn(2, 5, 16),))
+    assert {r.op for r in rows} >= {"layer_norm", "attention", "mlp"}
+    assert all(r.source in ("measured", "cache", "only candidate") for r in rows), rows
+    assert backend.autotune_settings()["enabled"] is False
+    vk.set_autotune(cache_dir=os.environ["VIT_KERNELS_CACHE_DIR"])
+
+
+@pytest.mark.parametrize("bad,error", [("fastest", ValueError), (3, TypeError)])
+def test_bad_arguments_name_themselves(bad, error):
+    with pytest.raises(error, match="backend must be"):
+        vk.set_backend(bad)
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        vk.use_backend("torch", strict="yes").__enter__()
+    with pytest.raises(ValueError, match="margin must be"):
+        vk.set_autotune(margin=-1)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        vk.set_autotune(enabled="no")

@@ -1,0 +1,172 @@
+"""Measuring the candidates of one call signature: validate each against the reference, time it.
+
+Every candidate runs on clones of the call's real inputs (detached; leaves that require grad where
+the originals do), so the caller's autograd graph is untouched; the RNG state of the CPU and of the
+call's CUDA device is restored afterwards. With gradients needed, a run is forward + backward (the
+gradients of the cloned leaves against a fixed random upstream gradient), else forward only.
+
+Validation compares every output and every gradient with the reference implementation computed in
+float32 (float64 stays float64) on the same values, with autocast off: element-wise
+``|a - r| <= atol * max(1, max|r|) + rtol * |r|`` with per-dtype tolerances (TOLERANCES).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+# (atol relative to the reference's largest magnitude, rtol) by the dtype the call computes in.
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-3, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+# Repetitions: after one untimed run each (validation, which also compiles and warms caches), the
+# candidates are timed in interleaved rounds (A B C, A B C, ...: a burst of load from another process
+# hits all of them alike) until ``repeats`` rounds or ``budget_s`` seconds of timed runs. On CUDA the
+# median counts; on the CPU, shared with other processes, the minimum (the least disturbed run).
+CPU_REPEATS, CPU_BUDGET_S = 10, 0.15
+CUDA_REPEATS, CUDA_BUDGET_S = 25, 0.3
+
+
+@dataclass
+class Candidate:
+    """The outcome for one implementation: its median time, or why it is not valid."""
+
+    backend: str
+    time_ms: Optional[float] = None  # the statistic that ranks: min on the CPU, median on CUDA
+    median_ms: Optional[float] = None  # the median, which must agree on the CPU (see backend)
+    error: Optional[str] = None  # validation failure or exception: the implementation is excluded
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+
+def _clone(a: Any, dtype: Optional[torch.dtype] = None, grad: bool = False) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    c = a.detach().clone()
+    if dtype is not None and c.is_floating_point() and c.dtype != torch.float64:
+        c = c.to(dtype)
+    return c.requires_grad_(grad and a.requires_grad and c.is_floating_point())
+
+
+def _outputs(result: Any) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+class _Runner:
+    """Runs one implementation on its own clones of the inputs, forward (+ backward)."""
+
+    def __init__(self, fn: Callable, args: Sequence[Any], grad: bool, upstream: Optional[list], dtype=None):
+        self.fn, self.grad = fn, grad
+        self.args = [_clone(a, dtype, grad) for a in args]
+        self.leaves = [a for a in self.args if isinstance(a, torch.Tensor) and a.requires_grad]
+        self.upstream = upstream
+
+    def __call__(self) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        with torch.set_grad_enabled(self.grad):
+            outs = _outputs(self.fn(*self.args))
+            if not self.grad or not self.leaves:
+                return [o.detach() for o in outs], []
+            if self.upstream is None:
+                generator = torch.Generator().manual_seed(0)
+                self.upstream = [torch.randn(o.shape, generator=generator).to(o.device, torch.float32) for o in outs]
+            pairs = [(o, u.to(o.dtype)) for o, u in zip(outs, self.upstream) if o.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], self.leaves, [u for _, u in pairs], allow_unused=True)
+            return [o.detach() for o in outs], list(grads)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mismatch(actual: list, expected: list, dtype: torch.dtype, what: str) -> Optional[str]:
+    atol, rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    if len(actual) != len(expected):
+        return f"{len(actual)} {what}s, the reference gives {len(expected)}"
+    for i, (a, r) in enumerate(zip(actual, expected)):
+        if r is None or a is None:
+            if (r is None) != (a is None) and (r if a is None else a).abs().max() > 0:
+                return f"{what} {i} is missing"
+            continue
+        if a.shape != r.shape:
+            return f"{what} {i} has shape {tuple(a.shape)}, the reference {tuple(r.shape)}"
+        a64, r64 = a.detach().double(), r.detach().double()
+        if not torch.isfinite(a64).all() and torch.isfinite(r64).all():
+            return f"{what} {i} is not finite"
+        scale = max(1.0, float(r64.abs().max())) if r64.numel() else 1.0
+        excess = (a64 - r64).abs() - (atol * scale + rtol * r64.abs())
+        if excess.numel() and float(excess.max()) > 0:
+            worst = float((a64 - r64).abs().max())
+            return f"{what} {i} differs from the reference by up to {worst:.3g} (atol {atol:g} x {scale:.3g}, rtol {rtol:g})"
+    return None
+
+
+def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[float, float]]:
+    """(ranking, median) milliseconds per run of each of ``runs``, timed in interleaved rounds."""
+    repeats, budget = (CUDA_REPEATS, CUDA_BUDGET_S) if device.type == "cuda" else (CPU_REPEATS, CPU_BUDGET_S)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    spent = 0.0
+    for _ in range(repeats):
+        for name, run in runs.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            elapsed = time.perf_counter() - start
+            times[name].append(elapsed)
+            spent += elapsed
+        if spent >= budget:
+            break
+    pick = statistics.median if device.type == "cuda" else min
+    return {name: (pick(t) * 1e3, statistics.median(t) * 1e3) for name, t in times.items()}
+
+
+def measure(
+    candidates: dict[str, Callable],
+    reference: Callable,
+    args: Sequence[Any],
+    validation_args: Sequence[Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    grad: bool,
+) -> dict[str, Candidate]:
+    """Validate and time each of ``candidates`` (backend -> fn; the reference among them under its
+    name) on clones of ``args``. ``validation_args`` are the same call made deterministic (e.g.
+    dropout off), used for the comparison; timing uses ``args``."""
+    results: dict[str, Candidate] = {}
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        with torch.autocast(device.type, enabled=False):
+            expected = _Runner(reference, validation_args, grad, None, wide)
+            ref_outs, ref_grads = expected()
+        runs: dict[str, _Runner] = {}
+        for name, fn in candidates.items():
+            result = results[name] = Candidate(name)
+            try:
+                outs, grads = _Runner(fn, validation_args, grad, expected.upstream)()
+                result.error = _mismatch(outs, ref_outs, dtype, "output") or _mismatch(grads, ref_grads, dtype, "gradient")
+                if result.error is None:
+                    runs[name] = _Runner(fn, args, grad, expected.upstream)
+            except Exception as error:  # an implementation that raises is excluded, not fatal
+                result.error = f"raised {type(error).__name__}: {error}"
+        try:
+            for name, (ms, median) in _time(runs, device).items():
+                results[name].time_ms, results[name].median_ms = ms, median
+                if not math.isfinite(ms):
+                    results[name].error = "its time is not finite"
+        except Exception as error:
+            for name in runs:
+                results[name].error = f"raised {type(error).__name__} while timed: {error}"
+    return results

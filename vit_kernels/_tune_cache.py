@@ -1,0 +1,121 @@
+"""The on-disk cache of ``auto``'s measured decisions.
+
+One JSON file per software environment, ``dispatch-<digest>.json``, where the digest covers the
+torch, triton and vit_kernels versions (a new version measures afresh); inside, one entry per call
+signature, whose key names the device it was measured on. The folder is ``VIT_KERNELS_CACHE_DIR``
+(read once, at import), else ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``;
+``vk.set_autotune(cache_dir=...)`` overrides it, and ``cache_dir=False`` keeps decisions in memory only.
+
+Writes are atomic (a temporary file in the same folder, then ``os.replace``), and merge with what
+another process wrote meanwhile. A file that cannot be read or parsed is ignored with one warning:
+the cache can only ever save time, never break a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FORMAT = 1
+
+
+def default_folder() -> Optional[Path]:
+    """The cache folder from the environment (called once, at import)."""
+    explicit = os.environ.get("VIT_KERNELS_CACHE_DIR", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base).expanduser() if base else Path.home() / ".cache") / "vit_kernels"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def environment() -> dict[str, str]:
+    """The software versions a decision depends on."""
+    return {
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "vit_kernels": _version("vit-kernels"),
+    }
+
+
+class DiskCache:
+    """Decisions by signature key (a string), loaded lazily from one JSON file."""
+
+    def __init__(self, folder: Optional[Path]):
+        self.folder = folder
+        self._entries: Optional[dict[str, dict]] = None
+        self._env = environment()
+        digest = hashlib.sha256(json.dumps(self._env, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = None if folder is None else folder / f"dispatch-{digest}.json"
+
+    def _read(self) -> dict[str, dict]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+                raise ValueError("not a vit_kernels dispatch cache of format 1")
+            return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("backend"), str)}
+        except (OSError, ValueError) as error:
+            warnings.warn(
+                f"vit_kernels: ignoring the unreadable dispatch cache {self.path} ({error}); "
+                f"auto measures afresh and rewrites it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return {}
+
+    def get(self, key: str) -> Optional[dict]:
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries.get(key)
+
+    def items(self) -> list[tuple[str, dict]]:
+        if self._entries is None:
+            self._entries = self._read()
+        return list(self._entries.items())
+
+    def put(self, key: str, entry: dict) -> None:
+        """Store ``entry`` and write the file (merged with the one on disk, atomically)."""
+        if self._entries is None:
+            self._entries = self._read()
+        self._entries[key] = entry
+        if self.path is None:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            merged = {**self._read_quietly(), **self._entries}
+            payload = json.dumps({"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True)
+            fd, temporary = tempfile.mkstemp(prefix=".dispatch-", suffix=".tmp", dir=self.folder)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write(payload)
+                os.replace(temporary, self.path)
+            except BaseException:
+                os.unlink(temporary)
+                raise
+        except OSError as error:
+            warnings.warn(f"vit_kernels: could not write the dispatch cache {self.path} ({error})", RuntimeWarning, stacklevel=3)
+
+    def _read_quietly(self) -> dict[str, dict]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._read()
+
+    def clear(self) -> None:
+        """Forget the loaded entries (the file is read again on next use)."""
+        self._entries = None
