@@ -49,7 +49,7 @@ $(INT_STAMP): pyproject.toml setup.py tests/integration/requirements.txt $(INT_S
 	touch $(INT_STAMP)
 
 test-integration: $(INT_STAMP)
-	cd tests/integration && ../../$(INT_VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
+	cd tests/integration && TRITON_INTERPRET=1 ../../$(INT_VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
 		--rootdir=. -c pytest.ini . $(PYTEST_ARGS)
 
 # Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes.

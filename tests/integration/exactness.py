@@ -11,6 +11,7 @@ from torch import nn
 import vit_kernels as vk
 
 TOLERANCE = 1e-10  # float64
+FLOAT32_FLOOR = (1e-4, 1e-4)  # (atol, rtol) below which float32 differences are not judged
 
 
 def patched_copy(model: nn.Module) -> tuple[nn.Module, vk.PatchReport]:
@@ -48,3 +49,43 @@ def compare(
         torch.testing.assert_close(got, param.grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m: f"{name}: {m}")
         grad_diff = max(grad_diff, (got - param.grad).abs().max().item())
     return output_diff, grad_diff
+
+
+def _output_and_grads(model: nn.Module, inputs: torch.Tensor, cotangent: torch.Tensor,
+                      output_of: Callable[[object], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"output": output, parameter name: its gradient} after backpropagating ``cotangent``."""
+    model.zero_grad(set_to_none=True)
+    out = output_of(model(inputs))
+    (out * cotangent.to(out.dtype)).sum().backward()
+    values = {"output": out.detach()}
+    values.update({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    return values
+
+
+def compare_in_float32(
+    reference: nn.Module,
+    patched: nn.Module,
+    inputs: torch.Tensor,
+    output_of: Callable[[object], torch.Tensor] = lambda out: out,
+) -> tuple[float, float]:
+    """``reference`` in float64 is the truth; a float32 copy of it is PyTorch's own float32 answer.
+    The float32 ``patched`` model's output and every parameter gradient must be within
+    max(FLOAT32_FLOOR, 2 x PyTorch's own float32 error) of the truth. Returns (max output error,
+    max gradient error) of the patched model."""
+    truth_model = reference.double()
+    baseline_model = copy.deepcopy(reference).float()
+    cotangent = torch.randn_like(output_of(truth_model(inputs.double())))
+    truth = _output_and_grads(truth_model, inputs.double(), cotangent, output_of)
+    baseline = _output_and_grads(baseline_model, inputs.float(), cotangent, output_of)
+    ours = _output_and_grads(patched.float(), inputs.float(), cotangent, output_of)
+    assert ours.keys() == truth.keys(), f"gradients differ in which parameters have one: {ours.keys() ^ truth.keys()}"
+    atol, rtol = FLOAT32_FLOOR
+    worst = {"output": 0.0, "gradient": 0.0}
+    for name, exact in truth.items():
+        error = (ours[name].double() - exact).abs().max().item()
+        own = (baseline[name].double() - exact).abs().max().item()
+        bound = max(atol + rtol * exact.abs().max().item(), 2 * own)
+        assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g} (PyTorch's own float32 error {own:.3g})"
+        kind = "output" if name == "output" else "gradient"
+        worst[kind] = max(worst[kind], error)
+    return worst["output"], worst["gradient"]
