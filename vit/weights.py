@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 FORMATS = ("timm", "huggingface", "torchvision")
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl", ".pickle")
 _SHOWN = 10  # keys listed per kind of problem in an error
+_FIELD = {"mlp_hidden_features": "mlp_hidden_dim"}  # implied_config's name -> the ViTConfig field to set
 
 # (source pattern, our name); patterns are anchored, `(?P<i>...)` is the block index and
 # `(?P<p>weight|bias)` the parameter, both carried into the target.
@@ -71,7 +72,7 @@ _TORCHVISION_RULES = (
     (r"^heads\.head" + _P, r"head.\g<p>"),
 )
 _RULES = {"timm": (), "huggingface": _HUGGINGFACE_RULES, "torchvision": _TORCHVISION_RULES}
-_UNUSED = {"timm": None, "huggingface": _HUGGINGFACE_UNUSED, "torchvision": None}
+_UNUSED = {"huggingface": _HUGGINGFACE_UNUSED}
 
 
 @dataclass(frozen=True)
@@ -110,19 +111,23 @@ def read_safetensors(checkpoint_path: Union[str, Path]) -> dict[str, torch.Tenso
     can run arbitrary code."""
     path = Path(checkpoint_path)
     convert = (
-        "convert it once, where you trust it, with safetensors.torch.save_file(state_dict, 'model.safetensors') "
-        "(state_dict = torch.load(path, weights_only=True))"
+        "convert it to safetensors (if you trust its source): state_dict = torch.load(path, weights_only=True); "
+        "safetensors.torch.save_file(state_dict, 'model.safetensors')"
     )
     if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise ValueError(f"checkpoint_path {str(path)!r} is a pickled checkpoint ({path.suffix}), which is not loaded: {convert}")
+        raise ValueError(
+            f"checkpoint_path {str(path)!r} is a pickled checkpoint ({path.suffix}), which is not loaded: {convert}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint_path {str(path)!r} is not a file")
     try:
         return load_file(path)
     except (SafetensorError, ValueError, OSError) as error:
-        pickled = _looks_pickled(path)
-        what = "a pickled (torch.save) checkpoint, which is not loaded" if pickled else "not a readable safetensors file"
-        raise ValueError(f"checkpoint_path {str(path)!r} is {what} ({error}): {convert}") from error
+        if _looks_pickled(path):
+            raise ValueError(
+                f"checkpoint_path {str(path)!r} is a pickled (torch.save) checkpoint, which is not loaded: {convert}"
+            ) from error
+        raise ValueError(f"checkpoint_path {str(path)!r} is not a readable safetensors file: {error}") from error
 
 
 def _looks_pickled(path: Path) -> bool:
@@ -133,7 +138,7 @@ def _looks_pickled(path: Path) -> bool:
 
 
 def detect_format(tensors: dict[str, torch.Tensor], checkpoint_path: Union[str, Path] = "") -> str:
-    """"timm", "huggingface" or "torchvision", from the patch-embedding key each library uses."""
+    """The library that wrote ``tensors`` (one of FORMATS), from the patch-embedding key each one uses."""
     if "patch_embed.proj.weight" in tensors:
         return "timm"
     if any(re.match(r"^(?:vit\.)?embeddings\.patch_embeddings\.projection\.weight$", key) for key in tensors):
@@ -155,7 +160,7 @@ def rename_keys(
     (and are reported as unexpected later)."""
     state, origin, unused = {}, {}, []
     for key, value in tensors.items():
-        if _UNUSED[source] is not None and re.match(_UNUSED[source], key):
+        if source in _UNUSED and re.match(_UNUSED[source], key):
             unused.append(key)
             continue
         ours = _rename(key, _RULES[source])
@@ -202,9 +207,6 @@ def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
     return implied
 
 
-_FIELD = {"mlp_hidden_features": "mlp_hidden_dim"}
-
-
 def check_architecture(state: dict[str, torch.Tensor], model: "ViT", where: str) -> None:
     """Raise ValueError naming every config field on which the weights and ``model.config`` differ."""
     config = model.config
@@ -246,7 +248,7 @@ def adapt_pos_embed(
     prefix = int(model.config.class_token)
     if pos_embed.dim() != 3 or pos_embed.shape[0] != 1:
         raise ValueError(f"{where}: pos_embed must be (1, tokens, dim), got {tuple(pos_embed.shape)}")
-    old_grid = _square_grid(pos_embed.shape[1] - prefix, f"{where}: pos_embed's {pos_embed.shape[1]} tokens")
+    old_grid = _square_grid(pos_embed.shape[1], prefix, where)
     new_grid = tuple(model.patch_embed.grid_size)
     if old_grid == new_grid:
         return None
@@ -254,10 +256,15 @@ def adapt_pos_embed(
     return old_grid, new_grid
 
 
-def _square_grid(patches: int, what: str) -> tuple[int, int]:
+def _square_grid(tokens: int, prefix: int, where: str) -> tuple[int, int]:
+    """The (h, w) grid of a checkpoint's position embedding: its patch positions must be a square."""
+    patches = tokens - prefix
     side = math.isqrt(max(patches, 0))
     if patches <= 0 or side * side != patches:
-        raise ValueError(f"{what} leave {patches} patch positions after the class token: not a square grid")
+        raise ValueError(
+            f"{where}: pos_embed's {tokens} tokens leave {patches} patch positions after {prefix} class token(s): "
+            "not a square grid"
+        )
     return side, side
 
 
