@@ -221,7 +221,7 @@ def check_architecture(state: dict[str, torch.Tensor], model: "ViT", where: str)
     hint = ", ".join(f"{name}={theirs!r}" for name, (theirs, _) in mismatches.items())
     note = ""
     if "patch_size" in mismatches:
-        note = " (with an img_size the patch size divides; resampling the patch kernel to another size is not supported)"
+        note = " (with an img_size it divides; resampling the patch kernel to another size is not supported)"
     raise ValueError(
         f"{where} holds another architecture than the model ({found}). "
         f"Create the model to match, e.g. create_model(name, checkpoint_path=..., {hint}){note}"
