@@ -1,9 +1,10 @@
 """A readable Vision Transformer on the fused layers, and a registry of named presets.
 
 The timm presets (``vit_*_patch16_224``) have timm's architecture and state-dict keys, so
-``model.load_state_dict(timm_model.state_dict(), strict=True)`` works. Layer classes are injected
-(``patch_embed_layer``, ``block_layer``, ``norm_layer``) so experiments can swap one without forking
-the model.
+``model.load_state_dict(timm_model.state_dict(), strict=True)`` works, and
+``create_model(name, checkpoint_path=...)`` loads timm, Hugging Face or torchvision weights from a
+safetensors file (``vit/weights.py``). Layer classes are injected (``patch_embed_layer``,
+``block_layer``, ``norm_layer``) so experiments can swap one without forking the model.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from vit.weights import load_pretrained
 from vit_kernels.nn import ACTIVATIONS, Block, LayerNorm, PatchEmbed
 
 POS_EMBED_KINDS = ("learned", "sincos")
@@ -44,6 +48,7 @@ class ViTConfig:
     drop_rate: float = 0.0  # after attention projection and in the MLP
     attn_drop_rate: float = 0.0  # on attention probabilities
     pos_drop_rate: float = 0.0  # on the embedded tokens
+    drop_path_rate: float = 0.0  # stochastic depth of the last block; rising linearly from 0 at the first
     init_std: Optional[float] = 0.02  # Linear weights ~ N(0, init_std); None keeps PyTorch's fan-in
     # default, which trains tiny models much faster than timm's 0.02
 
@@ -56,6 +61,10 @@ class ViTConfig:
             raise ValueError(f"ViTConfig.img_size={self.img_size} must be divisible by patch_size={self.patch_size}")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"ViTConfig.num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
+        if isinstance(self.drop_path_rate, bool) or not isinstance(self.drop_path_rate, (int, float)) or not (
+            0.0 <= self.drop_path_rate < 1.0
+        ):
+            raise ValueError(f"ViTConfig.drop_path_rate must be a float in [0, 1), got {self.drop_path_rate!r}")
         if self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be >= 0 (0 = no head), got {self.num_classes}")
         if self.act not in ACTIVATIONS:
@@ -77,6 +86,15 @@ class ViTConfig:
     def num_tokens(self) -> int:
         return self.num_patches + int(self.class_token)
 
+    @property
+    def mlp_hidden_features(self) -> int:
+        return self.mlp_hidden_dim or int(self.embed_dim * self.mlp_ratio)
+
+    def drop_path_rates(self) -> list[float]:
+        """Per block, as timm: ``linspace(0, drop_path_rate, depth)`` in float32, so the rates (and the
+        1 / (1 - rate) scaling) are the very numbers timm uses."""
+        return torch.linspace(0.0, self.drop_path_rate, self.depth, dtype=torch.float32, device="cpu").tolist()
+
 
 def sincos_pos_embed(grid: int, dim: int, class_token: bool) -> torch.Tensor:
     """Fixed 2-D sine-cosine position embedding, (1, T, dim): half the channels encode the row,
@@ -97,7 +115,11 @@ def sincos_pos_embed(grid: int, dim: int, class_token: bool) -> torch.Tensor:
 
 
 class ViT(nn.Module):
-    """images (N, C, H, W) -> logits (N, num_classes)."""
+    """images (N, C, H, W) -> logits (N, num_classes).
+
+    timm's model API: ``get_classifier``, ``reset_classifier``, ``no_weight_decay``,
+    ``set_grad_checkpointing``; stochastic depth through ``ViTConfig.drop_path_rate``.
+    """
 
     def __init__(
         self,
@@ -123,19 +145,31 @@ class ViT(nn.Module):
             block_layer(
                 dim,
                 config.num_heads,
-                mlp_hidden_dim=config.mlp_hidden_dim or int(dim * config.mlp_ratio),
+                mlp_hidden_dim=config.mlp_hidden_features,
                 qkv_bias=config.qkv_bias,
                 act=config.act,
                 norm_first=config.norm_first,
                 eps=config.norm_eps,
                 drop=config.drop_rate,
                 attn_drop=config.attn_drop_rate,
+                drop_path=rate,
             )
-            for _ in range(config.depth)
+            for rate in config.drop_path_rates()
         )
         self.norm = norm_layer(dim, eps=config.norm_eps) if config.final_norm else nn.Identity()
-        self.head = nn.Linear(dim, config.num_classes) if config.num_classes > 0 else nn.Identity()
+        self.head = self._new_head(config.num_classes)
+        self.grad_checkpointing = False
         self.reset_parameters()
+
+    def _new_head(self, num_classes: int, **factory: object) -> nn.Module:
+        """Linear(embed_dim, num_classes), or Identity for 0 classes (forward returns the pooled features)."""
+        return nn.Linear(self.config.embed_dim, num_classes, **factory) if num_classes > 0 else nn.Identity()
+
+    def _init_linear(self, module: nn.Linear) -> None:
+        if self.config.init_std is not None:
+            nn.init.trunc_normal_(module.weight, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def reset_parameters(self) -> None:
         """timm's ViT initialisation: truncated normal (std 0.02) for the learned position embedding
@@ -145,10 +179,8 @@ class ViT(nn.Module):
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         for module in self.modules():
-            if isinstance(module, nn.Linear) and self.config.init_std is not None:
-                nn.init.trunc_normal_(module.weight, std=self.config.init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            if isinstance(module, nn.Linear):
+                self._init_linear(module)
         patch_weight = self.patch_embed.proj.weight
         nn.init.trunc_normal_(patch_weight, std=math.sqrt(1.0 / patch_weight[0].numel()))
 
@@ -160,12 +192,22 @@ class ViT(nn.Module):
         maps = []
         for block in self.blocks:
             if return_attention:
-                x, probs = block(x, return_probs=True)
+                x, probs = self._run_block(block, x, return_probs=True)
                 maps.append(probs)
             else:
-                x = block(x)
+                x = self._run_block(block, x)
         x = self.norm(x)
         return (x, maps) if return_attention else x
+
+    def _run_block(
+        self, block: nn.Module, x: torch.Tensor, **kwargs: bool
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """block(x), recomputed in backward instead of keeping its activations when gradient
+        checkpointing is on (training with grad enabled). Non-reentrant checkpointing restores the RNG
+        state for the recomputation, so dropout and drop path masks, and the gradients, are the same."""
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False, **kwargs)
+        return block(x, **kwargs)
 
     def forward_head(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (N, T, D) -> logits (N, num_classes)."""
@@ -179,6 +221,33 @@ class ViT(nn.Module):
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """The attention probabilities of every block, each (N, heads, T, T)."""
         return self.forward_features(images, return_attention=True)[1]
+
+    def get_classifier(self) -> nn.Module:
+        """The head: Linear(embed_dim, num_classes), or Identity when num_classes is 0."""
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the head with a freshly initialised one for ``num_classes`` (0: no head, forward
+        returns the pooled features (N, embed_dim)), on the model's device and dtype;
+        ``global_pool`` ("token" | "avg"), when given, changes the pooling. ``config`` follows."""
+        changes: dict[str, object] = {"num_classes": num_classes}
+        if global_pool is not None:
+            changes["global_pool"] = global_pool
+        self.config = dataclasses.replace(self.config, **changes)  # validates both
+        reference = self.patch_embed.proj.weight
+        self.head = self._new_head(num_classes, device=reference.device, dtype=reference.dtype)
+        if isinstance(self.head, nn.Linear):
+            self._init_linear(self.head)
+        self.head.train(self.training)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names to exempt from weight decay, as timm's ViT (which also lists reg_token and
+        dist_token, tokens this model does not have)."""
+        return {"pos_embed", "cls_token"}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in backward instead of storing its activations (training only)."""
+        self.grad_checkpointing = bool(enable)
 
 
 def _timm(embed_dim: int, depth: int, num_heads: int) -> ViTConfig:
@@ -229,6 +298,11 @@ def get_config(name: str, **overrides: object) -> ViTConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def create_model(name: str, **overrides: object) -> ViT:
-    """A freshly initialised ViT of preset ``name``, e.g. ``create_model("vit_base_patch16_224", num_classes=3)``."""
-    return ViT(get_config(name, **overrides))
+def create_model(name: str, checkpoint_path: Union[str, Path, None] = None, **overrides: object) -> ViT:
+    """A ViT of preset ``name`` with ``overrides``, e.g. ``create_model("vit_base_patch16_224", num_classes=3)``:
+    freshly initialised, or with the weights of ``checkpoint_path`` (a timm, Hugging Face or
+    torchvision ``.safetensors`` file; see ``vit.weights.load_pretrained``)."""
+    model = ViT(get_config(name, **overrides))
+    if checkpoint_path is not None:
+        load_pretrained(model, checkpoint_path)
+    return model

@@ -34,6 +34,19 @@ def _add_dropped(out: torch.Tensor, p: float, training: bool, residual: Optional
     return out if residual is None else residual + out
 
 
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth (timm's ``drop_path``): in training, zero each sample's whole branch output
+    with probability ``p`` and scale the kept ones by 1 / (1 - p), so the expected value is ``x``.
+
+    x (B, ...) -> (B, ...); one Bernoulli(1 - p) draw per sample, broadcast over the other dims.
+    """
+    if p == 0.0 or not training:
+        return x
+    keep = 1.0 - p
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+    return x * mask.div_(keep)
+
+
 def self_attention(
     x: torch.Tensor,
     qkv_weight: torch.Tensor,
@@ -236,7 +249,9 @@ class Block(nn.Module):
 
     pre-norm (``norm_first=True``, ViT/timm):   x = x + attn(norm1(x));  x = x + mlp(norm2(x))
     post-norm (``nn.TransformerEncoderLayer``): x = norm1(x + attn(x));  x = norm2(x + mlp(x))
-    Each residual add is fused into the last GEMM of its branch.
+    Each residual add is fused into the last GEMM of its branch. ``drop_path`` (stochastic depth, as
+    timm's blocks) drops each branch per sample in training; it scales the branch before the add,
+    so while it is active the add runs unfused.
     """
 
     def __init__(
@@ -251,9 +266,11 @@ class Block(nn.Module):
         eps: float = 1e-6,
         drop: float = 0.0,
         attn_drop: float = 0.0,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
+        self.drop_path = check_probability("drop_path", drop_path)
         self.norm1 = LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
         self.norm2 = LayerNorm(dim, eps=eps)
@@ -264,11 +281,24 @@ class Block(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L)."""
         attn_input = self.norm1(x) if self.norm_first else x
-        result = self.attn(attn_input, residual=x, return_probs=return_probs)
+        result = self._residual_branch(self.attn, attn_input, x, return_probs=return_probs)
         x, probs = result if return_probs else (result, None)
         if self.norm_first:
-            x = self.mlp(self.norm2(x), residual=x)
+            x = self._residual_branch(self.mlp, self.norm2(x), x)
         else:
             x = self.norm1(x)
-            x = self.norm2(self.mlp(x, residual=x))
+            x = self.norm2(self._residual_branch(self.mlp, x, x))
         return (x, probs) if return_probs else x
+
+    def _residual_branch(
+        self, branch: nn.Module, inputs: torch.Tensor, x: torch.Tensor, return_probs: bool = False
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x + drop_path(branch(inputs)), the add fused into the branch's last GEMM unless drop path
+        is active; with ``return_probs`` (attention only) the probabilities come back beside it."""
+        extra = {"return_probs": True} if return_probs else {}
+        if not (self.training and self.drop_path > 0):
+            return branch(inputs, residual=x, **extra)
+        result = branch(inputs, **extra)
+        out, probs = result if return_probs else (result, None)
+        out = x + drop_path(out, self.drop_path, True)
+        return (out, probs) if return_probs else out
