@@ -47,4 +47,4 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("largest difference from the original model (float64 on the torch backend unless named)")
     for family, (out, grad) in sorted(_MAX_DIFFERENCE.items()):
-        terminalreporter.write_line(f"{family:28s} output {out:.2e}   gradient {grad:.2e}")
+        terminalreporter.write_line(f"{family:34s} output {out:.2e}   gradient {grad:.2e}")

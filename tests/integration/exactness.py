@@ -66,18 +66,20 @@ def compare_in_float32(
     reference: nn.Module,
     patched: nn.Module,
     inputs: torch.Tensor,
+    backend_name: str,
     output_of: Callable[[object], torch.Tensor] = lambda out: out,
 ) -> tuple[float, float]:
-    """``reference`` in float64 is the truth; a float32 copy of it is PyTorch's own float32 answer.
-    The float32 ``patched`` model's output and every parameter gradient must be within
-    max(FLOAT32_FLOOR, 2 x PyTorch's own float32 error) of the truth. Returns (max output error,
-    max gradient error) of the patched model."""
+    """``reference`` in float64 is the truth; a float32 copy of it is PyTorch's own float32 answer
+    (both on the torch backend). The float32 ``patched`` model runs on ``backend_name``: its output
+    and every parameter gradient must be within max(FLOAT32_FLOOR, 2 x PyTorch's own float32
+    error) of the truth. Returns (max output error, max gradient error) of the patched model."""
     truth_model = reference.double()
     baseline_model = copy.deepcopy(reference).float()
     cotangent = torch.randn_like(output_of(truth_model(inputs.double())))
     truth = _output_and_grads(truth_model, inputs.double(), cotangent, output_of)
     baseline = _output_and_grads(baseline_model, inputs.float(), cotangent, output_of)
-    ours = _output_and_grads(patched.float(), inputs.float(), cotangent, output_of)
+    with vk.use_backend(backend_name):
+        ours = _output_and_grads(patched.float(), inputs.float(), cotangent, output_of)
     assert ours.keys() == truth.keys(), f"gradients differ in which parameters have one: {ours.keys() ^ truth.keys()}"
     atol, rtol = FLOAT32_FLOOR
     worst = {"output": 0.0, "gradient": 0.0}

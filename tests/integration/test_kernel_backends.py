@@ -61,8 +61,7 @@ def test_patched_models_in_float32_on_kernel_backends(family, backend_name, reco
     patched, _ = patched_copy(reference)
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     backend.clear_decisions()
-    with vk.use_backend(backend_name):
-        differences = compare_in_float32(reference, patched, images, output_of)
+    differences = compare_in_float32(reference, patched, images, backend_name, output_of)
     ran = {op for op in KERNEL_OPS if backend_name in vk.explain().ran(op)}
     assert ran == KERNEL_OPS, f"{backend_name} did not run {KERNEL_OPS - ran}:\n{vk.explain()}"
     record_difference(f"{family} float32 on {backend_name}", *differences)
