@@ -14,13 +14,23 @@ the fastest call in a slice of about 20 ms (load only ever adds time).
 Per case, the ratio candidate/baseline is the median of the per-round ratios, with a bootstrap
 interval. A case is a REGRESSION when its whole interval lies above 1 + threshold; ``within`` when
 it lies at or below; otherwise inconclusive, and more rounds are run for the undecided cases until
-each is decided or the time budget is spent. Exit 1: a regression (or the candidate fails a case);
-3: inconclusive, noise too high; 0: all within the threshold.
+each is decided or the time budget is spent.
+
+A regression must then be confirmed: its cases are timed again, from new samples, by a fresh pair
+of processes. Two processes running the same code can differ by several percent for as long as
+they live (where their memory happens to lie, which core caches what), and with dozens of cases
+some interval falls beyond the threshold by chance; a real slowdown survives a second, independent
+pair of processes, such an accident rarely does. Only a confirmed regression counts; one that is
+not confirmed takes the confirmation's verdict (and says so).
+
+Exit 1: a confirmed regression (or the candidate fails a case); 3: inconclusive, noise too high;
+0: all within the threshold.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -203,6 +213,39 @@ def run_rounds(workers: list[Worker], specs: list[dict], comparable: list[int], 
     return samples, verdicts, rounds, time.monotonic() - started
 
 
+def set_up(workers: list[Worker], specs: list[dict], device: torch.device, threads: int) -> list[dict]:
+    """Have each side prepare (and validate) every case; returns their replies (a status per case)."""
+    setup = {"cmd": "setup", "device": str(device), "threads": threads, "cpus": _shared_cpus(device, threads),
+             "cases": specs}
+    for worker in workers:
+        worker.send(setup)
+    replies = [worker.receive() for worker in workers]
+    for worker, reply in zip(workers, replies):
+        if not Path(reply["vit_kernels"]).resolve().is_relative_to(worker.tree.root.resolve()):
+            raise SystemExit(f"the {worker.name} side imported vit_kernels from {reply['vit_kernels']}, "
+                             f"not from {worker.tree.root}")
+    return replies
+
+
+def confirm(flagged: list[int], specs: list[dict], sides, harness: Path, folder: Path, device: torch.device,
+            threads: int, args) -> tuple[dict[int, gate.Comparison], dict[int, tuple[list, list]]]:
+    """Time the ``flagged`` cases again with a fresh pair of processes and new samples; a case stays
+    a REGRESSION only if this second run also finds one. Returns the new verdicts and the new
+    samples, by case index."""
+    print(f"ab: {len(flagged)} regression(s) to confirm with a fresh pair of processes", file=sys.stderr)
+    subset = [specs[i] for i in flagged]
+    workers = [Worker(f"{name}-confirm", tree, harness, folder) for name, tree in zip(("baseline", "candidate"), sides)]
+    try:
+        set_up(workers, subset, device, threads)
+        samples, verdicts, _, _ = run_rounds(workers, subset, list(range(len(subset))), args)
+    finally:
+        for worker in workers:
+            worker.close()
+    confirmed = {j: verdicts[j].verdict == stats.REGRESSION for j in range(len(flagged))}
+    return ({i: dataclasses.replace(verdicts[j], note="confirmed" if confirmed[j] else "regression not confirmed")
+             for j, i in enumerate(flagged)}, {i: samples[j] for j, i in enumerate(flagged)})
+
+
 def _shared_cpus(device: torch.device, threads: int) -> Optional[list[int]]:
     """With one thread per side on the CPU, the one core both sides are pinned to (the last one this
     process may use): they never run at once, so they meet the same neighbours. Else None."""
@@ -221,13 +264,16 @@ def _not_compared(spec: dict, base_status: str, cand_status: str) -> gate.Compar
     return gate.Comparison(label(spec), None, None, None, f"not compared: {side} {why}")
 
 
-def write_json(path: Path, meta: dict, specs: list[dict], comparisons: list[gate.Comparison], samples: dict) -> None:
+def write_json(path: Path, meta: dict, specs: list[dict], comparisons: list[gate.Comparison], samples: dict,
+               confirmation: dict) -> None:
     rows = []
     for i, (spec, c) in enumerate(zip(specs, comparisons)):
         base, cand = samples.get(i, ([], []))
-        rows.append({**spec, "case": c.case, "verdict": c.verdict, "baseline_samples_ms": base,
+        rows.append({**spec, "case": c.case, "verdict": c.verdict, "note": c.note, "baseline_samples_ms": base,
                      "candidate_samples_ms": cand, **({"ratio": c.ratio.value, "low": c.ratio.low, "high": c.ratio.high}
                                                       if c.ratio else {})})
+        if i in confirmation:  # the ratio and verdict are the confirmation's
+            rows[-1]["confirmation_baseline_samples_ms"], rows[-1]["confirmation_candidate_samples_ms"] = confirmation[i]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -257,15 +303,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"ab: {name} {tree.label}" + (f"; {tree.note}" if tree.note else ""), file=sys.stderr)
         workers = [Worker(name, tree, harness, folder) for name, tree in zip(("baseline", "candidate"), sides)]
         try:
-            setup = {"cmd": "setup", "device": str(device), "threads": threads, "cpus": _shared_cpus(device, threads),
-                     "cases": specs}
-            for worker in workers:
-                worker.send(setup)
-            replies = [worker.receive() for worker in workers]
-            for worker, reply in zip(workers, replies):
-                if not Path(reply["vit_kernels"]).resolve().is_relative_to(worker.tree.root.resolve()):
-                    raise SystemExit(f"the {worker.name} side imported vit_kernels from {reply['vit_kernels']}, "
-                                     f"not from {worker.tree.root}")
+            replies = set_up(workers, specs, device, threads)
             statuses = [reply["status"] for reply in replies]
             if (replies[0]["extension"] is None) != (replies[1]["extension"] is None):
                 one_sided = "not compared: the compiled extension loads on one side only, so auto differs"
@@ -278,6 +316,11 @@ def main(args: argparse.Namespace) -> int:
         finally:
             for worker in workers:
                 worker.close()
+        flagged = [i for i in comparable if verdicts[i].verdict == stats.REGRESSION]
+        confirmation_samples = {}
+        if flagged:
+            confirmed, confirmation_samples = confirm(flagged, specs, sides, harness, folder, device, threads, args)
+            verdicts.update(confirmed)
     comparisons = [verdicts[i] if i in verdicts else _not_compared(specs[i], statuses[0][i], statuses[1][i])
                    for i in range(len(specs))]
     print(f"baseline:  {sides[0].label}" + (f" [{sides[0].note}]" if sides[0].note else ""))
@@ -293,5 +336,5 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         meta = {"baseline": sides[0].label, "candidate": sides[1].label, "device": str(device), "rounds": rounds,
                 "seconds": seconds, "threshold": args.threshold, "confidence": args.confidence, "exit_code": code}
-        write_json(args.out, meta, specs, comparisons, samples)
+        write_json(args.out, meta, specs, comparisons, samples, confirmation_samples)
     return code

@@ -24,6 +24,7 @@ class Comparison:
     candidate_ms: Optional[float]
     ratio: Optional[Ratio]      # None: no samples to build an interval from
     verdict: str                # REGRESSION | within | faster | inconclusive | BROKEN | not compared: why
+    note: str = ""              # e.g. "confirmed" / "regression not confirmed" (ab's second run)
 
     @property
     def rounds(self) -> int:
@@ -56,7 +57,8 @@ def table(comparisons: list[Comparison], confidence: float) -> str:
     body = [(c.case, _ms(c.baseline_ms), _ms(c.candidate_ms),
              f"{c.ratio.value:.3f}" if c.ratio else "-",
              f"[{c.ratio.low:.3f}, {c.ratio.high:.3f}]" if c.ratio and c.ratio.samples > 1 else "-",
-             str(c.rounds) if c.ratio else "-", c.verdict) for c in comparisons]
+             str(c.rounds) if c.ratio else "-", f"{c.verdict} ({c.note})" if c.note else c.verdict)
+            for c in comparisons]
     widths = [max(len(row[k]) for row in [head] + body) for k in range(len(head))]
     align = ["<", ">", ">", ">", ">", ">", "<"]
     return "\n".join("  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)).rstrip()

@@ -12,6 +12,7 @@ Small shapes: a round of every case takes a fraction of a second.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def _gate(repo: Path, capsys, *args: str) -> tuple[int, dict[str, str]]:
     for line in printed.splitlines():
         if " vit_digits B=8 " in line:
             parts = line.split()
-            verdicts[f"{parts[0]} {parts[4]}"] = parts[-1]  # "op backend": verdict
+            verdict = re.search(r"\]\s+\d+\s+(.+)$", line).group(1)  # after "[low, high]  rounds"
+            verdicts[f"{parts[0]} {parts[4]}"] = verdict  # "op backend": "verdict" or "verdict (note)"
     assert verdicts, printed
     return code, verdicts
 
@@ -96,15 +98,16 @@ def cpu_hogs():
 def test_same_code_under_load_is_not_a_regression(repo, capsys, cpu_hogs):
     code, verdicts = _gate(repo, capsys, "--baseline", "HEAD~1", "--candidate", "HEAD~1")
     assert code in (gate.EXIT_OK, gate.EXIT_INCONCLUSIVE)
-    assert stats.REGRESSION not in verdicts.values(), verdicts
+    assert not any(v.startswith(stats.REGRESSION) for v in verdicts.values()), verdicts
     assert len(verdicts) == 6  # layer_norm, linear, bias_gelu x torch, extension
 
 
 def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
     code, verdicts = _gate(repo, capsys, "--baseline", "HEAD~1", "--candidate", "HEAD")
     assert code == gate.EXIT_REGRESSION
-    regressed = {case for case, verdict in verdicts.items() if verdict == stats.REGRESSION}
+    regressed = {case for case, verdict in verdicts.items() if verdict.startswith(stats.REGRESSION)}
     assert regressed == {"layer_norm torch", "layer_norm extension"}, verdicts
+    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed)" for case in regressed), verdicts
 
 
 class _NoisyWorker:
@@ -129,6 +132,43 @@ def test_noise_adds_rounds_up_to_the_budget_then_is_inconclusive():
     assert seconds <= args.budget + 0.1
     assert verdicts[0].verdict == stats.INCONCLUSIVE
     assert gate.exit_code(list(verdicts.values())) == gate.EXIT_INCONCLUSIVE
+
+
+class _SteadyWorker:
+    """Stands in for a worker process: every case takes ``ms``."""
+
+    def __init__(self, name, tree, harness, folder, ms):
+        self.ms = ms
+
+    def time(self, case, slice_ms):
+        return self.ms * (1 + 0.001 * np.sin(time.perf_counter_ns()))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("candidate_ms, expected", [(1.0, f"{stats.WITHIN}: regression not confirmed"),
+                                                    (1.3, f"{stats.REGRESSION}: confirmed")])
+def test_a_regression_counts_only_when_a_fresh_pair_of_processes_confirms_it(monkeypatch, candidate_ms, expected):
+    """The first run flagged case 0; the confirmation's fresh processes (stand-ins here) time the
+    candidate at 1.0 ms (as fast as the baseline: a chance flag) or at 1.3 ms (really slower)."""
+    spawned = []
+
+    def worker(name, tree, harness, folder):
+        spawned.append(name)
+        return _SteadyWorker(name, tree, harness, folder, 1.0 if name.startswith("baseline") else candidate_ms)
+
+    monkeypatch.setattr(ab, "Worker", worker)
+    monkeypatch.setattr(ab, "set_up", lambda workers, specs, device, threads: None)
+    parser = ab.argparse.ArgumentParser()
+    ab.add_arguments(parser)
+    args = parser.parse_args(["--baseline", "HEAD", "--budget", "5", "--min-rounds", "5"])
+    specs = [{"kind": "op", "op": "linear", "model": "vit_digits", "batch": 1, "dtype": "float32",
+              "backend": "torch", "mode": "forward"}] * 3
+    verdicts, samples = ab.confirm([0], specs, ["base", "cand"], None, None, "cpu", 1, args)
+    assert spawned == ["baseline-confirm", "candidate-confirm"]
+    assert list(verdicts) == list(samples) == [0] and len(samples[0][0]) == verdicts[0].rounds >= 5
+    assert f"{verdicts[0].verdict}: {verdicts[0].note}" == expected
 
 
 def test_unknown_revision_is_refused(repo):
