@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vit.weights import load_pretrained
-from vit_kernels.nn import ACTIVATIONS, Block, LayerNorm, PatchEmbed
+from vit_kernels.activations import ACTIVATIONS
+from vit_kernels.nn import Block, LayerNorm, PatchEmbed
 
 POS_EMBED_KINDS = ("learned", "sincos")
 POOLS = ("token", "avg")
@@ -38,7 +39,7 @@ class ViTConfig:
     mlp_ratio: float = 4.0
     mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio when set
     qkv_bias: bool = True
-    act: str = "gelu"  # gelu | gelu_tanh | relu
+    act: str = "gelu"  # one of vit_kernels.activations.ACTIVATIONS: gelu | gelu_tanh | relu
     norm_first: bool = True  # pre-norm (ViT); False = post-norm (nn.TransformerEncoderLayer)
     norm_eps: float = 1e-6
     final_norm: bool = True

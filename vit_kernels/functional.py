@@ -16,6 +16,7 @@ from typing import Optional, Union
 import torch
 
 from vit_kernels import backend
+from vit_kernels.activations import GELU_APPROXIMATIONS
 from vit_kernels._checks import (
     autocast_dtype,
     cast_all,
@@ -34,8 +35,6 @@ from vit_kernels.ops import attention as _attention  # noqa: F401  (registers im
 from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401
 from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
-
-GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 def patch_embed(

@@ -15,9 +15,8 @@ from torch import nn
 
 from vit_kernels import functional as vkf
 from vit_kernels._checks import check_choice, check_positive_int, check_probability
+from vit_kernels.activations import ACTIVATIONS, gelu_approximate
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
-_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
@@ -93,7 +92,7 @@ def feed_forward(
     dropout allows. x (..., D_in) -> (..., D_out)."""
     hidden_dropping = training and hidden_drop > 0
     out_dropping = training and out_drop > 0
-    approximate = _GELU_APPROXIMATE.get(act)
+    approximate = gelu_approximate(act)
     if approximate is not None and not hidden_dropping and not out_dropping:
         return vkf.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate=approximate, residual=residual)
     if approximate is not None:

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from vit_kernels._triton import Launch, recording_launches
+from vit_kernels.activations import GELU, GELU_TANH, NONE
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -96,12 +97,12 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
             def run_linear(dt=dt, rdt=rdt, x=x, dim=dim, has_bias=has_bias, has_residual=has_residual):
                 inp, weight = _t(dt, *x), _t(dt, dim, dim)
                 out, _ = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
-                                                          _t(rdt, *x) if has_residual else None, "none")
-                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), "none", has_bias)
+                                                          _t(rdt, *x) if has_residual else None, NONE)
+                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
 
             yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
-        gelu_flags = list(itertools.product((True, False), ("gelu", "gelu_tanh"))) if sweep.all_flags else [
-            (True, "gelu"), (True, "gelu_tanh"), (False, "gelu")]
+        gelu_flags = list(itertools.product((True, False), (GELU, GELU_TANH))) if sweep.all_flags else [
+            (True, GELU), (True, GELU_TANH), (False, GELU)]
         for has_bias, activation in gelu_flags:
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
@@ -110,9 +111,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
-        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), ("gelu", "gelu_tanh"),
+        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH),
                                            (True, False))) if sweep.all_flags else [
-            ((True, True), "gelu", True), ((True, True), "gelu_tanh", True), ((False, False), "gelu", False)]
+            ((True, True), GELU, True), ((True, True), GELU_TANH, True), ((False, False), GELU, False)]
         for (bias1, bias2), activation, has_residual in mlp_flags:
             def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
                         has_residual=has_residual):

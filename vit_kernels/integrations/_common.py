@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Optional
 import torch.nn.functional as F
 from torch import nn
 
+from vit_kernels.activations import GELU, GELU_TANH, RELU, gelu_act
+
 
 def qualified_name(cls: type) -> str:
     """``module.QualName`` of a class, e.g. ``timm.layers.attention.Attention``."""
@@ -75,25 +77,26 @@ def is_identity(module: object) -> bool:
 
 # Activation classes of other libraries by what they compute.
 _ACTIVATION_CLASSES = {
-    "timm.layers.activations.GELU": "gelu",
-    "timm.layers.activations.GELUTanh": "gelu_tanh",
-    "transformers.activations.PytorchGELUTanh": "gelu_tanh",
-    "transformers.activations.GELUTanh": "gelu_tanh",
-    "transformers.activations.NewGELUActivation": "gelu_tanh",
+    "timm.layers.activations.GELU": GELU,
+    "timm.layers.activations.GELUTanh": GELU_TANH,
+    "transformers.activations.PytorchGELUTanh": GELU_TANH,
+    "transformers.activations.GELUTanh": GELU_TANH,
+    "transformers.activations.NewGELUActivation": GELU_TANH,
 }
 
 
 def activation_name(act: object) -> Optional[str]:
-    """'gelu', 'gelu_tanh' or 'relu' for an activation module or function computing exactly that, else None."""
+    """The name in ``vit_kernels.activations.ACTIVATIONS`` ('gelu', 'gelu_tanh' or 'relu') of an
+    activation module or function computing exactly that, else None."""
     if type(act) is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+        return gelu_act(act.approximate)
     if type(act) is nn.ReLU:
-        return "relu"
+        return RELU
     if act in (F.relu, F.gelu):
-        return "relu" if act is F.relu else "gelu"
+        return RELU if act is F.relu else GELU
     name = qualified_name(type(act))
     if name == "transformers.activations.GELUActivation":
-        return "gelu" if getattr(act, "act", None) is F.gelu else None
+        return GELU if getattr(act, "act", None) is F.gelu else None
     return _ACTIVATION_CLASSES.get(name)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vit_kernels import nn as vkn
+from vit_kernels.activations import GELU, RELU
 from vit_kernels.integrations._common import (
     Rule,
     Swap,
@@ -121,7 +122,7 @@ def swap_encoder_layer(module: nn.Module) -> Swap:
     why = unknown_parts(module, ENCODER_LAYER_CHILDREN) or unknown_forward_args(module, ENCODER_LAYER_ARGS)
     if why:
         return Swap.skip(why)
-    if activation_name(module.activation) not in ("relu", "gelu"):
+    if activation_name(module.activation) not in (RELU, GELU):
         return Swap.skip(f"activation {describe_activation(module.activation)} is not ReLU or GELU")
     attention_problem = _mha_problem(module.self_attn) if type(module.self_attn) is nn.MultiheadAttention else None
     if attention_problem:

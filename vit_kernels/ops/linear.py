@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
+from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
-ACTIVATIONS = ("none", "gelu", "gelu_tanh")  # the op-level names; "gelu" = exact erf GELU
 # GELU constants, as constexprs: a @triton.jit function may not read plain Python globals (the
 # interpreter allows it, the GPU compiler does not).
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -274,11 +274,11 @@ if HAS_TRITON:
         x2 = _rows(x)
         n = weight.shape[0]
         out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
-        gelu = activation != "none"
+        gelu = activation != NONE
         preact = torch.empty((x2.shape[0], n) if gelu else (0,), dtype=x.dtype, device=x.device)
         out = _matmul(
             x2, weight.t(), out_dtype, bias=bias, epilogue=EPILOGUE_GELU if gelu else EPILOGUE_NONE,
-            tanh=activation == "gelu_tanh", aux=preact if gelu else None,
+            tanh=activation == GELU_TANH, aux=preact if gelu else None,
             residual=_rows(residual) if residual is not None else None,
         )
         shape = (*x.shape[:-1], n)
@@ -291,8 +291,8 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx (..., K), dW (N, K), db (N,) (empty when there is no bias)."""
         dy2 = _rows(grad_out).to(x.dtype)
-        if activation != "none":
-            dy2 = _gelu_backward(dy2, _rows(preact), activation == "gelu_tanh")
+        if activation != NONE:
+            dy2 = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH)
         dx, dw, db = _linear_grads(dy2, _rows(x), weight, needs_bias)
         return dx.view(x.shape), dw, db
 
@@ -315,7 +315,7 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fc2(gelu(fc1(x))) (+ residual) (..., D_out), with the hidden H and pre-activation Z (M, Hd)."""
         x2 = _rows(x)
-        tanh = activation == "gelu_tanh"
+        tanh = activation == GELU_TANH
         preact = torch.empty((x2.shape[0], fc1_weight.shape[0]), dtype=x.dtype, device=x.device)
         hidden = _matmul(x2, fc1_weight.t(), x.dtype, bias=fc1_bias, epilogue=EPILOGUE_GELU, tanh=tanh, aux=preact)
         out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
@@ -333,7 +333,7 @@ if HAS_TRITON:
         dy2 = _rows(grad_out).to(x.dtype)
         dw2 = _matmul(dy2.t(), hidden, fc2_weight.dtype)
         db2 = dy2.sum(0, dtype=torch.float32).to(fc2_weight.dtype) if needs_bias2 else dy2.new_empty(0)
-        dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == "gelu_tanh", aux=preact)
+        dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact)
         dx, dw1, db1 = _linear_grads(dz, _rows(x), fc1_weight, needs_bias1)
         return dx.view(x.shape), dw1, db1, dw2, db2
 
@@ -353,23 +353,19 @@ if HAS_TRITON:
     torch.library.register_autograd("vit_kernels::mlp_fwd", _mlp_backward, setup_context=_mlp_setup_context)
 
 
-def _activation(approximate: str) -> str:
-    return "gelu_tanh" if approximate == "tanh" else "gelu"
-
-
 def linear_triton(x, weight, bias=None, residual=None):
     """The Triton implementation of ``vk.linear`` (arguments already validated)."""
-    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, residual, "none")[0]
+    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, residual, NONE)[0]
 
 
 def linear_gelu_triton(x, weight, bias=None, approximate="none"):
     """The Triton implementation of ``vk.linear_gelu``."""
-    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, None, _activation(approximate))[0]
+    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, None, gelu_act(approximate))[0]
 
 
 def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
     """The Triton implementation of ``vk.mlp``."""
-    return torch.ops.vit_kernels.mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, _activation(approximate))[0]
+    return torch.ops.vit_kernels.mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))[0]
 
 
 def linear_extension(x, weight, bias=None, residual=None):
