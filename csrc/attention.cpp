@@ -1,4 +1,5 @@
-// Softmax over the last dimension, forward and backward, on the CPU (attention probabilities).
+// Softmax over the last dimension (vit_kernels::softmax), forward and backward, on the CPU: the
+// attention probabilities of the extension's attention.
 //
 //   y = exp(x - max(x)) / sum(exp(x - max(x)))
 //   backward: dx = y * (dy - sum(dy * y))

@@ -73,7 +73,7 @@ void check_layer_norm_backward_args(const at::Tensor& grad_out, const c10::optio
                                     const at::Tensor& summed, const c10::optional<at::Tensor>& weight,
                                     const at::Tensor& mean, const at::Tensor& rstd, bool cpu);
 
-// Defined in patchify.cpp, shared with cuda/patchify.cu.
+// Defined in patch_embed.cpp, shared with cuda/patch_embed.cu.
 std::array<int64_t, 4> check_patchify_args(const at::Tensor& images, int64_t patch_size, bool cpu);
 void check_unpatchify_args(const at::Tensor& patches, int64_t channels, int64_t height, int64_t width,
                            int64_t patch_size, bool cpu);

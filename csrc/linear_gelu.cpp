@@ -1,4 +1,5 @@
-// Bias + GELU, the epilogue of linear_gelu after a GEMM, forward and backward, on the CPU.
+// Bias + GELU (vit_kernels::bias_gelu), the epilogue of linear_gelu (and of mlp's fc1) after a GEMM,
+// forward and backward, on the CPU.
 //
 //   z = x + bias (per column),  y = gelu(z)           (erf or tanh form, see cpu_math.h)
 //   backward: dz = dy * gelu'(z)    (d bias = sum_rows(dz) is left to the caller)

@@ -1,5 +1,6 @@
-// The schemas of every vit_kernels._C operator, defined once. CPU kernels live beside them
-// (layer_norm.cpp, bias_gelu.cpp, softmax.cpp, patchify.cpp), CUDA kernels in cuda/*.cu.
+// The schemas of every vit_kernels._C operator, defined once. CPU kernels live beside them, each in
+// the file of the public op it serves (layer_norm.cpp, linear_gelu.cpp, attention.cpp,
+// patch_embed.cpp), CUDA kernels in cuda/<same op>.cu.
 //
 // All ops take contiguous tensors (the Python wrappers make them so) and treat a (..., C) tensor as
 // rows x C. Statistics and reduced gradients are float32 (float64 for float64 inputs).

@@ -1,4 +1,5 @@
-// Patchify (im2col for a stride = kernel = P convolution) and its adjoint, on the CPU.
+// Patchify (vit_kernels::patchify: im2col for a stride = kernel = P convolution) and its adjoint, on
+// the CPU: the extension's patch_embed is patchify + GEMM + class token / position embedding.
 //
 //   patches[n, ph * Wp + pw, (c * P + i) * P + j] = images[n, c, ph * P + i, pw * P + j]
 // with Hp = H / P, Wp = W / P (floored, as Conv2d does). Images may be NCHW or channels_last: they

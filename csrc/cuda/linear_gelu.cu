@@ -1,4 +1,5 @@
-// Bias + GELU, the epilogue of linear_gelu after a cuBLAS GEMM, forward and backward, on CUDA.
+// Bias + GELU (vit_kernels::bias_gelu), the epilogue of linear_gelu (and of mlp's fc1) after a cuBLAS
+// GEMM, forward and backward, on CUDA.
 //
 //   z = x + bias (per column),  y = gelu(z) = 0.5 z (1 + erf(z / sqrt 2))
 //   tanh form: y = 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3)

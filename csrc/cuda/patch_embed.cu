@@ -1,4 +1,5 @@
-// Patchify (im2col for a stride = kernel = P convolution) and its adjoint, on CUDA.
+// Patchify (vit_kernels::patchify: im2col for a stride = kernel = P convolution) and its adjoint, on
+// CUDA: the extension's patch_embed is patchify + GEMM + class token / position embedding.
 //
 //   patches[n, ph * Wp + pw, (c * P + i) * P + j] = images[n, c, ph * P + i, pw * P + j]
 // One thread per patch element: writes (patchify) or reads (unpatchify) of the patch matrix are
