@@ -16,6 +16,7 @@ pytestmark = [
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from vit_kernels import backend  # noqa: E402
 from vit_kernels._triton import recording_launches  # noqa: E402
 from vit_kernels.gpu_check import cases  # noqa: E402
 from vit_kernels.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
@@ -57,7 +58,7 @@ def test_attention_grid_stays_within_cuda_limits_at_large_batch():
 
 def test_sweep_covers_every_op_and_flag():
     quick = list(cases.cases(cases.QUICK))
-    assert {c.op for c in quick} == {"patch_embed", "attention", "linear", "linear_gelu", "mlp", "layer_norm"}
+    assert {c.op for c in quick} == set(backend.OPS)
     assert {c.batch for c in quick} >= {16384}
     assert any("dropout=0.1" in c.flags for c in quick) and any("probs=True" in c.flags for c in quick)
     assert {c.shape for c in quick if c.op == "attention"} >= {f"head_dim={d}" for d in cases.HEAD_DIMS}

@@ -24,41 +24,36 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels import backend
+from vit_kernels.op_specs import SPECS, Shape
 
 # Tolerances of a backend against the float64 reference, per dtype: (atol, rtol).
 TOLERANCES = {torch.float64: (1e-9, 1e-7), torch.float32: (2e-4, 2e-3), torch.float16: (2e-2, 2e-2),
               torch.bfloat16: (1e-1, 5e-2)}
-BATCH, TOKENS, DIM, HEADS, HIDDEN, PATCH, IMAGE = 4, 197, 384, 6, 1536, 16, 224  # ViT-S/16 at batch 4
+# ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
+SHAPE = Shape("vit_small_patch16_224", batch=4, tokens=197, dim=384, heads=6, hidden=1536, channels=3, image=224,
+              patch=16)
 
 
-def _inputs(op: str, dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
-    """Random inputs of ``op`` at ViT-S/16 shapes (scaled so activations stay O(1)), requiring grad."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def t(*shape, scale=1.0):
-        return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_()
-
-    if op == "patch_embed":
-        return (t(2, 3, IMAGE, IMAGE), t(DIM, 3, PATCH, PATCH, scale=0.05), t(DIM)), {
-            "patch_size": PATCH, "cls_token": t(1, 1, DIM), "pos_embed": t(1, TOKENS, DIM)}
-    if op == "attention":
-        return (t(BATCH, TOKENS, 3 * DIM), HEADS), {}
-    if op == "linear":
-        return (t(BATCH, TOKENS, DIM), t(DIM, DIM, scale=DIM**-0.5), t(DIM)), {"residual": t(BATCH, TOKENS, DIM)}
-    if op == "linear_gelu":
-        return (t(BATCH, TOKENS, DIM), t(HIDDEN, DIM, scale=DIM**-0.5), t(HIDDEN)), {}
-    if op == "mlp":
-        return (t(BATCH, TOKENS, DIM), t(HIDDEN, DIM, scale=DIM**-0.5), t(HIDDEN), t(DIM, HIDDEN, scale=HIDDEN**-0.5),
-                t(DIM)), {"residual": t(BATCH, TOKENS, DIM)}
-    if op == "layer_norm":
-        return (t(BATCH, TOKENS, DIM), t(DIM), t(DIM)), {"residual": t(BATCH, TOKENS, DIM)}
-    raise ValueError(f"op must be one of {backend.OPS}, got {op!r}")
+def _inputs(op: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The op spec's random inputs of ``op`` at ``SHAPE``, the same on every run, requiring grad."""
+    if op not in backend.OPS:
+        raise ValueError(f"op must be one of {backend.OPS}, got {op!r}")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        inputs = SPECS[op].make_inputs(SHAPE, device, dtype)
+    return {name: t.requires_grad_() for name, t in inputs.items()}
 
 
-def _run(fn: Callable, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Outputs, then the gradient of every input that requires grad, for a fixed random cotangent."""
-    leaves = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    outputs = fn(*args, **kwargs)
+def _call(op: str) -> Callable[..., object]:
+    """The public op of ``op``'s spec, taking the spec's inputs by name."""
+    spec = SPECS[op]
+    return lambda **inputs: spec.run(SHAPE, **inputs)
+
+
+def _run(fn: Callable, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs, then the gradient of every input, for a fixed random cotangent."""
+    leaves = list(inputs.values())
+    outputs = fn(**inputs)
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
     g = torch.Generator(device="cpu").manual_seed(1)
     cotangents = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outputs]
@@ -66,17 +61,14 @@ def _run(fn: Callable, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [o.detach() for o in outputs] + [gr for gr in grads if gr is not None]
 
 
-def _as_float64(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    def cast(a):
-        return a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) else a
-
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+def _as_float64(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
 
 
-def _time(fn: Callable, args: tuple, kwargs: dict, device: torch.device) -> float:
+def _time(fn: Callable, inputs: dict[str, torch.Tensor], device: torch.device) -> float:
     """Median milliseconds of forward + backward."""
     def step():
-        _run(fn, args, kwargs)
+        _run(fn, inputs)
 
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -93,14 +85,14 @@ def _time(fn: Callable, args: tuple, kwargs: dict, device: torch.device) -> floa
 
 def check_op(op: str, name: str, dtype: torch.dtype, device: torch.device, timed: bool) -> dict:
     """One op on one backend in one dtype: max error against float64, pass/fail, and speed."""
-    args, kwargs = _inputs(op, dtype, device)
-    fn = getattr(vk, op)
+    inputs = _inputs(op, dtype, device)
+    fn = _call(op)
     row = {"op": op, "backend": name, "dtype": str(dtype).replace("torch.", ""), "device": str(device)}
     try:
         with vk.use_backend(name, strict=True):
-            actual = _run(fn, args, kwargs)
+            actual = _run(fn, inputs)
         with vk.use_backend("torch"):
-            expected = _run(fn, *_as_float64(args, kwargs))
+            expected = _run(fn, _as_float64(inputs))
     except backend.CannotRunError as error:  # outside the backend's limits: not a failure
         row.update(passed=True, skipped=str(error)[:500])
         return row
@@ -112,9 +104,9 @@ def check_op(op: str, name: str, dtype: torch.dtype, device: torch.device, timed
     row.update(passed=all(err <= atol for err in errors), max_excess_error=max(errors), atol=atol, rtol=rtol)
     if timed and row["passed"]:
         with vk.use_backend(name, strict=True):
-            row["ms"] = _time(fn, args, kwargs, device)
+            row["ms"] = _time(fn, inputs, device)
         with vk.use_backend("torch"):
-            row["reference_ms"] = _time(fn, args, kwargs, device)
+            row["reference_ms"] = _time(fn, inputs, device)
         row["speedup_vs_reference"] = row["reference_ms"] / row["ms"]
     return row
 
