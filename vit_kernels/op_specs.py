@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from vit_kernels import backend
-from vit_kernels import functional as vkf
+import vit_kernels as vk  # the public ops, looked up at call time (as users call them)
 from vit_kernels.ops.attention import attention_ref
 from vit_kernels.ops.layer_norm import layer_norm_ref
 from vit_kernels.ops.linear import linear_gelu_ref, linear_ref, mlp_ref
@@ -137,7 +137,7 @@ SPECS: dict[str, OpSpec] = {
     for spec in (
         OpSpec(
             "patch_embed", _patch_embed_inputs,
-            run=lambda s, images, weight, bias, cls_token, pos_embed: vkf.patch_embed(
+            run=lambda s, images, weight, bias, cls_token, pos_embed: vk.patch_embed(
                 images, weight, bias, patch_size=s.patch, cls_token=cls_token, pos_embed=pos_embed),
             reference=lambda s, images, weight, bias, cls_token, pos_embed: patch_embed_ref(
                 images, weight, bias, s.patch, cls_token, pos_embed),
@@ -148,7 +148,7 @@ SPECS: dict[str, OpSpec] = {
         OpSpec(
             "attention",
             lambda s, device, dtype: {"qkv": _randn(device, dtype, s.batch, s.tokens, 3 * s.dim)},
-            run=lambda s, qkv: vkf.attention(qkv, s.heads),
+            run=lambda s, qkv: vk.attention(qkv, s.heads),
             reference=lambda s, qkv: attention_ref(qkv, s.heads),
             formula=_attention_formula,
             flops=lambda s: 4.0 * s.batch * s.tokens**2 * s.dim,
@@ -160,7 +160,7 @@ SPECS: dict[str, OpSpec] = {
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.rows, s.dim), "weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
                 "bias": _randn(device, dtype, s.hidden)},
-            run=lambda s, **inputs: vkf.linear_gelu(**inputs),
+            run=lambda s, **inputs: vk.linear_gelu(**inputs),
             reference=lambda s, **inputs: linear_gelu_ref(**inputs),
             formula=lambda s, x, weight, bias: _gelu(x @ weight.t() + bias),
             flops=lambda s: 2.0 * s.rows * s.dim * s.hidden,
@@ -171,7 +171,7 @@ SPECS: dict[str, OpSpec] = {
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.rows, s.dim), "weight": _randn(device, dtype, s.dim, s.dim, scale=s.dim**-0.5),
                 "bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)},
-            run=lambda s, **inputs: vkf.linear(**inputs),
+            run=lambda s, **inputs: vk.linear(**inputs),
             reference=lambda s, **inputs: linear_ref(**inputs),
             formula=lambda s, x, weight, bias, residual: x @ weight.t() + bias + residual,
             flops=lambda s: 2.0 * s.rows * s.dim * s.dim,
@@ -185,7 +185,7 @@ SPECS: dict[str, OpSpec] = {
                 "fc1_bias": _randn(device, dtype, s.hidden),
                 "fc2_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
                 "fc2_bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)},
-            run=lambda s, **inputs: vkf.mlp(**inputs),
+            run=lambda s, **inputs: vk.mlp(**inputs),
             reference=lambda s, **inputs: mlp_ref(**inputs),
             formula=lambda s, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual: (
                 _gelu(x @ fc1_weight.t() + fc1_bias) @ fc2_weight.t() + fc2_bias + residual),
@@ -197,7 +197,7 @@ SPECS: dict[str, OpSpec] = {
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.batch, s.tokens, s.dim), "weight": _randn(device, dtype, s.dim),
                 "bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.batch, s.tokens, s.dim)},
-            run=lambda s, x, weight, bias, residual: vkf.layer_norm(x, weight, bias, LAYER_NORM_EPS, residual=residual),
+            run=lambda s, x, weight, bias, residual: vk.layer_norm(x, weight, bias, LAYER_NORM_EPS, residual=residual),
             reference=lambda s, x, weight, bias, residual: layer_norm_ref(x, weight, bias, LAYER_NORM_EPS, residual),
             formula=_layer_norm_formula,
             flops=lambda s: 0,
