@@ -18,7 +18,6 @@ from vit_kernels._checks import check_choice, check_positive_int, check_probabil
 from vit_kernels.activations import ACTIVATIONS, gelu_approximate
 
 
-
 def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
     if isinstance(value, int):
         return (check_positive_int(name, value),) * 2
