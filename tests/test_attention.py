@@ -259,3 +259,29 @@ def test_head_dims_beyond_the_kernel_are_a_limit_of_its_table(name):
         check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=1)
     (row,) = {(r.backend, r.source) for r in vk.explain() if r.requested == "triton"}
     assert row == ("torch", "fallback")
+
+
+def test_sdpa_layouts_it_would_refuse_are_recognised():
+    """The torch backend copies q, k and v before SDPA on CUDA where its fused kernels would raise
+    on the layout (a qkv cut out of a wider tensor has rows that are not 16-byte aligned)."""
+    from vit_kernels.ops.attention import sdpa_misaligned, split_qkv
+
+    aligned = torch.randn(2, 17, 3 * 64, dtype=torch.float16)
+    assert not any(sdpa_misaligned(t) for t in split_qkv(aligned, 4))
+    wider = torch.randn(2, 17, 3 * 64 + 3, dtype=torch.float16)
+    cut = wider[..., 3:]  # rows of 3 * 64 + 3 halves: a 390-byte row stride
+    assert all(sdpa_misaligned(t) for t in split_qkv(cut, 4))
+    offset = torch.randn(2 * 17 * 3 * 64 + 1, dtype=torch.float16)[1:].view(2, 17, 3 * 64)
+    assert all(sdpa_misaligned(t) for t in split_qkv(offset, 4))  # the data pointer is 2 bytes off
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_backend_takes_a_misaligned_qkv_on_cuda(dtype):
+    wider = torch.randn(2, 197, 3 * 192 + 5, device="cuda", dtype=dtype)
+    qkv = wider[..., 5:]
+    with vk.use_backend("torch", strict=True):
+        out = vk.attention(qkv, 3)
+    expected = vk.attention(qkv.contiguous().double(), 3)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)

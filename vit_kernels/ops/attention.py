@@ -516,6 +516,27 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
     return q, k, v
 
 
+SDPA_ALIGNMENT_BYTES = 16
+
+
+def sdpa_misaligned(t: torch.Tensor) -> bool:
+    """Whether SDPA's fused CUDA kernels would refuse the layout of ``t`` (B, H, L, Dh): they need
+    the data pointer and the batch, head and row strides to be multiples of 16 bytes and unit
+    stride along Dh, and raise ("query is not correctly aligned (strideM)") instead of falling back,
+    e.g. for a qkv sliced out of a wider tensor."""
+    size = t.element_size()
+    return bool(t.stride(-1) != 1 or t.data_ptr() % SDPA_ALIGNMENT_BYTES or any(
+        (stride * size) % SDPA_ALIGNMENT_BYTES for dim, stride in enumerate(t.stride()[:-1]) if t.shape[dim] > 1))
+
+
+def sdpa_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, L, Dh), or a fresh contiguous copy of it on CUDA where ``sdpa_misaligned``.
+    CPU tensors, and tensors being traced (Inductor places SDPA's inputs itself), pass unchanged."""
+    if t.device.type != "cuda" or torch.compiler.is_compiling() or not sdpa_misaligned(t):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def merge_heads(out: torch.Tensor) -> torch.Tensor:
     """(B, H, L, Dh) -> (B, L, H * Dh)."""
     batch, heads, length, head_dim = out.shape
@@ -533,6 +554,7 @@ def attention_ref(
     probabilities are asked for. ``probs`` (B, H, L, L) are the softmax before dropout."""
     q, k, v = split_qkv(qkv, num_heads)
     if not return_probs:
+        q, k, v = (sdpa_aligned(t) for t in (q, k, v))
         return merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale))
     return explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.softmax(scores, dim=-1))
 
