@@ -134,3 +134,31 @@ ptxas info    : Used 255 registers, used 1 barriers, 372 bytes cmem[0]
     first, second = parse("kernel.cu", log)
     assert (first.target, first.registers, first.shared_bytes, first.spill_stores) == (80, 40, 4096, 0)
     assert (second.target, second.registers, second.shared_bytes, second.spill_loads) == (90, 255, 0, 12)
+
+
+def test_float_scalars_passed_as_fp64_stay_fp32_arithmetic():
+    """torch.compile (Inductor) passes a kernel's float scalars (scale, dropout_p, eps) as fp64,
+    where Triton's launcher passes fp32: every kernel taking one compiles that way for sm_90 (an fp64
+    scale once turned the attention's loop-carried row sums fp64 and failed) and does its arithmetic
+    in fp32 (the only fp64 operation in the IR is the conversion on entry)."""
+    sweep = cases.Sweep(("bf16",), (2,), (33,), False)
+    first: dict[tuple, Variant] = {}
+    for case in cases.cases(sweep):
+        for launch in cases.record(case):
+            variant = expand(launch)[0]
+            first.setdefault((variant.name, variant.kwargs.get("DROPOUT")), variant)
+    checked = []
+    for (name, _), variant in first.items():
+        bound = bind(variant, 90)
+        floats = [arg for arg, kind in bound.signature.items() if kind == "fp32"]
+        if not floats:
+            continue
+        bound.signature.update({arg: "fp64" for arg in floats})
+        resources = compile_variant(variant, 90, bound)
+        assert resources.error is None, f"{name} with fp64 {floats}: {resources.error}"
+        fp64_ops = {line.split("=", 1)[1].split()[0] for line in resources.ttir.splitlines()
+                    if "f64" in line and line.lstrip().startswith("%")}
+        assert fp64_ops <= {"arith.truncf"}, f"{name} computes in fp64: {fp64_ops}"
+        checked.append(name)
+    assert {"_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel",
+            "_attention_probs_kernel", "_layer_norm_fwd_kernel"} <= set(checked)

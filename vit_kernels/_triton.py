@@ -28,6 +28,19 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = types.SimpleNamespace(constexpr=object)
 
 
+if HAS_TRITON:
+    @triton.jit
+    def as_float32(x):
+        """A float scalar argument as float32. Triton's own launcher passes Python floats as fp32,
+        but torch.compile (Inductor) passes them as fp64, which would turn every expression that
+        touches them into fp64 (and fail where a loop-carried fp32 value meets one): kernels
+        convert their float scalars once, on entry."""
+        return tl.cast(x, tl.float32)
+else:  # pragma: no cover
+    def as_float32(x):
+        return x
+
+
 def dot_precision(dtype) -> str:
     """tl.dot input precision: exact products for float32 inputs (tf32 would lose accuracy that
     PyTorch's float32 reference keeps); 16-bit inputs multiply exactly either way."""
@@ -83,4 +96,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "Launch", "dot_precision", "interpreted", "launch", "recording_launches", "triton", "tl"]
+__all__ = ["HAS_TRITON", "Launch", "dot_precision", "as_float32", "interpreted", "launch", "recording_launches", "triton", "tl"]

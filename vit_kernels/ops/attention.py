@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, dot_precision, as_float32, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -62,6 +62,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -148,6 +149,7 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -224,6 +226,7 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -278,6 +281,7 @@ def _attention_probs_kernel(
     scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    scale_log2 = as_float32(scale_log2)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -335,8 +339,10 @@ def _tile_key(dtype: torch.dtype, head_dim: int) -> tuple[bool, int]:
 
 
 def _fit(tile: int, seq_len: int) -> int:
-    """Tiles no longer than the sequence (at least 16 rows, the smallest tl.dot operand)."""
-    return max(16, min(tile, triton.next_power_of_2(seq_len)))
+    """Tiles no longer than the sequence (at least 16 rows, the smallest tl.dot operand). A tile is
+    a compile-time constant: under torch.compile with dynamic shapes ``seq_len`` is a SymInt, made
+    concrete here (a guard on the length, which the kernel is specialised for anyway)."""
+    return max(16, min(tile, triton.next_power_of_2(int(seq_len))))
 
 
 def attention_fwd_configs() -> list:

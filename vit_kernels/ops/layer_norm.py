@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
-from vit_kernels._triton import HAS_TRITON, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 6144  # the extension's CUDA kernel keeps a row in shared memory
@@ -33,6 +33,7 @@ def _layer_norm_fwd_kernel(
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    eps = as_float32(eps)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask_rows = rows < num_rows
