@@ -265,6 +265,31 @@ def _active() -> _Choice:
     return _process_choice if choice is None else choice
 
 
+class _TraceGuard:
+    """What a torch.compile'd graph was traced under, in plain attributes that Dynamo guards on
+    (it cannot read a ContextVar): the choice in force when it last changed (``use_backend`` entered
+    or left, ``set_backend``) and an epoch bumped whenever a decision can change (a measurement, the
+    cache cleared, an implementation registered, the settings). A compiled graph is reused only
+    while both are what they were at its trace; otherwise it is traced again, and decides again.
+    Being one object, it follows the most recent change in any thread: compiled code run in threads
+    with different ``use_backend`` choices at once recompiles (or, if it is already cached for the
+    other choice, runs it): give each thread its own compiled module, or use ``set_backend``."""
+
+    choice: _Choice = _process_choice
+    epoch: int = 0
+
+
+_trace_guard = _TraceGuard()
+
+
+def _choice_changed() -> None:
+    _trace_guard.choice = _active()
+
+
+def _decisions_changed() -> None:
+    _trace_guard.epoch += 1
+
+
 def _check_choice(name: str, strict: bool) -> _Choice:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, one of {CHOICES}, got {type(name).__name__}")
@@ -296,6 +321,7 @@ def set_backend(name: str, *, strict: bool = False) -> None:
     _process_choice = _check_choice(name, strict)
     if _context_choice.get() is not None:
         _context_choice.set(_process_choice)
+    _choice_changed()
 
 
 @contextlib.contextmanager
@@ -307,10 +333,12 @@ def use_backend(name: str, *, strict: bool = False) -> Iterator[None]:
     which ``explain()`` records and one warning reports.
     """
     token = _context_choice.set(_check_choice(name, strict))
+    _choice_changed()
     try:
         yield
     finally:
         _context_choice.reset(token)
+        _choice_changed()
 
 
 def apply_environment() -> None:
@@ -342,6 +370,7 @@ _measuring = threading.local()
 
 def _forget_choices() -> None:
     _memo.clear()
+    _decisions_changed()
 
 
 def set_autotune(
@@ -384,7 +413,7 @@ def clear_decisions(*, journal: bool = True) -> None:
     the on-disk cache is read again on next use."""
     with _lock:
         _measured.clear()
-        _memo.clear()
+        _forget_choices()
         _warned.clear()
         _disk.clear()
         if journal:
@@ -483,6 +512,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implemen
     entry = _measure_call(call, capable)
     _measured[key] = entry
     _disk.put(key, entry)
+    _decisions_changed()
     return impls[entry["backend"]], call.record(requested, entry["backend"], "measured", entry["reason"],
                                                  {**_describe(entry), **excluded})
 
@@ -577,14 +607,15 @@ def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
 
 @torch.compiler.assume_constant_result
 def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.dtype, arg_key: tuple,
-                    grad: bool, limits: tuple) -> str:
+                    grad: bool, limits: tuple, choice_name: str, choice_strict: bool, epoch: int) -> str:
     """The decision while torch.compile traces (called once per trace, outside the graph, without
     reading sizes so that none is specialised): the cached decision or the static default, never a
-    measurement."""
+    measurement. ``choice_*`` and ``epoch`` come from ``_trace_guard``: passed in, they make Dynamo
+    guard the compiled graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     call = _Call(op, device, dtype, arg_key, grad, dict(limits))
     with _lock:
-        impl, record = _decide(call, _active())
+        impl, record = _decide(call, _Choice(choice_name, choice_strict))
         record.source += " (traced)"
         _journal.add((record.requested, op, str(device), dtype, arg_key, grad, "traced"), record).calls += 1
     return impl.backend
@@ -601,8 +632,10 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
     if torch.compiler.is_compiling():
         limits = tuple(sorted(_limit_reasons(op, args).items()))
         grad = _signature.needs_grad(args)
+        choice = _trace_guard.choice
         name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
-                               _signature.traced_key(args), grad, limits)
+                               _signature.traced_key(args), grad, limits, choice.name, choice.strict,
+                               _trace_guard.epoch)
         return _registry[op][name]
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)

@@ -1,0 +1,104 @@
+"""torch.compile honours the backend choice: a graph holds the implementation asked for when it was
+traced, and a changed choice (or decision) traces again instead of reusing a graph made for another.
+On the CPU the extension's registered ops stand for the kernels (the Triton interpreter cannot run
+under fake tensors); the same checks with the Triton ops run on CUDA (marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vit
+import vit_kernels as vk
+from vit_kernels import _ext, backend
+from tests.conftest import requires_cuda
+
+needs_extension = pytest.mark.skipif(_ext.supports(torch.device("cpu"), torch.float32) is not None,
+                                     reason="vit_kernels._C is not built")
+
+
+class GraphCapture:
+    """A torch.compile backend that keeps every graph it is given and runs it as traced."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def ops(self, index: int = -1) -> set[str]:
+        """The vit_kernels ops and the reference's key ops called by graph ``index``."""
+        names = {str(node.target) for node in self.graphs[index].graph.nodes if node.op == "call_function"}
+        return {n for n in names if n.startswith("vit_kernels.") or "scaled_dot_product" in n or "layer_norm" in n}
+
+
+def block_ops(x, w, b, qkv):
+    return vk.layer_norm(x, w, b), vk.attention(qkv, 2)
+
+
+def _inputs():
+    return torch.randn(2, 5, 16), torch.randn(16), torch.randn(16), torch.randn(2, 5, 48)
+
+
+@needs_extension
+def test_each_backend_is_the_one_in_the_compiled_graph():
+    capture = GraphCapture()
+    compiled = torch.compile(block_ops, backend=capture, fullgraph=True)
+    inputs = _inputs()
+    with vk.use_backend("torch"):
+        reference = compiled(*inputs)
+    assert not any(op.startswith("vit_kernels.") for op in capture.ops()), capture.ops()
+    with vk.use_backend("extension"):
+        fused = compiled(*inputs)
+    assert len(capture.graphs) == 2, "a changed choice must trace again, not reuse the torch graph"
+    assert {"vit_kernels.fused_layer_norm", "vit_kernels.softmax"} <= capture.ops()
+    for r, f in zip(reference, fused):
+        torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
+    eager = block_ops(*inputs)
+    for r, e in zip(reference, eager):
+        torch.testing.assert_close(r, e, atol=1e-5, rtol=1e-5)
+    with vk.use_backend("torch"):
+        compiled(*inputs)  # back to the first choice: its graph is still cached and valid
+    assert len(capture.graphs) == 2
+    traced = {(row.op, row.backend) for row in vk.explain() if row.source.endswith("(traced)")}
+    assert {("layer_norm", "torch"), ("layer_norm", "extension"), ("attention", "extension")} <= traced
+
+
+@needs_extension
+def test_set_backend_and_a_new_decision_retrace():
+    capture = GraphCapture()
+    compiled = torch.compile(block_ops, backend=capture, fullgraph=True)
+    inputs = _inputs()
+    vk.set_backend("extension")
+    compiled(*inputs)
+    assert "vit_kernels.fused_layer_norm" in capture.ops()
+    vk.set_backend("torch")
+    compiled(*inputs)
+    assert len(capture.graphs) == 2 and "vit_kernels.fused_layer_norm" not in capture.ops()
+    backend.clear_decisions()  # decisions forgotten: what a graph was traced from may no longer hold
+    compiled(*inputs)
+    assert len(capture.graphs) == 3
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "extension", "torch"])
+def test_vit_compiled_under_each_backend_runs_it_on_cuda(name):
+    """A ViT compiled under use_backend(name) holds that backend's ops and agrees with eager."""
+    torch.manual_seed(0)
+    model = vit.create_model("vit_tiny_patch16_224", num_classes=10).cuda()
+    images = torch.randn(4, 3, 224, 224, device="cuda")
+    capture = GraphCapture()
+    with vk.use_backend(name), torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(images)
+        compiled = torch.compile(model, backend=capture, fullgraph=True)(images)
+    kernel_ops = {op for op in capture.ops() if op.startswith("vit_kernels.")}
+    if name == "torch":
+        assert not kernel_ops, kernel_ops
+    else:
+        assert kernel_ops, f"no vit_kernels op in the graph compiled under {name}"
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=5e-2, rtol=5e-2)
+    with vk.use_backend(name), torch.autocast("cuda", dtype=torch.bfloat16):
+        inductor = torch.compile(model, fullgraph=True)(images)
+    torch.testing.assert_close(inductor.float(), eager.float(), atol=5e-2, rtol=5e-2)
