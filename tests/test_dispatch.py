@@ -16,6 +16,7 @@ import torch
 import vit_kernels as vk
 from vit_kernels import _measure, backend
 from tests import dispatch_impls
+from tests.helpers import CPU_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,3 +236,56 @@ def test_bad_arguments_name_themselves(bad, error):
         vk.set_autotune(margin=-1)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         vk.set_autotune(enabled="no")
+
+
+# ---- the per-call fast path -----------------------------------------------------------------------
+
+
+def test_repeated_calls_skip_validation_but_not_for_new_arguments():
+    """A signature seen before goes straight to its implementation; anything that changes what
+    validation would say (a bool for an int, another shape, dtype or device) is prepared again."""
+    backend.clear_decisions()
+    qkv = torch.randn(2, 5, 24)
+    vk.attention(qkv, 1)
+    entries = len(backend._fast)
+    assert entries >= 1
+    out = vk.attention(qkv, 1)
+    assert len(backend._fast) == entries and out.shape == (2, 5, 8)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        vk.attention(qkv, True)
+    with pytest.raises(ValueError, match="must divide the width"):
+        vk.attention(qkv, 3)
+    w, b = torch.randn(8), torch.randn(8)
+    vk.layer_norm(torch.randn(3, 8), w, b)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        vk.layer_norm(torch.randn(3, 8), torch.randn(9), b)
+    with pytest.raises(TypeError, match="bias has dtype torch.float64"):
+        vk.layer_norm(torch.randn(3, 8), w, b.double())
+    with pytest.raises(ValueError, match="bias is on meta"):
+        vk.layer_norm(torch.randn(3, 8), w, b.to("meta"))
+
+
+def test_fast_path_replays_autocast_casts():
+    backend.clear_decisions()
+    x, w, bias = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = vk.linear(x, w, bias)
+        second = vk.linear(x, w, bias)
+        normed = [vk.layer_norm(first, torch.ones(6), None) for _ in range(2)]
+    assert first.dtype == second.dtype == torch.bfloat16 and torch.equal(first, second)
+    assert normed[0].dtype == normed[1].dtype == torch.float32 and torch.equal(normed[0], normed[1])
+    assert vk.linear(x, w, bias).dtype == torch.float32  # autocast off: another signature
+
+
+def test_fast_path_follows_the_choice_and_counts_calls():
+    backend.clear_decisions()
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    for name in ("torch", "extension", "torch"):
+        if name in CPU_BACKENDS:
+            with vk.use_backend(name, strict=True):
+                for _ in range(3):
+                    vk.layer_norm(x, w, b)
+    ran = {row.backend: row.calls for row in vk.explain() if row.op == "layer_norm"}
+    assert ran["torch"] == 6
+    if "extension" in CPU_BACKENDS:
+        assert ran["extension"] == 3

@@ -75,11 +75,22 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value  # type: ignore[return-value]
 
 
+_autocast_devices: dict[str, bool] = {}  # device type -> whether autocast exists for it (meta: no)
+
+
+def autocast_dtype_of(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype in force for ``device_type`` tensors, or None when autocast is off there."""
+    available = _autocast_devices.get(device_type)
+    if available is None:
+        available = _autocast_devices.setdefault(device_type, torch.amp.is_autocast_available(device_type))
+    if available and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype in force for ``device``, or None when autocast is off there."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
+    return autocast_dtype_of(device.type)
 
 
 def cast_all(dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:

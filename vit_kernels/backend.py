@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from vit_kernels import _measure, _signature
+from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._tune_cache import DiskCache, default_folder
 
@@ -250,13 +251,23 @@ def _auto_exclusion(backend: str, device: torch.device) -> Optional[str]:
 # ---- the context-local choice ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Choice:
+    """One (backend name, strict) pair; interned (``_choice``), so identity is equality and hashing
+    one in a per-call key costs nothing."""
+
     name: str
     strict: bool
 
 
-_process_choice = _Choice("auto", False)
+_choices: dict[tuple[str, bool], _Choice] = {}
+
+
+def _choice(name: str, strict: bool) -> _Choice:
+    return _choices.setdefault((name, strict), _Choice(name, strict))
+
+
+_process_choice = _choice("auto", False)
 _context_choice: contextvars.ContextVar[Optional[_Choice]] = contextvars.ContextVar("vit_kernels_backend", default=None)
 
 
@@ -302,7 +313,7 @@ def _check_choice(name: str, strict: bool) -> _Choice:
         reason = backend_unavailable_reason(name)
         if reason is not None:
             raise RuntimeError(f"backend {name!r} is not available: {reason}")
-    return _Choice(name, strict)
+    return _choice(name, strict)
 
 
 def get_backend() -> str:
@@ -362,6 +373,8 @@ _settings = _Settings(AUTOTUNE)
 _disk = DiskCache(default_folder())
 _measured: dict[str, dict] = {}  # signature string -> decision entry (as stored on disk)
 _memo: dict[tuple, tuple[Implementation, Record]] = {}  # per-call fast path
+_fast: dict[tuple, tuple[Implementation, Record, Optional[tuple]]] = {}  # see ``call``
+FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
 _journal = Journal()
 _warned: set[tuple] = set()
 _lock = threading.RLock()
@@ -370,6 +383,7 @@ _measuring = threading.local()
 
 def _forget_choices() -> None:
     _memo.clear()
+    _fast.clear()
     _decisions_changed()
 
 
@@ -615,7 +629,7 @@ def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.d
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     call = _Call(op, device, dtype, arg_key, grad, dict(limits))
     with _lock:
-        impl, record = _decide(call, _Choice(choice_name, choice_strict))
+        impl, record = _decide(call, _choice(choice_name, choice_strict))
         record.source += " (traced)"
         _journal.add((record.requested, op, str(device), dtype, arg_key, grad, "traced"), record).calls += 1
     return impl.backend
@@ -626,6 +640,13 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
     (the call's arguments, as the implementation takes them) let shape limits and measuring apply.
 
     This is the only place that chooses or falls back; every decision is recorded for ``explain``."""
+    return _resolve(op, device, dtype, args)[0]
+
+
+def _resolve(op: str, device: torch.device, dtype: torch.dtype,
+             args: Optional[Sequence[Any]]) -> tuple[Implementation, Optional[Record]]:
+    """``resolve``, and the decision's record when the decision may be reused for the same
+    signature (None while tracing, or for a static default taken for untimeable tensors)."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     args = () if args is None else args
@@ -636,7 +657,7 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
         name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
                                _signature.traced_key(args), grad, limits, choice.name, choice.strict,
                                _trace_guard.epoch)
-        return _registry[op][name]
+        return _registry[op][name], None
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
     grad = _signature.needs_grad(args)
@@ -644,7 +665,7 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
     hit = _memo.get(memo_key)
     if hit is not None:
         hit[1].calls += 1
-        return hit[0]
+        return hit
     with _lock:
         call = _Call(op, device, dtype, arg_key, grad, _limit_reasons(op, args), args or None)
         impl, record = _decide(call, choice)
@@ -652,9 +673,80 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
         record.calls += 1
         if record.source != "static default" or not _signature.untimeable(args):
             _memo[memo_key] = (impl, record)
-    return impl
+            return impl, record
+    return impl, None
 
 
 def dispatch(op: str, device: torch.device, dtype: torch.dtype, args: Sequence[Any]) -> Any:
     """Resolve ``op`` for this call and run the chosen implementation on ``args``."""
     return resolve(op, device, dtype, args).fn(*args)
+
+
+# ---- the per-call fast path ------------------------------------------------------------------------
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
+    """Everything a public op's validation, autocast casts and backend decision depend on, read
+    cheaply: the op, the choice in force, grad mode, autocast for the main input's device, and each
+    argument (a tensor: its shape, dtype, device, requires_grad and type; anything else: its type and
+    value). None when the main input is not a plain tensor (validation will say why)."""
+    first = args[0]
+    if type(first) not in _TENSOR_TYPES:
+        return None
+    parts: list = [op, _context_choice.get() or _process_choice, torch.is_grad_enabled(),
+                   autocast_dtype_of(first.device.type)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.shape, a.dtype, a.device, a.requires_grad, type(a)))
+        else:
+            parts.append((type(a), a))
+    return tuple(parts)
+
+
+def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
+    """How ``prepare`` turned ``raw`` into ``prepared``, replayable without validating again: None
+    (unchanged), a tuple of per-argument dtypes to cast to (None: unchanged), or ``False`` when it
+    did anything else (a value normalised, a tensor replaced), which the fast path cannot replay."""
+    plan, changed = [], False
+    for r, p in zip(raw, prepared):
+        if p is r:
+            plan.append(None)
+        elif isinstance(r, torch.Tensor) and isinstance(p, torch.Tensor) and p.shape == r.shape and p.dtype != r.dtype:
+            plan.append(p.dtype)
+            changed = True
+        else:
+            return False
+    return tuple(plan) if changed else None
+
+
+def call(op: str, args: tuple, prepare: Callable[..., tuple[torch.device, torch.dtype, tuple]]) -> Any:
+    """Run public op ``op`` on ``args`` (its arguments in order, keywords included).
+
+    ``prepare(*args) -> (device, dtype, args)`` validates the arguments (raising a clear error) and
+    applies autocast's casts. The first call of a signature prepares, resolves and runs; later calls
+    with the same ``_call_key`` skip straight to the decided implementation, replaying autocast's
+    casts: a dictionary lookup and a few attribute reads per call instead of validation and the
+    signature of ``resolve`` (what was valid for those shapes, dtypes, devices and values stays
+    valid). While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
+    if torch.compiler.is_compiling():
+        device, dtype, prepared = prepare(*args)
+        return resolve(op, device, dtype, prepared).fn(*prepared)
+    key = _call_key(op, args)
+    hit = _fast.get(key) if key is not None else None
+    if hit is not None:
+        impl, record, plan = hit
+        record.calls += 1
+        if plan is not None:
+            args = tuple(a if dtype is None else a.to(dtype) for a, dtype in zip(args, plan))
+        return impl.fn(*args)
+    device, dtype, prepared = prepare(*args)
+    impl, record = _resolve(op, device, dtype, prepared)
+    if record is not None and key is not None:
+        plan = _cast_plan(args, prepared)
+        if plan is not False:
+            if len(_fast) >= FAST_PATH_ENTRIES:
+                _fast.clear()
+            _fast[key] = (impl, record, plan)
+    return impl.fn(*prepared)

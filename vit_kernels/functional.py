@@ -1,5 +1,6 @@
-"""The public ops: validate the arguments, then ``backend.dispatch`` picks the implementation
-once per call (the op's table in ``vit_kernels/ops/<op>.py``; see ``vk.explain()``) and runs it.
+"""The public ops: ``backend.call`` validates the arguments (``_prepare_<op>``), picks the
+implementation (the op's table in ``vit_kernels/ops/<op>.py``; see ``vk.explain()``) and runs it;
+later calls of the same signature go straight to the implementation chosen.
 
 Every op is differentiable on every backend. Shapes use D = H * Dh (model width = heads x head dim).
 
@@ -52,6 +53,10 @@ def patch_embed(
     cls_token (1, 1, D); pos_embed (1, T, D) with T = L + (cls_token is not None),
     L = (H / P) * (W / P). Returns (N, T, D).
     """
+    return backend.call("patch_embed", (images, weight, bias, patch_size, cls_token, pos_embed), _prepare_patch_embed)
+
+
+def _prepare_patch_embed(images, weight, bias, patch_size, cls_token, pos_embed):
     check_float_tensor("images", images, ndim=4, layout="(N, C, H, W)")
     check_float_tensor("weight", weight, ndim=4, layout="(D, C, P, P)")
     patch_size = check_positive_int("patch_size", patch_size)
@@ -75,9 +80,7 @@ def patch_embed(
     check_same_dtype("images", images, weight=weight, bias=bias)
     if amp is None:
         check_same_dtype("images", images, cls_token=cls_token, pos_embed=pos_embed)
-    return backend.dispatch(
-        "patch_embed", images.device, images.dtype, (images, weight, bias, patch_size, cls_token, pos_embed)
-    )
+    return images.device, images.dtype, (images, weight, bias, patch_size, cls_token, pos_embed)
 
 
 def attention(
@@ -95,6 +98,10 @@ def attention(
     attention probabilities (pass 0 in eval mode). Returns out (B, L, D), and with
     ``return_probs`` also the softmax probabilities (B, H, L, L), taken before dropout.
     """
+    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs), _prepare_attention)
+
+
+def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs):
     check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
     num_heads = check_positive_int("num_heads", num_heads)
     batch, length, three_d = qkv.shape
@@ -109,7 +116,7 @@ def attention(
     dropout_p = check_probability("dropout_p", dropout_p)
     if not isinstance(return_probs, bool):
         raise TypeError(f"return_probs must be a bool, got {type(return_probs).__name__}")
-    return backend.dispatch("attention", qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs))
+    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs)
 
 
 def _check_linear_args(
@@ -146,6 +153,10 @@ def linear(
 
     x (..., K), weight (N, K), bias (N,), residual (..., N) -> (..., N).
     """
+    return backend.call("linear", (x, weight, bias, residual), _prepare_linear)
+
+
+def _prepare_linear(x, weight, bias, residual):
     out_features = _check_linear_args(x, weight, bias)
     _check_residual(residual, (*x.shape[:-1], out_features), "(..., N)")
     check_same_device("x", x, weight=weight, bias=bias, residual=residual)
@@ -154,7 +165,7 @@ def linear(
     check_same_dtype("x", x, weight=weight, bias=bias)
     if amp is None:
         check_same_dtype("x", x, residual=residual)
-    return backend.dispatch("linear", x.device, x.dtype, (x, weight, bias, residual))
+    return x.device, x.dtype, (x, weight, bias, residual)
 
 
 def linear_gelu(
@@ -168,12 +179,16 @@ def linear_gelu(
 
     x (..., K), weight (N, K), bias (N,) -> (..., N).
     """
+    return backend.call("linear_gelu", (x, weight, bias, approximate), _prepare_linear_gelu)
+
+
+def _prepare_linear_gelu(x, weight, bias, approximate):
     _check_linear_args(x, weight, bias)
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
     check_same_device("x", x, weight=weight, bias=bias)
     x, weight, bias = cast_all(autocast_dtype(x.device), x, weight, bias)
     check_same_dtype("x", x, weight=weight, bias=bias)
-    return backend.dispatch("linear_gelu", x.device, x.dtype, (x, weight, bias, approximate))
+    return x.device, x.dtype, (x, weight, bias, approximate)
 
 
 def mlp(
@@ -191,6 +206,10 @@ def mlp(
     x (..., D), fc1_weight (Hd, D), fc1_bias (Hd,), fc2_weight (D_out, Hd), fc2_bias (D_out,),
     residual (..., D_out) -> (..., D_out).
     """
+    return backend.call("mlp", (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual), _prepare_mlp)
+
+
+def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual):
     hidden = _check_linear_args(x, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias")
     check_float_tensor("fc2_weight", fc2_weight, ndim=2, layout="(D_out, Hd)")
     if fc2_weight.shape[1] != hidden:
@@ -210,9 +229,7 @@ def mlp(
     check_same_dtype("x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias)
     if amp is None:
         check_same_dtype("x", x, residual=residual)
-    return backend.dispatch(
-        "mlp", x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
-    )
+    return x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
 
 
 def layer_norm(
@@ -228,6 +245,10 @@ def layer_norm(
     x (..., D), weight (D,) or None, bias (D,) or None, residual (..., D).
     Returns y (..., D); with a residual, (y, s) where s = x + residual and y = LN(s).
     """
+    return backend.call("layer_norm", (x, weight, bias, eps, residual), _prepare_layer_norm)
+
+
+def _prepare_layer_norm(x, weight, bias, eps, residual):
     check_float_tensor("x", x, layout="(..., D)")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension (..., D), got shape {shape_of(x)}")
@@ -242,4 +263,4 @@ def layer_norm(
     if autocast_dtype(x.device) is not None:
         x, weight, bias, residual = cast_all(torch.float32, x, weight, bias, residual)
     check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
-    return backend.dispatch("layer_norm", x.device, x.dtype, (x, weight, bias, eps, residual))
+    return x.device, x.dtype, (x, weight, bias, eps, residual)
