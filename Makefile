@@ -1,6 +1,10 @@
 # Two commands from a fresh clone: `make demo` (train the digits ViT) and `make test`.
-# Both create .venv on first use. torch==2.13.0 (CPU wheel) is installed only where no torch is
-# importable: the venv sees the system's packages, so an existing CUDA torch is reused.
+# Both create .venv on first use, seeing the packages of $(PYTHON)'s environment: the system's, or
+# those of the virtualenv / conda environment $(PYTHON) belongs to (a .pth file adds its
+# site-packages), so a torch that $(PYTHON) can import (a CUDA build on a GPU machine) is the one
+# used, and no second torch is installed. Only where $(PYTHON) has no torch is torch==2.13.0 (the
+# CPU wheel) installed, and never on a machine with an NVIDIA GPU (nvidia-smi answers): there
+# make stops and says to install a CUDA build of torch first.
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +16,12 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -c "import site, sysconfig; paths = dict.fromkeys([sysconfig.get_paths()[k] for k in ('purelib', 'platlib')] + site.getsitepackages()); print('\n'.join(paths))" \
+		> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_vit_kernels_parent_env.pth"
 	$(PY) -m pip install -q setuptools wheel
+	@$(PY) -c "import torch" 2>/dev/null || ! nvidia-smi -L >/dev/null 2>&1 || { \
+		echo "make: this machine has an NVIDIA GPU, but $(PYTHON) cannot import torch: install a CUDA build of torch"; \
+		echo "      (https://pytorch.org/get-started/locally/), or run make PYTHON=/path/to/python-with-torch"; exit 1; }
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -e ".[demo,test,bench,build]"
 	touch $(STAMP)
