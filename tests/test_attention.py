@@ -191,6 +191,27 @@ def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_prob
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_extension_attention_is_not_offered_on_cuda(dtype):
+    """The extension's attention materialises the scores (4-15x slower than SDPA on an H100): its
+    support check refuses CUDA with that reason, and a strict request raises naming it, decided from
+    the device alone (a CPU-only machine can construct torch.device("cuda") and ask)."""
+    from vit_kernels import _ext, backend
+    from vit_kernels.ops.attention import EXTENSION_CUDA_REASON, _extension_supports
+
+    cuda = torch.device("cuda")
+    assert _extension_supports(cuda, dtype) == EXTENSION_CUDA_REASON
+    assert "(B, H, L, L)" in EXTENSION_CUDA_REASON and "SDPA" in EXTENSION_CUDA_REASON
+    # CPU behaviour unchanged: the extension's own answer
+    cpu = torch.device("cpu")
+    assert _extension_supports(cpu, dtype) == _ext.supports(cpu, dtype)
+    if backend.backend_unavailable_reason("extension") is None:
+        assert backend.unsupported_reason("attention", "extension", cuda, dtype) == EXTENSION_CUDA_REASON
+        with vk.use_backend("extension", strict=True):
+            with pytest.raises(backend.CannotRunError, match=r"materialises the \(B, H, L, L\) scores"):
+                backend.resolve("attention", cuda, dtype)
+
+
 def test_registered_ops_pass_opcheck():
     if "triton" not in CPU_BACKENDS:
         pytest.skip("the Triton backend does not run here")

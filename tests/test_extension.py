@@ -205,7 +205,54 @@ CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_cuda_fused_layer_norm(dtype, shape):
     dim = shape[-1]
     inputs = [torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim)]
-    check_against_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, LAYER_NORM_INPUTS, device="cuda", eps=1e-5)
+    # bf16 d(weight), d(bias) sum hundreds of rows: the rounding of x, residual and s to 8 bits alone
+    # moves them by ~0.05 (rms) where they are near 0, past a fixed atol even for the exact result
+    # rounded once. They are held to PyTorch's own error instead (test_cuda_layer_norm_param_grads).
+    skip = ("weight", "bias") if dtype == torch.bfloat16 else ()
+    check_against_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, LAYER_NORM_INPUTS, device="cuda",
+                          skip_grads=skip, eps=1e-5)
+
+
+def _layer_norm_grads(fn, inputs, upstream):
+    """Gradients of (x, residual, weight, bias) of ``fn`` (returning (y, s)) for the upstream (dy, ds)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    torch.autograd.backward(list(fn(*leaves)), list(upstream))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("shape", [(2, 197, 768), (64, 197, 1024), (16, 8192), (3, 8191), (9, 100)])
+def test_cuda_layer_norm_param_grads(dtype, shape):
+    """d(weight), d(bias) (and d(x)) of the fused residual LayerNorm within 2x PyTorch's own error:
+    F.layer_norm in the same dtype on CUDA, both against float64 on the same (rounded) inputs; a
+    floor of one rounding of the result. The reduction is deterministic: a second run gives the
+    same bits. (8191 and 100 columns take the scalar kernels, 8192 the widest vector ones.)"""
+    dim = shape[-1]
+    inputs = [t.to(dtype) for t in (torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim))]
+    upstream = [torch.randn(shape).to(dtype) for _ in range(2)]
+
+    def torch_layer_norm(x, residual, weight, bias):
+        s = x + residual
+        return F.layer_norm(s, (dim,), weight, bias, 1e-5), s
+
+    def ours(x, residual, weight, bias):
+        return fused_layer_norm(x, residual, weight, bias, 1e-5)
+
+    exact = _layer_norm_grads(torch_layer_norm, [t.double() for t in inputs], [g.double() for g in upstream])
+    on_cuda = [t.cuda() for t in inputs], [g.cuda() for g in upstream]
+    theirs = _layer_norm_grads(torch_layer_norm, *on_cuda)
+    mine = _layer_norm_grads(ours, *on_cuda)
+    again = _layer_norm_grads(ours, *on_cuda)
+    for name, m, t, e, a in zip(LAYER_NORM_INPUTS, mine, theirs, exact, again):
+        assert m.dtype == dtype
+        assert torch.equal(m, a), f"d{name} differs between two runs"
+        error = (m.double().cpu() - e).abs().max().item()
+        reference = (t.double().cpu() - e).abs().max().item()
+        floor = torch.finfo(dtype).eps * e.abs().max().item()
+        assert error <= 2 * reference + floor, f"d{name}: error {error:.3g}, PyTorch's {reference:.3g}, floor {floor:.3g}"
 
 
 @requires_cuda

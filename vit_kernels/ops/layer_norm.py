@@ -16,7 +16,7 @@ from vit_kernels import _ext, backend
 from vit_kernels._triton import HAS_TRITON, as_float32, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
-MAX_CUDA_COLS = 6144  # the extension's CUDA kernel keeps a row in shared memory
+MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
 ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program sums before writing a partial
 
 
