@@ -63,11 +63,11 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
 
 
 def run_gpu_tests(timeout_s: Optional[float] = None) -> dict:
-    """``pytest -q -m gpu tests/``: exit code, counts, ``passed`` (exit 0 only) and the output's tail
-    when it failed."""
+    """``pytest -q -m gpu tests/``: exit code, ``counts`` (passed, failed, skipped, errors,
+    deselected), ``passed`` (exit 0 only) and the output's tail when it failed."""
     result = _pytest(["-q", "-m", "gpu"], timeout_s)
     if result["ran"]:
-        result.update(counts(result.get("summary", "")), passed=passed(result["exit_code"]))
+        result.update(counts=counts(result.get("summary", "")), passed=passed(result["exit_code"]))
         if result["exit_code"] == NO_TESTS_COLLECTED:
             result["why"] = "no test carries the gpu marker (pytest exit 5): counted as a failure"
     return result
