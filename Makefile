@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest clean
+.PHONY: install demo test test-all test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -94,6 +94,16 @@ check-gpu-all: $(STAMP)
 # results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
 selftest: $(STAMP)
 	$(PY) -m vit_kernels.selftest
+
+# Everything measured on one GPU in one command (at most ~8 minutes on an H100, each section
+# time-boxed): the GPU tests, the selftest, per-op and end-to-end timings against PyTorch, SDPA,
+# torch.compile and timm, host cost per call, CUDA-graph capture, the issues' targets. Writes
+# $(GPU_REPORT_OUT)/gpu-report.json and .md. Triton compiled for the device, never interpreted.
+# Without a GPU: the CPU part, and a clear note. GPU_REPORT_ARGS: e.g. --total 1200 for more time.
+GPU_REPORT_OUT ?= build/gpu-report
+GPU_REPORT_ARGS ?=
+gpu-report: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m benchmarks.gpu_report --out $(GPU_REPORT_OUT) $(GPU_REPORT_ARGS)
 
 # Compile every CUDA source for sm_80 and sm_90 against torch's headers with torch's own nvcc
 # flags and -Xptxas -v (object files only), then fail on spills or shared memory over the limit,

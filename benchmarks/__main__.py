@@ -107,8 +107,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     if args.out:
         report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick})
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table)
+        report.write_atomic(args.markdown, table)
     if args.plots:
         for path in report.plot(rows, args.plots):
             print(f"wrote {path}", file=sys.stderr)

@@ -23,6 +23,10 @@ MODES = ("forward", "backward", "full")
 # The backward mode replays one recorded graph (retain_graph=True), which compiled graphs that donate
 # their saved buffers to the backward refuse: keep them for this process.
 torch._functorch.config.donated_buffer = False
+# Every case's compiled reference is the same Python function (cases.build_case's closure) with other
+# closed-over values: each shape and dtype is one more cache entry of that code object, and past
+# Dynamo's default limit (8) it would silently run eager under the torch.compile name.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 BACKENDS = ("torch", "triton", "extension")
 # Largest |difference| / max(1, max |reference|) accepted in validation, per dtype.
 VALIDATION_TOLERANCE = {torch.float32: 2e-3, torch.float16: 3e-2, torch.bfloat16: 8e-2}
@@ -40,7 +44,7 @@ def implementations(case: OpCase, device: torch.device, dtype: torch.dtype, comp
             reason = backend.unsupported_reason(case.op, name, device, dtype)
             if reason is None and name == "triton" and device.type == "cpu" and not interpreted_triton:
                 reason = "interpreted Triton is only run at the smallest shapes"
-            found[name] = reason if reason is not None else _on_backend(name, case.run)
+            found[name] = reason if reason is not None else on_backend(name, case.run)
     if compile_reference:
         found["torch.compile"] = torch.compile(case.reference, dynamic=False)
     if case.op == "attention":
@@ -48,7 +52,7 @@ def implementations(case: OpCase, device: torch.device, dtype: torch.dtype, comp
     return found
 
 
-def _on_backend(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+def on_backend(name: str, fn: Callable[..., object]) -> Callable[..., object]:
     """``fn`` on backend ``name``, strictly: a call outside its limits raises CannotRunError (the row
     is then skipped with the reason) instead of timing the fallback under this backend's name."""
 
@@ -111,14 +115,17 @@ def timed_call(fn, input_sets: list[dict[str, torch.Tensor]], mode: str) -> Call
 
 
 def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iterable[str], peaks: dict[str, float],
-             compile_reference: bool, interpreted_triton: bool, meta: dict[str, object]) -> list[dict[str, object]]:
-    """Rows for every implementation and mode of one case (with speedups filled in)."""
+             compile_reference: bool, interpreted_triton: bool, meta: dict[str, object],
+             extra: Optional[dict[str, Callable[..., object] | str]] = None) -> list[dict[str, object]]:
+    """Rows for every implementation and mode of one case (with speedups filled in); ``extra``
+    adds implementations (name -> callable taking the case's inputs, or the reason it is absent)."""
     first = case.make_inputs(device, dtype)
     set_bytes = sum(t.numel() * t.element_size() for t in first.values())
     input_sets = [first] + [case.make_inputs(device, dtype) for _ in range(copies_to_rotate(set_bytes, device) - 1)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
-    for name, fn in implementations(case, device, dtype, compile_reference, interpreted_triton).items():
+    found = {**implementations(case, device, dtype, compile_reference, interpreted_triton), **(extra or {})}
+    for name, fn in found.items():
         base = {"kind": "op", "op": case.op, "shape": case.shape.label, "dtype": str(dtype).removeprefix("torch."),
                 "backend": name, **meta}
         if isinstance(fn, str):

@@ -7,12 +7,19 @@ import os
 from pathlib import Path
 
 
-def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> None:
-    """Atomically: a partial file renamed over ``path``, so a kill never leaves half a file."""
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a partial file beside ``path``, then rename it over ``path``: a kill never
+    leaves half a file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> None:
+    """Every row, the run's peaks and its metadata, atomically (``write_atomic``)."""
+    write_atomic(path, json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
 
 
 def read_json(path: Path) -> dict[str, object]:

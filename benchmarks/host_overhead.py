@@ -1,0 +1,148 @@
+"""python -m benchmarks.host_overhead: the host cost of one call of every op, per backend, beside the
+plain PyTorch call, in microseconds.
+
+Each op runs forward on tiny tensors (batch 2, 5 tokens, width 16: the device's work is negligible,
+so the time is the host's: argument checks, dispatch, autograd bookkeeping, launches), inputs
+requiring grad as in training. A measurement is ``calls`` back-to-back calls with the device
+synchronised only before and after the loop; the figure is the median over ``rounds`` of the loop
+time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directly), then
+``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop). On the CPU,
+Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
+
+    python -m benchmarks.host_overhead [--device cuda] [--calls N] [--rounds N] [--ops a,b] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+
+import vit_kernels as vk
+from vit_kernels import backend
+from vit_kernels.op_specs import OPS, SPECS, Shape
+
+TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
+COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")
+# (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
+DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
+
+
+def loop_us(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls, synchronising only around the loop."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    if name in ("pytorch", "auto"):
+        return None
+    if name == "triton" and device.type == "cpu":
+        return "Triton runs only interpreted on the CPU"
+    return backend.unsupported_reason(op, name, device, dtype)
+
+
+def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """One call of column ``name``: the reference called directly, or ``vk.<op>`` (the backend is
+    chosen around the loop)."""
+    spec = SPECS[op]
+    if name == "pytorch":
+        return lambda: spec.reference(TINY, **inputs)
+    return lambda: spec.run(TINY, **inputs)
+
+
+def _timed_loop(name: str, fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
+        return loop_us(fn, device, calls)
+
+
+def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32, calls: int = 300,
+               rounds: int = 7) -> dict[str, Union[str, float]]:
+    """{"op": op, column: microseconds per call, or "n/a: <reason>", ...} for every column. The
+    columns are timed in turn within each round (so that load from other processes hits them
+    alike), after one untimed warm-up round (which also lets ``auto`` make its first-call choice)."""
+    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(TINY, device, dtype).items()}
+    row: dict[str, Union[str, float]] = {"op": op}
+    runs = {}
+    for name in COLUMNS:
+        reason = _reason(op, name, device, dtype)
+        if reason is None:
+            try:
+                _timed_loop(name, _column(name, op, inputs), device, calls)
+                runs[name] = _column(name, op, inputs)
+            except backend.CannotRunError as error:
+                reason = str(error).splitlines()[0]
+        if reason is not None:
+            row[name] = f"n/a: {reason}"
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            samples[name].append(_timed_loop(name, fn, device, calls))
+    row.update({name: statistics.median(values) for name, values in samples.items()})
+    return {"op": op, **{name: row[name] for name in COLUMNS}}
+
+
+def measure(device: torch.device, ops: tuple[str, ...] = OPS, calls: int = 300, rounds: int = 7,
+            admit: Callable[[str], bool] = lambda op: True) -> list[dict[str, Union[str, float]]]:
+    """One row per op admitted by ``admit`` (a time budget), see ``measure_op``."""
+    return [measure_op(op, device, calls=calls, rounds=rounds) for op in ops if admit(op)]
+
+
+def _cell(value: Union[str, float]) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else "n/a"
+
+
+def table(rows: list[dict[str, Union[str, float]]], markdown: bool = False) -> str:
+    """op x (pytorch, torch, extension, triton, auto) in us/call, as aligned text or a markdown
+    table; the reasons behind each n/a follow the table."""
+    header = ["op (us/call)", *COLUMNS]
+    cells = [[str(r["op"]), *(_cell(r[c]) for c in COLUMNS)] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(COLUMNS) + "|"]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+    else:
+        widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+        lines = ["  ".join(text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in enumerate(zip(line, widths)))
+                 for line in [header, *cells]]
+    reasons = sorted({f"{c}: {str(r[c])[5:]}" for r in rows for c in COLUMNS if isinstance(r[c], str)})
+    return "\n".join(lines + ([""] + [f"n/a {reason}" for reason in reasons] if reasons else []))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--calls", type=int, default=None, help="calls per timed loop (default: 300 on CUDA, 100 on the CPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed loops per op and column, the median kept "
+                        "(default: 7 on CUDA, 5 on the CPU)")
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ops = tuple(op for op in args.ops.split(",") if op)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {', '.join(OPS)}")
+    calls, rounds = DEFAULT_LOOPS[device.type]
+    rows = measure(device, ops, args.calls or calls, args.rounds or rounds)
+    print(f"host cost per call on {device} (tiny float32 tensors, forward, inputs requiring grad), us:")
+    print(table(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": str(device), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

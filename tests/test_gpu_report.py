@@ -1,0 +1,98 @@
+"""make gpu-report's CPU path: the report files are written, whole and well-formed, say when there is
+no GPU, and list what a spent time budget left out; the targets table; the host-cost table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_report, host_overhead, targets
+from benchmarks.budget import Budget, shares
+from benchmarks.gpu_report_sections import Context
+
+CPU_PART = "environment,gpu_tests,selftest,host_overhead"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-report")
+    assert gpu_report.main(["--out", str(out), "--quick", "--ops", "layer_norm", "--sections", CPU_PART]) == 0
+    return out
+
+
+def test_files_are_written_whole_and_well_formed(written):
+    assert sorted(p.name for p in written.iterdir()) == ["gpu-report.json", "gpu-report.md"]  # no partial file left
+    data = json.loads((written / "gpu-report.json").read_text())
+    assert list(data["sections"]) == CPU_PART.split(",")
+    assert all(s["status"].startswith("ok") for s in data["sections"].values()), data["sections"]
+    assert data["sections"]["environment"]["result"]["git_sha"]
+    assert {t["target"] for t in data["targets"]} == {t.what for t in targets.TARGETS}
+    checks = data["sections"]["selftest"]["result"]["checks"]
+    assert checks and all(c["op"] == "layer_norm" for c in checks)
+    assert all({"max_error", "pytorch_error", "error_ratio"} <= set(c) for c in checks if "skipped" not in c)
+    tests = data["sections"]["gpu_tests"]["result"]
+    assert isinstance(tests["collected"], int) and tests["collected"] + tests["deselected"] > 0
+    (row,) = data["sections"]["host_overhead"]["result"]["rows"]
+    assert row["op"] == "layer_norm" and isinstance(row["pytorch"], float) and row["triton"].startswith("n/a")
+    markdown = (written / "gpu-report.md").read_text()
+    for heading in ("# vit-kernels GPU report", "## Sections", "## Targets", "## GPU tests", "## Selftest",
+                    "## Host cost per call"):
+        assert heading in markdown
+    if not torch.cuda.is_available():
+        assert not data["gpu"] and gpu_report.NO_GPU in markdown
+
+
+def test_spent_budget_is_reported_not_run():
+    sections = gpu_report.run_sections(Context(torch.device("cpu"), quick=True, ops=("layer_norm", "linear")),
+                                       ["host_overhead"], total_s=0.0)
+    section = sections["host_overhead"]
+    assert section["result"]["rows"] == [] and section["skipped"] == ["layer_norm", "linear"]
+    assert "budget spent" in section["status"]
+
+
+def test_budget_admits_while_the_expected_item_fits():
+    now = [0.0]
+    budget = Budget(10.0, clock=lambda: now[0])
+    assert budget.admit("a")
+    now[0] = 4.0
+    assert budget.admit("b")  # 6 s left, items take 4 s
+    now[0] = 8.0
+    assert not budget.admit("c") and not budget.admit("d", need_s=0.5)  # 2 s left < 4 s expected
+    assert budget.summary()["skipped"] == ["c", "d"]
+    assert shares({"x": 100.0, "y": 300.0}, 200.0) == {"x": 50.0, "y": 150.0}
+    assert shares({"x": 100.0}, 500.0) == {"x": 100.0}
+
+
+def test_targets_compare_measured_rows():
+    shape = "vit_base_patch16_224 B=128 L=197 D=768"
+    rows = [
+        {"kind": "op", "op": "attention", "shape": shape, "dtype": "bfloat16", "mode": "forward", "backend": "triton", "median_ms": 0.08},
+        {"kind": "op", "op": "attention", "shape": shape, "dtype": "bfloat16", "mode": "forward", "backend": "sdpa_cudnn", "median_ms": 0.01},
+        {"kind": "model", "model": targets.VIT_B, "shape": "B=128", "dtype": "bfloat16", "mode": "train",
+         "backend": "vit_kernels (auto)", "median_ms": 50.0, "throughput": 2560.0},
+    ]
+    found = {t["target"]: t for t in targets.compare(rows)}
+    assert found["attention fwd"]["measured"] == 0.08 and found["attention fwd"]["met"] and found["attention fwd"]["by"] == "triton"
+    assert found["training ViT-B/16 eager"]["met"] is False
+    assert found["mlp fwd+bwd"]["measured"] is None and found["mlp fwd+bwd"]["met"] is None
+
+
+def test_host_overhead_table():
+    row = host_overhead.measure_op("linear", torch.device("cpu"), calls=5, rounds=2)
+    assert list(row) == ["op", *host_overhead.COLUMNS]
+    assert all(isinstance(row[c], float) and row[c] > 0 for c in ("pytorch", "torch", "auto"))
+    assert row["triton"] == "n/a: Triton runs only interpreted on the CPU"
+    text = host_overhead.table([row])
+    header, line = text.splitlines()[:2]
+    assert header.split() == ["op", "(us/call)", *host_overhead.COLUMNS]
+    assert line.split()[0] == "linear" and line.split()[4] == "n/a"
+    assert "| linear |" in host_overhead.table([row], markdown=True)
+
+
+def test_host_overhead_cli(tmp_path, capsys):
+    assert host_overhead.main(["--device", "cpu", "--ops", "layer_norm", "--calls", "3", "--rounds", "1",
+                               "--json", str(tmp_path / "h.json")]) == 0
+    assert "layer_norm" in capsys.readouterr().out
+    assert json.loads((tmp_path / "h.json").read_text())["rows"][0]["op"] == "layer_norm"

@@ -1,0 +1,83 @@
+"""The CUDA tests of a source checkout (``pytest -m gpu``), run or only collected in a subprocess,
+with pytest's summary read into counts.
+
+pytest's exit code 5 means "no tests collected": for a run that was meant to exercise the GPU, that
+is a failure (a marker typo or a deselecting ``-m`` would otherwise pass silently), so ``passed``
+is true only for exit code 0. The subprocess runs without ``TRITON_INTERPRET``: on a GPU the Triton
+kernels must be compiled for the device, not interpreted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
+_COLLECTED = re.compile(r"(\d+)(?:/\d+)? tests? collected")
+
+
+def passed(exit_code: Optional[int]) -> bool:
+    """Whether a ``pytest -m gpu`` run passed: exit code 0 only (5, no tests collected, fails)."""
+    return exit_code == 0
+
+
+def counts(summary: str) -> dict[str, int]:
+    """{"passed": n, "failed": n, "skipped": n, "errors": n, "deselected": n, ...} from pytest's
+    final summary line (missing kinds are 0)."""
+    found = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0}
+    for number, kind in _COUNT.findall(summary):
+        found["errors" if kind.startswith("error") else kind] = int(number)
+    return found
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
+    """Run pytest on the checkout's tests/ with ``args``; the exit code, the summary line and the
+    output's tail, or ``timed_out`` after ``timeout_s`` seconds."""
+    if not TESTS.is_dir():
+        return {"ran": False, "why": "no tests/ folder beside the package (not a source checkout)"}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, str(TESTS)]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=TESTS.parent, env=_environment(), capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        return {"ran": True, "exit_code": None, "timed_out": True, "seconds": round(time.perf_counter() - started, 1),
+                "why": f"stopped after its budget of {timeout_s:.0f} s", "tail": out.strip().splitlines()[-20:]}
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    return {"ran": True, "command": " ".join(["python", *command[1:]]), "exit_code": done.returncode,
+            "summary": summary, "seconds": round(time.perf_counter() - started, 1),
+            "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:]}
+
+
+def run_gpu_tests(timeout_s: Optional[float] = None) -> dict:
+    """``pytest -q -m gpu tests/``: exit code, ``counts`` (passed, failed, skipped, errors,
+    deselected), ``passed`` (exit 0 only) and the output's tail when it failed."""
+    result = _pytest(["-q", "-m", "gpu"], timeout_s)
+    if result["ran"]:
+        result.update(counts=counts(result.get("summary", "")), passed=passed(result["exit_code"]))
+        if result["exit_code"] == NO_TESTS_COLLECTED:
+            result["why"] = "no test carries the gpu marker (pytest exit 5): counted as a failure"
+    return result
+
+
+def collect_gpu_tests(timeout_s: Optional[float] = None) -> dict:
+    """``pytest --collect-only -q -m gpu tests/``: how many tests a GPU run would select."""
+    result = _pytest(["--collect-only", "-q", "-m", "gpu"], timeout_s)
+    if result["ran"] and not result.get("timed_out"):
+        match = _COLLECTED.search(result["summary"])
+        result["collected"] = int(match.group(1)) if match else 0
+        result["deselected"] = counts(result["summary"])["deselected"]
+    return result
