@@ -29,7 +29,8 @@ class GraphCapture:
 
     def ops(self, index: int = -1) -> set[str]:
         """The vit_kernels ops and the reference's key ops called by graph ``index``."""
-        names = {str(node.target) for node in self.graphs[index].graph.nodes if node.op == "call_function"}
+        names = {str(node.target).removesuffix(".default") for node in self.graphs[index].graph.nodes
+                 if node.op == "call_function"}
         return {n for n in names if n.startswith("vit_kernels.") or "scaled_dot_product" in n or "layer_norm" in n}
 
 

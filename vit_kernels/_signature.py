@@ -99,11 +99,18 @@ def needs_grad(args: Sequence[Any]) -> bool:
     return False
 
 
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph (torch.cuda.graph, CUDA-graph trees):
+    nothing may synchronise or be timed there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def untimeable(args: Sequence[Any]) -> bool:
     """True when the call's tensors are not real data on a real device (fake, meta, functorch or other
     tensor subclasses, a python dispatch mode such as FakeTensorMode or make_fx's proxy mode, or
-    TorchScript tracing): nothing may be timed, and the cached decision or static default decides."""
-    if torch.jit.is_tracing():
+    TorchScript tracing), or a CUDA graph is being captured: nothing may be timed, and the cached
+    decision or static default decides."""
+    if torch.jit.is_tracing() or capturing_cuda_graph():
         return True
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 

@@ -21,9 +21,11 @@ implementation on clones of the real inputs, validates it against the reference,
 fastest valid one that beats the reference by the margin (``_measure``); decisions are cached in
 memory and on disk (``_tune_cache``). Nothing is timed while tracing (torch.compile, export, fake
 tensors) or with measuring off (``VIT_KERNELS_AUTOTUNE=0``, ``set_autotune(False)``): then the
-cached decision, else the static default decides. Static defaults: the extension's ``patch_embed``
-on CPU float32 (measured 3.5x faster backward in benchmarks/results/cpu-*.md), the reference
-everywhere else: nothing else was ever measured faster on hardware this project could time.
+cached decision, else the static default decides. Static defaults rest on measurements: the
+extension's ``patch_embed`` on CPU float32 (3.5x faster backward, benchmarks/results/cpu-*.md); on
+CUDA in 16 bits Triton's ``patch_embed`` (4x PyTorch's forward + backward) and, without gradients,
+the extension's ``layer_norm`` (1.7x forward), both from shared/gpu/h100-2026-11-22.md; the
+reference everywhere else.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ SupportCheck = Callable[[torch.device, torch.dtype], Optional[str]]
 # ``limits(*args)`` (the op's call arguments) returns None when the shapes are within the
 # implementation's limits, else which limit they exceed.
 LimitCheck = Callable[..., Optional[str]]
-# ``preferred(device, dtype)``: whether the implementation is the static default there.
-Preference = Callable[[torch.device, torch.dtype], bool]
+# ``preferred(device, dtype, grad)``: whether the implementation is the static default there (for a
+# call that will need gradients, or not).
+Preference = Callable[[torch.device, torch.dtype, bool], bool]
 
 
 class CannotRunError(RuntimeError):
@@ -78,7 +81,7 @@ def _no_limits(*args: Any) -> None:
     return None
 
 
-def _never(device: torch.device, dtype: torch.dtype) -> bool:
+def _never(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
     return False
 
 
@@ -518,7 +521,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implemen
                                                      {**_describe(entry), **excluded})
     measurable = call.args is not None and not _signature.untimeable(call.args)
     if not (_settings.enabled and measurable) or getattr(_measuring, "active", False):
-        chosen = next((b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype)), "torch")
+        chosen = next((b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype, call.grad)), "torch")
         why = ("measuring is off (VIT_KERNELS_AUTOTUNE=0 or set_autotune(False))" if not _settings.enabled
                else "nothing is timed while tracing (torch.compile, export, fake or meta tensors)")
         candidates = {b: "not measured" for b in capable}

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
+from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, as_float32, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -397,8 +398,7 @@ if HAS_TRITON:
         prune_configs_by={"early_config_prune": _prune_fwd_configs},
     )(_attention_fwd_kernel)
 
-    @torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())
-    def attention_fwd(
+    def _attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
@@ -425,8 +425,9 @@ if HAS_TRITON:
             launch(_attention_fwd_kernel_tuned, grid, *args, **flags)
         return out, stats
 
-    @torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())
-    def attention_bwd(
+    torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
+
+    def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
     ) -> torch.Tensor:
@@ -452,8 +453,10 @@ if HAS_TRITON:
                *args, **flags, **dkdv_cfg)
         return dqkv
 
-    @torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())
-    def attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
+                           _attention_bwd)
+
+    def _attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         cfg = _bwd_config(qkv, head_dim, seq_len, 0)  # one q tile against k tiles, as in dQ
@@ -468,6 +471,8 @@ if HAS_TRITON:
         )
         return probs
 
+    torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())(_attention_probs)
+
     def _fwd_setup_context(ctx, inputs, output):
         qkv, num_heads, scale, dropout_p, seed = inputs
         out, stats = output
@@ -479,7 +484,7 @@ if HAS_TRITON:
         dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
         return dqkv, None, None, None, None
 
-    torch.library.register_autograd("vit_kernels::attention_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    attention_fwd = differentiable("vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd)
 
     def _probs_setup_context(ctx, inputs, output):
         qkv, stats, num_heads, scale = inputs
@@ -499,7 +504,8 @@ if HAS_TRITON:
         dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
         return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
 
-    torch.library.register_autograd("vit_kernels::attention_probs", _probs_backward, setup_context=_probs_setup_context)
+    attention_probs = differentiable("vit_kernels::attention_probs", _probs_backward, _probs_setup_context,
+                                     _attention_probs)
 
 
 def attention_triton(
@@ -512,10 +518,10 @@ def attention_triton(
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
     else:
         seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
-    out, stats = torch.ops.vit_kernels.attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
     if not return_probs:
         return out
-    return out, torch.ops.vit_kernels.attention_probs(qkv, stats, num_heads, scale)
+    return out, attention_probs(qkv, stats, num_heads, scale)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -585,16 +591,17 @@ def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=
     kernels do: scores rounded to 16 bits lose whole units at large logits."""
     compute = torch.float32 if qkv.dtype in (torch.float16, torch.bfloat16) else qkv.dtype
     q, k, v = split_qkv(qkv.to(compute), num_heads)
-    out, probs = explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.ops.vit_kernels.softmax(scores.contiguous()))
+    out, probs = explicit_attention(q, k, v, scale, dropout_p, lambda scores: softmax(scores.contiguous()))
     return (out.to(qkv.dtype), probs.to(qkv.dtype)) if return_probs else out.to(qkv.dtype)
 
 
 # ---- the extension's glue: fake implementations and autograd of vit_kernels::softmax ----------------
 
 
-def _register_extension_ops() -> None:
+def _register_extension_ops():
     """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op."""
+    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
+    callable of ``vit_kernels::softmax``."""
     ops = torch.ops.vit_kernels
 
     # --- softmax ------------------------------------------------------------------------------
@@ -613,11 +620,11 @@ def _register_extension_ops() -> None:
         (out,) = ctx.saved_tensors
         return ops.softmax_backward(grad.contiguous(), out)
 
-    torch.library.register_autograd("vit_kernels::softmax", softmax_backward, setup_context=softmax_setup)
+    return differentiable("vit_kernels::softmax", softmax_backward, softmax_setup)
 
 
 if _ext.LOADED:
-    _register_extension_ops()
+    softmax = _register_extension_ops()
 
 
 def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
+from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, as_float32, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -128,8 +129,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    @torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())
-    def layer_norm_fwd(
+    def _layer_norm_fwd(
         x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,8 +156,9 @@ if HAS_TRITON:
         )
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
-    @torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())
-    def layer_norm_bwd(
+    torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())(_layer_norm_fwd)
+
+    def _layer_norm_bwd(
         grad_y: torch.Tensor, grad_sum: Optional[torch.Tensor], summed: torch.Tensor, weight: Optional[torch.Tensor],
         mean: torch.Tensor, rstd: torch.Tensor, needs_weight_bias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +185,9 @@ if HAS_TRITON:
         )
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
+    layer_norm_bwd = direct(torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())(_layer_norm_bwd),
+                            _layer_norm_bwd)
+
     def _fwd_setup_context(ctx, inputs, output):
         x, weight, bias, eps, residual = inputs
         y, summed, mean, rstd = output
@@ -203,7 +207,7 @@ if HAS_TRITON:
             ds if has_residual else None,
         )
 
-    torch.library.register_autograd("vit_kernels::layer_norm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    layer_norm_fwd = differentiable("vit_kernels::layer_norm_fwd", _fwd_backward, _fwd_setup_context, _layer_norm_fwd)
 
 
 def layer_norm_triton(
@@ -211,7 +215,7 @@ def layer_norm_triton(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
-    y, summed, _, _ = torch.ops.vit_kernels.layer_norm_fwd(x, weight, bias, eps, residual)
+    y, summed, _, _ = layer_norm_fwd(x, weight, bias, eps, residual)
     return y if residual is None else (y, summed)
 
 
@@ -221,7 +225,7 @@ def layer_norm_extension(
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
     contiguous = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
-    y, summed, _, _ = torch.ops.vit_kernels.fused_layer_norm(*contiguous, eps)
+    y, summed, _, _ = fused_layer_norm(*contiguous, eps)
     return y if residual is None else (y, summed)
 
 
@@ -248,9 +252,10 @@ def _row_count(t: torch.Tensor) -> int:
     return t.numel() // t.shape[-1] if t.dim() else 1
 
 
-def _register_extension_ops() -> None:
+def _register_extension_ops():
     """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op."""
+    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
+    callable of ``vit_kernels::fused_layer_norm``."""
     ops = torch.ops.vit_kernels
 
     # --- fused_layer_norm ---------------------------------------------------------------------
@@ -282,11 +287,11 @@ def _register_extension_ops() -> None:
         db = db.to(summed.dtype) if needs[3] else None
         return ds if needs[0] else None, ds if needs[1] else None, dw, db, None
 
-    torch.library.register_autograd("vit_kernels::fused_layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
+    return differentiable("vit_kernels::fused_layer_norm", layer_norm_backward, layer_norm_setup)
 
 
 if _ext.LOADED:
-    _register_extension_ops()
+    fused_layer_norm = _register_extension_ops()
 
 
 def _triton_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:
@@ -303,10 +308,19 @@ def _extension_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Opt
     return None
 
 
+def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    """Static default (no measurement, or tracing) on CUDA in 16 bits without gradients (inference):
+    the extension's forward. On an H100 (ViT-B/16, B=128, bf16, with the residual add;
+    shared/gpu/h100-2026-11-22.md) it took 0.059 ms against PyTorch's 0.101 (Triton 0.187); forward
+    + backward it was not faster (0.286 against 0.274), so training keeps PyTorch's until measured."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not grad
+
+
 # The implementations of vk.layer_norm: backend -> function, support by device / dtype, shape limits.
 backend.implementations(
     "layer_norm",
     torch=backend.Impl(layer_norm_ref),
     triton=backend.Impl(layer_norm_triton, supports=backend.triton_supports_elementwise, limits=_triton_limits),
-    extension=backend.Impl(layer_norm_extension, supports=_ext.supports, limits=_extension_limits),
+    extension=backend.Impl(layer_norm_extension, supports=_ext.supports, limits=_extension_limits,
+                           preferred=_extension_default),
 )

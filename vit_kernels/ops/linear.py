@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Optional
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
+from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 # Epilogues of the GEMM kernel.
@@ -179,6 +182,12 @@ def autotuned_gemm(kernel, a: str, m: str, n: str, k: str):
     )(kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The SM count of CUDA device ``index``, asked once (not on every launch)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     """How many K slices a GEMM without epilogue is split into so that it fills the GPU: the
     weight-gradient GEMMs (M, N = layer widths, K = batch x tokens) have few output tiles and a
@@ -187,7 +196,8 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     if interpreted(device):
         machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_CONFIG["BLOCK_M"]
     else:
-        machine = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        machine = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 132
         min_depth, tile = 1024, 128
     tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
     slices = min(triton.cdiv(2 * machine, tiles), k // min_depth, 32)
@@ -265,8 +275,7 @@ if HAS_TRITON:
     # autotuner, on the operands' dtypes); the interpreter runs GEMM_INTERPRETER_CONFIG.
     _linear_kernel_tuned = autotuned_gemm(_linear_kernel, "A", "M", "N", "K")
 
-    @torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())
-    def linear_fwd(
+    def _linear_fwd(
         x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
         activation: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,8 +293,9 @@ if HAS_TRITON:
         shape = (*x.shape[:-1], n)
         return out.view(shape), preact.view(shape) if gelu else preact
 
-    @torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())
-    def linear_bwd(
+    torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())(_linear_fwd)
+
+    def _linear_bwd(
         grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, activation: str,
         needs_bias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -295,6 +305,8 @@ if HAS_TRITON:
             dy2 = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH)
         dx, dw, db = _linear_grads(dy2, _rows(x), weight, needs_bias)
         return dx.view(x.shape), dw, db
+
+    linear_bwd = direct(torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd)
 
     def _linear_setup_context(ctx, inputs, output):
         x, weight, bias, residual, activation = inputs
@@ -306,10 +318,9 @@ if HAS_TRITON:
         dx, dw, db = linear_bwd(grad_out, x, weight, preact, ctx.activation, ctx.has_bias)
         return dx, dw, db if ctx.has_bias else None, grad_out if ctx.has_residual else None, None
 
-    torch.library.register_autograd("vit_kernels::linear_fwd", _linear_backward, setup_context=_linear_setup_context)
+    linear_fwd = differentiable("vit_kernels::linear_fwd", _linear_backward, _linear_setup_context, _linear_fwd)
 
-    @torch.library.triton_op("vit_kernels::mlp_fwd", mutates_args=())
-    def mlp_fwd(
+    def _mlp_fwd(
         x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
         fc2_bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], activation: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -323,8 +334,9 @@ if HAS_TRITON:
                       residual=_rows(residual) if residual is not None else None)
         return out.view(*x.shape[:-1], fc2_weight.shape[0]), hidden, preact
 
-    @torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())
-    def mlp_bwd(
+    torch.library.triton_op("vit_kernels::mlp_fwd", mutates_args=())(_mlp_fwd)
+
+    def _mlp_bwd(
         grad_out: torch.Tensor, x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
         hidden: torch.Tensor, preact: torch.Tensor, activation: str, needs_bias1: bool, needs_bias2: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,6 +348,8 @@ if HAS_TRITON:
         dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact)
         dx, dw1, db1 = _linear_grads(dz, _rows(x), fc1_weight, needs_bias1)
         return dx.view(x.shape), dw1, db1, dw2, db2
+
+    mlp_bwd = direct(torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())(_mlp_bwd), _mlp_bwd)
 
     def _mlp_setup_context(ctx, inputs, output):
         x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation = inputs
@@ -350,22 +364,22 @@ if HAS_TRITON:
         return (dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None,
                 grad_out if has_residual else None, None)
 
-    torch.library.register_autograd("vit_kernels::mlp_fwd", _mlp_backward, setup_context=_mlp_setup_context)
+    mlp_fwd = differentiable("vit_kernels::mlp_fwd", _mlp_backward, _mlp_setup_context, _mlp_fwd)
 
 
 def linear_triton(x, weight, bias=None, residual=None):
     """The Triton implementation of ``vk.linear`` (arguments already validated)."""
-    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, residual, NONE)[0]
+    return linear_fwd(x, weight, bias, residual, NONE)[0]
 
 
 def linear_gelu_triton(x, weight, bias=None, approximate="none"):
     """The Triton implementation of ``vk.linear_gelu``."""
-    return torch.ops.vit_kernels.linear_fwd(x, weight, bias, None, gelu_act(approximate))[0]
+    return linear_fwd(x, weight, bias, None, gelu_act(approximate))[0]
 
 
 def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
     """The Triton implementation of ``vk.mlp``."""
-    return torch.ops.vit_kernels.mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))[0]
+    return mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))[0]
 
 
 def linear_extension(x, weight, bias=None, residual=None):
@@ -385,9 +399,7 @@ def linear_gelu_extension(x, weight, bias=None, approximate="none"):
     """``vk.linear_gelu`` for the extension backend: a GEMM without bias, then the fused
     ``vit_kernels::bias_gelu`` epilogue (one read and one write of the activation)."""
     preactivation = F.linear(x, weight)
-    return torch.ops.vit_kernels.bias_gelu(
-        preactivation.contiguous(), bias.contiguous() if bias is not None else None, approximate
-    )
+    return bias_gelu(preactivation.contiguous(), bias.contiguous() if bias is not None else None, approximate)
 
 
 def mlp_extension(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
@@ -437,9 +449,10 @@ def mlp_ref(
 # ---- the extension's glue: fake implementations and autograd of vit_kernels::bias_gelu ----------------
 
 
-def _register_extension_ops() -> None:
+def _register_extension_ops():
     """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op."""
+    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
+    callable of ``vit_kernels::bias_gelu``."""
     ops = torch.ops.vit_kernels
 
     # --- bias_gelu ----------------------------------------------------------------------------
@@ -461,11 +474,11 @@ def _register_extension_ops() -> None:
         dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
         return dz if ctx.needs_input_grad[0] else None, dbias, None
 
-    torch.library.register_autograd("vit_kernels::bias_gelu", bias_gelu_backward, setup_context=bias_gelu_setup)
+    return differentiable("vit_kernels::bias_gelu", bias_gelu_backward, bias_gelu_setup)
 
 
 if _ext.LOADED:
-    _register_extension_ops()
+    bias_gelu = _register_extension_ops()
 
 
 def _extension_linear_limits(x, weight, bias=None, residual=None) -> Optional[str]:

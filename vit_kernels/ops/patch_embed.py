@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
+from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 from vit_kernels.ops.linear import GEMM_INTERPRETER_CONFIG, MAX_BLOCK_K, autotuned_gemm, grouped_tile, split_k_slices
 
@@ -162,8 +163,7 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
 if HAS_TRITON:
     _patch_embed_fwd_kernel_tuned = autotuned_gemm(_patch_embed_fwd_kernel, "Images", "total_rows", "dim", "k_dim")
 
-    @torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())
-    def patch_embed_fwd(
+    def _patch_embed_fwd(
         images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
         pos_embed: Optional[torch.Tensor], patch_size: int,
     ) -> torch.Tensor:
@@ -197,8 +197,9 @@ if HAS_TRITON:
             launch(_patch_embed_fwd_kernel_tuned, grid, *args, **flags)
         return out
 
-    @torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())
-    def patch_embed_bwd(
+    torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
+
+    def _patch_embed_bwd(
         grad_out: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool,
         needs_images: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +238,9 @@ if HAS_TRITON:
         )
         return dimages, dw.view(weight.shape)
 
+    patch_embed_bwd = direct(torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())(_patch_embed_bwd),
+                             _patch_embed_bwd)
+
     def _setup_context(ctx, inputs, output):
         images, weight, bias, cls_token, pos_embed, patch_size = inputs
         ctx.save_for_backward(images, weight)
@@ -253,12 +257,12 @@ if HAS_TRITON:
         dpos = per_token.to(grad_out.dtype) if has_pos else None
         return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
 
-    torch.library.register_autograd("vit_kernels::patch_embed_fwd", _backward, setup_context=_setup_context)
+    patch_embed_fwd = differentiable("vit_kernels::patch_embed_fwd", _backward, _setup_context, _patch_embed_fwd)
 
 
 def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_embed=None):
     """The Triton implementation of ``vk.patch_embed`` (arguments already validated)."""
-    return torch.ops.vit_kernels.patch_embed_fwd(images, weight, bias, cls_token, pos_embed, patch_size)
+    return patch_embed_fwd(images, weight, bias, cls_token, pos_embed, patch_size)
 
 
 def patch_embed_extension(images, weight, bias, patch_size, cls_token=None, pos_embed=None):
@@ -266,7 +270,7 @@ def patch_embed_extension(images, weight, bias, patch_size, cls_token=None, pos_
     channels_last), one GEMM with the bias, then the class token and position embedding."""
     if not (images.is_contiguous() or images.is_contiguous(memory_format=torch.channels_last)):
         images = images.contiguous()
-    patches = torch.ops.vit_kernels.patchify(images, patch_size)  # (N, L, C*P*P)
+    patches = patchify(images, patch_size)  # (N, L, C*P*P)
     tokens = F.linear(patches, weight.reshape(weight.shape[0], -1), bias)
     return add_class_and_position(tokens, cls_token, pos_embed)
 
@@ -298,9 +302,10 @@ def patch_embed_ref(
 # ---- the extension's glue: fake implementations and autograd of vit_kernels::patchify / unpatchify ----------------
 
 
-def _register_extension_ops() -> None:
+def _register_extension_ops():
     """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op."""
+    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
+    callable of ``vit_kernels::patchify``."""
     ops = torch.ops.vit_kernels
 
     # --- patchify / unpatchify (each the other's adjoint) -------------------------------------
@@ -327,25 +332,32 @@ def _register_extension_ops() -> None:
     def unpatchify_backward(ctx, grad):
         return ops.patchify(grad.contiguous(), ctx.patch_size), None, None, None, None
 
-    torch.library.register_autograd("vit_kernels::patchify", patchify_backward, setup_context=patchify_setup)
     torch.library.register_autograd("vit_kernels::unpatchify", unpatchify_backward, setup_context=unpatchify_setup)
+    return differentiable("vit_kernels::patchify", patchify_backward, patchify_setup)
 
 
 if _ext.LOADED:
-    _register_extension_ops()
+    patchify = _register_extension_ops()
 
 
-def _cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
-    """The static default (no measurement, or tracing): the extension's patch_embed on CPU float32,
-    where the benchmarks measured its backward 3.5-3.7x faster than conv2d's and its forward within
-    10% (benchmarks/results/cpu-*.md)."""
+def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    """Static default (no measurement, or tracing) on CPU float32: the extension, whose backward
+    the benchmarks measured 3.5-3.7x faster than conv2d's and its forward within 10%
+    (benchmarks/results/cpu-*.md)."""
     return device.type == "cpu" and dtype == torch.float32
+
+
+def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    """Static default on CUDA in 16 bits: Triton. On an H100 (ViT-B/16, B=128, bf16;
+    shared/gpu/h100-2026-11-22.md) it took 0.124 ms forward against conv2d's 1.303 and 0.759 ms
+    forward + backward against 3.213 (the extension 0.372 / 0.760)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 # The implementations of vk.patch_embed: backend -> function, support by device / dtype, shape limits.
 backend.implementations(
     "patch_embed",
     torch=backend.Impl(patch_embed_ref),
-    triton=backend.Impl(patch_embed_triton, supports=backend.triton_supports_dot),
-    extension=backend.Impl(patch_embed_extension, supports=_ext.supports, preferred=_cpu_float32),
+    triton=backend.Impl(patch_embed_triton, supports=backend.triton_supports_dot, preferred=_triton_default),
+    extension=backend.Impl(patch_embed_extension, supports=_ext.supports, preferred=_extension_default),
 )

@@ -1,0 +1,97 @@
+"""What a CUDA graph (torch.cuda.graph, torch.compile's "reduce-overhead") demands of the launch path,
+checked where it can be on the CPU: once a signature is decided, a call of every op, forward and
+backward, reads nothing back to the host (no .item(), no tensor truth value or conversion to a Python
+number: on a GPU each is a synchronisation, which breaks a capture), and nothing is measured while a
+graph is being captured. The capture itself runs on CUDA (marked gpu)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import vit
+import vit_kernels as vk
+from vit_kernels import _signature, backend
+from vit_kernels.op_specs import OPS, SPECS, Shape
+from tests.conftest import requires_cuda
+from tests.helpers import CPU_BACKENDS
+
+SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+@contextlib.contextmanager
+def host_reads_forbidden(monkeypatch):
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name}() in the launch path: a host synchronisation on a GPU")
+        return method
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, refuse(name))
+        yield
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("name", [b for b in CPU_BACKENDS if b != "triton"])  # the interpreter reads the host itself
+def test_decided_calls_read_nothing_back_to_the_host(monkeypatch, name, op):
+    spec = SPECS[op]
+    inputs = {k: v.requires_grad_() for k, v in spec.make_inputs(SMALL, torch.device("cpu"), torch.float32).items()}
+    with vk.use_backend(name, strict=True):
+        spec.run(SMALL, **inputs)  # the first call of a signature decides (and may validate)
+        with host_reads_forbidden(monkeypatch):
+            out = spec.run(SMALL, **inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    assert all(t.grad is not None for t in inputs.values())
+
+
+def test_nothing_is_measured_while_a_graph_is_captured(monkeypatch):
+    backend.clear_decisions()
+    vk.set_autotune(True)
+    measured = []
+    monkeypatch.setattr(backend, "_measure_call", lambda *a: measured.append(a))
+    monkeypatch.setattr(_signature, "capturing_cuda_graph", lambda: True)
+    vk.layer_norm(torch.randn(3, 8), torch.randn(8), torch.randn(8))
+    assert measured == []
+    (row,) = [r for r in vk.explain() if r.op == "layer_norm"]
+    assert row.source == "static default"
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton", "extension", "auto"])
+def test_vit_forward_and_backward_capture_in_a_cuda_graph(name):
+    """Warm up (decisions, autotuning), capture a training step's forward + backward, replay it:
+    the replay's loss equals an eager step's on the same inputs."""
+    torch.manual_seed(0)
+    model = vit.create_model("vit_tiny_patch16_224", num_classes=10).cuda()
+    images = torch.randn(4, 3, 224, 224, device="cuda")
+    labels = torch.randint(0, 10, (4,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        return loss
+
+    with vk.use_backend(name):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                model.zero_grad(set_to_none=False)
+                eager = step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        model.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph):
+            captured = step()
+        model.zero_grad(set_to_none=False)
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(captured.float(), eager.float(), atol=1e-3, rtol=1e-3)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

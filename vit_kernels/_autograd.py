@@ -1,0 +1,78 @@
+"""The ops' two call paths: the registered op while tracing, a direct call in eager mode.
+
+Every kernel is a registered op (``torch.library.triton_op`` for Triton, ``TORCH_LIBRARY`` for the
+extension) with a fake implementation and ``torch.library.register_autograd``, so that
+torch.compile and export keep it opaque in the graph. Called in eager mode, that registration costs
+the host 10-20 us per call (the dispatcher, then the Python autograd kernel and, for Triton ops,
+``custom_op``'s wrapper around the body), more than many ViT kernels run on a GPU. So in eager mode
+``differentiable`` runs the same forward, setup_context and backward from a plain
+``torch.autograd.Function`` (the body called directly, or the C++ op below the autograd key), and
+``direct`` calls a backward op's body directly; while tracing, both call the registered op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+def tracing() -> bool:
+    """Whether the call is being traced (Dynamo, or a dispatch mode: fake tensors, make_fx, AOTAutograd's
+    backward, export): then the registered op must be called, so that the graph holds it."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
+def direct(op: Callable, body: Callable) -> Callable:
+    """``op`` while tracing, ``body`` (its implementation, same arguments) in eager mode."""
+
+    def call(*args: Any) -> Any:
+        return op(*args) if tracing() else body(*args)
+
+    return call
+
+
+def _below_autograd(op: Callable) -> Callable:
+    def call(*args: Any) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return call
+
+
+def differentiable(
+    qualname: str, backward: Callable, setup_context: Callable, body: Optional[Callable] = None
+) -> Callable:
+    """Register ``backward`` / ``setup_context`` as the autograd of op ``qualname``
+    ("vit_kernels::name") and return the op's eager-fast callable: the registered op while tracing;
+    otherwise an ``autograd.Function`` with the same forward (``body``, the op's Python
+    implementation, or the op itself below the autograd key), setup_context and backward when a
+    gradient will be needed, and the forward alone when none will."""
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+    namespace, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    forward = body if body is not None else _below_autograd(op)
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output = forward(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    Function.__name__ = Function.__qualname__ = f"{name}_function"
+
+    def call(*args: Any) -> Any:
+        if tracing():
+            return op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return Function.apply(*args)
+        return forward(*args)
+
+    call.__name__ = name
+    return call
