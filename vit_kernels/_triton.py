@@ -84,6 +84,11 @@ def recording_launches() -> Iterator[list]:
         _recorder.reset(token)
 
 
+def recording() -> bool:
+    """Whether launches are being recorded (``recording_launches``) rather than run."""
+    return _recorder.get() is not None
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)`` through ``torch.library.wrap_triton`` (so that
     torch.compile traces it), or record it inside ``recording_launches``."""
@@ -96,4 +101,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "Launch", "dot_precision", "as_float32", "interpreted", "launch", "recording_launches", "triton", "tl"]
+__all__ = ["HAS_TRITON", "Launch", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]

@@ -12,14 +12,15 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import _ext, backend
+from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._triton import HAS_TRITON, dot_precision, as_float32, interpreted, launch, tl, triton
+from vit_kernels._tiles import FLOORS, TileChooser, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, recording, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -306,32 +307,40 @@ def _attention_probs_kernel(
         tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# Launch configurations on a GPU, per (float32 or 16-bit, padded head dim): (BLOCK_M, BLOCK_N,
-# warps, stages). float32 stays exact (ieee FMA, no tf32) and so holds its tiles in registers
-# without tensor cores: smaller tiles. The forward autotunes over its list; the backward runs one
-# entry, its dK/dV kernel (which keeps dK, dV, K and V tiles live across the loop) with narrower
-# query blocks. Every entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills,
-# and run against float64 by the GPU tests: compiling is not correctness. On an H100 (triton 3.6,
-# shared/gpu/h100-2026-11-22.md) the 16-bit head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2)
-# computed a wrong dK at head dims 80-128, while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1)
-# were right: that entry is (32, 32, 4, 1) now.
+# Launch configurations on a GPU, per (float32 or 16-bit, padded head dim): candidates that the
+# user's GPU validates and times (``vit_kernels._tiles``), the first one being the default where
+# nothing may be run (tracing, graph capture). Forward: (BLOCK_M, BLOCK_N, warps, stages). Backward:
+# (dQ tile, dK/dV tile) pairs, the dK/dV kernel (which keeps dK, dV, K and V tiles live across its
+# loop) with narrower query blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in
+# registers without tensor cores: smaller tiles. Every entry is compiled for sm_80 and sm_90 by
+# `make check-gpu`, which fails on spills, and run against float64 by the GPU tests (tests/test_tiles.py):
+# compiling is not correctness. On an H100 (triton 3.6, shared/gpu/h100-2026-11-22.md) the 16-bit
+# head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at head dims 80-128,
+# while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1) were right: only right ones are listed.
+# At head dim 64 the best of 25 backward pairs tried there was dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2),
+# 0.463 ms against the first pair's 0.632 ms of the whole forward + backward.
 ATTENTION_FWD_TILES = {
-    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)),
-    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)),
+    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)),
+    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)),
     (False, 256): ((64, 32, 8, 1), (32, 32, 4, 1)),
     (True, 64): ((32, 32, 4, 2), (64, 32, 8, 2)),
     (True, 128): ((32, 32, 8, 1), (16, 32, 8, 1)),
     (True, 256): ((16, 32, 4, 1),),
 }
-ATTENTION_BWD_TILES = {  # dQ (BLOCK_M, BLOCK_N, warps, stages), dK/dV (BLOCK_M, BLOCK_N, warps, stages)
-    (False, 64): ((64, 64, 4, 2), (32, 64, 4, 2)),
-    (False, 128): ((64, 32, 4, 2), (32, 32, 4, 1)),
-    (False, 256): ((32, 32, 8, 1), (16, 32, 8, 1)),
-    (True, 64): ((32, 32, 4, 1), (16, 32, 4, 1)),
-    (True, 128): ((16, 32, 4, 1), (16, 32, 8, 1)),
-    (True, 256): ((16, 16, 4, 1), (16, 16, 8, 1)),
+ATTENTION_BWD_TILES = {
+    (False, 64): (((64, 64, 4, 2), (32, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 2)),
+                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2))),
+    (False, 128): (((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
+                   ((32, 32, 4, 2), (16, 32, 4, 1))),
+    (False, 256): (((32, 32, 8, 1), (16, 32, 8, 1)),),
+    (True, 64): (((32, 32, 4, 1), (16, 32, 4, 1)),),
+    (True, 128): (((16, 32, 4, 1), (16, 32, 8, 1)),),
+    (True, 256): (((16, 16, 4, 1), (16, 16, 8, 1)),),
 }
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
+VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
+FWD_CHOOSER = TileChooser("attention forward")
+BWD_CHOOSER = TileChooser("attention backward")
 
 
 def _block_d(head_dim: int) -> int:
@@ -350,35 +359,30 @@ def _fit(tile: int, seq_len: int) -> int:
     return max(16, min(tile, triton.next_power_of_2(int(seq_len))))
 
 
-def attention_fwd_configs() -> list:
-    """Every forward configuration of every (dtype class, head dim) as triton.Config."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-        for tiles in ATTENTION_FWD_TILES.values() for bm, bn, warps, stages in tiles
-    ]
+def _fitted(tile: tuple, seq_len: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence."""
+    bm, bn, warps, stages = tile
+    return _fit(bm, seq_len), _fit(bn, seq_len), warps, stages
 
 
-def _prune_fwd_configs(configs, named_args, **kwargs):
-    """The autotuner's candidates for this call: the list for its dtype and head dim, with tiles
-    no longer than the sequence (duplicates after that dropped)."""
-    key = _tile_key(named_args["QKV"].dtype, named_args["head_dim"])
-    seq_len = named_args["seq_len"]
-    chosen, seen = [], set()
-    for bm, bn, warps, stages in ATTENTION_FWD_TILES[key]:
-        tile = (_fit(bm, seq_len), _fit(bn, seq_len), warps, stages)
-        if tile not in seen:
-            seen.add(tile)
-            chosen.append(triton.Config({"BLOCK_M": tile[0], "BLOCK_N": tile[1]}, num_warps=warps, num_stages=stages))
-    return chosen
+def _unique(tiles) -> tuple:
+    return tuple(dict.fromkeys(tiles))
 
 
-def _bwd_config(qkv: torch.Tensor, head_dim: int, seq_len: int, which: int) -> dict:
-    """Tiles of the dQ (which = 0) or dK/dV (which = 1) kernel."""
-    if interpreted(qkv.device):
-        tile = _fit(INTERPRETER_TILE, seq_len)
-        return {"BLOCK_M": tile, "BLOCK_N": tile, "num_warps": 1, "num_stages": 1}
-    bm, bn, warps, stages = ATTENTION_BWD_TILES[_tile_key(qkv.dtype, head_dim)][which]
-    return {"BLOCK_M": _fit(bm, seq_len), "BLOCK_N": _fit(bn, seq_len), "num_warps": warps, "num_stages": stages}
+def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int) -> tuple:
+    """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped)."""
+    return _unique(_fitted(t, seq_len) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
+
+
+def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int) -> tuple:
+    """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence."""
+    return _unique((_fitted(dq, seq_len), _fitted(dkdv, seq_len))
+                   for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)])
+
+
+def _interpreter_tile(seq_len: int) -> tuple:
+    tile = _fit(INTERPRETER_TILE, seq_len)
+    return tile, tile, 1, 1
 
 
 def _row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:
@@ -392,50 +396,105 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
     return batch, seq_len, model_dim, model_dim // num_heads
 
 
+def _chooser_key(qkv: torch.Tensor, num_heads: int) -> tuple:
+    """What a tile choice is kept for: dtype, head dim, length and the batch x heads bucket (the grid)."""
+    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
+    return str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads)
+
+
+def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_out: Optional[torch.Tensor],
+                         dtype: torch.dtype) -> list[torch.Tensor]:
+    """SDPA on the first VALIDATION_BATCH images of qkv computed in ``dtype``: [out] or, given
+    grad_out, [dq, dk, dv] each (n, L, D)."""
+    n = min(VALIDATION_BATCH, qkv.shape[0])
+    leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
+    q, k, v = (sdpa_aligned(t) for t in split_qkv(leaf, num_heads))
+    out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
+    if grad_out is None:
+        return [out.detach()]
+    (grad,) = torch.autograd.grad(out, leaf, grad_out[:n].to(dtype))
+    return list(grad.chunk(3, dim=-1))
+
+
+def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[torch.Tensor]], list],
+                           qkv: torch.Tensor, num_heads: int, scale: float,
+                           grad_out: Optional[torch.Tensor] = None) -> Callable:
+    """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
+    within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
+    inputs) or float32 (16-bit inputs). The references are computed once, on first use."""
+    wide = torch.float64 if qkv.dtype == torch.float32 else torch.float32
+    references: list = []
+
+    def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
+        if not references:
+            with torch.enable_grad():
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide))
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype))
+        for name, actual, exact, own in zip(names, parts_of(outputs), *references):
+            problem = within_pytorch_error(name, actual, own, exact, FLOORS[qkv.dtype])
+            if problem is not None:
+                return problem
+        return None
+
+    return check
+
+
 if HAS_TRITON:
-    _attention_fwd_kernel_tuned = triton.autotune(
-        configs=attention_fwd_configs(), key=["seq_len", "head_dim"],
-        prune_configs_by={"early_config_prune": _prune_fwd_configs},
-    )(_attention_fwd_kernel)
+
+    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile) -> None:
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+        bm, bn, warps, stages = tile
+        launch(
+            _attention_fwd_kernel, _row_blocks(bm, seq_len, batch * num_heads),
+            qkv, out, stats[0], stats[1], seed,
+            seq_len, num_heads, head_dim, model_dim,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            out.stride(0), out.stride(1),
+            scale * LOG2E, dropout_p,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0,
+            PRECISION=dot_precision(qkv.dtype), num_warps=warps, num_stages=stages,
+        )
+
+    def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
+        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
+        stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
+        return out, stats
+
+    def fwd_tiles(qkv, num_heads, scale, seed) -> tuple:
+        """The forward tile(s) to launch: the interpreter's fixed tile; every candidate while the
+        compile gate records; else the tile chosen on this GPU (validated without dropout)."""
+        _, seq_len, _, head_dim = _shape(qkv, num_heads)
+        if interpreted(qkv.device):
+            return (_interpreter_tile(seq_len),)
+        candidates = fwd_candidates(qkv.dtype, head_dim, seq_len)
+        if recording():
+            return candidates
+
+        def run(tile):
+            out, stats = _fwd_outputs(qkv, num_heads)
+            _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile)
+            return [out]
+
+        n = min(VALIDATION_BATCH, qkv.shape[0])
+        check = _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
+        return (FWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
 
     def _attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
         and 1 / the row sum of the exponentials."""
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
-        stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
-        args = (
-            qkv, out, stats[0], stats[1], seed,
-            seq_len, num_heads, head_dim, model_dim,
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            out.stride(0), out.stride(1),
-            scale * LOG2E, dropout_p,
-        )
-        flags = dict(BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
-        if interpreted(qkv.device):
-            tile = _fit(INTERPRETER_TILE, seq_len)
-            launch(_attention_fwd_kernel, _row_blocks(tile, seq_len, batch * num_heads), *args, **flags,
-                   BLOCK_M=tile, BLOCK_N=tile, num_warps=1, num_stages=1)
-        else:
-            def grid(meta):
-                return _row_blocks(meta["BLOCK_M"], seq_len, batch * num_heads)
-
-            launch(_attention_fwd_kernel_tuned, grid, *args, **flags)
+        out, stats = _fwd_outputs(qkv, num_heads)
+        for tile in fwd_tiles(qkv, num_heads, scale, seed):
+            _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile)
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
-    def _attention_bwd(
-        grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
-        num_heads: int, scale: float, dropout_p: float,
-    ) -> torch.Tensor:
-        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
+    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles) -> torch.Tensor:
+        """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        block_d = _block_d(head_dim)
-        dq_cfg = _bwd_config(qkv, head_dim, seq_len, 0)
-        dkdv_cfg = _bwd_config(qkv, head_dim, seq_len, 1)
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
         args = (
@@ -446,11 +505,39 @@ if HAS_TRITON:
             dqkv.stride(0), dqkv.stride(1),
             scale, scale * LOG2E, dropout_p,
         )
-        flags = dict(BLOCK_D=block_d, DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
-        launch(_attention_bwd_dq_kernel, _row_blocks(dq_cfg["BLOCK_M"], seq_len, batch * num_heads),
-               *args, **flags, **dq_cfg)  # first: it writes delta
-        launch(_attention_bwd_dkdv_kernel, _row_blocks(dkdv_cfg["BLOCK_N"], seq_len, batch * num_heads),
-               *args, **flags, **dkdv_cfg)
+        flags = dict(BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
+        (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
+        launch(_attention_bwd_dq_kernel, _row_blocks(dq_m, seq_len, batch * num_heads), *args, **flags,
+               BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages)
+        launch(_attention_bwd_dkdv_kernel, _row_blocks(kv_n, seq_len, batch * num_heads), *args, **flags,
+               BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages)
+        return dqkv
+
+    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
+        """The backward tile pair(s) to launch, as ``fwd_tiles`` decides them."""
+        _, seq_len, _, head_dim = _shape(qkv, num_heads)
+        if interpreted(qkv.device):
+            return ((_interpreter_tile(seq_len), _interpreter_tile(seq_len)),)
+        candidates = bwd_candidates(qkv.dtype, head_dim, seq_len)
+        if recording():
+            return candidates
+
+        def run(tiles):
+            return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles)]
+
+        n = min(VALIDATION_BATCH, qkv.shape[0])
+        check = _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
+                                       qkv, num_heads, scale, grad_out)
+        return (BWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
+
+    def _attention_bwd(
+        grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
+        num_heads: int, scale: float, dropout_p: float,
+    ) -> torch.Tensor:
+        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
+        dqkv = None
+        for tiles in bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale):
+            dqkv = _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles)
         return dqkv
 
     attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
@@ -459,15 +546,19 @@ if HAS_TRITON:
     def _attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        cfg = _bwd_config(qkv, head_dim, seq_len, 0)  # one q tile against k tiles, as in dQ
+        if interpreted(qkv.device):
+            bm, bn, warps, stages = _interpreter_tile(seq_len)
+        else:  # one q tile against k tiles, as in dQ: the default pair's dQ tile
+            bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
         probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
         launch(
-            _attention_probs_kernel, _row_blocks(cfg["BLOCK_M"], seq_len, batch * num_heads),
+            _attention_probs_kernel, _row_blocks(bm, seq_len, batch * num_heads),
             qkv, stats[0], stats[1], probs,
             seq_len, num_heads, head_dim, model_dim,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             scale * LOG2E,
-            BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype), **cfg,
+            BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype),
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
         )
         return probs
 

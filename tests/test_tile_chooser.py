@@ -1,0 +1,104 @@
+"""Tile choice on the user's GPU (``vit_kernels._tiles``), its parts on the CPU: candidates are
+validated before they are timed, a wrong one is excluded with its reason, the fastest right one is
+kept, nothing runs where nothing may (tracing, capture, no GPU), every candidate is recorded for the
+compile gate, and the attention's check catches a dK as wrong as the one an H100 computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triton.testing
+
+from vit_kernels import _tiles
+from vit_kernels._triton import recording_launches
+from vit_kernels.ops import attention
+
+
+@pytest.fixture
+def measurable(monkeypatch):
+    """Candidates may run (as on a GPU); ``times[tile]`` is what timing one returns."""
+    times: dict = {}
+    monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), times[fn.__defaults__[0]])[1])
+    return times
+
+
+def test_the_fastest_right_tile_is_chosen_and_kept(measurable):
+    measurable.update({"a": 3.0, "b": 1.0, "c": 2.0, "wrong": 0.5})
+    runs = []
+    chooser = _tiles.TileChooser("test")
+
+    def run(tile):
+        runs.append(tile)
+        return [torch.tensor([0.0 if tile == "wrong" else 1.0])]
+
+    def check(outputs):
+        return None if outputs[0].item() == 1.0 else "off by one"
+
+    device = torch.device("cuda")
+    assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], run, check) == "b"
+    trials = chooser.report()[("k",)].trials
+    assert trials["wrong"] == "invalid: off by one" and trials["b"] == 1.0
+    runs.clear()
+    assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], run, check) == "b" and runs == []
+
+
+def test_no_right_tile_is_an_error_not_a_wrong_answer(measurable):
+    chooser = _tiles.TileChooser("test")
+    with pytest.raises(RuntimeError, match="no test tile computes the right answer"):
+        chooser.choose(("k",), torch.device("cuda"), ["a"], lambda t: [torch.zeros(1)], lambda outs: "wrong")
+
+
+def test_nothing_runs_where_nothing_may():
+    chooser = _tiles.TileChooser("test")
+
+    def run(tile):
+        raise AssertionError("ran a candidate")
+
+    assert chooser.choose(("k",), torch.device("cpu"), ["first", "second"], run, lambda outs: None) == "first"
+    assert chooser.chosen(("k",)) is None  # not kept: measured on first use where it may run
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)])
+def test_the_compile_gate_records_every_candidate(dtype, head_dim):
+    qkv = torch.empty(4, 197, 3 * 2 * head_dim, dtype=dtype, device="meta")
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    with recording_launches() as launches:
+        out, stats = torch.ops.vit_kernels.attention_fwd(qkv, 2, head_dim**-0.5, 0.0, seed)
+        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, head_dim**-0.5, 0.0)
+
+    def tiles(name, block):
+        return {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
+                for l in launches if l.kernel.fn.__name__ == name}
+
+    assert tiles("_attention_fwd_kernel", 0) == set(attention.fwd_candidates(dtype, head_dim, 197))
+    pairs = attention.bwd_candidates(dtype, head_dim, 197)
+    assert tiles("_attention_bwd_dq_kernel", 0) == {dq for dq, _ in pairs}
+    assert tiles("_attention_bwd_dkdv_kernel", 1) == {dkdv for _, dkdv in pairs}
+
+
+def test_no_listed_tile_is_one_the_h100_found_wrong():
+    """(32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at 16-bit head dims 80-128 on an H100."""
+    for dq, dkdv in attention.ATTENTION_BWD_TILES[(False, 128)]:
+        assert dkdv not in ((32, 64, 8, 2), (32, 64, 4, 2)), dkdv
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_attention_check_catches_a_wrong_dk(dtype):
+    """Gradients within rounding of the exact ones pass; a dK off by 2% (the H100's wrong tile gave
+    1e-2 to 8e-2) fails, named."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 17, 3 * 2 * 16).to(dtype)
+    grad_out = torch.randn(2, 17, 2 * 16).to(dtype)
+    scale = 16**-0.5
+    exact = attention._reference_attention(qkv, 2, scale, grad_out, torch.float64)
+    right = torch.cat(exact, dim=-1).to(dtype)
+    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outs: list(outs[0].chunk(3, dim=-1)),
+                                             qkv, 2, scale, grad_out)
+    assert check([right]) is None
+    dq, dk, dv = (t.double() for t in exact)
+    noise = torch.randn_like(dk) * dk.abs().max() * 0.02
+    wrong = torch.cat([dq, dk + noise, dv], dim=-1).to(dtype)
+    problem = check([wrong])
+    assert problem is not None and problem.startswith("dk:"), problem

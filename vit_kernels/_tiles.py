@@ -1,0 +1,120 @@
+"""Tile choice on the user's GPU: every candidate validated against a reference, then timed.
+
+A kernel's launch configurations (tiles, warps, stages) are a candidate list, not a guess frozen in
+code: a configuration that compiles cleanly can still compute a wrong answer on real hardware (on
+an H100 a 16-bit attention tile gave a wrong dK), and the fastest one differs between GPUs. The
+first time a launcher meets a key (dtype, head dim, length, ...) on CUDA it runs every candidate on
+the call's own inputs, keeps those whose outputs pass the launcher's check (at most twice PyTorch's
+own error in the same dtype, against a float32 reference), times the valid ones with
+``triton.testing.do_bench`` and keeps the fastest for that key, for this process. Nothing is run or
+timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's choice
+made earlier is used, else the first candidate (the default). With the interpreter (CPU tensors)
+the launcher runs its fixed small tile instead, and while the GPU compile gate records launches
+every candidate is launched (recorded), so each one is compiled for sm_80 and sm_90.
+
+``TileChooser.report()`` lists per key every candidate's time or why it was excluded.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from vit_kernels import _autograd, _signature
+
+Tile = tuple
+
+
+@dataclass(frozen=True)
+class Choice:
+    tile: Tile
+    trials: dict  # tile -> milliseconds, or the reason it was excluded
+
+
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |actual - reference| / max(max |reference|, tiny), in float64 (inf where NaN appears)."""
+    difference = (actual.double() - reference.double()).abs()
+    if difference.isnan().any():
+        return math.inf
+    scale = max(reference.double().abs().max().item(), 1e-30)
+    return difference.max().item() / scale
+
+
+def within_pytorch_error(name: str, actual: torch.Tensor, pytorch: torch.Tensor, reference: torch.Tensor,
+                         floor: float) -> Optional[str]:
+    """None when ``actual``'s error against ``reference`` is at most twice ``pytorch``'s (the same
+    computation by PyTorch in the same dtype) or below ``floor``, else the failure."""
+    error, own = relative_error(actual, reference), relative_error(pytorch, reference)
+    if error <= max(2 * own, floor):
+        return None
+    return f"{name}: relative error {error:.2e} > 2 x PyTorch's {own:.2e} (floor {floor:.0e})"
+
+
+# The relative error below which any result passes, per dtype (a few units of its rounding).
+FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+def can_measure(device: torch.device) -> bool:
+    """Whether candidates may be run and timed now: on CUDA, outside tracing and graph capture."""
+    return device.type == "cuda" and not _autograd.tracing() and not _signature.capturing_cuda_graph()
+
+
+class TileChooser:
+    """The chosen tile per key of one launcher, for this process."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._chosen: dict[tuple, Choice] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, key: tuple, device: torch.device, candidates: Sequence[Tile],
+               run: Callable[[Tile], Sequence[torch.Tensor]],
+               check: Callable[[Sequence[torch.Tensor]], Optional[str]]) -> Tile:
+        """The tile to launch for ``key``. ``run(tile)`` launches with ``tile`` on the call's inputs and
+        returns its outputs (fresh tensors); ``check(outputs)`` returns None when they are right,
+        else why not. Raises RuntimeError when no candidate is right (never a silent wrong answer)."""
+        hit = self._chosen.get(key)
+        if hit is not None:
+            return hit.tile
+        if not can_measure(device):
+            return candidates[0]
+        with self._lock:
+            hit = self._chosen.get(key)
+            if hit is None:
+                hit = self._measure(key, candidates, run, check)
+                self._chosen[key] = hit
+        return hit.tile
+
+    def _measure(self, key, candidates, run, check) -> Choice:
+        from triton.testing import do_bench
+
+        trials: dict = {}
+        for tile in candidates:
+            try:
+                problem = check(run(tile))
+            except Exception as error:  # a candidate that cannot run is excluded, not fatal
+                problem = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if problem is not None:
+                trials[tile] = f"invalid: {problem}"
+                continue
+            trials[tile] = do_bench(lambda tile=tile: run(tile), warmup=5, rep=20, return_mode="median")
+        timed = {tile: ms for tile, ms in trials.items() if isinstance(ms, float)}
+        if not timed:
+            raise RuntimeError(f"vit_kernels: no {self.name} tile computes the right answer on this GPU for "
+                               f"{key}: {trials}")
+        return Choice(min(timed, key=timed.get), trials)
+
+    def chosen(self, key: tuple) -> Optional[Tile]:
+        hit = self._chosen.get(key)
+        return None if hit is None else hit.tile
+
+    def report(self) -> dict[tuple, Choice]:
+        """Every key measured in this process: the tile chosen and each candidate's trial."""
+        return dict(self._chosen)
+
+    def forget(self) -> None:
+        self._chosen.clear()
