@@ -19,12 +19,12 @@ from tests.helpers import (
 def run(fn, inputs, device="cpu"):
     """fn(*leaves) on ``device`` and the gradient of every tensor input for a fixed upstream gradient
     of ones; float32 without TF32 on CUDA (as on the CPU)."""
-    leaves = [t.detach().to(device).requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
+    leaves = [t.detach().clone().to(device).requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
     with exact_float32(device):
         result = fn(*leaves)
-    outs = list(result) if isinstance(result, (tuple, list)) else [result]
-    targets = [t for t in leaves if isinstance(t, torch.Tensor)]
-    grads = torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        targets = [t for t in leaves if isinstance(t, torch.Tensor)]
+        grads = torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
     return [o.detach() for o in outs], list(grads)
 
 
