@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
+.PHONY: install demo test test-all test-gpu test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -33,14 +33,29 @@ demo: $(STAMP)
 
 # Triton kernels run on the CPU through the interpreter; `slow` sweeps are left to `make test-all`.
 # Tests marked `aot` compile kernels for real GPU targets, which needs Triton's compiler rather than
-# its interpreter: they run in a second pytest process without TRITON_INTERPRET.
+# its interpreter: they run in a second pytest process without TRITON_INTERPRET. The CUDA cases
+# (marker `gpu`) are `make test-gpu`'s.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot and not gpu" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "aot and not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m aot $(PYTEST_ARGS)
+
+# The CUDA cases of every op test file and every tile of every tile table and autotune list, with
+# Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
+# without a GPU it confirms what it collects, says so and passes.
+test-gpu: $(STAMP)
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)"; \
+		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $(PYTEST_ARGS); \
+	else \
+		out=$$(env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu --collect-only $(PYTEST_ARGS)); code=$$?; \
+		echo "$$out" | tail -n 1; \
+		if [ $$code -ne 0 ]; then echo "test-gpu: collecting the gpu tests failed (pytest exit $$code)"; exit 1; fi; \
+		echo "test-gpu: no CUDA device on this machine: the gpu tests were collected, not run"; \
+	fi
 
 # The drop-in layers against the real timm, transformers and torchvision, in an environment of their
 # own (pins in tests/integration/requirements.txt: a matching torch/torchvision pair). The project is

@@ -1,6 +1,7 @@
 """Shared fixtures: a per-test seed, the backend restored after each test, dispatch kept
-deterministic and off the user's cache, device helpers."""
+deterministic and off the user's cache, each backend on each device."""
 
+import contextlib
 import os
 import tempfile
 import zlib
@@ -16,7 +17,7 @@ import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import backend  # noqa: E402
-from tests.helpers import CPU_BACKENDS  # noqa: E402
+from tests.helpers import device_backends, exact_float32  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +45,17 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"report_{report.when}", report)
 
 
-@pytest.fixture(params=CPU_BACKENDS)
+@pytest.fixture(params=[pytest.param(p.values, marks=p.marks, id=p.id) for p in device_backends()])
 def on_backend(request):
-    """Run the test body with each backend that can run CPU tensors here, strictly (a call the
-    backend cannot take raises, naming the limit), and check through ``vk.explain()`` that the
-    backend named is the one that ran every op of the body."""
-    name = request.param
+    """Run the test body with each backend that can run CPU tensors here, and on CUDA with every
+    backend (``gpu`` cases: CUDA is then the default device of the body's factory calls, and float32
+    convolutions and matmuls run without TF32, as the body's fixed float32 tolerances assume),
+    strictly (a call the backend cannot take raises, naming the limit), and check through
+    ``vk.explain()`` that the backend named is the one that ran every op of the body."""
+    device, name = request.param
     backend.clear_decisions()
-    with vk.use_backend(name, strict=True):
+    on_device = torch.device(device) if device != "cpu" else contextlib.nullcontext()
+    with on_device, exact_float32(device), vk.use_backend(name, strict=True):
         yield name
     report = getattr(request.node, "report_call", None)
     if report is None or not report.passed:
@@ -75,5 +79,3 @@ def named_backend_ran(request):
     wrong = [r for r in vk.explain() if r.requested == name and r.backend != name]
     assert not wrong, f"asked for {name}, but:\n{vk.explain()}"
 
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,26 +1,111 @@
-"""Comparison helpers: outputs and every gradient against a float64 formula."""
+"""Comparison helpers: outputs and every gradient against a float64 formula, and the device
+parametrization every op test file shares (CPU cases, and CUDA cases marked ``gpu``)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
 
+import pytest
 import torch
 
+import vit_kernels as vk
 from vit_kernels import _ext, backend
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+HAS_CUDA = torch.cuda.is_available()
+GPU_MARKS = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))
+
+
+def requires_cuda(test):
+    """A CUDA-only test: marked ``gpu`` (``pytest -m gpu`` selects it) and skipped without a device."""
+    for mark in GPU_MARKS:
+        test = mark(test)
+    return test
+
+
+def device_reason(name: str, device: torch.device) -> Optional[str]:
+    """Why backend ``name`` cannot run tensors of ``device`` here, or None when it can. Triton runs
+    CPU tensors through its interpreter (TRITON_INTERPRET=1) and CUDA tensors compiled, never
+    interpreted (``make test-gpu`` runs without TRITON_INTERPRET)."""
+    if name == "triton":
+        if device.type == "cuda" and backend.TRITON_INTERPRET:
+            return "TRITON_INTERPRET=1 is set: Triton's CUDA cases run compiled (make test-gpu)"
+        return backend.triton_device_reason(device)
+    if name == "extension":
+        return _ext.supports(device, torch.float32)
+    return None
+
 
 # Backends that can run CPU tensors here: the reference, Triton through the interpreter under
 # TRITON_INTERPRET=1, and the C++ kernels when vit_kernels._C is built.
-CPU_BACKENDS = (
-    ["torch"]
-    + (["triton"] if backend.triton_device_reason(torch.device("cpu")) is None else [])
-    + (["extension"] if _ext.supports(torch.device("cpu"), torch.float32) is None else [])
-)
+CPU_BACKENDS = [name for name in ("torch", "triton", "extension") if device_reason(name, CPU) is None]
+# On CUDA every backend is collected; a case whose backend cannot run there skips, saying why.
+CUDA_BACKENDS = ("torch", "triton", "extension")
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+# The CPU cases keep the ids pytest gave them before the CUDA ones were added: each test's seed is
+# drawn from its id (tests/conftest.py), so their data is unchanged. CUDA cases are ``cuda-<id>``.
+
+
+def cuda_param(*values, id: str, skip_reason: Optional[str] = None):
+    """``pytest.param(*values)`` of a CUDA case, id ``cuda-<id>``: marked ``gpu``, skipped without a
+    CUDA device or with ``skip_reason``."""
+    marks = [*GPU_MARKS, pytest.mark.skipif(skip_reason is not None, reason=str(skip_reason))]
+    return pytest.param(*values, marks=marks, id=f"cuda-{id}")
+
+
+def device_backends(cuda: bool = True) -> list:
+    """(device, backend_name) parameters: every backend that runs CPU tensors here, then (unless not
+    ``cuda``) on CUDA every backend (``gpu`` cases)."""
+    cpu = [pytest.param("cpu", name, id=name) for name in CPU_BACKENDS]
+    return cpu + [cuda_param("cuda", name, id=name, skip_reason=device_reason(name, CUDA))
+                  for name in CUDA_BACKENDS if cuda]
 
 
 def backend_dtypes(kernel_dtypes: Sequence[torch.dtype]) -> list[tuple[str, torch.dtype]]:
-    """(backend, dtype) pairs: the reference in float64 and float32, each kernel backend in ``kernel_dtypes``."""
+    """(backend, dtype) pairs on the CPU: the reference in float64 and float32, each kernel backend
+    in ``kernel_dtypes``."""
     pairs = [("torch", torch.float64), ("torch", torch.float32)]
     return pairs + [(name, dtype) for name in CPU_BACKENDS[1:] for dtype in kernel_dtypes]
+
+
+def cuda_kernel_dtypes(op: str) -> list:
+    """(device, backend_name, dtype) ``gpu`` parameters: triton and extension on CUDA in float32,
+    float16 and bfloat16, each skipped where it cannot run ``op`` there."""
+    return [
+        cuda_param("cuda", name, dt, id=f"{name}-{DTYPE_NAMES[dt]}",
+                   skip_reason=device_reason(name, CUDA) or backend.unsupported_reason(op, name, CUDA, dt))
+        for name in CUDA_BACKENDS[1:] for dt in CUDA_DTYPES
+    ]
+
+
+def device_backend_dtypes(op: str, cpu_pairs: Sequence[tuple[str, torch.dtype]]) -> list:
+    """(device, backend_name, dtype) parameters of an op's formula test: on the CPU ``cpu_pairs``
+    (see ``backend_dtypes``); on CUDA the reference in float64 and the kernel backends in float32,
+    float16 and bfloat16. (In those three the reference on CUDA is the measure of PyTorch's own
+    error that bounds the kernel backends: ``check_against_formula`` runs it in every one of their
+    cases.)"""
+    cpu = [pytest.param("cpu", name, dt, id=f"{name}-dtype{i}") for i, (name, dt) in enumerate(cpu_pairs)]
+    return cpu + [cuda_param("cuda", "torch", torch.float64, id="torch-fp64")] + cuda_kernel_dtypes(op)
+
+
+@contextlib.contextmanager
+def exact_float32(device: torch.device | str) -> Iterator[None]:
+    """On CUDA, float32 convolutions and matmuls without TF32 inside the block (cuDNN convolutions
+    use TF32 by default): for tests that hold float32 to fixed tolerances. No-op on the CPU."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
 
 # (atol, rtol) per dtype, for element-wise comparison with a float64 reference.
 TOLERANCES = {
@@ -29,6 +114,38 @@ TOLERANCES = {
     torch.float16: (2e-2, 2e-2),
     torch.bfloat16: (8e-2, 5e-2),
 }
+
+
+def max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |actual - reference| (0 for empty tensors), in float64 on the reference's device."""
+    if reference.numel() == 0:
+        return 0.0
+    return (actual.to(reference.device, torch.float64) - reference).abs().max().item()
+
+
+def error_bound(reference: torch.Tensor, own_error: float, dtype: torch.dtype, device: torch.device) -> float:
+    """The largest max-abs error allowed against ``reference`` (float64): twice PyTorch's own error
+    ``own_error`` in the same dtype, with a floor for results PyTorch happens to get (nearly) exact.
+    On CUDA the floor is one unit in the last place of the largest reference value; on the CPU,
+    where interpreted Triton rounds as numpy does, it is ``atol + rtol * max|reference|`` of TOLERANCES."""
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    if device.type == "cuda":
+        floor = torch.finfo(dtype).eps * scale
+    else:
+        atol, rtol = TOLERANCES[dtype]
+        floor = atol + rtol * scale
+    return max(floor, 2 * own_error)
+
+
+def assert_within_pytorch_error(what: str, actual: torch.Tensor, own: torch.Tensor, reference: torch.Tensor,
+                                dtype: torch.dtype, device: torch.device) -> None:
+    """``actual`` errs against ``reference`` by at most ``error_bound``, PyTorch's own result being ``own``."""
+    error, own_error = max_error(actual, reference), max_error(own, reference)
+    bound = error_bound(reference, own_error, dtype, device)
+    assert error <= bound, (
+        f"{what} ({dtype} on {device.type}): max error {error:.3g} > bound {bound:.3g} (PyTorch's own error "
+        f"{own_error:.3g}, max |reference| {reference.abs().max().item() if reference.numel() else 0.0:.3g})"
+    )
 
 
 def leaves(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -49,33 +166,59 @@ def outputs_and_grads(
     outs = list(result) if isinstance(result, (tuple, list)) else [result]
     if upstream is None:
         upstream = [torch.randn_like(o) for o in outs]
-    torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(upstream, outs)])
+    torch.autograd.backward(outs, [g.to(o.device, o.dtype) for g, o in zip(upstream, outs)])
     grads = [None if t is None else t.grad for t in inputs]
     return [o.detach() for o in outs], grads, list(upstream)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual.to(expected.device, expected.dtype), expected, atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
 
 
 def check_against_formula(
-    fn, formula, inputs, dtype: torch.dtype, names: Sequence[str], device: str = "cpu",
-    skip_grads: Sequence[str] = (), **kwargs
+    fn, formula, inputs, dtype: torch.dtype, names: Sequence[str], device: torch.device | str | None = None,
+    baseline: Optional[Callable] = None, grad_parts: Optional[dict[str, Sequence[str]]] = None, **kwargs,
 ) -> None:
-    """``fn`` in ``dtype`` on ``device`` against ``formula`` in float64 on the CPU: every output and
-    every input gradient but those named in ``skip_grads`` (checked elsewhere, by another measure)."""
+    """``fn`` in ``dtype`` on ``device`` (by default the inputs' own) against ``formula`` in float64
+    on the CPU: every output and every input gradient. On the CPU, and in float64, within TOLERANCES;
+    on CUDA in a lower precision within ``error_bound``: twice PyTorch's own error, PyTorch's own
+    being ``baseline`` (by default ``fn`` on the torch backend) on the same inputs and upstream
+    gradients. ``grad_parts`` names the equal parts along the last dimension in which an input's
+    gradient is compared, each on its own (``{"qkv": ("q", "k", "v")}``: dq, dk and dv)."""
+    if device is None:
+        device = next(t.device for t in inputs if t is not None)
+    device = torch.device(device)
     cast = [None if t is None else t.to(device, dtype) for t in inputs]
-    wide = [None if t is None else t.double() for t in inputs]
+    wide = [None if t is None else t.detach().cpu().double() for t in inputs]
     outs, grads, upstream = outputs_and_grads(fn, cast, **kwargs)
     ref_outs, ref_grads, _ = outputs_and_grads(formula, wide, [g.double().cpu() for g in upstream], **kwargs)
+    own_outs = own_grads = None
+    if device.type == "cuda" and dtype != torch.float64:
+        with contextlib.nullcontext() if baseline is not None else vk.use_backend("torch"):
+            own_outs, own_grads, _ = outputs_and_grads(baseline or fn, cast, upstream, **kwargs)
     assert len(outs) == len(ref_outs)
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
         assert o.dtype == dtype, f"output {i} has dtype {o.dtype}, expected {dtype}"
         assert o.shape == r.shape, f"output {i} shape {tuple(o.shape)} != {tuple(r.shape)}"
-        assert_close(o.cpu(), r, dtype, f"output {i}")
-    for name, g, r in zip(names, grads, ref_grads):
-        if r is None or name in skip_grads:
+        assert o.device.type == device.type, f"output {i} is on {o.device}, expected {device}"
+        if own_outs is None:
+            assert_close(o, r, dtype, f"output {i}")
+        else:
+            assert_within_pytorch_error(f"output {i}", o, own_outs[i], r, dtype, device)
+    for i, (name, g, r) in enumerate(zip(names, grads, ref_grads)):
+        if r is None:
             continue
         assert g is not None, f"no gradient for {name}"
-        assert_close(g.cpu(), r, dtype, f"d{name}")
+        parts = (grad_parts or {}).get(name, (name,))
+
+        def split(t):
+            return t.chunk(len(parts), -1) if len(parts) > 1 else (t,)
+
+        own = split(own_grads[i]) if own_grads is not None else [None] * len(parts)
+        for part, g_part, r_part, own_part in zip(parts, split(g), split(r), own):
+            if own_part is None:
+                assert_close(g_part, r_part, dtype, f"d{part}")
+            else:
+                assert_within_pytorch_error(f"d{part}", g_part, own_part, r_part, dtype, device)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import vit_kernels as vk
+from tests.helpers import requires_cuda
 
 x = torch.randn(2, 5, 8)
 w = torch.randn(16, 8)
@@ -64,7 +65,7 @@ def test_bad_input_is_rejected_clearly(call, error, message):
         call()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_device_mismatch():
     with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
         vk.linear(x.cuda(), w)

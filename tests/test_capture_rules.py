@@ -15,7 +15,7 @@ import vit
 import vit_kernels as vk
 from vit_kernels import _signature, backend
 from vit_kernels.op_specs import OPS, SPECS, Shape
-from tests.conftest import requires_cuda
+from tests.helpers import requires_cuda
 from tests.helpers import CPU_BACKENDS
 
 SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)
@@ -62,7 +62,6 @@ def test_nothing_is_measured_while_a_graph_is_captured(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["torch", "triton", "extension", "auto"])
 def test_vit_forward_and_backward_capture_in_a_cuda_graph(name):
     """Warm up (decisions, autotuning), capture a training step's forward + backward, replay it:

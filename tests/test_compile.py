@@ -11,7 +11,7 @@ import torch
 import vit
 import vit_kernels as vk
 from vit_kernels import _ext, backend
-from tests.conftest import requires_cuda
+from tests.helpers import requires_cuda
 
 needs_extension = pytest.mark.skipif(_ext.supports(torch.device("cpu"), torch.float32) is not None,
                                      reason="vit_kernels._C is not built")
@@ -83,7 +83,6 @@ def test_set_backend_and_a_new_decision_retrace():
 
 
 @requires_cuda
-@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["triton", "extension", "torch"])
 def test_vit_compiled_under_each_backend_runs_it_on_cuda(name):
     """A ViT compiled under use_backend(name) holds that backend's ops and agrees with eager."""

@@ -1,6 +1,7 @@
 """Non-finite and empty inputs behave on every backend as they do in PyTorch: NaN and Inf propagate
 to the same outputs and gradients (no clamping), empty batches give empty results, and inputs
-PyTorch refuses are refused by every backend with the same Python exception type."""
+PyTorch refuses are refused by every backend with the same Python exception type. Non-finite and
+empty inputs run on CUDA too (``gpu`` cases), against PyTorch's float32 results on the CPU."""
 
 from __future__ import annotations
 
@@ -12,21 +13,26 @@ import torch.nn.functional as F
 
 import vit_kernels as vk
 from vit_kernels import _ext
-from tests.helpers import CPU_BACKENDS, TOLERANCES
+from tests.helpers import (
+    CPU_BACKENDS, CUDA_DTYPES, DTYPE_NAMES, TOLERANCES, cuda_param, device_backends, exact_float32,
+)
 
 
-def run(fn, inputs):
-    """fn(*leaves) and the gradient of every tensor input for a fixed upstream gradient of ones."""
-    leaves = [t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
-    result = fn(*leaves)
-    outs = list(result) if isinstance(result, (tuple, list)) else [result]
-    targets = [t for t in leaves if isinstance(t, torch.Tensor)]
-    grads = torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
+def run(fn, inputs, device="cpu"):
+    """fn(*leaves) on ``device`` and the gradient of every tensor input for a fixed upstream gradient
+    of ones; float32 without TF32 on CUDA (as on the CPU)."""
+    leaves = [t.detach().clone().to(device).requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
+    with exact_float32(device):
+        result = fn(*leaves)
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        targets = [t for t in leaves if isinstance(t, torch.Tensor)]
+        grads = torch.autograd.grad(outs, targets, [torch.ones_like(o) for o in outs], allow_unused=True)
     return [o.detach() for o in outs], list(grads)
 
 
 def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """NaN where PyTorch has NaN, the same infinities, close finite values."""
+    actual = actual.cpu()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.equal(actual.isnan(), expected.isnan()), f"{what}: NaN at {actual.isnan().nonzero().tolist()}, PyTorch at {expected.isnan().nonzero().tolist()}"
     assert torch.equal(actual.isposinf(), expected.isposinf()), f"{what}: +inf differs from PyTorch"
@@ -159,15 +165,15 @@ def kernel_op(name: str) -> str:
     return name.split()[0]
 
 
-@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("device,backend_name", device_backends())
 @pytest.mark.parametrize("name,op,reference,inputs", NON_FINITE_CASES, ids=[c[0] for c in NON_FINITE_CASES])
-def test_non_finite_values_propagate_as_in_pytorch(backend_name, name, op, reference, inputs):
+def test_non_finite_values_propagate_as_in_pytorch(device, backend_name, name, op, reference, inputs):
     exemption = torch_backend_exemption(name) if backend_name == "torch" else None
     if exemption is not None:
         pytest.skip(f"the torch backend is PyTorch's own op here: {exemption}")
     expected_outs, expected_grads = run(reference, inputs)
     with vk.use_backend(backend_name):
-        outs, grads = run(op, inputs)
+        outs, grads = run(op, inputs, device)
     for i, (o, e) in enumerate(zip(outs, expected_outs)):
         assert_same_values(o, e, f"{name} on {backend_name}: output {i}")
     for i, (g, e) in enumerate(zip(grads, expected_grads)):
@@ -189,13 +195,13 @@ EMPTY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("device,backend_name", device_backends())
 @pytest.mark.parametrize("name,op,inputs,shape", EMPTY_CASES, ids=[c[0] for c in EMPTY_CASES])
-def test_empty_inputs_give_what_pytorch_gives(backend_name, name, op, inputs, shape):
+def test_empty_inputs_give_what_pytorch_gives(device, backend_name, name, op, inputs, shape):
     with vk.use_backend("torch"):
         expected_outs, expected_grads = run(op, inputs)
     with vk.use_backend(backend_name):
-        outs, grads = run(op, inputs)
+        outs, grads = run(op, inputs, device)
     assert tuple(outs[0].shape) == shape
     for o, e in zip(outs + grads, expected_outs + expected_grads):
         assert (o is None) == (e is None)
@@ -220,8 +226,12 @@ def test_refused_inputs_raise_the_same_error_everywhere(backend_name, name, call
 
 
 @pytest.mark.skipif(_ext.extension_unavailable_reason() is not None, reason="vit_kernels._C is not built")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_extension_softmax_non_finite_rows_as_torch(dtype):
+@pytest.mark.parametrize("device,dtype", [
+    *[pytest.param("cpu", dt, id=f"dtype{i}")
+      for i, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16))],
+    *[cuda_param("cuda", dt, id=DTYPE_NAMES[dt], skip_reason=_ext.supports(torch.device("cuda"), dt)) for dt in CUDA_DTYPES],
+])
+def test_extension_softmax_non_finite_rows_as_torch(device, dtype):
     """NaN anywhere in a row, +inf, or a row of -inf give NaN rows as torch.softmax does; large
     finite logits stay exact."""
     rows = torch.tensor([
@@ -232,8 +242,9 @@ def test_extension_softmax_non_finite_rows_as_torch(dtype):
         [80.0, -80.0, 0.0, 1.0],
         [1e4, 1.0, -1e4, 2.0],
     ]).to(dtype)
-    assert_same_values(torch.ops.vit_kernels.softmax(rows), torch.softmax(rows, dim=-1), f"softmax {dtype}")
-    x = torch.linspace(-120.0, 100.0, 4096, dtype=torch.float32).reshape(-1, 4)
+    ours = torch.ops.vit_kernels.softmax(rows.to(device))
+    assert_same_values(ours, torch.softmax(rows, dim=-1), f"softmax {dtype} on {device}")
+    x = torch.linspace(-120.0, 100.0, 4096, dtype=torch.float32, device=device).reshape(-1, 4)
     assert torch.isfinite(torch.ops.vit_kernels.softmax(x)).all()
     torch.testing.assert_close(torch.ops.vit_kernels.softmax(x), torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
 

@@ -7,7 +7,8 @@ backpropagates a random upstream gradient, and compares the output and every inp
 same formula in float64 on the same (rounded) inputs. The bound on the max-abs error is
 ``max(atol + rtol * max|reference|, 2 x PyTorch's own error)``, where PyTorch's own error is that of a
 plain PyTorch composition (``F.linear``, ``F.layer_norm``, ``softmax(q k^T) v``, ``F.conv2d``) in the
-same dtype on the same inputs.
+same dtype on the same inputs. On CUDA (``gpu`` cases, the quick profile) the floor is one unit in the
+last place of the largest reference value instead (``tests.helpers.error_bound``).
 
 ``make test`` runs a fixed-seed budget of examples per op and backend; the ``slow`` tests run the
 ``thorough`` profile (thousands of cases). Classes of failures found so far are kept as explicit
@@ -29,7 +30,9 @@ from hypothesis import strategies as st
 
 import vit_kernels as vk
 from vit_kernels import backend
-from tests.helpers import CPU_BACKENDS, TOLERANCES
+from tests.helpers import (
+    CPU_BACKENDS, CUDA, CUDA_BACKENDS, assert_within_pytorch_error, cuda_kernel_dtypes, cuda_param, device_reason,
+)
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
 QUICK = settings(max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_QUICK", "30")), derandomize=True, **SETTINGS)
@@ -45,8 +48,9 @@ RESIDUAL_LAYOUTS = ("contiguous", "transposed", "sliced", "expanded", "offset")
 
 
 def make(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0,
-         shift: float = 0.0) -> torch.Tensor:
-    """Random N(shift, scale^2) values of ``shape`` in ``dtype``, laid out as ``layout``:
+         shift: float = 0.0, *, device: str = "cpu") -> torch.Tensor:
+    """Random N(shift, scale^2) values of ``shape`` in ``dtype`` on ``device`` (drawn on the CPU from
+    ``gen``, so that a case has the same values on every device), laid out as ``layout``:
 
     contiguous; transposed (last two dims swapped in memory); sliced / strided (every other
     element of the last dim); expanded (stride 0 along the first dim); offset (cut from a wider
@@ -54,7 +58,7 @@ def make(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Gen
     """
 
     def randn(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
+        return (torch.randn(*size, generator=gen, dtype=torch.float64) * scale + shift).to(device, dtype)
 
     if layout == "contiguous":
         return randn(*shape)
@@ -69,6 +73,17 @@ def make(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Gen
     if layout == "channels_last" and len(shape) == 4:
         return randn(*shape).contiguous(memory_format=torch.channels_last)
     return randn(*shape)
+
+
+def drawer(case: dict) -> Callable[..., torch.Tensor]:
+    """``make`` for one case: values from its seed (one CPU generator, so that a case draws the same
+    values on every device), in its dtype, on its device (the CPU unless the case names one)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+
+    def sample(shape: tuple[int, ...], layout: str, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return make(shape, layout, case["dtype"], gen, scale, shift, device=case.get("device", "cpu"))
+
+    return sample
 
 
 def leaf(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -90,14 +105,9 @@ def run(fn: Callable, inputs: list, upstream: Optional[list] = None, seed: int =
         gen = torch.Generator().manual_seed(seed)
         upstream = [torch.randn(o.shape, dtype=torch.float64, generator=gen) for o in outs]
     targets = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(outs, targets, [g.to(o.dtype) for g, o in zip(upstream, outs)], allow_unused=True)
+    grads = torch.autograd.grad(outs, targets, [g.to(o.device, o.dtype) for g, o in zip(upstream, outs)],
+                                allow_unused=True)
     return [o.detach() for o in outs], list(grads), upstream
-
-
-def max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    if reference.numel() == 0:
-        return 0.0
-    return (actual.double() - reference).abs().max().item()
 
 
 def check_case(name: str, backend_name: str, op: Callable, formula: Callable, baseline: Callable,
@@ -117,51 +127,53 @@ def check_case(name: str, backend_name: str, op: Callable, formula: Callable, ba
         return
     base_outs, base_grads, _ = run(baseline, base_in, upstream)
     names = [f"output {i}" for i in range(len(outs))] + [f"d{n}" for n, t in zip(input_names, inputs) if t is not None]
-    atol, rtol = TOLERANCES[dtype]
+    device = next(t.device for t in inputs if t is not None)
     for what, ours, base, ref in zip(names, outs + grads, base_outs + base_grads, ref_outs + ref_grads):
         if ref is None:
             continue
         assert ours is not None, f"{name} on {backend_name}: no {what}"
         assert ours.shape == ref.shape, f"{name} on {backend_name}: {what} shape {tuple(ours.shape)} != {tuple(ref.shape)}"
         assert ours.dtype == dtype, f"{name} on {backend_name}: {what} dtype {ours.dtype}, expected {dtype}"
-        error, own = max_error(ours, ref), max_error(base, ref)
-        scale = ref.abs().max().item() if ref.numel() else 0.0
-        bound = max(atol + rtol * scale, 2 * own)
-        assert error <= bound, (
-            f"{name} on {backend_name} ({dtype}): {what} max error {error:.3g} > bound {bound:.3g} "
-            f"(PyTorch's own error {own:.3g}, max |reference| {scale:.3g})"
-        )
+        assert_within_pytorch_error(f"{name} on {backend_name}: {what}", ours, base, ref, dtype, device)
 
 
-def runnable(op: str, backend_name: str, dtype: torch.dtype) -> bool:
-    """Whether ``backend_name`` runs ``op`` on CPU tensors of ``dtype`` here. Interpreted Triton is
-    left out in bfloat16: the interpreter rounds float32 to bfloat16 by truncation where a GPU rounds
-    to nearest (3 - 0.0007 becomes 2.984, not 3), so its bfloat16 results are not the kernel's."""
-    if backend_name == "triton" and dtype == torch.bfloat16:
+def runnable(op: str, backend_name: str, dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether ``backend_name`` runs ``op`` on ``device`` tensors of ``dtype`` here. Interpreted
+    Triton is left out in bfloat16: the interpreter rounds float32 to bfloat16 by truncation where a
+    GPU rounds to nearest (3 - 0.0007 becomes 2.984, not 3), so its bfloat16 results are not the kernel's."""
+    if backend_name == "triton" and dtype == torch.bfloat16 and device == "cpu":
         return False
-    return backend.unsupported_reason(op, backend_name, torch.device("cpu"), dtype) is None
+    return backend.unsupported_reason(op, backend_name, torch.device(device), dtype) is None
 
 
-def fuzz(op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict]) -> tuple[Callable, Callable]:
+def fuzz(op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict]) -> tuple[Callable, Callable, Callable]:
     """A quick (fixed seed, ``make test``) and a thorough (``slow``) test of ``check`` over every
-    CPU backend, with the regression ``examples`` run first."""
+    CPU backend, and the quick one on CUDA over every backend (``gpu`` cases), with the regression
+    ``examples`` run first. A drawn case the backend cannot run (its dtype) has nothing to check."""
 
     def body(backend_name: str, case: dict) -> None:
         if not runnable(op, backend_name, case["dtype"]):
             return
         check(case, backend_name)
 
-    def build(profile: settings, marks: tuple) -> Callable:
-        test = given(case=cases)(body)
+    def body_on_cuda(backend_name: str, case: dict) -> None:
+        if not runnable(op, backend_name, case["dtype"], "cuda"):
+            return
+        check({**case, "device": "cuda"}, backend_name)
+
+    def build(test_body: Callable, profile: settings, backends: list, marks: tuple = ()) -> Callable:
+        test = given(case=cases)(test_body)
         for case in examples:
             test = example(case=case)(test)
         test = profile(test)
-        test = pytest.mark.parametrize("backend_name", CPU_BACKENDS)(test)
+        test = pytest.mark.parametrize("backend_name", backends)(test)
         for mark in marks:
             test = mark(test)
         return test
 
-    return build(QUICK, ()), build(THOROUGH, (pytest.mark.slow,))
+    on_cuda = [cuda_param(name, id=name, skip_reason=device_reason(name, CUDA)) for name in CUDA_BACKENDS]
+    return (build(body, QUICK, CPU_BACKENDS), build(body, THOROUGH, CPU_BACKENDS, (pytest.mark.slow,)),
+            build(body_on_cuda, QUICK, on_cuda))
 
 
 sizes = st.integers
@@ -199,24 +211,24 @@ def linear_cases(draw) -> dict:
 
 def linear_inputs(case: dict, second: bool = False) -> tuple[list, torch.Size]:
     """x (..., K), W (N, K) or W1 (Hd, K), b, [W2 (N, Hd), b2], residual (..., N)."""
-    gen = torch.Generator().manual_seed(case["seed"])
+    sample = drawer(case)
     dtype, k, n = case["dtype"], case["k"], case["n"]
     rows = case["batch"]
     x_shape = (*rows, k) if len(rows) else (k,)
-    x = make(x_shape, case["x_layout"] if len(rows) else "contiguous", dtype, gen, case["scale"])
+    x = sample(x_shape, case["x_layout"] if len(rows) else "contiguous", case["scale"])
     first_out = case["hidden"] if second else n
-    w = make((first_out, k), case["w_layout"], dtype, gen, 1 / math.sqrt(k))
-    b = None if case["bias"] is None else make((first_out,), case["bias"], dtype, gen)
+    w = sample((first_out, k), case["w_layout"], 1 / math.sqrt(k))
+    b = None if case["bias"] is None else sample((first_out,), case["bias"])
     out_shape = (*x_shape[:-1], n)
     extra = []
     if second:
-        w2 = make((n, case["hidden"]), case["w2_layout"], dtype, gen, 1 / math.sqrt(case["hidden"]))
-        b2 = None if case["bias2"] is None else make((n,), case["bias2"], dtype, gen)
+        w2 = sample((n, case["hidden"]), case["w2_layout"], 1 / math.sqrt(case["hidden"]))
+        b2 = None if case["bias2"] is None else sample((n,), case["bias2"])
         extra = [w2, b2]
     layout = case["residual"]
     if layout in ("transposed", "expanded") and len(out_shape) < 2:
         layout = "strided"
-    r = None if layout is None else make(out_shape, layout, dtype, gen)
+    r = None if layout is None else sample(out_shape, layout)
     return [x, w, b, *extra, r], out_shape
 
 
@@ -271,10 +283,11 @@ LINEAR_EXAMPLES = [  # the failure classes found so far: strided biases, non-uni
     {**LINEAR_BASE, "x_layout": "transposed", "w_layout": "transposed", "dtype": torch.float16, "approximate": "tanh"},
 ]
 
-test_linear_fuzz, test_linear_fuzz_thorough = fuzz("linear", linear_cases(), check_linear, LINEAR_EXAMPLES)
-test_linear_gelu_fuzz, test_linear_gelu_fuzz_thorough = fuzz(
+test_linear_fuzz, test_linear_fuzz_thorough, test_linear_fuzz_on_cuda = fuzz(
+    "linear", linear_cases(), check_linear, LINEAR_EXAMPLES)
+test_linear_gelu_fuzz, test_linear_gelu_fuzz_thorough, test_linear_gelu_fuzz_on_cuda = fuzz(
     "linear_gelu", linear_cases(), check_linear_gelu, LINEAR_EXAMPLES)
-test_mlp_fuzz, test_mlp_fuzz_thorough = fuzz("mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES)
+test_mlp_fuzz, test_mlp_fuzz_thorough, test_mlp_fuzz_on_cuda = fuzz("mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES)
 
 
 # ----------------------------------------------------------------------------- layer_norm
@@ -298,7 +311,7 @@ def layer_norm_cases(draw) -> dict:
 
 
 def check_layer_norm(case: dict, backend_name: str) -> None:
-    gen = torch.Generator().manual_seed(case["seed"])
+    sample = drawer(case)
     dtype, dim, eps = case["dtype"], case["dim"], case["eps"]
     shape = (*case["batch"], dim)
     matrix = len(shape) >= 2
@@ -307,10 +320,10 @@ def check_layer_norm(case: dict, backend_name: str) -> None:
         chosen = case[name]
         return chosen if matrix or chosen not in ("transposed", "expanded") else "sliced"
 
-    x = make(shape, layout("x_layout"), dtype, gen, case["scale"], case["shift"])
-    w = None if case["weight"] is None else make((dim,), case["weight"], dtype, gen, 1.0, 1.0)
-    b = None if case["bias"] is None else make((dim,), case["bias"], dtype, gen)
-    r = None if case["residual"] is None else make(shape, layout("residual"), dtype, gen, case["scale"])
+    x = sample(shape, layout("x_layout"), case["scale"], case["shift"])
+    w = None if case["weight"] is None else sample((dim,), case["weight"], 1.0, 1.0)
+    b = None if case["bias"] is None else sample((dim,), case["bias"])
+    r = None if case["residual"] is None else sample(shape, layout("residual"), case["scale"])
 
     def formula(x, w, b, r):
         # s = x + r, returned in the input dtype and normalised as returned (its rounding passes the
@@ -342,7 +355,7 @@ LAYER_NORM_EXAMPLES = [  # strided weight/bias; rows with a large mean
     {**LAYER_NORM_BASE, "shift": 1000.0, "scale": 1e-3, "dtype": torch.float16},
 ]
 
-test_layer_norm_fuzz, test_layer_norm_fuzz_thorough = fuzz(
+test_layer_norm_fuzz, test_layer_norm_fuzz_thorough, test_layer_norm_fuzz_on_cuda = fuzz(
     "layer_norm", layer_norm_cases(), check_layer_norm, LAYER_NORM_EXAMPLES)
 
 
@@ -391,14 +404,14 @@ def attention_cases(draw) -> dict:
 def attention_qkv(case: dict) -> torch.Tensor:
     """qkv (B, L, 3D) in the case's layout: contiguous; transposed (stored (L, B, 3D)); sliced
     (every other token of a longer sequence); offset (cut from a wider projection)."""
-    gen = torch.Generator().manual_seed(case["seed"])
+    sample = drawer(case)
     b, length, width = case["batch"], case["length"], 3 * case["heads"] * case["head_dim"]
     layout = case["layout"]
     if layout == "transposed":
-        return make((length, b, width), "contiguous", case["dtype"], gen, case["magnitude"]).transpose(0, 1)
+        return sample((length, b, width), "contiguous", case["magnitude"]).transpose(0, 1)
     if layout == "sliced":
-        return make((b, 2 * length, width), "contiguous", case["dtype"], gen, case["magnitude"])[:, ::2]
-    return make((b, length, width), layout, case["dtype"], gen, case["magnitude"])
+        return sample((b, 2 * length, width), "contiguous", case["magnitude"])[:, ::2]
+    return sample((b, length, width), layout, case["magnitude"])
 
 
 def check_attention(case: dict, backend_name: str) -> None:
@@ -423,19 +436,22 @@ ATTENTION_EXAMPLES = [  # saturated softmax (logits ~1e4), L = 1 (dq = dk = 0), 
     {**ATTENTION_BASE, "layout": "sliced", "dtype": torch.float16, "head_dim": 5},
 ]
 
-test_attention_fuzz, test_attention_fuzz_thorough = fuzz(
+test_attention_fuzz, test_attention_fuzz_thorough, test_attention_fuzz_on_cuda = fuzz(
     "attention", attention_cases(), check_attention, ATTENTION_EXAMPLES)
 
 
-@pytest.mark.parametrize("backend_name", CPU_BACKENDS[1:])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_single_token_gradients_are_exact_zeros(backend_name, dtype):
+@pytest.mark.parametrize("device,backend_name,dtype", [
+    *[pytest.param("cpu", name, dt, id=f"dtype{i}-{name}") for i, dt in enumerate((torch.float32, torch.float16))
+      for name in CPU_BACKENDS[1:]],
+    *cuda_kernel_dtypes("attention"),
+])
+def test_attention_single_token_gradients_are_exact_zeros(device, backend_name, dtype):
     """With one token the softmax is the constant 1: out = v, so dq = dk = 0 exactly. (The kernel
     backends; the torch backend is PyTorch's scaled_dot_product_attention, whose CPU backward
     leaves rounding-level values there.)"""
-    if not runnable("attention", backend_name, dtype):
-        pytest.skip(backend.unsupported_reason("attention", backend_name, torch.device("cpu"), dtype))
-    qkv = (torch.randn(3, 1, 3 * 2 * 16) * 10).to(dtype).requires_grad_(True)
+    if not runnable("attention", backend_name, dtype, device):
+        pytest.skip(backend.unsupported_reason("attention", backend_name, torch.device(device), dtype))
+    qkv = (torch.randn(3, 1, 3 * 2 * 16) * 10).to(device, dtype).requires_grad_(True)
     with vk.use_backend(backend_name):
         out = vk.attention(qkv, 2)
     grad_out = torch.randn_like(out)
@@ -468,19 +484,19 @@ def patch_embed_cases(draw) -> dict:
 
 
 def check_patch_embed(case: dict, backend_name: str) -> None:
-    gen = torch.Generator().manual_seed(case["seed"])
+    sample = drawer(case)
     dtype, p, dim, c = case["dtype"], case["patch"], case["dim"], case["channels"]
     gh, gw = case["grid"]
     shape = (case["batch"], c, gh * p, gw * p)
-    images = make(shape, case["image_layout"], dtype, gen, case["scale"])
-    w = make((dim, c, p, p), case["weight_layout"], dtype, gen, 1 / math.sqrt(c * p * p))
-    b = None if case["bias"] is None else make((dim,), case["bias"], dtype, gen)
-    cls = make((1, 1, dim), "contiguous", dtype, gen) if case["cls"] else None
+    images = sample(shape, case["image_layout"], case["scale"])
+    w = sample((dim, c, p, p), case["weight_layout"], 1 / math.sqrt(c * p * p))
+    b = None if case["bias"] is None else sample((dim,), case["bias"])
+    cls = sample((1, 1, dim), "contiguous") if case["cls"] else None
     tokens = gh * gw + case["cls"]
     if case["pos"] == "expanded_tokens":  # one row broadcast over every token (stride 0)
-        pos = make((1, 1, dim), "contiguous", dtype, gen).expand(1, tokens, dim)
+        pos = sample((1, 1, dim), "contiguous").expand(1, tokens, dim)
     else:
-        pos = None if case["pos"] is None else make((1, tokens, dim), case["pos"], dtype, gen)
+        pos = None if case["pos"] is None else sample((1, tokens, dim), case["pos"])
 
     def formula(images, w, b, cls, pos):
         # tokens[n, l] = sum_{c,i,j} images[n, c, P r + i, P s + j] w[d, c, i, j] + b[d], l = r * gw + s;
@@ -514,5 +530,5 @@ PATCH_EXAMPLES = [  # strided bias; sliced images; broadcast position embedding
     {**PATCH_BASE, "image_layout": "channels_last", "channels": 5, "patch": 1, "cls": False, "pos": "sliced"},
 ]
 
-test_patch_embed_fuzz, test_patch_embed_fuzz_thorough = fuzz(
+test_patch_embed_fuzz, test_patch_embed_fuzz_thorough, test_patch_embed_fuzz_on_cuda = fuzz(
     "patch_embed", patch_embed_cases(), check_patch_embed, PATCH_EXAMPLES)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import backend_dtypes, check_against_formula
+from tests.helpers import backend_dtypes, check_against_formula, device_backend_dtypes
 
 
 def layer_norm_formula(x, weight, bias, residual, eps):
@@ -25,12 +25,14 @@ def run_layer_norm(x, weight, bias, residual, eps):
 
 @pytest.mark.parametrize("shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("backend_name,dtype", backend_dtypes([torch.float32, torch.float16, torch.bfloat16]))
-def test_layer_norm(backend_name, dtype, shape, with_residual):
+@pytest.mark.parametrize("device,backend_name,dtype",
+                         device_backend_dtypes("layer_norm", backend_dtypes([torch.float32, torch.float16, torch.bfloat16])))
+def test_layer_norm(device, backend_name, dtype, shape, with_residual):
     dim = shape[-1]
     inputs = [torch.randn(shape) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(shape) if with_residual else None]
     with vk.use_backend(backend_name):
-        check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"], eps=1e-5)
+        check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"],
+                              device, eps=1e-5)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula
+from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula, device_backend_dtypes
 
-BACKEND_DTYPES = backend_dtypes([torch.float32, torch.float16])
+CPU_PAIRS = backend_dtypes([torch.float32, torch.float16])
 
 
 def gelu_formula(z, approximate):
@@ -36,8 +36,8 @@ SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
-@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
-def test_linear(backend_name, dtype, x_shape, k, n, with_bias, with_residual):
+@pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear", CPU_PAIRS))
+def test_linear(device, backend_name, dtype, x_shape, k, n, with_bias, with_residual):
     if backend_name == "extension" and not with_residual:
         pytest.skip("the extension's linear takes only calls with a residual to fuse (a limit in its table)")
     inputs = [
@@ -51,27 +51,27 @@ def test_linear(backend_name, dtype, x_shape, k, n, with_bias, with_residual):
         return vk.linear(x, w, b, residual=r)
 
     with vk.use_backend(backend_name):
-        check_against_formula(run, linear_formula, inputs, dtype, ["x", "weight", "bias", "residual"])
+        check_against_formula(run, linear_formula, inputs, dtype, ["x", "weight", "bias", "residual"], device)
 
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
-def test_linear_gelu(backend_name, dtype, x_shape, k, n, approximate, with_bias):
+@pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear_gelu", CPU_PAIRS))
+def test_linear_gelu(device, backend_name, dtype, x_shape, k, n, approximate, with_bias):
     inputs = [torch.randn(x_shape), torch.randn(n, k) / math.sqrt(k), torch.randn(n) if with_bias else None]
     with vk.use_backend(backend_name):
         check_against_formula(
-        lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
-            linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], approximate=approximate,
+            lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
+            linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], device, approximate=approximate,
         )
 
 
 @pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
-def test_mlp(backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
+@pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
+def test_mlp(device, backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
     inputs = [
         torch.randn(x_shape),
         torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden) if with_bias else None,
@@ -84,7 +84,8 @@ def test_mlp(backend_name, dtype, x_shape, d, hidden, approximate, with_residual
 
     with vk.use_backend(backend_name):
         check_against_formula(run, mlp_formula, inputs, dtype,
-                              ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], approximate=approximate)
+                              ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], device,
+                              approximate=approximate)
 
 
 def test_strided_input_is_read_in_place(on_backend):

@@ -6,6 +6,7 @@ from torch import nn
 
 import vit
 from vit.model import ViTConfig, sincos_pos_embed
+from tests.helpers import requires_cuda
 
 TIMM_COUNTS = {
     "vit_tiny_patch16_224": 5_717_416,
@@ -186,7 +187,7 @@ def test_training_follows_the_same_loss_curve_on_triton_long():
     _compare_loss_curves(300)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_whole_vit_compiles_fullgraph_and_matches_eager_on_cuda(dtype):
     import vit_kernels as vk

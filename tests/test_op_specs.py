@@ -15,7 +15,8 @@ DTYPE = torch.float32
 
 
 def _check(spec, call) -> None:
-    inputs = spec.make_inputs(SMALL, torch.device("cpu"), DTYPE)
+    """On the default device: the CPU, or CUDA in the ``gpu`` cases of the on_backend fixture."""
+    inputs = spec.make_inputs(SMALL, torch.get_default_device(), DTYPE)
     names = list(inputs)
 
     def fn(*tensors):

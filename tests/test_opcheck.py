@@ -1,22 +1,21 @@
-"""``torch.library.opcheck`` on every Triton op that autograd sees (schema, autograd registration),
-under the interpreter; fake-tensor and AOT checks trace the kernels, which needs a GPU (see
-test_attention.py::test_opcheck_full_on_cuda)."""
+"""``torch.library.opcheck`` on every Triton op that autograd sees: schema and autograd registration
+under the interpreter; on CUDA (``gpu`` cases) every check, fake tensors and AOT dispatch included,
+which trace the kernels (attention's: test_attention.py::test_opcheck_full_on_cuda)."""
 
 import pytest
 import torch
 
-from tests.helpers import CPU_BACKENDS
+from tests.helpers import CPU_BACKENDS, CUDA, device_reason, requires_cuda
 
-pytestmark = pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
 UTILS = ("test_schema", "test_autograd_registration")
 
 
-def _grad(*shape):
-    return torch.randn(*shape, requires_grad=True)
-
-
-def cases():
+def cases(device: str = "cpu"):
     ops = torch.ops.vit_kernels
+
+    def _grad(*shape):
+        return torch.randn(*shape, device=device, requires_grad=True)
+
     x = _grad(2, 5, 12)
     return {
         "layer_norm_fwd": (lambda: ops.layer_norm_fwd, (x, _grad(12), _grad(12), 1e-5, _grad(2, 5, 12))),
@@ -28,7 +27,16 @@ def cases():
     }
 
 
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
 @pytest.mark.parametrize("name", sorted(cases()))
 def test_triton_op_passes_opcheck(name):
     op, args = cases()[name]
     torch.library.opcheck(op(), args, test_utils=UTILS)
+
+
+@requires_cuda
+@pytest.mark.skipif(device_reason("triton", CUDA) is not None, reason=str(device_reason("triton", CUDA)))
+@pytest.mark.parametrize("name", sorted(cases()))
+def test_triton_op_passes_full_opcheck_on_cuda(name):
+    op, args = cases("cuda")[name]
+    torch.library.opcheck(op(), args)

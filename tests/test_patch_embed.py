@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import backend_dtypes, check_against_formula
+from tests.helpers import backend_dtypes, check_against_formula, device_backend_dtypes
 
-BACKEND_DTYPES = backend_dtypes([torch.float32, torch.float16])
+BACKEND_DTYPES = device_backend_dtypes("patch_embed", backend_dtypes([torch.float32, torch.float16]))
 
 
 def patch_embed_formula(images, weight, bias, cls_token, pos_embed, patch_size):
@@ -46,11 +46,11 @@ NAMES = ["images", "weight", "bias", "cls_token", "pos_embed"]
     "n,c,h,w,p,dim",
     [(2, 3, 32, 32, 4, 48), (3, 1, 28, 28, 7, 64), (2, 3, 16, 24, 8, 20), (1, 3, 32, 48, 16, 37), (2, 2, 8, 8, 4, 13)],
 )
-@pytest.mark.parametrize("backend_name,dtype", BACKEND_DTYPES)
-def test_patch_embed_matches_formula(backend_name, dtype, n, c, h, w, p, dim):
+@pytest.mark.parametrize("device,backend_name,dtype", BACKEND_DTYPES)
+def test_patch_embed_matches_formula(device, backend_name, dtype, n, c, h, w, p, dim):
     inputs = make_inputs(n, c, h, w, p, dim)
     with vk.use_backend(backend_name):
-        check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, NAMES, patch_size=p)
+        check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, NAMES, device, patch_size=p)
 
 
 @pytest.mark.parametrize("with_bias,with_cls,with_pos", [(False, False, False), (True, False, True), (False, True, False)])

@@ -1,0 +1,210 @@
+"""Every entry of every tile table and autotune list, run on the GPU (``gpu`` cases, CUDA only).
+
+`make check-gpu` compiles each entry for sm_80 and sm_90, but compiling is not correctness: on an
+H100 a dK/dV tile that compiled cleanly computed a wrong dK. Here each entry runs on the device,
+forced one at a time, and the output and every gradient must stay within twice PyTorch's own error
+in the same dtype against float64 (``tests.helpers.check_against_formula``). The cases are built
+from the tables' values at import, so they follow the tables when entries change, and the ids name
+the tile:
+
+* attention: each forward tile of ``ATTENTION_FWD_TILES`` and each (dQ, dK/dV) pair of
+  ``ATTENTION_BWD_TILES`` (the launchers' tile choice pinned to it) at L = 197, for each head dim
+  among 16, 64, 80, 96, 128 and 256 that its (precision, padded head dim) key serves, in float32 or
+  in float16 and bfloat16; dq, dk and dv are compared each on its own.
+* GEMMs: each config of ``GEMM_TILES_16BIT`` (float16, bfloat16) and ``GEMM_TILES_FP32`` (float32),
+  pinned in linear's autotuner (linear, linear_gelu, mlp: forward and every backward GEMM, split-K
+  included) and in patch_embed's forward autotuner.
+* layer_norm: one width per launch configuration its heuristic picks (rows per program, tiles and
+  warps, forward and backward), read from the launcher itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from tests.helpers import CUDA, DTYPE_NAMES, check_against_formula, cuda_param, device_reason
+from tests.test_attention import formula_out, out_only
+from tests.test_layer_norm import layer_norm_formula, run_layer_norm
+from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
+from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
+from vit_kernels._triton import HAS_TRITON, recording_launches, triton
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+SKIP = device_reason("triton", CUDA)
+HEAD_DIMS = (16, 64, 80, 96, 128, 256)
+LENGTH = 197
+
+
+def pin(monkeypatch, module, name: str, config):
+    """Replace the autotuned kernel ``module.<name>`` for this test by one with ``config`` as its
+    only candidate (Triton's autotuner runs a single config without timing). Returns the new
+    autotuner: its ``best_config`` is ``config`` once a launch has run it."""
+    tuned = getattr(module, name)
+    pinned = triton.autotune(configs=[config], key=[])(tuned.fn)
+    monkeypatch.setattr(module, name, pinned)
+    return pinned
+
+
+def tile_id(tile: tuple[int, ...]) -> str:
+    return "x".join(map(str, tile[:-2])) + f"-w{tile[-2]}s{tile[-1]}"
+
+
+def config_id(config) -> str:
+    blocks = "x".join(str(v) for k, v in config.kwargs.items() if k.startswith("BLOCK"))
+    return f"{blocks}-w{config.num_warps}s{config.num_stages}"
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+
+def attention_cases() -> list:
+    """Per (precision, padded head dim) key, dtype and head dim it serves: each forward tile (with the
+    default backward pair), then each further backward pair (with the default forward tile)."""
+    cases = []
+    for key, fwd_tiles in attention.ATTENTION_FWD_TILES.items():
+        fp32, _ = key
+        pairs = attention.ATTENTION_BWD_TILES[key]
+        runs = [(tile, pairs[0]) for tile in fwd_tiles] + [(fwd_tiles[0], pair) for pair in pairs[1:]]
+        for dtype in (torch.float32,) if fp32 else (torch.float16, torch.bfloat16):
+            for head_dim in [d for d in HEAD_DIMS if attention._tile_key(dtype, d) == key]:
+                for fwd, (dq, dkdv) in runs:
+                    name = f"{DTYPE_NAMES[dtype]}-hd{head_dim}-fwd{tile_id(fwd)}-dq{tile_id(dq)}-dkdv{tile_id(dkdv)}"
+                    cases.append(cuda_param(dtype, head_dim, fwd, (dq, dkdv), id=name, skip_reason=SKIP))
+    return cases
+
+
+@pytest.mark.parametrize("dtype,head_dim,fwd,pair", attention_cases())
+def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
+    """The launchers pinned to one forward tile and one backward pair (fitted to L as they would be)."""
+    launched = []
+
+    def pinned(tiles):
+        def choose(*args):
+            launched.append(tiles)
+            return (tiles,)
+        return choose
+
+    fitted = attention._fitted(fwd, LENGTH), tuple(attention._fitted(t, LENGTH) for t in pair)
+    monkeypatch.setattr(attention, "fwd_tiles", pinned(fitted[0]))
+    monkeypatch.setattr(attention, "bwd_tiles", pinned(fitted[1]))
+    heads = 2
+    qkv = torch.randn(2, LENGTH, 3 * heads * head_dim)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], CUDA,
+                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+    assert set(launched) == set(fitted), "the launchers did not run the pinned tiles"
+
+
+# ---- GEMMs: linear, linear_gelu, mlp, patch_embed's forward --------------------------------------
+
+
+def gemm_cases(op: str) -> list:
+    return [
+        cuda_param(dtype, config, id=f"{op}-{DTYPE_NAMES[dtype]}-{config_id(config)}", skip_reason=SKIP)
+        for dtypes in ((torch.float16, torch.bfloat16), (torch.float32,))
+        for dtype in dtypes
+        for config in linear.gemm_configs(dtype)
+    ]
+
+
+# 12 x 197 rows: the weight gradients' K (= rows) is deep enough for split-K on a GPU; widths that
+# no tile divides, so every tile has masked edges.
+ROWS, K, N = (12, LENGTH), 200, 300
+
+
+def linear_inputs(n_out: int = N) -> list:
+    return [torch.randn(*ROWS, K), torch.randn(n_out, K) / math.sqrt(K), torch.randn(n_out)]
+
+
+@pytest.mark.parametrize("dtype,config", gemm_cases("linear"))
+def test_linear_tile(monkeypatch, dtype, config):
+    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+    assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, "the weight gradient must take the split-K path"
+    inputs = linear_inputs() + [torch.randn(*ROWS, N)]
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs, dtype,
+                              ["x", "weight", "bias", "residual"], CUDA)
+    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+
+
+@pytest.mark.parametrize("dtype,config", gemm_cases("linear_gelu"))
+def test_linear_gelu_tile(monkeypatch, dtype, config):
+    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
+                              lambda x, w, b: linear_gelu_formula(x, w, b, "tanh"), linear_inputs(), dtype,
+                              ["x", "weight", "bias"], CUDA)
+    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+
+
+@pytest.mark.parametrize("dtype,config", gemm_cases("mlp"))
+def test_mlp_tile(monkeypatch, dtype, config):
+    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+    x, w1, b1 = linear_inputs()
+    inputs = [x, w1, b1, torch.randn(K, N) / math.sqrt(N), torch.randn(K), torch.randn(*ROWS, K)]
+
+    def run(x, w1, b1, w2, b2, r):
+        return vk.mlp(x, w1, b1, w2, b2, residual=r)
+
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"), inputs,
+                              dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], CUDA)
+    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+
+
+@pytest.mark.parametrize("dtype,config", gemm_cases("patch_embed"))
+def test_patch_embed_tile(monkeypatch, dtype, config):
+    """The forward's tile pinned; the backward's fixed tiles run in every case."""
+    pinned = pin(monkeypatch, patch_embed, "_patch_embed_fwd_kernel_tuned", config)
+    inputs = make_inputs(6, 3, 96, 96, 16, N)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA,
+                              patch_size=16)
+    assert pinned.best_config is config, "the forward did not run the pinned config"
+
+
+# ---- layer_norm ---------------------------------------------------------------------------------
+
+
+def layer_norm_launches(dim: int) -> tuple:
+    """The meta-parameters (rows, tiles, warps) of the forward and backward launches that the
+    layer_norm launcher picks for rows of ``dim`` on a GPU, recorded with meta tensors."""
+    x = torch.empty(4, dim, device="meta")
+    with recording_launches() as launches:
+        y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
+        torch.ops.vit_kernels.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
+    keys = ("ROWS", "TILES", "BLOCK_D", "num_warps")
+    return tuple(tuple((k, launch.kwargs[k]) for k in keys if k in launch.kwargs) for launch in launches)
+
+
+def layer_norm_cases() -> list:
+    """One width per distinct pair of launches, over widths 2^k - 2^k / 4 (1 to 49,152: ViT's 192,
+    384, 768 among them) and the largest the Triton kernel takes."""
+    widths = [max(1, 2**k - 2**k // 4) for k in range(17)] + [layer_norm.MAX_TRITON_COLS]
+    seen, cases = set(), []
+    for dim in widths:
+        launches = layer_norm_launches(dim)
+        if launches in seen:
+            continue
+        seen.add(launches)
+        fwd, bwd = (dict(launch) for launch in launches)
+        name = f"D{dim}-fwd{fwd['ROWS']}rows-w{fwd['num_warps']}-bwd{bwd['ROWS']}x{bwd['TILES']}rows-w{bwd['num_warps']}"
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cases.append(cuda_param(dtype, dim, id=f"{DTYPE_NAMES[dtype]}-{name}", skip_reason=SKIP))
+    return cases
+
+
+@pytest.mark.parametrize("dtype,dim", layer_norm_cases())
+def test_layer_norm_launch(dtype, dim):
+    rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
+    inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"],
+                              CUDA, eps=1e-5)
