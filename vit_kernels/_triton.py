@@ -13,6 +13,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from vit_kernels._autograd import tracing
+
 try:
     import triton
     import triton.language as tl
@@ -90,15 +92,19 @@ def recording() -> bool:
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)`` through ``torch.library.wrap_triton`` (so that
-    torch.compile traces it), or record it inside ``recording_launches``."""
+    """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
+    (so that torch.compile and fake tensors see it), directly in eager mode, or record it inside
+    ``recording_launches``."""
     launches = _recorder.get()
     if launches is not None:
         launches.append(Launch(kernel, grid if callable(grid) else tuple(grid), args, kwargs))
         return
-    import torch
+    if tracing():
+        import torch
 
-    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    else:  # eager: no tracing wrapper to build and consult on every launch
+        kernel[grid](*args, **kwargs)
 
 
 __all__ = ["HAS_TRITON", "Launch", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]
