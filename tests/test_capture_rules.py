@@ -94,3 +94,15 @@ def test_vit_forward_and_backward_capture_in_a_cuda_graph(name):
         torch.cuda.synchronize()
     torch.testing.assert_close(captured.float(), eager.float(), atol=1e-3, rtol=1e-3)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", [b for b in CPU_BACKENDS if b != "torch"])
+def test_a_second_derivative_through_a_kernel_raises(name):
+    """The kernels' backward is not itself differentiable: asking for a second derivative through it
+    raises instead of silently treating the first derivative as a constant."""
+    x = torch.randn(3, 8, requires_grad=True)
+    with vk.use_backend(name, strict=True):
+        y = vk.layer_norm(x, torch.randn(8), torch.randn(8))
+    (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()

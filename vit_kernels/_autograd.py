@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
@@ -62,6 +63,7 @@ def differentiable(
             return output
 
         @staticmethod
+        @once_differentiable  # the backward launches kernels: a second derivative through it raises
         def backward(ctx, *grads):
             return backward(ctx, *grads)
 
