@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        xh[k] = (xh[k] - mu) * inv;
+        xh[k] = in ? (xh[k] - mu) * inv : 0.0f;  // padding adds nothing, even where |mean| * rstd overflows
         gi[k] = dy[k] * w[k];
         sum_g += gi[k];
         sum_gx += gi[k] * xh[k];
@@ -393,13 +393,12 @@ std::tuple<at::Tensor, at::Tensor> run_backward(const at::Tensor& grad_out, cons
         weight_bias_grad);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!weight_bias_grad) return;
-    at::Tensor grads = at::empty({2, cols}, float_options);
+    grad_w = at::empty({cols}, float_options);  // two tensors: the op's outputs must not alias each other
+    grad_b = at::empty({cols}, float_options);
     const dim3 grid(static_cast<unsigned>((cols + 31) / 32), 2);
     layer_norm_bwd_reduce_kernel<<<grid, dim3(32, kReduceSlices), 0, stream>>>(
-        partial_w, partial_b, grads[0].data_ptr<float>(), grads[1].data_ptr<float>(), blocks, cols);
+        partial_w, partial_b, grad_w.data_ptr<float>(), grad_b.data_ptr<float>(), blocks, cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_w = grads[0];
-    grad_b = grads[1];
   });
   return {grad_w, grad_b};
 }
