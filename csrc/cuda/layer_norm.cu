@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
     const scalar_t* s_row = summed + row * cols;
     const scalar_t* dy_row = grad_out + row * cols;
     const float mu = valid ? mean[row] : 0.0f, inv = valid ? rstd[row] : 0.0f;
-    // Out-of-range columns and rows hold dy = 0, s = 0: they add nothing to any sum. xhat and
+    // Out-of-range columns and rows hold dy = 0, s = mean (xhat = 0): they add nothing to any sum. xhat and
     // g = dy * w stay in registers until ds is written, except in the 16-column scalar variant,
     // which reloads its row (from L1) for ds rather than spill.
     float xhat[kKeepRow ? kIters : 1][kVec], g[kKeepRow ? kIters : 1][kVec];
@@ -176,9 +176,12 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
       if (in) {
         load<scalar_t, kVec>(s_row, col, xh);
         load<scalar_t, kVec>(dy_row, col, dy);
-      } else {
+      } else {  // s = mean, dy = 0: xhat = 0 exactly, even where |mean| * rstd overflows (0 * inf is NaN)
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) xh[k] = dy[k] = 0.0f;
+        for (int k = 0; k < kVec; ++k) {
+          xh[k] = mu;
+          dy[k] = 0.0f;
+        }
       }
       if constexpr (kKeepWeight) {
 #pragma unroll
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(kMaxBackwardThreads)
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        xh[k] = in ? (xh[k] - mu) * inv : 0.0f;  // padding adds nothing, even where |mean| * rstd overflows
+        xh[k] = (xh[k] - mu) * inv;
         gi[k] = dy[k] * w[k];
         sum_g += gi[k];
         sum_gx += gi[k] * xh[k];
