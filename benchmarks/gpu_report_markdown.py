@@ -110,6 +110,21 @@ def _graphs(result: dict) -> list[str]:
     return lines + [""]
 
 
+def _tiles(result: dict) -> list[str]:
+    """The attention tiles chosen on this GPU, and every candidate's time or why it was excluded."""
+    rows = result.get("attention_tiles") or []
+    if not rows:
+        return []
+    lines = ["## Attention tiles chosen on this device", "",
+             "Each candidate validated (2x PyTorch's own error) then timed on the call's inputs; ms or the reason "
+             "it was excluded.", "", "| kernel | dtype, head dim, L, B*H | chosen | candidates |", "|---|---|---|---|"]
+    for r in rows:
+        trials = "; ".join(f"{tile}: {_g(trial) if isinstance(trial, float) else trial}"
+                           for tile, trial in r["candidates"].items())
+        lines.append(f"| {r['kernel']} | {', '.join(map(str, r['key']))} | {r['chosen']} | {trials} |")
+    return lines + [""]
+
+
 def _timings(data: dict) -> list[str]:
     ops = (data["sections"].get("ops") or {}).get("result") or {}
     models = (data["sections"].get("e2e") or {}).get("result") or {}
@@ -131,6 +146,7 @@ def render(data: dict) -> str:
         section = data["sections"].get(name)
         if section and section.get("result") is not None:
             lines += part(section["result"])
+    lines += _tiles((data["sections"].get("ops") or {}).get("result") or {})
     lines += _timings(data)
     for name, section in data["sections"].items():
         if section["status"] == "error":

@@ -102,3 +102,21 @@ def test_the_attention_check_catches_a_wrong_dk(dtype):
     wrong = torch.cat([dq, dk + noise, dv], dim=-1).to(dtype)
     problem = check([wrong])
     assert problem is not None and problem.startswith("dk:"), problem
+
+
+def test_the_gpu_report_lists_the_tiles_chosen(measurable):
+    from benchmarks import gpu_report_markdown
+
+    measurable.update({(64, 64, 4, 3): 0.2, (128, 64, 8, 3): 0.1})
+    attention.FWD_CHOOSER.forget()
+    try:
+        attention.FWD_CHOOSER.choose(("torch.bfloat16", 64, 197, 256), torch.device("cuda"),
+                                     [(64, 64, 4, 3), (128, 64, 8, 3)], lambda tile: [torch.zeros(1)],
+                                     lambda outputs: None)
+        rows = attention.tile_report()
+        assert rows == [{"kernel": "forward", "key": ["torch.bfloat16", 64, 197, 256], "chosen": "(128, 64, 8, 3)",
+                         "candidates": {"(64, 64, 4, 3)": 0.2, "(128, 64, 8, 3)": 0.1}}]
+        text = "\n".join(gpu_report_markdown._tiles({"attention_tiles": rows}))
+        assert "| forward | torch.bfloat16, 64, 197, 256 | (128, 64, 8, 3) |" in text
+    finally:
+        attention.FWD_CHOOSER.forget()

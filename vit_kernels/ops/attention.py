@@ -343,6 +343,17 @@ FWD_CHOOSER = TileChooser("attention forward")
 BWD_CHOOSER = TileChooser("attention backward")
 
 
+def tile_report() -> list[dict]:
+    """Every attention tile choice made in this process: kernel, key (dtype, head dim, length,
+    batch x heads bucket), the tile chosen and each candidate's time in ms or why it was excluded."""
+    rows = []
+    for kernel, chooser in (("forward", FWD_CHOOSER), ("backward", BWD_CHOOSER)):
+        for key, choice in chooser.report().items():
+            rows.append({"kernel": kernel, "key": list(key), "chosen": repr(choice.tile),
+                         "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}})
+    return rows
+
+
 def _block_d(head_dim: int) -> int:
     """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand)."""
     return max(16, triton.next_power_of_2(head_dim))
