@@ -680,11 +680,6 @@ def _resolve(op: str, device: torch.device, dtype: torch.dtype,
     return impl, None
 
 
-def dispatch(op: str, device: torch.device, dtype: torch.dtype, args: Sequence[Any]) -> Any:
-    """Resolve ``op`` for this call and run the chosen implementation on ``args``."""
-    return resolve(op, device, dtype, args).fn(*args)
-
-
 # ---- the per-call fast path ------------------------------------------------------------------------
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
