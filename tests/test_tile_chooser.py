@@ -120,3 +120,21 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
         assert "| forward | torch.bfloat16, 64, 197, 256 | (128, 64, 8, 3) |" in text
     finally:
         attention.FWD_CHOOSER.forget()
+
+
+def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
+    """Under torch.compile with dynamic shapes the sizes reach the launcher as SymInts: the choice's
+    key and the tiles must be plain ints (a SymInt cannot be hashed, and a tile is a constexpr)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 3)
+    qkv = mode.from_tensor(torch.empty(8, 197, 3 * 2 * 64, dtype=torch.bfloat16), symbolic_context=context)
+    assert isinstance(qkv.shape[1], torch.SymInt)
+    key = attention._chooser_key(qkv, 2)
+    assert key == ("torch.bfloat16", 64, 197, 16) and all(type(part) in (str, int) for part in key)
+    hash(key)
+    assert attention._validation_images(qkv, 2) == 4
+    tiles = attention.fwd_candidates(qkv.dtype, 64, qkv.shape[1])
+    assert all(type(v) is int for tile in tiles for v in tile)

@@ -339,6 +339,7 @@ ATTENTION_BWD_TILES = {
 }
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
+VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
 FWD_CHOOSER = TileChooser("attention forward")
 BWD_CHOOSER = TileChooser("attention backward")
 
@@ -408,16 +409,25 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
 
 
 def _chooser_key(qkv: torch.Tensor, num_heads: int) -> tuple:
-    """What a tile choice is kept for: dtype, head dim, length and the batch x heads bucket (the grid)."""
-    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
+    """What a tile choice is kept for: dtype, head dim, length and the batch x heads bucket (the grid),
+    as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete)."""
+    batch, seq_len, _, head_dim = (int(size) for size in _shape(qkv, num_heads))
     return str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads)
+
+
+def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
+    """How many images of the call candidates are checked on: up to VALIDATION_BATCH, fewer where the
+    reference's materialised (H, L, L) scores would pass VALIDATION_BYTES (at least one)."""
+    batch, seq_len = int(qkv.shape[0]), int(qkv.shape[1])
+    per_image = 3 * num_heads * seq_len * seq_len * 8  # scores, probabilities and a gradient, float64
+    return max(1, min(VALIDATION_BATCH, batch, VALIDATION_BYTES // per_image))
 
 
 def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_out: Optional[torch.Tensor],
                          dtype: torch.dtype) -> list[torch.Tensor]:
-    """SDPA on the first VALIDATION_BATCH images of qkv computed in ``dtype``: [out] or, given
+    """SDPA on the first ``_validation_images`` images of qkv computed in ``dtype``: [out] or, given
     grad_out, [dq, dk, dv] each (n, L, D)."""
-    n = min(VALIDATION_BATCH, qkv.shape[0])
+    n = _validation_images(qkv, num_heads)
     leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
     q, k, v = (sdpa_aligned(t) for t in split_qkv(leaf, num_heads))
     out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
@@ -487,7 +497,7 @@ if HAS_TRITON:
             _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile)
             return [out]
 
-        n = min(VALIDATION_BATCH, qkv.shape[0])
+        n = _validation_images(qkv, num_heads)
         check = _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
         return (FWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
 
@@ -536,7 +546,7 @@ if HAS_TRITON:
         def run(tiles):
             return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles)]
 
-        n = min(VALIDATION_BATCH, qkv.shape[0])
+        n = _validation_images(qkv, num_heads)
         check = _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
                                        qkv, num_heads, scale, grad_out)
         return (BWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
