@@ -106,3 +106,19 @@ def test_a_second_derivative_through_a_kernel_raises(name):
     (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         grad.sum().backward()
+
+
+@pytest.mark.skipif("extension" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_a_second_derivative_goes_through_a_differentiable_backward():
+    """patchify's backward is unpatchify, itself differentiable: a gradient penalty through the
+    extension's patch_embed works, and agrees with PyTorch's conv2d."""
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    results = []
+    for name in ("extension", "torch"):
+        with vk.use_backend(name, strict=True):
+            out = vk.patch_embed(images, weight, None, patch_size=4)
+        (grad,) = torch.autograd.grad(out.square().sum(), images, create_graph=True)
+        (second,) = torch.autograd.grad(grad.square().sum(), weight)
+        results.append(second)
+    torch.testing.assert_close(results[0], results[1])

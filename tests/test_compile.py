@@ -11,7 +11,7 @@ import torch
 import vit
 import vit_kernels as vk
 from vit_kernels import _ext, backend
-from tests.helpers import requires_cuda
+from tests.helpers import CPU_BACKENDS, requires_cuda
 
 needs_extension = pytest.mark.skipif(_ext.supports(torch.device("cpu"), torch.float32) is not None,
                                      reason="vit_kernels._C is not built")
@@ -102,3 +102,28 @@ def test_vit_compiled_under_each_backend_runs_it_on_cuda(name):
     with vk.use_backend(name), torch.autocast("cuda", dtype=torch.bfloat16):
         inductor = torch.compile(model, fullgraph=True)(images)
     torch.testing.assert_close(inductor.float(), eager.float(), atol=5e-2, rtol=5e-2)
+
+
+@needs_extension
+def test_only_a_change_to_an_op_in_the_graph_retraces_it():
+    capture = GraphCapture()
+    compiled = torch.compile(lambda x, w, b: vk.layer_norm(x, w, b), backend=capture, fullgraph=True)
+    inputs = _inputs()[:3]
+    compiled(*inputs)
+    backend._decisions_changed("attention")  # e.g. attention measured in eager meanwhile
+    compiled(*inputs)
+    assert len(capture.graphs) == 1
+    backend._decisions_changed("layer_norm")
+    compiled(*inputs)
+    assert len(capture.graphs) == 2
+
+
+@pytest.mark.parametrize("name", [b for b in CPU_BACKENDS if b != "torch"])
+def test_vmap_over_the_kernels_runs_them_per_sample(name):
+    """Under a functorch transform the registered op is called (the dispatcher applies vmap to it),
+    not the eager fast path, which would hand batched tensors to a kernel."""
+    x, w, b = torch.randn(3, 4, 8), torch.randn(8), torch.randn(8)
+    with vk.use_backend(name, strict=True):
+        batched = torch.vmap(lambda row: vk.layer_norm(row, w, b))(x)
+        looped = torch.stack([vk.layer_norm(row, w, b) for row in x])
+    torch.testing.assert_close(batched, looped)

@@ -289,3 +289,37 @@ def test_fast_path_follows_the_choice_and_counts_calls():
     assert ran["torch"] == 6
     if "extension" in CPU_BACKENDS:
         assert ran["extension"] == 3
+
+
+def test_fast_path_leaves_unhashable_arguments_to_validation():
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        vk.linear(x, w, [0.0] * 5)
+    with pytest.raises(ValueError, match="patch_size must be a positive int"):
+        vk.patch_embed(torch.randn(1, 3, 8, 8), torch.randn(4, 3, 4, 4), patch_size=[4])
+
+
+def test_a_strided_call_is_its_own_signature():
+    """Contiguity is part of a decision's signature (auto measures a strided layout on its own)."""
+    backend.clear_decisions()
+    w, b = torch.randn(8), torch.randn(8)
+    vk.layer_norm(torch.randn(4, 3, 8), w, b)
+    vk.layer_norm(torch.randn(4, 8, 3).transpose(1, 2), w, b)
+    assert len(backend._fast) == 2
+    assert len({row.shapes for row in vk.explain() if row.op == "layer_norm"}) == 2
+
+
+def test_a_decision_stored_after_the_cache_was_cleared_is_dropped(monkeypatch):
+    """A call decided before clear_decisions()/register() and finishing after it does not leave its
+    (possibly stale) decision in the fast path."""
+    backend.clear_decisions()
+    real_resolve = backend._resolve
+
+    def resolve_then_clear(*args):
+        result = real_resolve(*args)
+        backend.clear_decisions()  # as another thread would, between the decision and its storing
+        return result
+
+    monkeypatch.setattr(backend, "_resolve", resolve_then_clear)
+    vk.layer_norm(torch.randn(3, 8), None, None)
+    assert backend._fast == {}

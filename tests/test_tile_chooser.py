@@ -133,7 +133,7 @@ def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
     qkv = mode.from_tensor(torch.empty(8, 197, 3 * 2 * 64, dtype=torch.bfloat16), symbolic_context=context)
     assert isinstance(qkv.shape[1], torch.SymInt)
     key = attention._chooser_key(qkv, 2)
-    assert key == ("torch.bfloat16", 64, 197, 16) and all(type(part) in (str, int) for part in key)
+    assert key == ("cpu", "torch.bfloat16", 64, 197, 16) and all(type(part) in (str, int) for part in key)
     hash(key)
     assert attention._validation_images(qkv, 2) == 4
     tiles = attention.fwd_candidates(qkv.dtype, 64, qkv.shape[1])

@@ -20,9 +20,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def tracing() -> bool:
-    """Whether the call is being traced (Dynamo, or a dispatch mode: fake tensors, make_fx, AOTAutograd's
-    backward, export): then the registered op must be called, so that the graph holds it."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    """Whether the call is being traced or transformed (Dynamo; a dispatch mode: fake tensors, make_fx,
+    AOTAutograd's backward, export; a functorch transform such as vmap): then the registered op must
+    be called, so that the graph holds it (or the dispatcher applies the transform)."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active())
 
 
 def direct(op: Callable, body: Callable) -> Callable:
@@ -43,31 +45,34 @@ def _below_autograd(op: Callable) -> Callable:
 
 
 def differentiable(
-    qualname: str, backward: Callable, setup_context: Callable, body: Optional[Callable] = None
+    qualname: str, backward: Callable, setup_context: Callable, body: Optional[Callable] = None,
+    double_backward: bool = False,
 ) -> Callable:
     """Register ``backward`` / ``setup_context`` as the autograd of op ``qualname``
     ("vit_kernels::name") and return the op's eager-fast callable: the registered op while tracing;
     otherwise an ``autograd.Function`` with the same forward (``body``, the op's Python
     implementation, or the op itself below the autograd key), setup_context and backward when a
-    gradient will be needed, and the forward alone when none will."""
+    gradient will be needed, and the forward alone when none will. ``double_backward``: the backward
+    is made of differentiable ops (a second derivative goes through it); otherwise it launches
+    kernels, and a second derivative through it raises instead of treating it as a constant."""
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     forward = body if body is not None else _below_autograd(op)
 
-    class Function(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):
-            output = forward(*args)
-            setup_context(ctx, args, output)
-            return output
+    def function_forward(ctx, *args):
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
 
-        @staticmethod
-        @once_differentiable  # the backward launches kernels: a second derivative through it raises
-        def backward(ctx, *grads):
-            return backward(ctx, *grads)
+    def function_backward(ctx, *grads):
+        return backward(ctx, *grads)
 
-    Function.__name__ = Function.__qualname__ = f"{name}_function"
+    # named after the op, so that autograd nodes, profiles and errors say which op
+    Function = type(f"{name}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(function_forward),
+        "backward": staticmethod(function_backward if double_backward else once_differentiable(function_backward)),
+    })
 
     def call(*args: Any) -> Any:
         if tracing():

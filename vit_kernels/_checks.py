@@ -75,7 +75,9 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value  # type: ignore[return-value]
 
 
-_autocast_devices: dict[str, bool] = {}  # device type -> whether autocast exists for it (meta: no)
+# device type -> whether autocast exists for it (meta: no); filled for the common types up front, so
+# that torch.compile does not trace a first call that fills it (and retrace once it is filled)
+_autocast_devices: dict[str, bool] = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "meta")}
 
 
 def autocast_dtype_of(device_type: str) -> Optional[torch.dtype]:

@@ -282,15 +282,17 @@ def _active() -> _Choice:
 class _TraceGuard:
     """What a torch.compile'd graph was traced under, in plain attributes that Dynamo guards on
     (it cannot read a ContextVar): the choice in force when it last changed (``use_backend`` entered
-    or left, ``set_backend``) and an epoch bumped whenever a decision can change (a measurement, the
-    cache cleared, an implementation registered, the settings). A compiled graph is reused only
-    while both are what they were at its trace; otherwise it is traced again, and decides again.
+    or left, ``set_backend``) and, per op, an epoch bumped whenever that op's decisions can change
+    (a measurement of the op; for every op: the cache cleared, an implementation registered, the
+    settings). A compiled graph is reused only while the choice and the epochs of the ops it holds
+    are what they were at its trace; otherwise it is traced again, and decides again.
     Being one object, it follows the most recent change in any thread: compiled code run in threads
     with different ``use_backend`` choices at once recompiles (or, if it is already cached for the
     other choice, runs it): give each thread its own compiled module, or use ``set_backend``."""
 
-    choice: _Choice = _process_choice
-    epoch: int = 0
+    def __init__(self):
+        self.choice: _Choice = _process_choice
+        self.epochs: dict[str, int] = dict.fromkeys(OPS, 0)
 
 
 _trace_guard = _TraceGuard()
@@ -300,8 +302,10 @@ def _choice_changed() -> None:
     _trace_guard.choice = _active()
 
 
-def _decisions_changed() -> None:
-    _trace_guard.epoch += 1
+def _decisions_changed(op: Optional[str] = None) -> None:
+    """``op``'s decisions may have changed (every op's when None): graphs traced before retrace."""
+    for name in (op,) if op is not None else OPS:
+        _trace_guard.epochs[name] += 1
 
 
 def _check_choice(name: str, strict: bool) -> _Choice:
@@ -378,6 +382,7 @@ _measured: dict[str, dict] = {}  # signature string -> decision entry (as stored
 _memo: dict[tuple, tuple[Implementation, Record]] = {}  # per-call fast path
 _fast: dict[tuple, tuple[Implementation, Record, Optional[tuple]]] = {}  # see ``call``
 FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
+_fast_generation = 0  # bumped when _fast is cleared: an entry decided before that is not stored after it
 _journal = Journal()
 _warned: set[tuple] = set()
 _lock = threading.RLock()
@@ -385,8 +390,11 @@ _measuring = threading.local()
 
 
 def _forget_choices() -> None:
-    _memo.clear()
-    _fast.clear()
+    global _fast_generation
+    with _lock:
+        _memo.clear()
+        _fast.clear()
+        _fast_generation += 1
     _decisions_changed()
 
 
@@ -529,7 +537,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implemen
     entry = _measure_call(call, capable)
     _measured[key] = entry
     _disk.put(key, entry)
-    _decisions_changed()
+    _decisions_changed(call.op)
     return impls[entry["backend"]], call.record(requested, entry["backend"], "measured", entry["reason"],
                                                  {**_describe(entry), **excluded})
 
@@ -627,8 +635,8 @@ def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.d
                     grad: bool, limits: tuple, choice_name: str, choice_strict: bool, epoch: int) -> str:
     """The decision while torch.compile traces (called once per trace, outside the graph, without
     reading sizes so that none is specialised): the cached decision or the static default, never a
-    measurement. ``choice_*`` and ``epoch`` come from ``_trace_guard``: passed in, they make Dynamo
-    guard the compiled graph on them."""
+    measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
+    make Dynamo guard the compiled graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     call = _Call(op, device, dtype, arg_key, grad, dict(limits))
     with _lock:
@@ -659,7 +667,7 @@ def _resolve(op: str, device: torch.device, dtype: torch.dtype,
         choice = _trace_guard.choice
         name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
                                _signature.traced_key(args), grad, limits, choice.name, choice.strict,
-                               _trace_guard.epoch)
+                               _trace_guard.epochs[op])
         return _registry[op][name], None
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
@@ -683,13 +691,16 @@ def _resolve(op: str, device: torch.device, dtype: torch.dtype,
 # ---- the per-call fast path ------------------------------------------------------------------------
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (type(None), bool, int, float, str)
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     """Everything a public op's validation, autocast casts and backend decision depend on, read
     cheaply: the op, the choice in force, grad mode, autocast for the main input's device, and each
-    argument (a tensor: its shape, dtype, device, requires_grad and type; anything else: its type and
-    value). None when the main input is not a plain tensor (validation will say why)."""
+    argument (a tensor: its shape, dtype, device, requires_grad, contiguity (part of a decision's
+    signature) and type; None, bool, int, float or str: its type and value). None when the main
+    input is not a plain tensor or another argument is of any other type (validation will say
+    what was expected)."""
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
@@ -697,9 +708,11 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
                    autocast_dtype_of(first.device.type)]
     for a in args:
         if isinstance(a, torch.Tensor):
-            parts.append((a.shape, a.dtype, a.device, a.requires_grad, type(a)))
-        else:
+            parts.append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), type(a)))
+        elif type(a) in _PLAIN:
             parts.append((type(a), a))
+        else:  # a list, an array, ...: validation will say what was expected
+            return None
     return tuple(parts)
 
 
@@ -739,12 +752,14 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple[torch.device, torch.
         if plan is not None:
             args = tuple(a if dtype is None else a.to(dtype) for a, dtype in zip(args, plan))
         return impl.fn(*args)
+    generation = _fast_generation
     device, dtype, prepared = prepare(*args)
     impl, record = _resolve(op, device, dtype, prepared)
     if record is not None and key is not None:
         plan = _cast_plan(args, prepared)
-        if plan is not False:
-            if len(_fast) >= FAST_PATH_ENTRIES:
-                _fast.clear()
-            _fast[key] = (impl, record, plan)
+        with _lock:
+            if plan is not False and generation == _fast_generation:
+                if len(_fast) >= FAST_PATH_ENTRIES:
+                    _fast.clear()
+                _fast[key] = (impl, record, plan)
     return impl.fn(*prepared)

@@ -409,10 +409,10 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
 
 
 def _chooser_key(qkv: torch.Tensor, num_heads: int) -> tuple:
-    """What a tile choice is kept for: dtype, head dim, length and the batch x heads bucket (the grid),
+    """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete)."""
     batch, seq_len, _, head_dim = (int(size) for size in _shape(qkv, num_heads))
-    return str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads)
+    return str(qkv.device), str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads)
 
 
 def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
@@ -617,7 +617,7 @@ if HAS_TRITON:
         return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
 
     attention_probs = differentiable("vit_kernels::attention_probs", _probs_backward, _probs_setup_context,
-                                     _attention_probs)
+                                     _attention_probs, double_backward=True)
 
 
 def attention_triton(

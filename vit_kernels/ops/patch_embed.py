@@ -333,7 +333,7 @@ def _register_extension_ops():
         return ops.patchify(grad.contiguous(), ctx.patch_size), None, None, None, None
 
     torch.library.register_autograd("vit_kernels::unpatchify", unpatchify_backward, setup_context=unpatchify_setup)
-    return differentiable("vit_kernels::patchify", patchify_backward, patchify_setup)
+    return differentiable("vit_kernels::patchify", patchify_backward, patchify_setup, double_backward=True)
 
 
 if _ext.LOADED:
