@@ -62,7 +62,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def run_sections(ctx: Context, names: list[str], total_s: float) -> dict[str, dict]:
+def run_sections(ctx: Context, names: list[str], total_s: float, after=lambda results: None) -> dict[str, dict]:
     """Each section in turn under its budget (scaled so that all fit in ``total_s``, and shrunk in
     proportion when an earlier one overran); an exception is recorded, not raised."""
     wanted = {name: SECTIONS[name][1] for name in names}
@@ -82,6 +82,7 @@ def run_sections(ctx: Context, names: list[str], total_s: float) -> dict[str, di
         if budget.skipped:
             results[name]["status"] += f" (budget spent: {len(budget.skipped)} left out)"
         print(f"gpu-report: {name} {results[name]['status']} in {budget.used():.0f} s", file=sys.stderr, flush=True)
+        after(results)
     return results
 
 
@@ -97,12 +98,22 @@ def build(args: argparse.Namespace) -> dict:
     if device.type != "cuda":
         print(f"gpu-report: {NO_GPU}", file=sys.stderr)
     ctx = Context(device, quick=args.quick, compile=not args.no_compile, ops=args.ops, meta=environment.describe(device))
-    sections = run_sections(ctx, args.sections, args.total)
-    return {"report": "vit-kernels gpu-report", "gpu": device.type == "cuda", "note": None if device.type == "cuda" else NO_GPU,
-            "device": ctx.meta["device"], "command": " ".join(["python -m benchmarks.gpu_report", *sys.argv[1:]]),
-            "started": stamp, "seconds": time.perf_counter() - started, "total_budget_s": args.total,
-            "triton_interpret": backend.TRITON_INTERPRET,
-            "targets": targets.compare(_all_rows(sections)), "sections": sections}
+
+    def data(sections: dict[str, dict]) -> dict:
+        return {"report": "vit-kernels gpu-report", "gpu": device.type == "cuda",
+                "note": None if device.type == "cuda" else NO_GPU,
+                "device": ctx.meta["device"], "command": " ".join(["python -m benchmarks.gpu_report", *sys.argv[1:]]),
+                "started": stamp, "seconds": time.perf_counter() - started, "total_budget_s": args.total,
+                "triton_interpret": backend.TRITON_INTERPRET,
+                "targets": targets.compare(_all_rows(sections)), "sections": sections}
+
+    def partial(sections: dict[str, dict]) -> None:  # a run killed later still leaves what was done
+        try:
+            write(data(sections), args.out)
+        except Exception as error:
+            print(f"gpu-report: could not write the partial report: {error}", file=sys.stderr)
+
+    return data(run_sections(ctx, args.sections, args.total, after=partial))
 
 
 def write(data: dict, out: Path) -> tuple[Path, Path]:

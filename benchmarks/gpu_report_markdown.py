@@ -17,6 +17,11 @@ def _g(value, digits: int = 3) -> str:
     return str(value)
 
 
+def _cell(text: str, width: int = 80) -> str:
+    """One table cell: first line only (a Triton CompilationError spans many), no pipes."""
+    return (text.splitlines() or [""])[0][:width].replace("|", "/")
+
+
 def _header(data: dict) -> list[str]:
     env = data["sections"].get("environment", {}).get("result") or {}
     lines = ["# vit-kernels GPU report", ""]
@@ -86,7 +91,7 @@ def _selftest(result: dict) -> list[str]:
         speed = f"{r['speedup_vs_reference']:.2f}x" if "speedup_vs_reference" in r else ""
         lines.append(f"| {r['op']} | {r['backend']} | {r['dtype']} | {r['device']} | {verdict} | {_g(r.get('max_error'), 2)} | "
                      f"{_g(r.get('pytorch_error'), 2)} | {_g(r.get('error_ratio'), 3)} | "
-                     f"{r.get('worst_tensor') or (r.get('error') or r.get('skipped', ''))[:80]} | {speed} |")
+                     f"{r.get('worst_tensor') or _cell(r.get('error') or r.get('skipped', ''))} | {speed} |")
     return lines + [""]
 
 
@@ -149,6 +154,6 @@ def render(data: dict) -> str:
     lines += _tiles((data["sections"].get("ops") or {}).get("result") or {})
     lines += _timings(data)
     for name, section in data["sections"].items():
-        if section["status"] == "error":
+        if section["status"].startswith("error"):
             lines += [f"## {name}: error", "", "```text", section["error"], "```", ""]
     return "\n".join(lines)

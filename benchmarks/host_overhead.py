@@ -84,6 +84,8 @@ def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32
                 runs[name] = _column(name, op, inputs)
             except backend.CannotRunError as error:
                 reason = str(error).splitlines()[0]
+            except Exception as error:  # e.g. a Triton compile error at the tiny shape on a GPU
+                reason = f"failed: {type(error).__name__}: {error}".splitlines()[0][:200]
         if reason is not None:
             row[name] = f"n/a: {reason}"
     samples: dict[str, list[float]] = {name: [] for name in runs}
