@@ -66,7 +66,10 @@ def _gpu_tests(result: dict) -> list[str]:
     if not result.get("ran", False):
         return lines + [f"Not run: {result.get('why', '')}", ""]
     if result.get("timed_out"):
-        return lines + [f"**Stopped**: {result['why']}.", "", "```text", *result.get("tail", []), "```", ""]
+        n = result.get("counts_so_far") or {}
+        ran = ", ".join(f"{n.get(kind, 0)} {kind}" for kind in ("passed", "failed", "errors", "skipped"))
+        return lines + [f"**Stopped**: {result['why']}; by then {ran} (`make test-gpu` runs them all).", "",
+                        "```text", *result.get("tail", []), "```", ""]
     if "collected" in result:
         return lines + [f"{result.get('note', '')}: {result['collected']} selected, {result['deselected']} deselected "
                         f"(`{result.get('summary', '')}`). With 0 selected, a GPU run fails (pytest exit 5).", ""]

@@ -41,12 +41,28 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
+# Run first, so that a run stopped by its time budget has covered them: every tile of every table,
+# then the ops whose kernels the H100 run found wrong or has never run.
+FIRST = ("test_tiles.py", "test_attention.py", "test_extension.py", "test_layer_norm.py", "test_compile.py",
+         "test_capture_rules.py")
+_PROGRESS = re.compile(r"^([.FEsxX]+)\s*\[\s*\d+%\]$")
+
+
+def progress(output: str) -> dict[str, int]:
+    """Counts from pytest -q's progress lines (``..F.s [ 12%]``), for a run stopped before its summary."""
+    marks = "".join(m.group(1) for m in map(_PROGRESS.match, output.splitlines()) if m)
+    return {"passed": marks.count("."), "failed": marks.count("F"), "errors": marks.count("E"),
+            "skipped": marks.count("s")}
+
+
 def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
-    """Run pytest on the checkout's tests/ with ``args``; the exit code, the summary line and the
-    output's tail, or ``timed_out`` after ``timeout_s`` seconds."""
+    """Run pytest on the checkout's tests/ (the FIRST files first) with ``args``; the exit code, the
+    summary line and the output's tail, or ``timed_out`` after ``timeout_s`` seconds with the counts
+    of what ran by then."""
     if not TESTS.is_dir():
         return {"ran": False, "why": "no tests/ folder beside the package (not a source checkout)"}
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, str(TESTS)]
+    first = [str(TESTS / name) for name in FIRST if (TESTS / name).is_file()]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, *first, str(TESTS)]
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=TESTS.parent, env=_environment(), capture_output=True, text=True,
@@ -54,7 +70,8 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
     except subprocess.TimeoutExpired as expired:
         out = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
         return {"ran": True, "exit_code": None, "timed_out": True, "seconds": round(time.perf_counter() - started, 1),
-                "why": f"stopped after its budget of {timeout_s:.0f} s", "tail": out.strip().splitlines()[-20:]}
+                "why": f"stopped after its budget of {timeout_s:.0f} s", "counts_so_far": progress(out),
+                "tail": out.strip().splitlines()[-20:]}
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else ""
     return {"ran": True, "command": " ".join(["python", *command[1:]]), "exit_code": done.returncode,
