@@ -65,13 +65,10 @@ def differentiable(
         setup_context(ctx, args, output)
         return output
 
-    def function_backward(ctx, *grads):
-        return backward(ctx, *grads)
-
     # named after the op, so that autograd nodes, profiles and errors say which op
     Function = type(f"{name}_function", (torch.autograd.Function,), {
         "forward": staticmethod(function_forward),
-        "backward": staticmethod(function_backward if double_backward else once_differentiable(function_backward)),
+        "backward": staticmethod(backward if double_backward else once_differentiable(backward)),
     })
 
     def call(*args: Any) -> Any:
