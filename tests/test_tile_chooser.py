@@ -138,3 +138,17 @@ def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
     assert attention._validation_images(qkv, 2) == 4
     tiles = attention.fwd_candidates(qkv.dtype, 64, qkv.shape[1])
     assert all(type(v) is int for tile in tiles for v in tile)
+
+
+def test_a_decided_call_only_looks_its_tile_up(measurable):
+    """Once a key is decided, a launch builds no trial (no closures, no references): one lookup."""
+    measurable.update({"a": 1.0})
+    chooser = _tiles.TileChooser("test")
+    qkv = torch.empty(2, 17, 3 * 2 * 16, device="meta")
+    chooser.choose(attention._chooser_key(qkv, 2), torch.device("cuda"), ["a"], lambda t: [torch.zeros(1)],
+                   lambda outputs: None)
+
+    def trial():
+        raise AssertionError("built the trial of a decided key")
+
+    assert attention._tiles_to_launch(chooser, qkv, 2, None, lambda: ["a"], trial) == ("a",)

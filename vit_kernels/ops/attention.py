@@ -460,6 +460,24 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
     return check
 
 
+def _tiles_to_launch(chooser: TileChooser, qkv: torch.Tensor, num_heads: int, interpreter_tile: tuple,
+                     candidates: Callable[[], tuple], trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+    """The tile(s) a launcher launches: the interpreter's fixed tile; every candidate while the
+    compile gate records; else the tile ``chooser`` keeps for this call's key, choosing it first when
+    there is none (``trial() -> (run, check)``, built only then: a decided call does no more than
+    the key's lookup)."""
+    if interpreted(qkv.device):
+        return (interpreter_tile,)
+    if recording():
+        return candidates()
+    key = _chooser_key(qkv, num_heads)
+    tile = chooser.chosen(key)
+    if tile is None:
+        run, check = trial()
+        tile = chooser.choose(key, qkv.device, candidates(), run, check)
+    return (tile,)
+
+
 if HAS_TRITON:
 
     def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile) -> None:
@@ -483,23 +501,20 @@ if HAS_TRITON:
         return out, stats
 
     def fwd_tiles(qkv, num_heads, scale, seed) -> tuple:
-        """The forward tile(s) to launch: the interpreter's fixed tile; every candidate while the
-        compile gate records; else the tile chosen on this GPU (validated without dropout)."""
+        """The forward tile(s) to launch: see ``_tiles_to_launch`` (validated without dropout)."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
-        if interpreted(qkv.device):
-            return (_interpreter_tile(seq_len),)
-        candidates = fwd_candidates(qkv.dtype, head_dim, seq_len)
-        if recording():
-            return candidates
 
-        def run(tile):
-            out, stats = _fwd_outputs(qkv, num_heads)
-            _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile)
-            return [out]
+        def trial():
+            def run(tile):
+                out, stats = _fwd_outputs(qkv, num_heads)
+                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile)
+                return [out]
 
-        n = _validation_images(qkv, num_heads)
-        check = _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
-        return (FWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
+            n = _validation_images(qkv, num_heads)
+            return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
+
+        return _tiles_to_launch(FWD_CHOOSER, qkv, num_heads, _interpreter_tile(seq_len),
+                                lambda: fwd_candidates(qkv.dtype, head_dim, seq_len), trial)
 
     def _attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
@@ -535,21 +550,19 @@ if HAS_TRITON:
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
-        """The backward tile pair(s) to launch, as ``fwd_tiles`` decides them."""
+        """The backward tile pair(s) to launch: see ``_tiles_to_launch``."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
-        if interpreted(qkv.device):
-            return ((_interpreter_tile(seq_len), _interpreter_tile(seq_len)),)
-        candidates = bwd_candidates(qkv.dtype, head_dim, seq_len)
-        if recording():
-            return candidates
 
-        def run(tiles):
-            return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles)]
+        def trial():
+            def run(tiles):
+                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles)]
 
-        n = _validation_images(qkv, num_heads)
-        check = _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
-                                       qkv, num_heads, scale, grad_out)
-        return (BWD_CHOOSER.choose(_chooser_key(qkv, num_heads), qkv.device, candidates, run, check),)
+            n = _validation_images(qkv, num_heads)
+            return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
+                                               qkv, num_heads, scale, grad_out)
+
+        return _tiles_to_launch(BWD_CHOOSER, qkv, num_heads, (_interpreter_tile(seq_len),) * 2,
+                                lambda: bwd_candidates(qkv.dtype, head_dim, seq_len), trial)
 
     def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
