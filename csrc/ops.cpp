@@ -35,4 +35,15 @@ TORCH_LIBRARY(vit_kernels, m) {
   // patch reaches (H or W not a multiple of P).
   m.def("patchify(Tensor images, int patch_size) -> Tensor");
   m.def("unpatchify(Tensor patches, int channels, int height, int width, int patch_size) -> Tensor");
+
+  // The extension backend's compositions (compositions.cpp): a GEMM with the kernels around it.
+  // x (..., K) @ weight (N, K)^T accumulated onto residual (..., N) (+ bias (N,)).
+  m.def("linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor");
+  // gelu(x @ weight^T + bias): a GEMM, then bias_gelu.
+  m.def("linear_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate) -> Tensor");
+  // linear_gelu, then fc2 (accumulating onto the residual when it has the hidden dtype).
+  m.def("mlp(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, Tensor? fc2_bias, str approximate,"
+        " Tensor? residual) -> Tensor");
+  // qkv (B, L, 3*H*Dh) -> (out (B, L, H*Dh), probs (B, H, L, L), the softmax before dropout).
+  m.def("attention_explicit(Tensor qkv, int num_heads, float scale, float dropout_p) -> (Tensor, Tensor)");
 }

@@ -53,7 +53,9 @@ def test_each_backend_is_the_one_in_the_compiled_graph():
     with vk.use_backend("extension"):
         fused = compiled(*inputs)
     assert len(capture.graphs) == 2, "a changed choice must trace again, not reuse the torch graph"
-    assert {"vit_kernels.fused_layer_norm", "vit_kernels.softmax"} <= capture.ops()
+    # the extension's attention is one C++ composition (GEMMs around the softmax kernel), which
+    # Dynamo keeps as one call; AOTAutograd decomposes it (test_compositions_decompose_into_the_kernels)
+    assert {"vit_kernels.fused_layer_norm", "vit_kernels.attention_explicit"} <= capture.ops()
     for r, f in zip(reference, fused):
         torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
     eager = block_ops(*inputs)

@@ -150,6 +150,15 @@ def opcheck_cases():
         "patchify": (ops.patchify, (images, 4)),
         "patchify_channels_last": (ops.patchify, (images.detach().contiguous(memory_format=torch.channels_last).requires_grad_(), 4)),
         "unpatchify": (ops.unpatchify, (torch.randn(2, 6, 48, requires_grad=True), 3, 8, 12, 4)),
+        # the compositions (csrc/compositions.cpp)
+        "linear_residual": (ops.linear_residual, (x, torch.randn(6, 7, dtype=torch.float64, requires_grad=True),
+                                                  torch.randn(6, dtype=torch.float64, requires_grad=True),
+                                                  torch.randn(5, 6, dtype=torch.float64, requires_grad=True))),
+        "linear_gelu": (ops.linear_gelu, (x, torch.randn(6, 7, dtype=torch.float64, requires_grad=True), None, "none")),
+        "mlp": (ops.mlp, (x, torch.randn(9, 7, dtype=torch.float64, requires_grad=True),
+                          torch.randn(9, dtype=torch.float64, requires_grad=True),
+                          torch.randn(7, 9, dtype=torch.float64, requires_grad=True), None, "tanh", r)),
+        "attention_explicit": (ops.attention_explicit, (torch.randn(2, 5, 24, requires_grad=True), 2, 0.3, 0.0)),
     }
 
 
@@ -157,6 +166,80 @@ def opcheck_cases():
 def test_opcheck(case):
     op, args = opcheck_cases()[case]
     torch.library.opcheck(op, args)
+
+
+# ---- the C++ autograd (csrc/autograd.cpp) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("present,needs", [(present, needs) for present in ("", "r", "w", "b", "rw", "rb", "wb", "rwb")
+                                            for needs in ("x", "r", "w", "b", "all") if needs in present + "x" + "all"])
+def test_layer_norm_gradients_of_every_argument_subset(present, needs):
+    """Autograd gives edges only to the tensors present; each gradient asked for is the formula's and
+    the others are not computed, whichever optional arguments are absent."""
+    dim = 6
+    made = {"x": torch.randn(4, dim, dtype=torch.float64), "r": torch.randn(4, dim, dtype=torch.float64) if "r" in present else None,
+            "w": torch.randn(dim, dtype=torch.float64) if "w" in present else None,
+            "b": torch.randn(dim, dtype=torch.float64) if "b" in present else None}
+    for name, t in made.items():
+        if t is not None and needs in (name, "all"):
+            t.requires_grad_()
+    args = [made[k] for k in "xrwb"]
+    y, s, _, _ = ops.fused_layer_norm(*args, 1e-5)
+    upstream_y, upstream_s = torch.randn_like(y), torch.randn_like(s)
+    loss = (y * upstream_y).sum() + ((s * upstream_s).sum() if made["r"] is not None else 0)
+    grads = torch.autograd.grad(loss, [t for t in args if t is not None and t.requires_grad])
+    leaves = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in args]
+    expected = layer_norm_formula(*leaves, 1e-5)
+    expected_y, expected_s = expected if made["r"] is not None else (expected, None)
+    reference_loss = (expected_y * upstream_y).sum() + ((expected_s * upstream_s).sum() if expected_s is not None else 0)
+    reference = torch.autograd.grad(reference_loss, [t for t in leaves if t is not None and t.requires_grad])
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("with_bias,needs", [(True, "x"), (True, "bias"), (True, "both"), (False, "x")])
+def test_bias_gelu_gradients_of_every_argument_subset(with_bias, needs):
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=needs in ("x", "both"))
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=needs in ("bias", "both")) if with_bias else None
+    inputs = [t for t in (x, bias) if t is not None and t.requires_grad]
+    upstream = torch.randn(3, 5, dtype=torch.float64)
+    grads = torch.autograd.grad((ops.bias_gelu(x, bias, "none") * upstream).sum(), inputs)
+    reference = torch.autograd.grad((bias_gelu_formula(x, bias, "none") * upstream).sum(), inputs)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", ["fused_layer_norm", "bias_gelu", "softmax"])
+def test_a_second_derivative_through_a_kernel_backward_raises(op):
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    call = {"fused_layer_norm": lambda: ops.fused_layer_norm(x, None, None, None, 1e-5)[0],
+            "bias_gelu": lambda: ops.bias_gelu(x, None, "none"), "softmax": lambda: ops.softmax(x)}[op]
+    (grad,) = torch.autograd.grad(call().square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=f"differentiate twice vit_kernels::{op}"):
+        grad.sum().backward()
+
+
+def test_compositions_decompose_into_the_kernels():
+    """Under torch.compile AOTAutograd decomposes the C++ compositions: the forward graph holds the
+    GEMM and the kernel op, the backward graph the kernel's backward op."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return make_boxed_func(gm.forward)
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    weight, bias = torch.randn(12, 8, requires_grad=True), torch.randn(12, requires_grad=True)
+    compiled = torch.compile(lambda *a: ops.linear_gelu(*a, "none"), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    out = compiled(x, weight, bias)
+    out.sum().backward()
+    forward, backward = graphs
+    assert "vit_kernels.bias_gelu.default" in forward and any("mm" in t for t in forward), forward
+    assert "vit_kernels.bias_gelu_backward.default" in backward, backward
+    torch.testing.assert_close(out, F.gelu(F.linear(x, weight, bias)), atol=1e-5, rtol=1e-5)
 
 
 # ---- bad input reaches a TORCH_CHECK that says what was expected -------------------------------------

@@ -41,6 +41,15 @@ CPU_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class ExtensionOps:
+    """The default overloads of the named ``torch.ops.vit_kernels`` ops, as attributes, looked up
+    once (resolving ``torch.ops.<namespace>.<name>`` costs a few microseconds per call)."""
+
+    def __init__(self, *names: str):
+        for name in names:
+            setattr(self, name, getattr(torch.ops.vit_kernels, name).default)
+
+
 def extension_unavailable_reason() -> Optional[str]:
     """None when ``vit_kernels._C`` is loaded, else why it is not."""
     return _load_error

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
+from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, recording, tl, triton
@@ -710,24 +711,22 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
 
 
 def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False):
-    """``vk.attention`` for the extension backend: scores by GEMM, the ``vit_kernels::softmax``
-    kernel, then a GEMM with v. Materialises the (B, H, L, L) scores: meant for ``return_probs``
-    (attention maps), not for speed. 16-bit inputs are computed in float32, as fused attention
-    kernels do: scores rounded to 16 bits lose whole units at large logits."""
-    compute = torch.float32 if qkv.dtype in (torch.float16, torch.bfloat16) else qkv.dtype
-    q, k, v = split_qkv(qkv.to(compute), num_heads)
-    out, probs = explicit_attention(q, k, v, scale, dropout_p, lambda scores: softmax(scores.contiguous()))
-    return (out.to(qkv.dtype), probs.to(qkv.dtype)) if return_probs else out.to(qkv.dtype)
+    """``vk.attention`` for the extension backend, one C++ call (``vit_kernels::attention_explicit``):
+    scores by GEMM, the ``vit_kernels::softmax`` kernel, then a GEMM with v. Materialises the
+    (B, H, L, L) scores: meant for ``return_probs`` (attention maps), not for speed. 16-bit inputs
+    are computed in float32, as fused attention kernels do: scores rounded to 16 bits lose whole
+    units at large logits."""
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    out, probs = _ops.attention_explicit(qkv, num_heads, head_dim ** -0.5 if scale is None else scale, dropout_p)
+    return (out, probs) if return_probs else out
 
 
-# ---- the extension's glue: fake implementations and autograd of vit_kernels::softmax ----------------
+# ---- the extension's glue: fake implementations of vit_kernels::softmax ----------------
 
 
 def _register_extension_ops():
-    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
-    callable of ``vit_kernels::softmax``."""
-    ops = torch.ops.vit_kernels
+    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
+    C++, csrc/autograd.cpp), so that they trace under torch.compile."""
 
     # --- softmax ------------------------------------------------------------------------------
     @torch.library.register_fake("vit_kernels::softmax")
@@ -738,18 +737,10 @@ def _register_extension_ops():
     def _(grad_out, out):
         return torch.empty_like(out)
 
-    def softmax_setup(ctx, inputs, output):
-        ctx.save_for_backward(output)
-
-    def softmax_backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        return ops.softmax_backward(grad.contiguous(), out)
-
-    return differentiable("vit_kernels::softmax", softmax_backward, softmax_setup)
-
 
 if _ext.LOADED:
-    softmax = _register_extension_ops()
+    _register_extension_ops()
+    _ops = ExtensionOps("attention_explicit")
 
 
 def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:

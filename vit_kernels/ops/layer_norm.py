@@ -242,7 +242,7 @@ def layer_norm_ref(
     return y if residual is None else (y, summed)
 
 
-# ---- the extension's glue: fake implementations and autograd of vit_kernels::fused_layer_norm ----------------
+# ---- the extension's glue: fake implementations of vit_kernels::fused_layer_norm ----------------
 
 def _stat_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -253,9 +253,9 @@ def _row_count(t: torch.Tensor) -> int:
 
 
 def _register_extension_ops():
-    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
-    callable of ``vit_kernels::fused_layer_norm``."""
+    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
+    C++, csrc/autograd.cpp), so that they trace under torch.compile; returns
+    ``vit_kernels::fused_layer_norm``."""
     ops = torch.ops.vit_kernels
 
     # --- fused_layer_norm ---------------------------------------------------------------------
@@ -270,24 +270,7 @@ def _register_extension_ops():
         reduced = summed.new_empty((summed.shape[-1] if weight_bias_grad else 0,), dtype=_stat_dtype(summed))
         return torch.empty_like(summed), reduced, torch.empty_like(reduced)
 
-    def layer_norm_setup(ctx, inputs, output):
-        x, residual, weight, bias, _ = inputs
-        _, summed, mean, rstd = output
-        ctx.save_for_backward(summed if residual is not None else x, weight, mean, rstd)
-        ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
-
-    def layer_norm_backward(ctx, grad_y, grad_summed, _grad_mean, _grad_rstd):
-        summed, weight, mean, rstd = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        grad_summed = grad_summed.contiguous() if ctx.has_residual else None
-        ds, dw, db = ops.fused_layer_norm_backward(
-            grad_y.contiguous(), grad_summed, summed, weight, mean, rstd, needs[2] or needs[3]
-        )
-        dw = dw.to(weight.dtype) if needs[2] else None
-        db = db.to(summed.dtype) if needs[3] else None
-        return ds if needs[0] else None, ds if needs[1] else None, dw, db, None
-
-    return differentiable("vit_kernels::fused_layer_norm", layer_norm_backward, layer_norm_setup)
+    return ops.fused_layer_norm.default
 
 
 if _ext.LOADED:

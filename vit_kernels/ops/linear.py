@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
+from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
@@ -384,31 +385,24 @@ def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none"
 
 def linear_extension(x, weight, bias=None, residual=None):
     """``vk.linear`` for the extension backend: one GEMM (cuBLAS / oneDNN) accumulating onto the
-    residual (plus bias) instead of adding it in a separate pass. Takes only calls with a residual
-    of x's dtype (``_extension_linear_limits``): without one it would just be ``F.linear``."""
-    out_features = weight.shape[0]
-    rows = math.prod(x.shape[:-1])  # explicit, so that K = 0 or N = 0 reshape too
-    accumulator = residual.reshape(rows, out_features)
-    if bias is not None:
-        accumulator = accumulator + bias
-    out = torch.addmm(accumulator, x.reshape(rows, x.shape[-1]), weight.t())
-    return out.view(*x.shape[:-1], out_features)
+    residual (plus bias) instead of adding it in a separate pass (``vit_kernels::linear_residual``).
+    Takes only calls with a residual of x's dtype (``_extension_linear_limits``): without one it
+    would just be ``F.linear``."""
+    return _ops.linear_residual(x, weight, bias, residual)
 
 
 def linear_gelu_extension(x, weight, bias=None, approximate="none"):
     """``vk.linear_gelu`` for the extension backend: a GEMM without bias, then the fused
-    ``vit_kernels::bias_gelu`` epilogue (one read and one write of the activation)."""
-    preactivation = F.linear(x, weight)
-    return bias_gelu(preactivation.contiguous(), bias.contiguous() if bias is not None else None, approximate)
+    ``vit_kernels::bias_gelu`` epilogue (one read and one write of the activation), in one C++ call
+    (``vit_kernels::linear_gelu``)."""
+    return _ops.linear_gelu(x, weight, bias, approximate)
 
 
 def mlp_extension(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
-    """``vk.mlp`` for the extension backend: ``linear_gelu_extension``, then fc2 as one GEMM that
-    accumulates onto the residual (``linear_extension``) when there is one of the hidden dtype, else
-    a plain GEMM (+ the residual): the fused part of this composition is the bias + GELU epilogue."""
-    hidden = linear_gelu_extension(x, fc1_weight, fc1_bias, approximate)
-    fc2 = linear_extension if _extension_linear_limits(hidden, fc2_weight, fc2_bias, residual) is None else linear_ref
-    return fc2(hidden, fc2_weight, fc2_bias, residual)
+    """``vk.mlp`` for the extension backend (``vit_kernels::mlp``): ``linear_gelu_extension``, then fc2
+    as one GEMM that accumulates onto the residual when there is one of the hidden dtype, else a
+    plain GEMM (+ the residual): the fused part of this composition is the bias + GELU epilogue."""
+    return _ops.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
 
 
 def linear_ref(
@@ -446,14 +440,12 @@ def mlp_ref(
     return linear_ref(hidden, fc2_weight, fc2_bias, residual)
 
 
-# ---- the extension's glue: fake implementations and autograd of vit_kernels::bias_gelu ----------------
+# ---- the extension's glue: fake implementations of vit_kernels::bias_gelu ----------------
 
 
 def _register_extension_ops():
-    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
-    callable of ``vit_kernels::bias_gelu``."""
-    ops = torch.ops.vit_kernels
+    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
+    C++, csrc/autograd.cpp), so that they trace under torch.compile."""
 
     # --- bias_gelu ----------------------------------------------------------------------------
     @torch.library.register_fake("vit_kernels::bias_gelu")
@@ -464,21 +456,10 @@ def _register_extension_ops():
     def _(grad_out, x, bias, approximate):
         return torch.empty_like(x)
 
-    def bias_gelu_setup(ctx, inputs, output):
-        x, bias, ctx.approximate = inputs
-        ctx.save_for_backward(x, bias)
-
-    def bias_gelu_backward(ctx, grad):
-        x, bias = ctx.saved_tensors
-        dz = ops.bias_gelu_backward(grad.contiguous(), x, bias, ctx.approximate)
-        dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return dz if ctx.needs_input_grad[0] else None, dbias, None
-
-    return differentiable("vit_kernels::bias_gelu", bias_gelu_backward, bias_gelu_setup)
-
 
 if _ext.LOADED:
-    bias_gelu = _register_extension_ops()
+    _register_extension_ops()
+    _ops = ExtensionOps("linear_residual", "linear_gelu", "mlp")
 
 
 def _extension_linear_limits(x, weight, bias=None, residual=None) -> Optional[str]:

@@ -303,9 +303,8 @@ def patch_embed_ref(
 
 
 def _register_extension_ops():
-    """Fake (meta) implementations and autograd for the C++/CUDA ops (schemas in csrc/ops.cpp), so
-    they trace under torch.compile and differentiate like any torch op; returns the eager-fast
-    callable of ``vit_kernels::patchify``."""
+    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
+    C++, csrc/autograd.cpp), so that they trace under torch.compile; returns ``vit_kernels::patchify``."""
     ops = torch.ops.vit_kernels
 
     # --- patchify / unpatchify (each the other's adjoint) -------------------------------------
@@ -318,22 +317,7 @@ def _register_extension_ops():
     def _(patches, channels, height, width, patch_size):
         return patches.new_empty((patches.shape[0], channels, height, width))
 
-    def patchify_setup(ctx, inputs, output):
-        images, ctx.patch_size = inputs
-        ctx.image_shape = images.shape[1:]
-
-    def patchify_backward(ctx, grad):
-        channels, height, width = ctx.image_shape
-        return ops.unpatchify(grad.contiguous(), channels, height, width, ctx.patch_size), None
-
-    def unpatchify_setup(ctx, inputs, output):
-        ctx.patch_size = inputs[4]
-
-    def unpatchify_backward(ctx, grad):
-        return ops.patchify(grad.contiguous(), ctx.patch_size), None, None, None, None
-
-    torch.library.register_autograd("vit_kernels::unpatchify", unpatchify_backward, setup_context=unpatchify_setup)
-    return differentiable("vit_kernels::patchify", patchify_backward, patchify_setup, double_backward=True)
+    return ops.patchify.default
 
 
 if _ext.LOADED:

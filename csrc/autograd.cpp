@@ -1,0 +1,246 @@
+// The autograd of the kernel ops (TORCH_LIBRARY_IMPL(vit_kernels, Autograd, m)), in C++ so that an
+// eager call costs one dispatcher call plus one autograd node: no Python autograd.Function, no
+// Python autograd kernel behind the dispatcher (together ~10 us per call on the host). Each forward
+// runs the op below the autograd key (its CPU or CUDA kernel); each backward calls the matching
+// backward op. torch.compile traces through these the same way (the fake implementations are
+// registered in Python, in vit_kernels/ops/<op>.py).
+//
+//   fused_layer_norm:  (y, s, mean, rstd) = LN(x + residual);  d x = d residual = d s_total, where
+//                      d s_total = LN'(d y) + d s (the gradient reaching the returned sum directly);
+//                      d weight = sum_rows d y * xhat, d bias = sum_rows d y (float32, then the
+//                      parameter's dtype)
+//   bias_gelu:         y = gelu(x + bias);  d x = d y * gelu'(x + bias),  d bias = sum_rows d x
+//   softmax:           y = softmax(x);      d x = y * (d y - sum(d y * y))
+//   patchify:          its adjoint unpatchify is its derivative, and the reverse: both differentiable
+//                      again (a gradient penalty through patch_embed works)
+//
+// The kernels' backwards are not differentiable themselves: a second derivative through them raises
+// (as Python's @once_differentiable does) instead of treating the first derivative as a constant.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+
+namespace vit_kernels::autograd {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptionalTensor = c10::optional<at::Tensor>;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using LayerNormFwd = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const OptionalTensor&,
+                                                                 const OptionalTensor&, const OptionalTensor&, double);
+using LayerNormBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const OptionalTensor&, const Tensor&,
+                                                        const OptionalTensor&, const Tensor&, const Tensor&, bool);
+using BiasGeluFwd = Tensor(const Tensor&, const OptionalTensor&, c10::string_view);
+using BiasGeluBwd = Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view);
+using SoftmaxFwd = Tensor(const Tensor&);
+using SoftmaxBwd = Tensor(const Tensor&, const Tensor&);
+using Patchify = Tensor(const Tensor&, int64_t);
+using Unpatchify = Tensor(const Tensor&, int64_t, int64_t, int64_t, int64_t);
+
+OptionalTensor optional(const Tensor& t) { return t.defined() ? OptionalTensor(t) : c10::nullopt; }
+
+// Whether argument `index` of a forward needs its gradient. `present` has bit i set where argument i
+// is a defined tensor: autograd gives an edge only to those, and needs_input_grad counts edges.
+bool needs_grad(AutogradContext* ctx, int64_t present, int index) {
+  if (((present >> index) & 1) == 0) return false;
+  const int edge = __builtin_popcountll(static_cast<uint64_t>(present) & ((uint64_t{1} << index) - 1));
+  return ctx->needs_input_grad(edge);
+}
+
+bool any_requires_grad(const variable_list& tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
+}
+
+// The gradients of a backward computed under no_grad, returned so that differentiating them again
+// raises: with grad mode on (create_graph) and a gradient requiring grad, each defined result is
+// aliased through a node that fails when reached, as Python's @once_differentiable does.
+variable_list once_differentiable(const char* op, const variable_list& grad_outputs, variable_list grads) {
+  if (!at::GradMode::is_enabled() || !any_requires_grad(grad_outputs)) return grads;
+  variable_list aliases;
+  aliases.reserve(grads.size());
+  for (const Tensor& grad : grads) aliases.push_back(grad.defined() ? grad.detach().requires_grad_(true) : Tensor());
+  torch::autograd::DelayedError node(std::string("trying to differentiate twice ") + op +
+                                         ", whose backward is a kernel that is not itself differentiable",
+                                     static_cast<int64_t>(aliases.size()));
+  return node.apply(std::move(aliases));
+}
+
+// ---- fused_layer_norm ------------------------------------------------------------------------------
+
+class FusedLayerNormFunction : public torch::autograd::Function<FusedLayerNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptionalTensor& residual,
+                               const OptionalTensor& weight, const OptionalTensor& bias, double eps) {
+    static const auto op = find_op<LayerNormFwd>("vit_kernels::fused_layer_norm");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, summed, mean, rstd] = op.call(x, residual, weight, bias, eps);
+    ctx->save_for_backward({residual.has_value() ? summed : x, weight.value_or(Tensor()), mean, rstd});
+    ctx->saved_data["present"] = int64_t{1} | int64_t{residual.has_value()} << 1 | int64_t{weight.has_value()} << 2 |
+                                 int64_t{bias.has_value()} << 3;
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, summed, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<LayerNormBwd>("vit_kernels::fused_layer_norm_backward");
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &summed = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
+    const int64_t present = ctx->saved_data["present"].toInt();
+    const bool has_residual = (present >> 1) & 1;
+    const bool needs_weight = needs_grad(ctx, present, 2), needs_bias = needs_grad(ctx, present, 3);
+    variable_list result(5);
+    {
+      at::NoGradGuard no_grad;
+      const OptionalTensor grad_summed = has_residual ? OptionalTensor(grads[1].contiguous()) : c10::nullopt;
+      auto [ds, dw, db] =
+          op.call(grads[0].contiguous(), grad_summed, summed, optional(weight), mean, rstd, needs_weight || needs_bias);
+      if (needs_grad(ctx, present, 0)) result[0] = ds;
+      if (needs_grad(ctx, present, 1)) result[1] = ds;
+      if (needs_weight) result[2] = dw.to(weight.scalar_type());
+      if (needs_bias) result[3] = db.to(summed.scalar_type());
+    }
+    return once_differentiable("vit_kernels::fused_layer_norm", grads, std::move(result));
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_layer_norm(const Tensor& x, const OptionalTensor& residual,
+                                                            const OptionalTensor& weight, const OptionalTensor& bias,
+                                                            double eps) {
+  auto outputs = FusedLayerNormFunction::apply(x, residual, weight, bias, eps);
+  return {outputs[0], outputs[1], outputs[2], outputs[3]};
+}
+
+// ---- bias_gelu -------------------------------------------------------------------------------------
+
+class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptionalTensor& bias,
+                        c10::string_view approximate) {
+    static const auto op = find_op<BiasGeluFwd>("vit_kernels::bias_gelu");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x, bias.value_or(Tensor())});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    ctx->saved_data["present"] = int64_t{1} | int64_t{bias.has_value()} << 1;
+    return op.call(x, bias, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<BiasGeluBwd>("vit_kernels::bias_gelu_backward");
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &bias = saved[1];
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    variable_list result(3);
+    {
+      at::NoGradGuard no_grad;
+      Tensor dz = op.call(grads[0].contiguous(), x, optional(bias), approximate);
+      const int64_t present = ctx->saved_data["present"].toInt();
+      if (needs_grad(ctx, present, 1)) result[1] = dz.reshape({-1, dz.size(-1)}).sum(0);
+      if (needs_grad(ctx, present, 0)) result[0] = std::move(dz);
+    }
+    return once_differentiable("vit_kernels::bias_gelu", grads, std::move(result));
+  }
+};
+
+Tensor bias_gelu(const Tensor& x, const OptionalTensor& bias, c10::string_view approximate) {
+  return BiasGeluFunction::apply(x, bias, approximate);
+}
+
+// ---- softmax ---------------------------------------------------------------------------------------
+
+class SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    static const auto op = find_op<SoftmaxFwd>("vit_kernels::softmax");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    Tensor y = op.call(x);
+    ctx->save_for_backward({y});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<SoftmaxBwd>("vit_kernels::softmax_backward");
+    variable_list result(1);
+    {
+      at::NoGradGuard no_grad;
+      result[0] = op.call(grads[0].contiguous(), ctx->get_saved_variables()[0]);
+    }
+    return once_differentiable("vit_kernels::softmax", grads, std::move(result));
+  }
+};
+
+Tensor softmax(const Tensor& x) { return SoftmaxFunction::apply(x); }
+
+// ---- patchify / unpatchify (each the other's derivative) -------------------------------------------
+
+const auto& patchify_op() {
+  static const auto op = find_op<Patchify>("vit_kernels::patchify");
+  return op;
+}
+
+const auto& unpatchify_op() {
+  static const auto op = find_op<Unpatchify>("vit_kernels::unpatchify");
+  return op;
+}
+
+class PatchifyFunction : public torch::autograd::Function<PatchifyFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& images, int64_t patch_size) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->saved_data["patch_size"] = patch_size;
+    ctx->saved_data["image_shape"] = images.sizes().slice(1).vec();  // (C, H, W)
+    return patchify_op().call(images, patch_size);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto shape = ctx->saved_data["image_shape"].toIntVector();
+    // through the dispatcher with autograd: differentiable again
+    return {unpatchify_op().call(grads[0].contiguous(), shape[0], shape[1], shape[2],
+                                 ctx->saved_data["patch_size"].toInt()),
+            Tensor()};
+  }
+};
+
+class UnpatchifyFunction : public torch::autograd::Function<UnpatchifyFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& patches, int64_t channels, int64_t height, int64_t width,
+                        int64_t patch_size) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->saved_data["patch_size"] = patch_size;
+    return unpatchify_op().call(patches, channels, height, width, patch_size);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {patchify_op().call(grads[0].contiguous(), ctx->saved_data["patch_size"].toInt()), Tensor(), Tensor(),
+            Tensor(), Tensor()};
+  }
+};
+
+Tensor patchify(const Tensor& images, int64_t patch_size) { return PatchifyFunction::apply(images, patch_size); }
+
+Tensor unpatchify(const Tensor& patches, int64_t channels, int64_t height, int64_t width, int64_t patch_size) {
+  return UnpatchifyFunction::apply(patches, channels, height, width, patch_size);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vit_kernels, Autograd, m) {
+  m.impl("fused_layer_norm", &fused_layer_norm);
+  m.impl("bias_gelu", &bias_gelu);
+  m.impl("softmax", &softmax);
+  m.impl("patchify", &patchify);
+  m.impl("unpatchify", &unpatchify);
+}
+
+}  // namespace vit_kernels::autograd

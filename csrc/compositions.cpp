@@ -1,0 +1,91 @@
+// The extension backend's public ops that are compositions: a GEMM (cuBLAS on CUDA, oneDNN/MKL on
+// the CPU) with the kernel ops around it, written in C++ (CompositeImplicitAutograd) so that an
+// eager call crosses from Python once instead of once per step. Autograd comes from the ops they
+// are made of (the GEMMs' own, csrc/autograd.cpp for the kernels); under torch.compile they
+// decompose into those ops, the kernels staying opaque in the graph.
+//
+//   linear_residual(x, W, b?, R) = x W^T + (R + b)          one GEMM accumulating onto the residual
+//   linear_gelu(x, W, b?, a)     = gelu_a(x W^T + b)         GEMM without bias, then bias_gelu
+//   mlp(x, W1, b1?, W2, b2?, a, R?) = linear_residual(linear_gelu(x, W1, b1, a), W2, b2, R)
+//                                  (F.linear + R where R is absent or of another dtype: autocast)
+//   attention_explicit(qkv, H, scale, p) = (dropout_p(P) V merged to (B, L, H*Dh), P),
+//                                  P = softmax(Q K^T * scale) by the softmax kernel, in float32
+//                                  for 16-bit inputs (scores rounded to 16 bits lose whole units)
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/accumulate.h>
+#include <torch/library.h>
+
+namespace vit_kernels::compositions {
+namespace {
+
+using at::Tensor;
+using OptionalTensor = c10::optional<at::Tensor>;
+
+Tensor bias_gelu(const Tensor& x, const OptionalTensor& bias, c10::string_view approximate) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("vit_kernels::bias_gelu", "")
+                             .typed<Tensor(const Tensor&, const OptionalTensor&, c10::string_view)>();
+  return op.call(x, bias, approximate);
+}
+
+Tensor softmax(const Tensor& x) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vit_kernels::softmax", "").typed<Tensor(const Tensor&)>();
+  return op.call(x);
+}
+
+// (..., N) with the leading dimensions of x: the shape of a linear layer's output.
+std::vector<int64_t> output_shape(const Tensor& x, int64_t out_features) {
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  return shape;
+}
+
+Tensor linear_residual(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, const Tensor& residual) {
+  const int64_t out_features = weight.size(0);
+  const int64_t rows = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));  // explicit: K = 0 or N = 0 too
+  Tensor accumulator = residual.reshape({rows, out_features});
+  if (bias.has_value()) accumulator = accumulator + *bias;
+  return at::addmm(accumulator, x.reshape({rows, x.size(-1)}), weight.t()).view(output_shape(x, out_features));
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, c10::string_view approximate) {
+  const Tensor preactivation = at::linear(x, weight).contiguous();
+  return bias_gelu(preactivation, bias.has_value() ? OptionalTensor(bias->contiguous()) : c10::nullopt, approximate);
+}
+
+Tensor mlp(const Tensor& x, const Tensor& fc1_weight, const OptionalTensor& fc1_bias, const Tensor& fc2_weight,
+           const OptionalTensor& fc2_bias, c10::string_view approximate, const OptionalTensor& residual) {
+  const Tensor hidden = linear_gelu(x, fc1_weight, fc1_bias, approximate);
+  if (residual.has_value() && residual->scalar_type() == hidden.scalar_type()) {
+    return linear_residual(hidden, fc2_weight, fc2_bias, *residual);
+  }
+  const Tensor out = at::linear(hidden, fc2_weight, fc2_bias);
+  return residual.has_value() ? out + *residual : out;
+}
+
+std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_heads, double scale, double dropout_p) {
+  const auto dtype = qkv.scalar_type();
+  const bool narrow = dtype == at::kHalf || dtype == at::kBFloat16;
+  const int64_t batch = qkv.size(0), length = qkv.size(1), head_dim = qkv.size(2) / (3 * num_heads);
+  // (B, L, 3*D) -> q, k, v: (B, H, L, Dh) views
+  const auto qkv_views = (narrow ? qkv.to(at::kFloat) : qkv).unflatten(-1, {3, num_heads, head_dim}).permute({2, 0, 3, 1, 4});
+  const Tensor q = qkv_views[0], k = qkv_views[1], v = qkv_views[2];
+  const Tensor probs = softmax((at::matmul(q, k.transpose(-2, -1)) * scale).contiguous());
+  const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
+  const Tensor out = at::matmul(dropped, v).transpose(1, 2).reshape({batch, length, num_heads * head_dim});
+  return {narrow ? out.to(dtype) : out, narrow ? probs.to(dtype) : probs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vit_kernels, CompositeImplicitAutograd, m) {
+  m.impl("linear_residual", &linear_residual);
+  m.impl("linear_gelu", &linear_gelu);
+  m.impl("mlp", &mlp);
+  m.impl("attention_explicit", &attention_explicit);
+}
+
+}  // namespace vit_kernels::compositions
