@@ -118,19 +118,27 @@ def _graphs(result: dict) -> list[str]:
     return lines + [""]
 
 
+# The tile choices a report lists: the result's key, the kernels' name, what a key holds.
+TILE_SECTIONS = (("attention_tiles", "Attention", "dtype, head dim, L, B*H"),
+                 ("layer_norm_tiles", "LayerNorm", "device, dtype, padded D, residual / dS, weight, bias / d(w, b), rows"))
+
+
 def _tiles(result: dict) -> list[str]:
-    """The attention tiles chosen on this GPU, and every candidate's time or why it was excluded."""
-    rows = result.get("attention_tiles") or []
-    if not rows:
-        return []
-    lines = ["## Attention tiles chosen on this device", "",
-             "Each candidate validated (2x PyTorch's own error) then timed on the call's inputs; ms or the reason "
-             "it was excluded.", "", "| kernel | dtype, head dim, L, B*H | chosen | candidates |", "|---|---|---|---|"]
-    for r in rows:
-        trials = "; ".join(f"{tile}: {_g(trial) if isinstance(trial, float) else trial}"
-                           for tile, trial in r["candidates"].items())
-        lines.append(f"| {r['kernel']} | {', '.join(map(str, r['key']))} | {r['chosen']} | {trials} |")
-    return lines + [""]
+    """The tiles chosen on this GPU per kernel family, and every candidate's time or why it was excluded."""
+    lines = []
+    for key, title, key_parts in TILE_SECTIONS:
+        rows = result.get(key) or []
+        if not rows:
+            continue
+        lines += [f"## {title} tiles chosen on this device", "",
+                  "Each candidate validated (2x PyTorch's own error) then timed on the call's inputs; ms or the reason "
+                  "it was excluded.", "", f"| kernel | {key_parts} | chosen | candidates |", "|---|---|---|---|"]
+        for r in rows:
+            trials = "; ".join(f"{tile}: {_g(trial) if isinstance(trial, float) else trial}"
+                               for tile, trial in r["candidates"].items())
+            lines.append(f"| {r['kernel']} | {', '.join(map(str, r['key']))} | {r['chosen']} | {trials} |")
+        lines.append("")
+    return lines
 
 
 def _timings(data: dict) -> list[str]:

@@ -14,8 +14,8 @@ the tile:
 * GEMMs: each config of ``GEMM_TILES_16BIT`` (float16, bfloat16) and ``GEMM_TILES_FP32`` (float32),
   pinned in linear's autotuner (linear, linear_gelu, mlp: forward and every backward GEMM, split-K
   included) and in patch_embed's forward autotuner.
-* layer_norm: one width per launch configuration its heuristic picks (rows per program, tiles and
-  warps, forward and backward), read from the launcher itself.
+* layer_norm: each forward tile of ``fwd_candidates`` and each backward tile of ``bwd_candidates``
+  (the launchers' choice pinned to it) at ViT's widths, 4096 and the widest the kernel takes.
 """
 
 from __future__ import annotations
@@ -173,38 +173,36 @@ def test_patch_embed_tile(monkeypatch, dtype, config):
 # ---- layer_norm ---------------------------------------------------------------------------------
 
 
-def layer_norm_launches(dim: int) -> tuple:
-    """The meta-parameters (rows, tiles, warps) of the forward and backward launches that the
-    layer_norm launcher picks for rows of ``dim`` on a GPU, recorded with meta tensors."""
-    x = torch.empty(4, dim, device="meta")
-    with recording_launches() as launches:
-        y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
-        torch.ops.vit_kernels.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
-    keys = ("ROWS", "TILES", "BLOCK_D", "num_warps")
-    return tuple(tuple((k, launch.kwargs[k]) for k in keys if k in launch.kwargs) for launch in launches)
-
-
 def layer_norm_cases() -> list:
-    """One width per distinct pair of launches, over widths 2^k - 2^k / 4 (1 to 49,152: ViT's 192,
-    384, 768 among them) and the largest the Triton kernel takes."""
-    widths = [max(1, 2**k - 2**k // 4) for k in range(17)] + [layer_norm.MAX_TRITON_COLS]
-    seen, cases = set(), []
-    for dim in widths:
-        launches = layer_norm_launches(dim)
-        if launches in seen:
-            continue
-        seen.add(launches)
-        fwd, bwd = (dict(launch) for launch in launches)
-        name = f"D{dim}-fwd{fwd['ROWS']}rows-w{fwd['num_warps']}-bwd{bwd['ROWS']}x{bwd['TILES']}rows-w{bwd['num_warps']}"
+    """Per padded width (ViT's 192, 384, 768, 1024, then 4096 and the widest the kernel takes), each
+    forward tile (with the default backward tile), then each further backward tile (with the
+    default forward tile)."""
+    cases = []
+    for dim in (192, 384, 768, 1024, 4096, layer_norm.MAX_TRITON_COLS):
+        block_d = triton.next_power_of_2(dim)
+        fwd, bwd = layer_norm.fwd_candidates(block_d), layer_norm.bwd_candidates(block_d)
+        pairs = [(tile, bwd[0]) for tile in fwd] + [(fwd[0], tile) for tile in bwd[1:]]
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            cases.append(cuda_param(dtype, dim, id=f"{DTYPE_NAMES[dtype]}-{name}", skip_reason=SKIP))
+            for fwd_tile, bwd_tile in pairs:
+                name = f"{DTYPE_NAMES[dtype]}-D{dim}-fwd{'x'.join(map(str, fwd_tile))}-bwd{'x'.join(map(str, bwd_tile))}"
+                cases.append(cuda_param(dtype, dim, fwd_tile, bwd_tile, id=name, skip_reason=SKIP))
     return cases
 
 
-@pytest.mark.parametrize("dtype,dim", layer_norm_cases())
-def test_layer_norm_launch(dtype, dim):
+@pytest.mark.parametrize("dtype,dim,fwd_tile,bwd_tile", layer_norm_cases())
+def test_layer_norm_tile(monkeypatch, dtype, dim, fwd_tile, bwd_tile):
+    """The launchers pinned to one forward and one backward tile."""
+    launched = []
+
+    def pinned(chooser, *args):
+        tile = fwd_tile if chooser is layer_norm.FWD_CHOOSER else bwd_tile
+        launched.append(tile)
+        return (tile,)
+
+    monkeypatch.setattr(layer_norm, "_tile_to_launch", pinned)
     rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
     inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
     with vk.use_backend("triton", strict=True):
         check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"],
                               CUDA, eps=1e-5)
+    assert set(launched) == {fwd_tile, bwd_tile}, "the launchers did not run the pinned tiles"

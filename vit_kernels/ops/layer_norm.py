@@ -7,18 +7,19 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import functools
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from vit_kernels import _ext, backend
+from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._triton import HAS_TRITON, as_float32, launch, tl, triton
+from vit_kernels._tiles import FLOORS, TileChooser, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, recording, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
-ROWS_PER_PROGRAM_BWD = 64  # rows whose d(weight), d(bias) one backward program sums before writing a partial
 
 
 # Forward, one program per ROWS rows (D <= BLOCK_D columns, one tile per row):
@@ -66,17 +67,18 @@ def _layer_norm_fwd_kernel(
     tl.store(Rstd + rows, rstd, mask=mask_rows)
 
 
-# Backward, one program per TILES x ROWS rows (TILES tiles of ROWS rows each), with
-# xhat = (s - mean) * rstd and g = dy * w:
+# Backward, one program per `tiles` consecutive tiles of ROWS rows (the grid is sized to the GPU),
+# with xhat = (s - mean) * rstd and g = dy * w:
 #   ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dS, the gradient reaching the returned sum)
-#   dx = dr = ds;  d(weight) = sum_rows dy * xhat,  d(bias) = sum_rows dy, written as per-program
-#   partial sums (fp32) that the host adds up: no atomics, a deterministic result.
+#   dx = dr = ds;  d(weight) = sum_rows dy * xhat,  d(bias) = sum_rows dy, accumulated per element
+#   over the program's tiles and reduced over rows once, written as per-program partial sums (fp32)
+#   that the host adds up: no atomics, a deterministic result.
 @triton.jit
 def _layer_norm_bwd_kernel(
     S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
-    num_rows, num_cols,
+    num_rows, num_cols, tiles,
     stride_s, stride_dy, stride_dsum, stride_ds, stride_w,
-    ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEEDS_WB: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -84,10 +86,10 @@ def _layer_norm_bwd_kernel(
     mask_cols = cols < num_cols
     if HAS_WEIGHT:
         w = tl.load(Weight + cols * stride_w, mask=mask_cols, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for tile in range(TILES):
-        rows = (pid * TILES + tile).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    dw = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for tile in range(tiles):
+        rows = (pid * tiles + tile).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         mask_rows = rows < num_rows
         mask = mask_rows[:, None] & mask_cols[None, :]
         s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -103,11 +105,11 @@ def _layer_norm_bwd_kernel(
             ds += tl.load(DSum + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DS + rows[:, None] * stride_ds + cols[None, :], ds.to(DS.dtype.element_ty), mask=mask)
         if NEEDS_WB:
-            dw += tl.sum(dy * xhat, 0)
-            db += tl.sum(dy, 0)
+            dw += dy * xhat
+            db += dy
     if NEEDS_WB:
-        tl.store(PartialW + pid.to(tl.int64) * num_cols + cols, dw, mask=mask_cols)
-        tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, db, mask=mask_cols)
+        tl.store(PartialW + pid.to(tl.int64) * num_cols + cols, tl.sum(dw, 0), mask=mask_cols)
+        tl.store(PartialB + pid.to(tl.int64) * num_cols + cols, tl.sum(db, 0), mask=mask_cols)
 
 
 def _warps(elements: int, per_warp: int) -> int:
@@ -117,8 +119,125 @@ def _warps(elements: int, per_warp: int) -> int:
 
 
 def _rows_per_program(block_d: int) -> int:
-    """Forward rows per program: several short rows share a program (ViT widths are 192 to 1024)."""
+    """Forward rows per program of the default tile: several short rows share a program (ViT widths
+    are 192 to 1024)."""
     return max(1, min(16, 4096 // block_d))
+
+
+# Launch configurations are candidates that the user's GPU validates and times (vit_kernels/_tiles.py)
+# per key (dtype, padded width, which of residual / weight / bias, rows bucket); the first of each
+# list is the default (the interpreter's, and the one used while tracing before a choice is made).
+# Forward tile: (rows per program, warps). Backward tile: (rows per tile, programs per SM, warps): the
+# grid is min(tiles, programs per SM x SMs), each program walking its share of tiles, so that a
+# large batch neither launches a program per few rows nor leaves SMs idle.
+BWD_PROGRAMS_PER_SM = (4, 2, 8)
+
+
+def _per_thread_ok(elements: int, warps: int, low: int, high: int) -> bool:
+    return low <= elements // (32 * warps) <= high
+
+
+def fwd_candidates(block_d: int) -> tuple[tuple[int, int], ...]:
+    """(rows, warps) forward tiles for rows padded to ``block_d``: the default, then every tile of
+    1-8 rows whose threads each hold 8-16 values of a row tile."""
+    rows = _rows_per_program(block_d)
+    tiles = [(rows, _warps(rows * block_d, 1024))]
+    for rows in (1, 2, 4, 8):
+        for warps in (1, 2, 4, 8, 16):
+            if rows * block_d <= 16384 and _per_thread_ok(rows * block_d, warps, 8, 16) and (rows, warps) not in tiles:
+                tiles.append((rows, warps))
+    return tuple(tiles)
+
+
+def bwd_candidates(block_d: int) -> tuple[tuple[int, int, int], ...]:
+    """(rows, programs per SM, warps) backward tiles: the default, then tiles of 1-4 rows whose
+    threads each hold 8-16 values of a row tile, each with every BWD_PROGRAMS_PER_SM."""
+    rows = _rows_per_program(block_d)
+    default = (rows, BWD_PROGRAMS_PER_SM[0], _warps(rows * block_d, 512))
+    tiles = [default]
+    for rows in (1, 2, 4):
+        for warps in (1, 2, 4, 8, 16):
+            if not (rows * block_d <= 8192 and _per_thread_ok(rows * block_d, warps, 8, 16)):
+                continue
+            for per_sm in BWD_PROGRAMS_PER_SM:
+                if (rows, per_sm, warps) not in tiles:
+                    tiles.append((rows, per_sm, warps))
+    return tuple(tiles)
+
+
+FWD_CHOOSER = TileChooser("layer_norm forward")
+BWD_CHOOSER = TileChooser("layer_norm backward")
+
+
+def tile_report() -> list[dict]:
+    """Every LayerNorm tile choice made in this process: kernel, key, the tile chosen and each
+    candidate's time in ms or why it was excluded."""
+    return [{"kernel": kernel, "key": list(key), "chosen": repr(choice.tile),
+             "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}}
+            for kernel, chooser in (("forward", FWD_CHOOSER), ("backward", BWD_CHOOSER))
+            for key, choice in chooser.report().items()]
+
+
+H100_MULTIPROCESSORS = 132  # the grid size the compile gate (meta tensors, no device) sizes launches for
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (asked once); 2 under the interpreter, so that the CPU tests walk several
+    tiles per program; an H100's count for the compile gate's meta tensors."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index if device.index is not None
+                                                else torch.cuda.current_device()).multi_processor_count
+    return 2 if interpreted(device) else H100_MULTIPROCESSORS
+
+
+def _tile_to_launch(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
+                    trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+    """The tile(s) to launch: the default under the interpreter and for no rows; every candidate
+    while the compile gate records; else the tile ``chooser`` keeps for ``key``, choosing it first
+    when there is none (``trial() -> (run, check)``, built only then)."""
+    if interpreted(device) or rows == 0:
+        return (candidates[0],)
+    if recording():
+        return candidates
+    tile = chooser.chosen(key)
+    if tile is None:
+        run, check = trial()
+        tile = chooser.choose(key, device, candidates, run, check)
+    return (tile,)
+
+
+def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, list]],
+                 dtype: torch.dtype) -> Callable[[list[torch.Tensor]], Optional[str]]:
+    """A check for the TileChooser: each named output within twice PyTorch's own error against the
+    exact result, ``references() -> (exact (float64, or float32 for 16-bit inputs), PyTorch's own in
+    the same dtype)``, computed once, on first use."""
+    computed: list = []
+
+    def check(outputs: list[torch.Tensor]) -> Optional[str]:
+        if not computed:
+            computed.extend(references())
+        exact, own = computed
+        for name, actual, want, pytorch in zip(names, outputs, exact, own):
+            problem = within_pytorch_error(name, actual, pytorch, want, FLOORS[dtype])
+            if problem is not None:
+                return problem
+        return None
+
+    return check
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _pytorch_forward(x2, r2, weight, bias, eps, dtype):
+    """PyTorch's y (and s) for rows x2 (+ r2), computed in ``dtype``."""
+    s = x2.to(dtype) if r2 is None else x2.to(dtype) + r2.to(dtype)
+    w = weight.to(dtype) if weight is not None else None
+    b = bias.to(dtype) if bias is not None else None
+    y = F.layer_norm(s, (s.shape[-1],), w, b, eps)
+    return [y] if r2 is None else [y, s]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +248,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
+    def _launch_fwd(x2, r2, weight, bias, eps, outputs, tile) -> None:
+        y, summed, mean, rstd = outputs
+        rows, dim = x2.shape
+        per_program, warps = tile
+        launch(
+            _layer_norm_fwd_kernel, (triton.cdiv(rows, per_program),),
+            x2, r2 if r2 is not None else x2, weight if weight is not None else x2,
+            bias if bias is not None else x2, y, summed, mean, rstd,
+            rows, dim,
+            x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), dim,
+            weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
+            eps,
+            ROWS=per_program, BLOCK_D=triton.next_power_of_2(dim), HAS_RESIDUAL=r2 is not None,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=warps,
+        )
+
+    def _fwd_outputs(x2: torch.Tensor, has_residual: bool) -> tuple[torch.Tensor, ...]:
+        rows, dim = x2.shape
+        y = torch.empty((rows, dim), dtype=x2.dtype, device=x2.device)
+        summed = torch.empty((rows, dim) if has_residual else (0,), dtype=x2.dtype, device=x2.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=x2.device)
+        return y, summed, mean, torch.empty_like(mean)
+
     def _layer_norm_fwd(
         x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
         residual: Optional[torch.Tensor],
@@ -136,27 +278,70 @@ if HAS_TRITON:
         """x, residual (..., D) -> y (..., D), s = x + residual (..., D) (empty without a residual),
         mean and rstd (rows,) fp32."""
         x2 = _rows(x)
-        rows, dim = x2.shape
-        y = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
-        summed = torch.empty((rows, dim) if residual is not None else (0,), dtype=x.dtype, device=x.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        r2 = _rows(residual) if residual is not None else x2
+        r2 = _rows(residual) if residual is not None else None
+        rows, dim = (int(size) for size in x2.shape)
         block_d = triton.next_power_of_2(dim)
-        per_program = _rows_per_program(block_d)
-        launch(
-            _layer_norm_fwd_kernel, (triton.cdiv(rows, per_program),),
-            x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, summed, mean, rstd,
-            rows, dim,
-            x2.stride(0), r2.stride(0), y.stride(0), dim,
-            weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-            eps,
-            ROWS=per_program, BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, num_warps=_warps(per_program * block_d, 1024),
-        )
+
+        def trial():
+            def run(tile):
+                outputs = _fwd_outputs(x2, r2 is not None)
+                _launch_fwd(x2, r2, weight, bias, eps, outputs, tile)
+                return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
+
+            def references():
+                return (_pytorch_forward(x2, r2, weight, bias, eps, _wide(x2.dtype)),
+                        _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype))
+
+            return run, _check_parts(("y", "s"), references, x2.dtype)
+
+        key = (str(x.device), str(x.dtype), block_d, residual is not None, weight is not None, bias is not None,
+               _signature.bucket(rows))
+        outputs = _fwd_outputs(x2, residual is not None)
+        for tile in _tile_to_launch(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial):
+            _launch_fwd(x2, r2, weight, bias, eps, outputs, tile)
+        y, summed, mean, rstd = outputs
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
     torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())(_layer_norm_fwd)
+
+    def _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile) -> None:
+        ds, partial_w, partial_b = outputs
+        rows, dim = s2.shape
+        tile_rows, _, warps = tile
+        programs = partial_w.shape[0] if needs_weight_bias else _bwd_programs(s2, tile)
+        launch(
+            _layer_norm_bwd_kernel, (programs,),
+            s2, dy2, dsum2 if dsum2 is not None else dy2, weight if weight is not None else s2, mean, rstd, ds,
+            partial_w, partial_b,
+            rows, dim, triton.cdiv(triton.cdiv(rows, tile_rows), programs),
+            s2.stride(0), dy2.stride(0), dsum2.stride(0) if dsum2 is not None else 0, ds.stride(0),
+            weight.stride(0) if weight is not None else 0,
+            ROWS=tile_rows, BLOCK_D=triton.next_power_of_2(dim),
+            HAS_DSUM=dsum2 is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias, num_warps=warps,
+        )
+
+    def _bwd_programs(s2: torch.Tensor, tile: tuple) -> int:
+        """Programs of a backward launch: one per tile of rows, at most ``programs per SM`` x SMs."""
+        tile_rows, per_sm, _ = tile
+        return max(1, min(triton.cdiv(s2.shape[0], tile_rows), per_sm * _multiprocessors(s2.device)))
+
+    def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, tile: tuple) -> tuple[torch.Tensor, ...]:
+        ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
+        partials = (_bwd_programs(s2, tile) if needs_weight_bias else 1, s2.shape[1])
+        partial_w = torch.empty(partials, dtype=torch.float32, device=s2.device)
+        return ds, partial_w, torch.empty_like(partial_w)
+
+    def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:
+        """PyTorch's ds (+ dS), and d(weight), d(bias) when asked, from the forward's mean and rstd,
+        computed in ``dtype`` (statistics in the dtype PyTorch's own forward gives them)."""
+        dim = s2.shape[1]
+        s, dy = s2.to(dtype), dy2.to(dtype)
+        stat = torch.ops.aten.native_layer_norm(s[:1], [dim], None, None, 1e-5)[1].dtype
+        w = weight.to(dtype) if weight is not None else torch.ones(dim, dtype=dtype, device=s.device)
+        ds, dw, _ = torch.ops.aten.native_layer_norm_backward(
+            dy, s, [dim], mean.to(stat)[:, None], rstd.to(stat)[:, None], w, None, [True, needs_weight_bias, False])
+        parts = [ds if dsum2 is None else ds + dsum2.to(dtype)]
+        return parts + [dw, dy.sum(0)] if needs_weight_bias else parts
 
     def _layer_norm_bwd(
         grad_y: torch.Tensor, grad_sum: Optional[torch.Tensor], summed: torch.Tensor, weight: Optional[torch.Tensor],
@@ -164,25 +349,29 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
         s2, dy2 = _rows(summed), _rows(grad_y)
-        rows, dim = s2.shape
-        ds = torch.empty((rows, dim), dtype=summed.dtype, device=summed.device)
+        dsum2 = _rows(grad_sum) if grad_sum is not None else None
+        rows, dim = (int(size) for size in s2.shape)
         block_d = triton.next_power_of_2(dim)
-        tile_rows = _rows_per_program(block_d)
-        tiles = max(1, ROWS_PER_PROGRAM_BWD // tile_rows)
-        programs = triton.cdiv(rows, tile_rows * tiles)
-        partial_w = torch.empty((programs if needs_weight_bias else 1, dim), dtype=torch.float32, device=summed.device)
-        partial_b = torch.empty_like(partial_w)
-        dsum2 = _rows(grad_sum) if grad_sum is not None else dy2
-        launch(
-            _layer_norm_bwd_kernel, (programs,),
-            s2, dy2, dsum2, weight if weight is not None else s2, mean, rstd, ds, partial_w, partial_b,
-            rows, dim,
-            s2.stride(0), dy2.stride(0), dsum2.stride(0), ds.stride(0),
-            weight.stride(0) if weight is not None else 0,
-            ROWS=tile_rows, TILES=tiles, BLOCK_D=block_d,
-            HAS_DSUM=grad_sum is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias,
-            num_warps=_warps(tile_rows * block_d, 512),
-        )
+
+        def trial():
+            def run(tile):
+                outputs = _bwd_outputs(s2, needs_weight_bias, tile)
+                _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
+                ds, partial_w, partial_b = outputs
+                return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
+
+            def references():
+                return tuple(_pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
+                             for dtype in (_wide(s2.dtype), s2.dtype))
+
+            return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
+
+        key = (str(summed.device), str(summed.dtype), block_d, grad_sum is not None, weight is not None,
+               needs_weight_bias, _signature.bucket(rows))
+        for tile in _tile_to_launch(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial):
+            outputs = _bwd_outputs(s2, needs_weight_bias, tile)
+            _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
+        ds, partial_w, partial_b = outputs
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
     layer_norm_bwd = direct(torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())(_layer_norm_bwd),
