@@ -72,8 +72,9 @@ def _layer_norm_fwd_kernel(
 #   ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dS, the gradient reaching the returned sum)
 #   dx = dr = ds;  d(weight) = sum_rows dy * xhat,  d(bias) = sum_rows dy, accumulated per element
 #   over the program's tiles and reduced over rows once, written as per-program partial sums (fp32)
-#   that the host adds up: no atomics, a deterministic result.
-@triton.jit
+#   that the host adds up: no atomics, a deterministic result. `tiles` varies with the batch: not
+#   specialised on (one compiled variant whatever its value).
+@triton.jit(do_not_specialize=["tiles"])
 def _layer_norm_bwd_kernel(
     S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
     num_rows, num_cols, tiles,
