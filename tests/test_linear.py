@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, backend_dtypes, check_against_formula, device_backend_dtypes
+from tests.helpers import (CPU_BACKENDS, assert_within_pytorch_error, backend_dtypes, check_against_formula,
+                           device_backend_dtypes)
 
 CPU_PAIRS = backend_dtypes([torch.float32, torch.float16])
 
@@ -65,6 +66,23 @@ def test_linear_gelu(device, backend_name, dtype, x_shape, k, n, approximate, wi
             lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
             linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], device, approximate=approximate,
         )
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear_gelu", CPU_PAIRS))
+def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate):
+    """Inference may take other paths (on CUDA the extension's tanh form is one cuBLASLt GEMM with its
+    bias + GELU epilogue): the GELU asked for is the one computed, within twice PyTorch's own error."""
+    inputs = [torch.randn(3, 50, 64) * 2, torch.randn(200, 64) / 8, torch.randn(200)]
+    exact = linear_gelu_formula(*(t.double() for t in inputs), approximate)
+    cast = [t.to(device, dtype) for t in inputs]
+    with torch.no_grad():
+        with vk.use_backend(backend_name, strict=True):
+            out = vk.linear_gelu(*cast, approximate=approximate)
+        with vk.use_backend("torch"):
+            own = vk.linear_gelu(*cast, approximate=approximate)
+    assert out.dtype == dtype and out.shape == exact.shape
+    assert_within_pytorch_error("output", out, own, exact, dtype, torch.device(device))
 
 
 @pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
