@@ -88,13 +88,20 @@ std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_hea
   const auto dtype = qkv.scalar_type();
   const bool narrow = dtype == at::kHalf || dtype == at::kBFloat16;
   const int64_t batch = qkv.size(0), length = qkv.size(1), head_dim = qkv.size(2) / (3 * num_heads);
-  // (B, L, 3*D) -> q, k, v: (B, H, L, Dh) views
-  const auto qkv_views = (narrow ? qkv.to(at::kFloat) : qkv).unflatten(-1, {3, num_heads, head_dim}).permute({2, 0, 3, 1, 4});
-  const Tensor q = qkv_views[0], k = qkv_views[1], v = qkv_views[2];
-  const Tensor probs = softmax((at::matmul(q, k.transpose(-2, -1)) * scale).contiguous());
+  // (B, L, 3*D) -> (3, B*H, L, Dh) in one copy; q, k, v are its three (B*H, L, Dh) slices
+  const Tensor heads = (narrow ? qkv.to(at::kFloat) : qkv)
+                           .view({batch, length, 3, num_heads, head_dim})
+                           .permute({2, 0, 3, 1, 4})
+                           .reshape({3, batch * num_heads, length, head_dim});
+  const Tensor q = heads[0], k = heads[1], v = heads[2];
+  const Tensor probs = softmax(at::bmm(q, k.transpose(1, 2)).mul_(scale));  // (B*H, L, L)
   const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
-  const Tensor out = at::matmul(dropped, v).transpose(1, 2).reshape({batch, length, num_heads * head_dim});
-  return {narrow ? out.to(dtype) : out, narrow ? probs.to(dtype) : probs};
+  const Tensor out = at::bmm(dropped, v)  // (B*H, L, Dh) -> (B, L, H*Dh)
+                         .view({batch, num_heads, length, head_dim})
+                         .transpose(1, 2)
+                         .reshape({batch, length, num_heads * head_dim});
+  const Tensor maps = probs.view({batch, num_heads, length, length});
+  return {narrow ? out.to(dtype) : out, narrow ? maps.to(dtype) : maps};
 }
 
 }  // namespace

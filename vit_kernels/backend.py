@@ -691,6 +691,9 @@ def _resolve(op: str, device: torch.device, dtype: torch.dtype,
 # ---- the per-call fast path ------------------------------------------------------------------------
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Whether autocast is on for any device: one C call, where reading the main input's device and its
+# autocast state costs about a microsecond (asked per device only when some autocast is on).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _PLAIN = (type(None), bool, int, float, str)
 
 
@@ -704,8 +707,8 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
-    parts: list = [op, _context_choice.get() or _process_choice, torch.is_grad_enabled(),
-                   autocast_dtype_of(first.device.type)]
+    autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
+    parts: list = [op, _context_choice.get() or _process_choice, torch.is_grad_enabled(), autocast]
     for a in args:
         if isinstance(a, torch.Tensor):
             parts.append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), type(a)))

@@ -414,8 +414,9 @@ def layer_norm_extension(
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
-    contiguous = [t.contiguous() if t is not None else None for t in (x, residual, weight, bias)]
-    y, summed, _, _ = fused_layer_norm(*contiguous, eps)
+    y, summed, _, _ = fused_layer_norm(x.contiguous(), None if residual is None else residual.contiguous(),
+                                       None if weight is None else weight.contiguous(),
+                                       None if bias is None else bias.contiguous(), eps)
     return y if residual is None else (y, summed)
 
 
