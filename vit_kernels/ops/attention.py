@@ -367,7 +367,7 @@ def _attention_bwd_dq_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
-        k, p, dp = _attention_bwd_dq_key_block(
+        _, p, dp = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_m,
             offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION)
         weighted += tl.sum(p * dp, 1)
@@ -375,11 +375,11 @@ def _attention_bwd_dq_kernel(
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
-        k, p, dp = _attention_bwd_dq_key_block(
+        _, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
             offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
-        weighted += tl.sum(p * dp, 1)
-        row_sum += tl.sum(p, 1)
+        weighted += tl.sum(p_tail * dp_tail, 1)
+        row_sum += tl.sum(p_tail, 1)
     delta = weighted / tl.where(mask_m, row_sum, 1.0)
     tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
 
@@ -393,10 +393,10 @@ def _attention_bwd_dq_kernel(
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
-        k, p, dp = _attention_bwd_dq_key_block(
+        k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
             offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
-        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+        dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l + head * head_dim \
         + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
@@ -451,18 +451,25 @@ def _attention_probs_kernel(
 # head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at head dims 80-128,
 # while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1) were right: only right ones are listed.
 # At head dim 64 the best of 25 backward pairs tried there was dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2),
-# 0.463 ms against the first pair's 0.632 ms of the whole forward + backward.
+# 0.463 ms against the then first pair's 0.632 ms of the whole forward + backward: it is the default
+# now. The 16-bit head-dim-64 and -128 lists also hold 128-row, 8-warp forward tiles (two warpgroups
+# of 64 rows on sm_90) at 2 to 4 stages, and backward pairs with 128-row dQ or 128-key dK/dV tiles:
+# candidates, run and checked by the chooser on the user's GPU before any is kept.
 ATTENTION_FWD_TILES = {
-    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)),
-    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)),
+    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                  (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4)),
+    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                   (64, 64, 4, 3)),
     (False, 256): ((64, 32, 8, 1), (32, 32, 4, 1)),
     (True, 64): ((32, 32, 4, 2), (64, 32, 8, 2)),
     (True, 128): ((32, 32, 8, 1), (16, 32, 8, 1)),
     (True, 256): ((16, 32, 4, 1),),
 }
 ATTENTION_BWD_TILES = {
-    (False, 64): (((64, 64, 4, 2), (32, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 2)),
-                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2))),
+    (False, 64): (((64, 64, 4, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (32, 64, 4, 2)),
+                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2)),
+                  ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 64, 4, 2)),
+                  ((64, 64, 4, 3), (64, 128, 8, 2))),
     (False, 128): (((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
                    ((32, 32, 4, 2), (16, 32, 4, 1))),
     (False, 256): (((32, 32, 8, 1), (16, 32, 8, 1)),),
