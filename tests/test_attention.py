@@ -8,6 +8,7 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels import backend
+from vit_kernels.ops import attention
 from tests.helpers import (
     CPU_BACKENDS, CUDA_DTYPES, check_against_formula, device_backend_dtypes, device_backends, requires_cuda,
 )
@@ -52,6 +53,52 @@ def test_attention_matches_formula(device, backend_name, dtype, length, head_dim
     qkv = torch.randn(1 if length == 197 else 2, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name):
         check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], device, num_heads=heads)
+
+
+# The Triton kernels run the blocks inside the sequence without masks and then one masked tail
+# block (L mod the block, padded to a power of two): lengths the block divides (no tail: the
+# interpreter's 32-row tile at L = 32, 64, 96; L = 16 is a single 16-row block), one row past a
+# block (L = 33: a 16-row tail holding 1), one short (L = 31: a lone tail), L = 1; head dims 1
+# (padded to 16), 80 (padded to 128: masked columns) and 256 (unpadded, the largest).
+TAIL_DTYPES = device_backend_dtypes("attention", [("triton", dt) for dt in (torch.float32, torch.float16)
+                                                  if "triton" in CPU_BACKENDS])
+
+
+@pytest.mark.parametrize("length", [1, 16, 31, 32, 33, 64, 96])
+@pytest.mark.parametrize("head_dim", [1, 80, 256])
+@pytest.mark.parametrize("device,backend_name,dtype", TAIL_DTYPES)
+def test_tail_blocks_match_formula(device, backend_name, dtype, length, head_dim):
+    """Output and every gradient (dq, dk, dv each on its own) against the float64 formula."""
+    heads = 2
+    qkv = torch.randn(2, length, 3 * heads * head_dim)
+    with vk.use_backend(backend_name, strict=True):
+        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], device,
+                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+
+
+@pytest.mark.parametrize("length,block_n,tail", [(197, 64, 16), (197, 32, 16), (192, 64, 0), (64, 64, 0),
+                                                  (65, 64, 16), (1, 16, 16), (100, 64, 64), (81, 64, 32)])
+def test_tail_block_is_the_remainder_padded(length, block_n, tail):
+    assert attention._tail_block(block_n, length) == tail
+
+
+@pytest.mark.parametrize("length", [197, 256])
+def test_gpu_launches_mask_only_a_tail_block(length):
+    """On a GPU (launches recorded with meta tensors) each kernel gets the tail of its own loop: the
+    forward's and dQ's over key blocks (BLOCK_N), dK/dV's over query blocks (BLOCK_M)."""
+    from vit_kernels._triton import recording_launches
+
+    qkv = torch.empty(2, length, 3 * 2 * 64, dtype=torch.bfloat16, device="meta")
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    with recording_launches() as launches:
+        out, stats = torch.ops.vit_kernels.attention_fwd(qkv, 2, 0.125, 0.0, seed)
+        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, 0.125, 0.0)
+    assert launches
+    for launch in launches:
+        looped = launch.kwargs["BLOCK_M" if launch.kernel.fn.__name__ == "_attention_bwd_dkdv_kernel" else "BLOCK_N"]
+        assert launch.kwargs["BLOCK_TAIL"] == attention._tail_block(looped, length)
+        assert launch.kwargs["EVEN_D"] is True
+        assert (launch.kwargs["BLOCK_TAIL"] == 0) == (length % looped == 0)
 
 
 def test_float64_reference_is_exact():
@@ -119,7 +166,7 @@ def test_attention_huge_logits_stay_finite(on_backend):
     torch.testing.assert_close(out.double(), formula_out(qkv.double(), 2), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("length", [1, 17, 50])
+@pytest.mark.parametrize("length", [1, 17, 50, 64])
 def test_return_probs(on_backend, length):
     qkv = torch.randn(2, length, 3 * 3 * 4, requires_grad=True)
     out, probs = vk.attention(qkv, 3, return_probs=True)
@@ -171,12 +218,13 @@ def test_dropout_kept_fraction_and_reproducible(on_backend, p):
     assert not torch.equal(mask, _dropout_mask(length, p, seed=8))
 
 
+@pytest.mark.parametrize("length", [24, 32, 33])  # a lone tail block, none, a 1-key tail (interpreter tile 32)
 @pytest.mark.parametrize("return_probs", [True, False])
-def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_probs):
+def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_probs, length):
     """out = (mask * P / (1 - p)) v with the very mask drawn for that seed; dqkv is its gradient."""
     if on_backend == "torch" and not return_probs:
         pytest.skip("SDPA draws its mask differently from the probs path: checked with return_probs only")
-    length, p, seed = 24, 0.2, 3
+    p, seed = 0.2, 3
     mask = _dropout_mask(length, p, seed).double()
     qkv = torch.randn(1, length, 3 * length, requires_grad=True)
     torch.manual_seed(seed)

@@ -152,3 +152,17 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
         raise AssertionError("built the trial of a decided key")
 
     assert attention._tiles_to_launch(chooser, qkv, 2, None, lambda: ["a"], trial) == ("a",)
+
+
+def test_the_pair_measured_fastest_at_head_dim_64_is_the_default():
+    """dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2): the best of 25 pairs on an H100 (bf16, ViT-B/16): the
+    tile launched where nothing may be measured (tracing, graph capture)."""
+    assert attention.ATTENTION_BWD_TILES[(False, 64)][0] == ((64, 64, 4, 3), (64, 64, 4, 2))
+    assert attention.bwd_candidates(torch.bfloat16, 64, 197)[0] == ((64, 64, 4, 3), (64, 64, 4, 2))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_16bit_forward_candidates_include_128_rows_on_8_warps_at_2_to_4_stages(head_dim):
+    tiles = attention.ATTENTION_FWD_TILES[(False, head_dim)]
+    stages = {stages for bm, _, warps, stages in tiles if (bm, warps) == (128, 8)}
+    assert {2, 3} <= stages, tiles

@@ -1,4 +1,4 @@
-"""python -m vit_kernels.gpu_check [--all] [--targets 80,90] [--jobs N] [--out DIR]
+"""python -m vit_kernels.gpu_check [--all] [--ops attention,...] [--targets 80,90] [--jobs N] [--out DIR]
 
 Compiles every Triton kernel variant the launchers can choose on CUDA for each target, writes
 ``DIR/report.json`` and ``DIR/report.md``, prints a summary, and exits 1 on any failure:
@@ -42,11 +42,14 @@ def _is_16bit(bound) -> bool:
     return any(t in ("*fp16", "*bf16") for t in bound.signature.values())
 
 
-def collect(sweep: sweeps.Sweep, targets: list[int]):
-    """-> unique compile jobs, and per launch its labels, variant, bound key per target."""
+def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
+    """-> unique compile jobs, and per launch its labels, variant, bound key per target (only the
+    cases of ``ops`` where given)."""
     jobs: dict[str, tuple[Variant, int, object]] = {}
     launches = []
     for case in sweeps.cases(sweep):
+        if ops is not None and case.op not in ops:
+            continue
         for launch in sweeps.record(case):
             for variant in expand(launch):
                 keys = {}
@@ -61,6 +64,7 @@ def collect(sweep: sweeps.Sweep, targets: list[int]):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit_kernels.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)")
+    parser.add_argument("--ops", default=None, help="only these ops' cases, comma-separated (default: every op)")
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (80, 90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     parser.add_argument("--out", default="build/check-gpu", help="folder for report.json and report.md")
@@ -72,8 +76,13 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
+    ops = None if args.ops is None else set(args.ops.split(","))
+    known_ops = {case.op for case in sweeps.cases(sweeps.QUICK)}
+    if ops is not None and not ops <= known_ops:
+        parser.error(f"--ops must be among {sorted(known_ops)}, got {sorted(ops - known_ops)}")
+
     start = time.time()
-    jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets)
+    jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
     keys = list(jobs)
     _JOBS[:] = [jobs[k] for k in keys]
     print(f"gpu_check: {len(launches)} launches, {len(keys)} unique variants to compile for "

@@ -47,14 +47,68 @@ def _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p):
     return tl.rand(seed, counter) >= dropout_p
 
 
+# Tiles are addressed as a 64-bit base pointer per (batch, head, block) plus the tile's own int32
+# offsets (row * row stride + column * column stride, computed once per program), so the inner loops
+# do no 64-bit multiplies. A (rows, BLOCK_D) tile of rows ``rows`` is loaded with masks only where
+# they can be false: on rows (``MASK_ROWS``: the last, partial block of a sequence) and on the head
+# dim's padding (unless ``EVEN_D``, head dim == BLOCK_D); masked elements read 0.
+@triton.jit
+def _load_tile(ptrs, rows, seq_len, mask_d, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASK_ROWS:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=(rows < seq_len)[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows < seq_len)[:, None] & mask_d[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    return tile
+
+
+# One key block of the forward (keys start_n + offs_n) for the query tile q, with c = scale * log2(e):
+#   s_ij = q_i . k_j   (-inf for keys past the sequence: only in the masked tail block, MASK_N)
+#   m_new = max(m_i, max_j s_ij),  alpha = 2^((m_i - m_new) c),  p_ij = 2^((s_ij - m_new) c)
+#   l_i <- alpha l_i + sum_j p_ij,  acc_i <- alpha acc_i + sum_j z_ij / (1 - p) p_ij v_j    -> (acc, l, m_new)
+@triton.jit
+def _attention_fwd_key_block(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_n, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2,
+    dropout_p, keep_scale,
+    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows_n = start_n + offs_n
+    k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASK_N:
+        s = tl.where((rows_n < seq_len)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2((m_i - m_new) * scale_log2)
+    p = tl.exp2((s - m_new[:, None]) * scale_log2)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_dropout_keep(seed, pid_bh, offs_m, rows_n, seq_len, dropout_p), p * keep_scale, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
 # Forward, one program per (block of BLOCK_M query rows, batch * head), with c = scale * log2(e):
 #   s_ij = q_i . k_j                                          (unscaled dot products)
 #   m_i = max_j s_ij,  l_i = sum_j 2^((s_ij - m_i) c)         (online over key blocks, rescaled by 2^((m_old - m_new) c))
-#   o_i = sum_j z_ij / (1 - p) * 2^((s_ij - m_i) c) v_j / l_i (z_ij the dropout keep mask, 1 without dropout)
+#   o_i = (1 / l_i) sum_j z_ij / (1 - p) 2^((s_ij - m_i) c) v_j   (z_ij the dropout keep mask, 1 without dropout)
 #   saved per row: m_i and 1 / l_i, so that P_ij = 2^((s_ij - m_i) c) / l_i
-# Subtracting before scaling keeps large logits exact where it matters: for the largest terms
-# s_ij - m_i is exact (Sterbenz), where s_ij * c, or a log-sum-exp m_i + log2(l_i) / c, would round
-# at the magnitude of s_ij and scale every probability of the row by that rounding.
+# The scale enters as the one multiply by c of each exponent (log2(e) folded in on the host; exp2 is
+# the hardware's exponential), applied after subtracting the row max: for the largest terms
+# s_ij - m_i is exact (Sterbenz), so the row max's own term is exactly 2^0 = 1 (one token: P = 1,
+# out = v and dq = dk = 0 exactly), where a fused s_ij c - m_i c would keep the rounding of m_i c in
+# every exponent, and s_ij c, or a log-sum-exp m_i + log2(l_i) / c, would round at the magnitude of
+# s_ij and scale every probability of the row by that rounding.
+# The key blocks run in two parts: the BLOCK_N blocks that lie inside the sequence, with no mask,
+# then (when BLOCK_N does not divide L) one tail block of BLOCK_TAIL keys (L mod BLOCK_N padded to a
+# power of two, at least 16: 16 keys rather than 64 at L = 197), the only one masked on the key
+# length. q is loaded once; rows past the sequence are masked on their loads and stores only
+# (their q reads 0). Shapes: qkv (B, L, 3D), out (B, L, D), row statistics (B*H, L).
 @triton.jit
 def _attention_fwd_kernel(
     QKV, Out, RowMax, RowInvSum, Seed,
@@ -62,22 +116,23 @@ def _attention_fwd_kernel(
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_out_b, stride_out_l,
     scale_log2, dropout_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < seq_len
     mask_d = offs_d < head_dim
-    base = QKV + batch.to(tl.int64) * stride_qkv_b
-    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
-    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    k_cols = cols + model_dim * stride_qkv_c
-    v_cols = cols + 2 * model_dim * stride_qkv_c
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols
+    q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D)
+    seed = 0
+    keep_scale = 1.0
     if DROPOUT:
         seed = tl.load(Seed)
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -85,36 +140,43 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        rows_n = start_n + offs_n
-        mask_n = rows_n < seq_len
-        kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2((m_i - m_new) * scale_log2)
-        p = tl.exp2((s - m_new[:, None]) * scale_log2)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_dropout_keep(seed, pid_bh, offs_m, rows_n, seq_len, dropout_p), p * keep_scale, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_tile = offs_n[:, None] * stride_qkv_l + cols
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        acc, l_i, m_i = _attention_fwd_key_block(
+            acc, l_i, m_i, q, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_n, offs_m,
+            mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, False, EVEN_D, DROPOUT, PRECISION)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_tile = offs_t[:, None] * stride_qkv_l + cols
+        row_offset = tl.cast(full_end, tl.int64) * stride_qkv_l
+        acc, l_i, m_i = _attention_fwd_key_block(
+            acc, l_i, m_i, q, k_base + row_offset + tail_tile, v_base + row_offset + tail_tile, full_end, offs_t,
+            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, True, EVEN_D, DROPOUT,
+            PRECISION)
 
-    acc = acc / l_i[:, None]
-    out_ptrs = Out + batch.to(tl.int64) * stride_out_b + offs_m[:, None].to(tl.int64) * stride_out_l \
-        + (head * head_dim + offs_d)[None, :]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    inv_sum = 1.0 / l_i
+    acc = acc * inv_sum[:, None]
+    mask_m = offs_m < seq_len
+    out_ptrs = Out + batch.to(tl.int64) * stride_out_b + tl.cast(start_m, tl.int64) * stride_out_l + head * head_dim \
+        + (tl.arange(0, BLOCK_M)[:, None] * stride_out_l + offs_d[None, :])
+    if EVEN_D:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
     tl.store(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, m_i, mask=mask_m)
-    tl.store(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, 1.0 / l_i, mask=mask_m)
+    tl.store(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, inv_sum, mask=mask_m)
 
 
 # The backward's per-tile recomputation, shared by the dQ and dK/dV kernels, for query rows
 # rows_m and key rows rows_n of one (batch, head):
 #   P = 2^((s - m) c) / l (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
 #   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
+# Rows past the sequence come out 0 without a mask: their q, dO, m and 1 / l load as 0, so
+# P = 2^0 * 0. Keys past the sequence are masked only where MASK_N (the dQ kernel's tail block): the
+# dK/dV kernel discards those keys' rows of dK and dV at its store, which are all they reach.
 # The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
 # these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
 # cancels exactly where the math does (one token; a saturated, one-hot softmax) instead of keeping
@@ -122,11 +184,12 @@ def _attention_fwd_kernel(
 @triton.jit
 def _attention_bwd_p_dp(
     q, k, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    inside = (rows_m < seq_len)[:, None] & (rows_n < seq_len)[None, :]
-    p = tl.where(inside, tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None], 0.0)
+    p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
+    if MASK_N:
+        p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -138,9 +201,45 @@ def _attention_bwd_p_dp(
     return p, p_dropped, dp
 
 
+# One query block of the dK/dV kernel (query rows start_m + offs_m against its key tile k, v):
+#   dV += P~^T dO,  dK += dS^T Q (scaled at the end),  dS = P (dP - delta)     -> (dK, dV)
+# Loads masked on the rows only in the tail block (MASK_M); rows past the sequence give P = dS = 0.
+@triton.jit
+def _attention_bwd_dkdv_query_block(
+    dk, dv, k, v, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len,
+    pid_bh, seed, scale_log2, dropout_p,
+    MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows_m = start_m + offs_m
+    q = _load_tile(q_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    do = _load_tile(do_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    if MASK_M:
+        mask_m = rows_m < seq_len
+        row_max = tl.load(RowMax + stats_ptrs, mask=mask_m, other=0.0)
+        inv_sum = tl.load(RowInvSum + stats_ptrs, mask=mask_m, other=0.0)
+        delta = tl.load(Delta + stats_ptrs, mask=mask_m, other=0.0)
+    else:
+        row_max = tl.load(RowMax + stats_ptrs)
+        inv_sum = tl.load(RowInvSum + stats_ptrs)
+        delta = tl.load(Delta + stats_ptrs)
+    p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, rows_m, offs_n, seq_len, pid_bh, seed,
+                                           scale_log2, dropout_p, False, DROPOUT, PRECISION)
+    ds = p * (dp - delta[:, None])
+    dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
 # dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
 #   P = 2^((s - m) c) / l,  P~ = z * P / (1 - p)
-#   dV += P~^T dO,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),  dK += scale * dS^T Q
+#   dV = sum_i P~_i^T dO_i,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),
+#   dK = scale * sum_i dS_i^T Q_i
+# (the derivative of O = P~ V with respect to V, and of S = scale Q K^T through the softmax,
+# dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik), with respect to K). The BLOCK_M query blocks inside the
+# sequence load without masks; the tail (BLOCK_TAIL rows, L mod BLOCK_M padded to a power of two,
+# when BLOCK_M does not divide L) is the only block masked. K and V are loaded once; the key rows
+# past the sequence are masked on that load and the stores only. Shapes: qkv and dqkv (B, L, 3D),
+# dO (B, L, D), row statistics and delta (B*H, L).
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
@@ -149,24 +248,23 @@ def _attention_bwd_dkdv_kernel(
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
     scale, scale_log2, dropout_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < seq_len
     mask_d = offs_d < head_dim
-    base = QKV + batch.to(tl.int64) * stride_qkv_b
-    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
-    kv_rows = offs_n[:, None].to(tl.int64) * stride_qkv_l
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(base + kv_rows + (cols + model_dim * stride_qkv_c)[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(base + kv_rows + (cols + 2 * model_dim * stride_qkv_c)[None, :], mask=kv_mask, other=0.0)
-    do_base = DOut + batch.to(tl.int64) * stride_do_b
-    do_cols = (head * head_dim + offs_d).to(tl.int64) * stride_do_c
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    kv_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_qkv_l + (tl.arange(0, BLOCK_N)[:, None] * stride_qkv_l + cols)
+    k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
+    v = _load_tile(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D)
+    do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
+    do_cols = offs_d[None, :] * stride_do_c
     row_stats = pid_bh.to(tl.int64) * seq_len
     seed = 0
     if DROPOUT:
@@ -174,40 +272,46 @@ def _attention_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for start_m in range(0, seq_len, BLOCK_M):
-        rows_m = start_m + offs_m
-        mask_m = rows_m < seq_len
-        q_mask = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(base + rows_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_base + rows_m[:, None].to(tl.int64) * stride_do_l + do_cols[None, :], mask=q_mask, other=0.0)
-        row_max = tl.load(RowMax + row_stats + rows_m, mask=mask_m, other=0.0)
-        inv_sum = tl.load(RowInvSum + row_stats + rows_m, mask=mask_m, other=0.0)
-        delta = tl.load(Delta + row_stats + rows_m, mask=mask_m, other=0.0)
-        p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, rows_m, offs_n, seq_len, pid_bh, seed,
-                                               scale_log2, dropout_p, DROPOUT, PRECISION)
-        ds = p * (dp - delta[:, None])
-        dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tile = offs_m[:, None] * stride_qkv_l + cols
+    do_tile = offs_m[:, None] * stride_do_l + do_cols
+    full_end = (seq_len // BLOCK_M) * BLOCK_M
+    for start_m in range(0, full_end, BLOCK_M):
+        dk, dv = _attention_bwd_dkdv_query_block(
+            dk, dv, k, v, q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
+            do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile, row_stats + start_m + offs_m, Delta, RowMax,
+            RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p,
+            False, EVEN_D, DROPOUT, PRECISION)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        dk, dv = _attention_bwd_dkdv_query_block(
+            dk, dv, k, v, q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
+            do_base + tl.cast(full_end, tl.int64) * stride_do_l + (offs_t[:, None] * stride_do_l + do_cols),
+            row_stats + full_end + offs_t, Delta, RowMax, RowInvSum, full_end, offs_t, offs_n, mask_d, seq_len,
+            pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
 
-    out_base = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_n[:, None].to(tl.int64) * stride_dqkv_l
-    out_cols = head * head_dim + offs_d
-    tl.store(out_base + (model_dim + out_cols)[None, :], (dk * scale).to(DQKV.dtype.element_ty), mask=kv_mask)
-    tl.store(out_base + (2 * model_dim + out_cols)[None, :], dv.to(DQKV.dtype.element_ty), mask=kv_mask)
+    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l + head * head_dim \
+        + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + offs_d[None, :])
+    if EVEN_D:
+        out_mask = (offs_n < seq_len)[:, None]
+    else:
+        out_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
+    tl.store(out_ptrs + model_dim, (dk * scale).to(DQKV.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptrs + 2 * model_dim, dv.to(DQKV.dtype.element_ty), mask=out_mask)
 
 
-# One key block of the dQ kernel's two passes: k and the recomputed (P, dP) of its query rows.
+# One key block of the dQ kernel's two passes: k and the recomputed (P, dP) of its query rows,
+# masked on the key length only in the tail block (MASK_N).
 @triton.jit
 def _attention_bwd_dq_key_block(
-    q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n, mask_d, stride_qkv_l, seq_len,
-    pid_bh, seed, scale_log2, dropout_p, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    q, do, row_max, inv_sum, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2,
+    dropout_p, MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows_n = start_n + offs_n
-    kv_rows = rows_n[:, None].to(tl.int64) * stride_qkv_l
-    kv_mask = (rows_n < seq_len)[:, None] & mask_d[None, :]
-    k = tl.load(base + kv_rows + k_cols[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(base + kv_rows + v_cols[None, :], mask=kv_mask, other=0.0)
+    k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
     p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                   scale_log2, dropout_p, DROPOUT, PRECISION)
+                                   scale_log2, dropout_p, MASK_N, DROPOUT, PRECISION)
     return k, p, dp
 
 
@@ -217,7 +321,11 @@ def _attention_bwd_dq_key_block(
 #                                                      to the rounding of 1 / l, keeps that rounding a
 #                                                      relative error of dS instead of an absolute one)
 #   dQ = scale * sum_j dS_ij k_j,  dS = P (dP - delta)
-# dS is recomputed in both kernels rather than shared through atomics: a deterministic result.
+# (the derivative of S = scale Q K^T through the softmax with respect to Q). dS is recomputed in both
+# kernels rather than shared through atomics: a deterministic result. Each pass runs the BLOCK_N
+# key blocks inside the sequence without masks, then the one tail block of BLOCK_TAIL keys (when
+# BLOCK_N does not divide L), the only one masked on the key length. Shapes: qkv and dqkv (B, L, 3D),
+# dO (B, L, D), row statistics and delta (B*H, L).
 @triton.jit
 def _attention_bwd_dq_kernel(
     QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
@@ -226,52 +334,77 @@ def _attention_bwd_dq_kernel(
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
     scale, scale_log2, dropout_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < seq_len
     mask_d = offs_d < head_dim
-    q_mask = mask_m[:, None] & mask_d[None, :]
-    base = QKV + batch.to(tl.int64) * stride_qkv_b
-    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
-    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DOut + batch.to(tl.int64) * stride_do_b + offs_m[:, None].to(tl.int64) * stride_do_l
-                 + ((head * head_dim + offs_d).to(tl.int64) * stride_do_c)[None, :], mask=q_mask, other=0.0)
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols),
+                   offs_m, seq_len, mask_d, True, EVEN_D)
+    do = _load_tile(DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
+                    + tl.cast(start_m, tl.int64) * stride_do_l
+                    + (tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c),
+                    offs_m, seq_len, mask_d, True, EVEN_D)
     row_stats = pid_bh.to(tl.int64) * seq_len
     row_max = tl.load(RowMax + row_stats + offs_m, mask=mask_m, other=0.0)
     inv_sum = tl.load(RowInvSum + row_stats + offs_m, mask=mask_m, other=0.0)
-    k_cols = cols + model_dim * stride_qkv_c
-    v_cols = cols + 2 * model_dim * stride_qkv_c
     seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_tile = offs_n[:, None] * stride_qkv_l + cols
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
 
     weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        k, p, dp = _attention_bwd_dq_key_block(q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n,
-                                               mask_d, stride_qkv_l, seq_len, pid_bh, seed, scale_log2, dropout_p,
-                                               DROPOUT, PRECISION)
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        _, p, dp = _attention_bwd_dq_key_block(
+            q, do, row_max, inv_sum, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_m,
+            offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        _, p_tail, dp_tail = _attention_bwd_dq_key_block(
+            q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
+        weighted += tl.sum(p_tail * dp_tail, 1)
+        row_sum += tl.sum(p_tail, 1)
     delta = weighted / tl.where(mask_m, row_sum, 1.0)
     tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        k, p, dp = _attention_bwd_dq_key_block(q, do, row_max, inv_sum, base, k_cols, v_cols, start_n, offs_m, offs_n,
-                                               mask_d, stride_qkv_l, seq_len, pid_bh, seed, scale_log2, dropout_p,
-                                               DROPOUT, PRECISION)
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        k, p, dp = _attention_bwd_dq_key_block(
+            q, do, row_max, inv_sum, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_m,
+            offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
+            q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
+        dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
 
-    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + offs_m[:, None].to(tl.int64) * stride_dqkv_l \
-        + (head * head_dim + offs_d)[None, :]
-    tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=q_mask)
+    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l + head * head_dim \
+        + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
+    if EVEN_D:
+        tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 # Probabilities for return_probs: P_ij = 2^((s_ij - m_i) c) / l_i, recomputed from the saved row statistics,
@@ -319,18 +452,25 @@ def _attention_probs_kernel(
 # head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at head dims 80-128,
 # while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1) were right: only right ones are listed.
 # At head dim 64 the best of 25 backward pairs tried there was dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2),
-# 0.463 ms against the first pair's 0.632 ms of the whole forward + backward.
+# 0.463 ms against the then first pair's 0.632 ms of the whole forward + backward: it is the default
+# now. The 16-bit head-dim-64 and -128 lists also hold 128-row, 8-warp forward tiles (two warpgroups
+# of 64 rows on sm_90) at 2 to 4 stages, and backward pairs with 128-row dQ or 128-key dK/dV tiles:
+# candidates, run and checked by the chooser on the user's GPU before any is kept.
 ATTENTION_FWD_TILES = {
-    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)),
-    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)),
+    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                  (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4)),
+    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                   (64, 64, 4, 3)),
     (False, 256): ((64, 32, 8, 1), (32, 32, 4, 1)),
     (True, 64): ((32, 32, 4, 2), (64, 32, 8, 2)),
     (True, 128): ((32, 32, 8, 1), (16, 32, 8, 1)),
     (True, 256): ((16, 32, 4, 1),),
 }
 ATTENTION_BWD_TILES = {
-    (False, 64): (((64, 64, 4, 2), (32, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 2)),
-                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2))),
+    (False, 64): (((64, 64, 4, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (32, 64, 4, 2)),
+                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2)),
+                  ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 64, 4, 2)),
+                  ((64, 64, 4, 3), (64, 128, 8, 2))),
     (False, 128): (((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
                    ((32, 32, 4, 2), (16, 32, 4, 1))),
     (False, 256): (((32, 32, 8, 1), (16, 32, 8, 1)),),
@@ -391,6 +531,14 @@ def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int) -> tuple:
     """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence."""
     return _unique((_fitted(dq, seq_len), _fitted(dkdv, seq_len))
                    for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)])
+
+
+def _tail_block(block: int, seq_len: int) -> int:
+    """The kernels' BLOCK_TAIL: rows of the one masked block after the ``seq_len // block`` full
+    blocks of a loop over the sequence, L mod ``block`` padded to a power of two (at least 16, the
+    smallest tl.dot operand, and at most ``block``), or 0 where ``block`` divides L (no tail)."""
+    rest = int(seq_len) % block
+    return 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
 
 
 def _interpreter_tile(seq_len: int) -> tuple:
@@ -491,7 +639,8 @@ if HAS_TRITON:
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             out.stride(0), out.stride(1),
             scale * LOG2E, dropout_p,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_TAIL=_tail_block(bn, seq_len), BLOCK_D=_block_d(head_dim),
+            EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
             PRECISION=dot_precision(qkv.dtype), num_warps=warps, num_stages=stages,
         )
 
@@ -542,12 +691,16 @@ if HAS_TRITON:
             dqkv.stride(0), dqkv.stride(1),
             scale, scale * LOG2E, dropout_p,
         )
-        flags = dict(BLOCK_D=_block_d(head_dim), DROPOUT=dropout_p > 0, PRECISION=dot_precision(qkv.dtype))
+        flags = dict(BLOCK_D=_block_d(head_dim), EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
+                     PRECISION=dot_precision(qkv.dtype))
         (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
+        # the tails: of the dQ kernel's loop over key blocks, of the dK/dV kernel's over query blocks
         launch(_attention_bwd_dq_kernel, _row_blocks(dq_m, seq_len, batch * num_heads), *args, **flags,
-               BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages)
+               BLOCK_M=dq_m, BLOCK_N=dq_n, BLOCK_TAIL=_tail_block(dq_n, seq_len), num_warps=dq_warps,
+               num_stages=dq_stages)
         launch(_attention_bwd_dkdv_kernel, _row_blocks(kv_n, seq_len, batch * num_heads), *args, **flags,
-               BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages)
+               BLOCK_M=kv_m, BLOCK_N=kv_n, BLOCK_TAIL=_tail_block(kv_m, seq_len), num_warps=kv_warps,
+               num_stages=kv_stages)
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
