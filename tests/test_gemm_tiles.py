@@ -204,7 +204,7 @@ def test_gemm_keys_are_concrete_under_dynamic_shapes():
 def test_patch_embed_forward_tile_is_chosen(gpu_path):
     fast, middle, slow = FP32_FAST_TO_SLOW
     gpu_path.update({fast: 0.1, middle: 0.2, slow: 0.3})
-    inputs = make_inputs(3, 3, 32, 32, 8, 20)
+    inputs = make_inputs(6, 3, 32, 32, 8, 20)  # more images than are validated: the first and last two
     with vk.use_backend("triton", strict=True):
         check_against_formula(run_patch_embed, patch_embed_formula, inputs, torch.float32, PATCH_EMBED_NAMES,
                               patch_size=8)

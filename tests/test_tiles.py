@@ -1,4 +1,4 @@
-"""Every entry of every tile table and autotune list, run on the GPU (``gpu`` cases, CUDA only).
+"""Every entry of every tile table, run on the GPU (``gpu`` cases, CUDA only).
 
 `make check-gpu` compiles each entry for sm_80 and sm_90, but compiling is not correctness: on an
 H100 a dK/dV tile that compiled cleanly computed a wrong dK. Here each entry runs on the device,

@@ -287,10 +287,10 @@ class _Gemm:
         reduction of dW), N exact (a layer width), the K slices, and which of A's and B's dimensions
         have unit stride (W^T and dY^T are read transposed). Plain ints (SymInts made concrete)."""
         a, b = self.a, self.b
+        (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
         return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.tanh,
-                self.aux is not None, self.residual is not None,
-                bucket(int(a.shape[0])), int(b.shape[1]), bucket(int(a.shape[1])), self.slices,
-                bool(a.stride(0) == 1), bool(a.stride(1) == 1), bool(b.stride(0) == 1), bool(b.stride(1) == 1))
+                self.aux is not None, self.residual is not None, bucket(int(m)), int(n), bucket(int(k)), self.slices,
+                bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
 
     def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
         """The output rows ``rows`` (all when None) computed by PyTorch: [out] (+ [pre-activation]
@@ -329,17 +329,16 @@ class _Gemm:
             self.launch(tile, c, aux)
             return [self.result(c), aux] if save_preact else [self.result(c)]
 
-        rows = validation_rows(int(self.a.shape[0]), self.a.device)
         wide = torch.float64 if self.a.dtype in (torch.float32, torch.float64) else torch.float32
-        references: list = []
-        names = ("out", "preact")
+        references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
 
         @torch.no_grad()
         def check(outputs):
             if not references:
-                references.append(self.reference(rows, wide))
-                references.append(self.reference(rows, None))
-            for name, actual, exact, own in zip(names, outputs, *references):
+                rows = validation_rows(int(self.a.shape[0]), self.a.device)
+                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
+            rows, exacts, owns = references
+            for name, actual, exact, own in zip(("out", "preact"), outputs, exacts, owns):
                 picked = actual if rows is None else actual.index_select(0, rows)
                 problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.a.dtype])
                 if problem is not None:

@@ -17,8 +17,7 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels.ops.linear import (GEMM_INTERPRETER_TILE, MAX_BLOCK_K, gemm_candidates, gemm_config, grouped_tile,
-                                   split_k_slices)
+from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
 
 
 @triton.jit
@@ -163,6 +162,7 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
     return n, weight.shape[0], weight[0].numel(), num_patches, num_patches + int(has_cls), width // patch_size
 
 
+SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
 VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
 FWD_CHOOSER = TileChooser("patch_embed forward")
 
@@ -234,24 +234,25 @@ if HAS_TRITON:
                 _launch_fwd(args, flags, tile)
                 return [out]
 
-            picked = validation_images(int(n), images.device)
             wide = torch.float64 if images.dtype in (torch.float32, torch.float64) else torch.float32
-            references: list = []
+            references: list = []  # the images checked, the reference's output, PyTorch's own: on the first check
 
-            def subset(t):
-                return t if picked is None else t.index_select(0, picked)
+            def reference(picked, dtype):
+                def cast(t):
+                    return t if t is None or dtype is None else t.to(dtype)
 
-            def reference(dtype):
-                cast = (lambda t: t) if dtype is None else (lambda t: t if t is None else t.to(dtype))
-                return patch_embed_ref(cast(subset(images)), cast(weight), cast(bias), patch_size, cast(cls_token),
+                subset = images if picked is None else images.index_select(0, picked)
+                return patch_embed_ref(cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token),
                                        cast(pos_embed))
 
             @torch.no_grad()
             def check(outputs):
                 if not references:
-                    references.extend((reference(wide), reference(None)))
-                return within_pytorch_error("out", subset(outputs[0]), references[1], references[0],
-                                            FLOORS[images.dtype])
+                    picked = validation_images(int(n), images.device)
+                    references.extend((picked, reference(picked, wide), reference(picked, None)))
+                picked, exact, own = references
+                out = outputs[0] if picked is None else outputs[0].index_select(0, picked)
+                return within_pytorch_error("out", out, own, exact, FLOORS[images.dtype])
 
             return run, check
 
@@ -282,7 +283,7 @@ if HAS_TRITON:
         tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
         warps = 1 if interpreted(images.device) else 4
         slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
-        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), MAX_BLOCK_K)) * MAX_BLOCK_K
+        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
         slices = max(1, triton.cdiv(n * num_patches, rows_per_split))
         partial = slices > 1
         dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),
