@@ -43,7 +43,7 @@ test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m aot $(PYTEST_ARGS)
 
-# The CUDA cases of every op test file and every tile of every tile table and autotune list, with
+# The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
 # without a GPU it confirms what it collects, says so and passes.
 test-gpu: $(STAMP)
@@ -94,7 +94,7 @@ bench-gate: $(STAMP)
 	code=$$?; if [ $$code -eq 3 ]; then echo "bench-gate: inconclusive, not failing"; exit 0; fi; exit $$code
 
 # The GPU compile gate, without a GPU. check-gpu: every Triton kernel variant the launchers can
-# choose on CUDA (every autotune config) compiled ahead of time for sm_80 and sm_90, failing on a
+# choose on CUDA (every candidate tile) compiled ahead of time for sm_80 and sm_90, failing on a
 # compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
 # overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). Compiled
 # kernels are cached by Triton (~/.triton/cache), so a second run only re-checks.

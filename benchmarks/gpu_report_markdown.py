@@ -118,27 +118,34 @@ def _graphs(result: dict) -> list[str]:
     return lines + [""]
 
 
-# The tile choices a report lists: the result's key, the kernels' name, what a key holds.
-TILE_SECTIONS = (("attention_tiles", "Attention", "dtype, head dim, L, B*H"),
-                 ("layer_norm_tiles", "LayerNorm", "device, dtype, padded D, residual / dS, weight, bias / d(w, b), rows"))
+def _tile_table(rows: list[dict], title: str, key_header: str) -> list[str]:
+    if not rows:
+        return []
+    lines = [f"## {title}", "",
+             "Each candidate validated (2x PyTorch's own error) then timed on the call's inputs; ms or the reason "
+             "it was excluded.", "", f"| kernel | {key_header} | chosen | candidates |", "|---|---|---|---|"]
+    for r in rows:
+        trials = "; ".join(f"{tile}: {_g(trial) if isinstance(trial, float) else trial}"
+                           for tile, trial in r["candidates"].items())
+        lines.append(f"| {r['kernel']} | {', '.join(map(str, r['key']))} | {r['chosen']} | {trials} |")
+    return lines + [""]
 
 
 def _tiles(result: dict) -> list[str]:
-    """The tiles chosen on this GPU per kernel family, and every candidate's time or why it was excluded."""
-    lines = []
-    for key, title, key_parts in TILE_SECTIONS:
-        rows = result.get(key) or []
-        if not rows:
-            continue
-        lines += [f"## {title} tiles chosen on this device", "",
-                  "Each candidate validated (2x PyTorch's own error) then timed on the call's inputs; ms or the reason "
-                  "it was excluded.", "", f"| kernel | {key_parts} | chosen | candidates |", "|---|---|---|---|"]
-        for r in rows:
-            trials = "; ".join(f"{tile}: {_g(trial) if isinstance(trial, float) else trial}"
-                               for tile, trial in r["candidates"].items())
-            lines.append(f"| {r['kernel']} | {', '.join(map(str, r['key']))} | {r['chosen']} | {trials} |")
-        lines.append("")
-    return lines
+    """The attention, LayerNorm, GEMM and patch_embed tiles chosen on this GPU, and every candidate's
+    time or why it was excluded."""
+    gemm_tile = "(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)"
+    return (_tile_table(result.get("attention_tiles") or [], "Attention tiles chosen on this device",
+                        "dtype, head dim, L, B*H")
+            + _tile_table(result.get("layer_norm_tiles") or [], "LayerNorm tiles chosen on this device (forward: rows, "
+                          "warps; backward: rows, programs per SM, warps)",
+                          "device, dtype, padded D, residual / dS, weight, bias / d(w, b), rows bucket")
+            + _tile_table(result.get("gemm_tiles") or [], f"GEMM tiles chosen on this device {gemm_tile}",
+                          "device, A dtype, out dtype, bias, epilogue, tanh, aux, residual, M bucket, N, K bucket, "
+                          "K slices, unit strides of A (m, k) and B (k, n)")
+            + _tile_table(result.get("patch_embed_tiles") or [], f"patch_embed forward tiles chosen on this device "
+                          f"{gemm_tile}", "device, dtype, out dtype, bias, cls, pos, rows bucket, D, C*P*P, P, T, "
+                          "channels last"))
 
 
 def _timings(data: dict) -> list[str]:

@@ -14,7 +14,7 @@ from benchmarks import cases, cuda_graphs, e2e, environment, host_overhead, ops_
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
 from vit_kernels import _gpu_tests, selftest
-from vit_kernels.ops import attention, layer_norm
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
 # Per-op shapes, ViT-B/16 first (the targets are set there): ViT-Ti/S/B/L/16 at batch 256/256/128/64.
@@ -95,7 +95,8 @@ def ops_section(ctx: Context, budget: Budget) -> dict:
             rows += ops_bench.run_case(case, ctx.device, ctx.dtype, OP_MODES, ctx.measured_peaks, ctx.compile,
                                        interpreted_triton=False, meta=ctx.meta, extra=extra_implementations(case))
     return {"dtype": str(ctx.dtype).removeprefix("torch."), "modes": list(OP_MODES), "peaks": ctx.measured_peaks,
-            "rows": rows, "attention_tiles": attention.tile_report(), "layer_norm_tiles": layer_norm.tile_report()}
+            "rows": rows, "attention_tiles": attention.tile_report(), "layer_norm_tiles": layer_norm.tile_report(),
+            "gemm_tiles": linear.tile_report(), "patch_embed_tiles": patch_embed.tile_report()}
 
 
 def e2e_section(ctx: Context, budget: Budget) -> dict:

@@ -62,7 +62,7 @@ def choosing_on_the_cpu(monkeypatch):
     """The launchers choose as on a GPU, the candidates running in the interpreter; ``times[tile]``
     is what timing one returns (default 1 ms)."""
     times: dict = {}
-    monkeypatch.setattr(layer_norm, "interpreted", lambda device: False)
+    monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     monkeypatch.setattr(layer_norm, "_multiprocessors", lambda device: 2)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
     monkeypatch.setattr(triton.testing, "do_bench",

@@ -1,4 +1,4 @@
-"""Every entry of every tile table and autotune list, run on the GPU (``gpu`` cases, CUDA only).
+"""Every entry of every tile table, run on the GPU (``gpu`` cases, CUDA only).
 
 `make check-gpu` compiles each entry for sm_80 and sm_90, but compiling is not correctness: on an
 H100 a dK/dV tile that compiled cleanly computed a wrong dK. Here each entry runs on the device,
@@ -11,9 +11,10 @@ the tile:
   ``ATTENTION_BWD_TILES`` (the launchers' tile choice pinned to it) at L = 197, for each head dim
   among 16, 64, 80, 96, 128 and 256 that its (precision, padded head dim) key serves, in float32 or
   in float16 and bfloat16; dq, dk and dv are compared each on its own.
-* GEMMs: each config of ``GEMM_TILES_16BIT`` (float16, bfloat16) and ``GEMM_TILES_FP32`` (float32),
-  pinned in linear's autotuner (linear, linear_gelu, mlp: forward and every backward GEMM, split-K
-  included) and in patch_embed's forward autotuner.
+* GEMMs: each tile of ``GEMM_TILES_16BIT`` (float16, bfloat16) and ``GEMM_TILES_FP32`` (float32),
+  pinned in linear's GEMM launcher (linear, linear_gelu, mlp: forward and every backward GEMM, every
+  epilogue, split-K included) and in patch_embed's forward; and the choice itself on CUDA: every
+  candidate validated and timed, the fastest right one kept.
 * layer_norm: each forward tile of ``fwd_candidates`` and each backward tile of ``bwd_candidates``
   (the launchers' choice pinned to it) at ViT's widths, 4096 and the widest the kernel takes.
 """
@@ -31,7 +32,7 @@ from tests.test_attention import formula_out, out_only
 from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
-from vit_kernels._triton import HAS_TRITON, recording_launches, triton
+from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 if not HAS_TRITON:
@@ -42,23 +43,21 @@ HEAD_DIMS = (16, 64, 80, 96, 128, 256)
 LENGTH = 197
 
 
-def pin(monkeypatch, module, name: str, config):
-    """Replace the autotuned kernel ``module.<name>`` for this test by one with ``config`` as its
-    only candidate (Triton's autotuner runs a single config without timing). Returns the new
-    autotuner: its ``best_config`` is ``config`` once a launch has run it."""
-    tuned = getattr(module, name)
-    pinned = triton.autotune(configs=[config], key=[])(tuned.fn)
-    monkeypatch.setattr(module, name, pinned)
-    return pinned
+def pin(monkeypatch, module, name: str, tile) -> list:
+    """Replace the tile choice ``module.<name>`` for this test by one that always gives ``tile``.
+    Returns the list of the tiles it gave, one per launch."""
+    launched: list = []
+
+    def choose(*args):
+        launched.append(tile)
+        return (tile,)
+
+    monkeypatch.setattr(module, name, choose)
+    return launched
 
 
 def tile_id(tile: tuple[int, ...]) -> str:
     return "x".join(map(str, tile[:-2])) + f"-w{tile[-2]}s{tile[-1]}"
-
-
-def config_id(config) -> str:
-    blocks = "x".join(str(v) for k, v in config.kwargs.items() if k.startswith("BLOCK"))
-    return f"{blocks}-w{config.num_warps}s{config.num_stages}"
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -107,10 +106,11 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
 
 def gemm_cases(op: str) -> list:
     return [
-        cuda_param(dtype, config, id=f"{op}-{DTYPE_NAMES[dtype]}-{config_id(config)}", skip_reason=SKIP)
-        for dtypes in ((torch.float16, torch.bfloat16), (torch.float32,))
+        cuda_param(dtype, tile, id=f"{op}-{DTYPE_NAMES[dtype]}-{tile_id(tile)}", skip_reason=SKIP)
+        for dtypes, tiles in (((torch.float16, torch.bfloat16), linear.GEMM_TILES_16BIT),
+                              ((torch.float32,), linear.GEMM_TILES_FP32))
         for dtype in dtypes
-        for config in linear.gemm_configs(dtype)
+        for tile in tiles
     ]
 
 
@@ -123,30 +123,32 @@ def linear_inputs(n_out: int = N) -> list:
     return [torch.randn(*ROWS, K), torch.randn(n_out, K) / math.sqrt(K), torch.randn(n_out)]
 
 
-@pytest.mark.parametrize("dtype,config", gemm_cases("linear"))
-def test_linear_tile(monkeypatch, dtype, config):
-    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+@pytest.mark.parametrize("dtype,tile", gemm_cases("linear"))
+def test_linear_tile(monkeypatch, dtype, tile):
+    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
     assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, "the weight gradient must take the split-K path"
     inputs = linear_inputs() + [torch.randn(*ROWS, N)]
     with vk.use_backend("triton", strict=True):
         check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs, dtype,
                               ["x", "weight", "bias", "residual"], CUDA)
-    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+    assert launched, "the GEMMs did not run the pinned tile"
 
 
-@pytest.mark.parametrize("dtype,config", gemm_cases("linear_gelu"))
-def test_linear_gelu_tile(monkeypatch, dtype, config):
-    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+@pytest.mark.parametrize("dtype,tile", gemm_cases("linear_gelu"))
+def test_linear_gelu_tile(monkeypatch, dtype, tile):
+    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
     with vk.use_backend("triton", strict=True):
         check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
                               lambda x, w, b: linear_gelu_formula(x, w, b, "tanh"), linear_inputs(), dtype,
                               ["x", "weight", "bias"], CUDA)
-    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+    assert launched, "the GEMMs did not run the pinned tile"
 
 
-@pytest.mark.parametrize("dtype,config", gemm_cases("mlp"))
-def test_mlp_tile(monkeypatch, dtype, config):
-    pinned = pin(monkeypatch, linear, "_linear_kernel_tuned", config)
+@pytest.mark.parametrize("dtype,tile", gemm_cases("mlp"))
+def test_mlp_tile(monkeypatch, dtype, tile):
+    """Every epilogue: bias + exact GELU saving the pre-activation, bias + residual, GELU' (dZ) and
+    the split-K weight gradients."""
+    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
     x, w1, b1 = linear_inputs()
     inputs = [x, w1, b1, torch.randn(K, N) / math.sqrt(N), torch.randn(K), torch.randn(*ROWS, K)]
 
@@ -156,18 +158,45 @@ def test_mlp_tile(monkeypatch, dtype, config):
     with vk.use_backend("triton", strict=True):
         check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"), inputs,
                               dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], CUDA)
-    assert pinned.best_config is config, "the GEMMs did not run the pinned config"
+    assert launched, "the GEMMs did not run the pinned tile"
 
 
-@pytest.mark.parametrize("dtype,config", gemm_cases("patch_embed"))
-def test_patch_embed_tile(monkeypatch, dtype, config):
+@pytest.mark.parametrize("dtype,tile", gemm_cases("patch_embed"))
+def test_patch_embed_tile(monkeypatch, dtype, tile):
     """The forward's tile pinned; the backward's fixed tiles run in every case."""
-    pinned = pin(monkeypatch, patch_embed, "_patch_embed_fwd_kernel_tuned", config)
+    launched = pin(monkeypatch, patch_embed, "fwd_tiles", tile)
     inputs = make_inputs(6, 3, 96, 96, 16, N)
     with vk.use_backend("triton", strict=True):
         check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA,
                               patch_size=16)
-    assert pinned.best_config is config, "the forward did not run the pinned config"
+    assert launched, "the forward did not run the pinned tile"
+
+
+@pytest.mark.parametrize("dtype", [cuda_param(torch.bfloat16, id="bf16", skip_reason=SKIP),
+                                   cuda_param(torch.float32, id="fp32", skip_reason=SKIP)])
+def test_gemm_tile_choice_on_the_gpu(dtype):
+    """The choice as a user's first call makes it: the fused bias + GELU GEMM of a ViT-B fc1 at batch 24
+    (with more rows than are validated), every candidate validated and timed, the fastest one kept
+    and launched, the output right."""
+    linear.GEMM_CHOOSER.forget()
+    try:
+        x = torch.randn(24, LENGTH, 768, device=CUDA, dtype=dtype)
+        w = (torch.randn(3072, 768, device=CUDA) / math.sqrt(768)).to(dtype)
+        b = torch.randn(3072, device=CUDA, dtype=dtype)
+        with vk.use_backend("triton", strict=True):
+            y = vk.linear_gelu(x, w, b)
+        (row,) = linear.tile_report()
+        candidates = linear.gemm_candidates(dtype, 24 * LENGTH, 3072)
+        assert set(row["candidates"]) == {repr(tile) for tile in candidates}
+        times = {tile: trial for tile, trial in row["candidates"].items() if isinstance(trial, float)}
+        assert times, row
+        assert row["chosen"] == min(times, key=times.get)
+        exact = linear_gelu_formula(x.double(), w.double(), b.double(), "none")
+        own = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+        error = (y.double() - exact).abs().max() / exact.abs().max()
+        assert error <= max(2 * ((own.double() - exact).abs().max() / exact.abs().max()), 1e-5)
+    finally:
+        linear.GEMM_CHOOSER.forget()
 
 
 # ---- layer_norm ---------------------------------------------------------------------------------
@@ -199,7 +228,7 @@ def test_layer_norm_tile(monkeypatch, dtype, dim, fwd_tile, bwd_tile):
         launched.append(tile)
         return (tile,)
 
-    monkeypatch.setattr(layer_norm, "_tile_to_launch", pinned)
+    monkeypatch.setattr(layer_norm, "_tiles", pinned)
     rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
     inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
     with vk.use_backend("triton", strict=True):

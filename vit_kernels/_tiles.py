@@ -12,7 +12,9 @@ made earlier is used, else the first candidate (the default). With the interpret
 the launcher runs its fixed small tile instead, and while the GPU compile gate records launches
 every candidate is launched (recorded), so each one is compiled for sm_80 and sm_90.
 
-``TileChooser.report()`` lists per key every candidate's time or why it was excluded.
+``TileChooser.report()`` lists per key every candidate's time or why it was excluded;
+``report_rows`` makes that JSON-able. ``tiles_to_launch`` is the whole decision a launcher makes per
+call (interpreter, compile gate, chosen tile).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from vit_kernels import _autograd, _signature
+from vit_kernels._triton import interpreted, recording
 
 Tile = tuple
 
@@ -118,3 +121,35 @@ class TileChooser:
 
     def forget(self) -> None:
         self._chosen.clear()
+
+
+def tiles_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[], tuple], interpreter_tile: Tile,
+                    candidates: Callable[[], Sequence[Tile]],
+                    trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+    """The tile(s) a launcher launches on tensors of ``device``: the interpreter's fixed tile (CPU
+    tensors); every candidate while the compile gate records launches (so each one is compiled);
+    else the tile ``chooser`` keeps for ``key()``, choosing it first where there is none
+    (``trial() -> (run, check)`` is built only then: a decided call does no more than the key's
+    lookup)."""
+    if interpreted(device):
+        return (interpreter_tile,)
+    if recording():
+        return tuple(candidates())
+    chosen_key = key()
+    tile = chooser.chosen(chosen_key)
+    if tile is None:
+        run, check = trial()
+        tile = chooser.choose(chosen_key, device, candidates(), run, check)
+    return (tile,)
+
+
+def _plain(part):
+    return str(part) if isinstance(part, (torch.dtype, torch.device)) else part
+
+
+def report_rows(kernel: str, chooser: TileChooser) -> list[dict]:
+    """``chooser``'s choices as JSON-able rows: kernel, key (dtypes and devices as text), the tile
+    chosen and each candidate's time in ms or why it was excluded."""
+    return [{"kernel": kernel, "key": [_plain(part) for part in key], "chosen": repr(choice.tile),
+             "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}}
+            for key, choice in chooser.report().items()]

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, recording, tl, triton
+from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
@@ -173,10 +173,7 @@ BWD_CHOOSER = TileChooser("layer_norm backward")
 def tile_report() -> list[dict]:
     """Every LayerNorm tile choice made in this process: kernel, key, the tile chosen and each
     candidate's time in ms or why it was excluded."""
-    return [{"kernel": kernel, "key": list(key), "chosen": repr(choice.tile),
-             "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}}
-            for kernel, chooser in (("forward", FWD_CHOOSER), ("backward", BWD_CHOOSER))
-            for key, choice in chooser.report().items()]
+    return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
 
 
 H100_MULTIPROCESSORS = 132  # the grid size the compile gate (meta tensors, no device) sizes launches for
@@ -192,20 +189,12 @@ def _multiprocessors(device: torch.device) -> int:
     return 2 if interpreted(device) else H100_MULTIPROCESSORS
 
 
-def _tile_to_launch(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
-                    trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
-    """The tile(s) to launch: the default under the interpreter and for no rows; every candidate
-    while the compile gate records; else the tile ``chooser`` keeps for ``key``, choosing it first
-    when there is none (``trial() -> (run, check)``, built only then)."""
-    if interpreted(device) or rows == 0:
+def _tiles(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
+           trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+    """The tile(s) to launch (``tiles_to_launch``), the default for no rows (nothing to validate on)."""
+    if rows == 0:
         return (candidates[0],)
-    if recording():
-        return candidates
-    tile = chooser.chosen(key)
-    if tile is None:
-        run, check = trial()
-        tile = chooser.choose(key, device, candidates, run, check)
-    return (tile,)
+    return tiles_to_launch(chooser, device, lambda: key, candidates[0], lambda: candidates, trial)
 
 
 def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, list]],
@@ -298,7 +287,7 @@ if HAS_TRITON:
         key = (str(x.device), str(x.dtype), block_d, residual is not None, weight is not None, bias is not None,
                _signature.bucket(rows))
         outputs = _fwd_outputs(x2, residual is not None)
-        for tile in _tile_to_launch(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial):
+        for tile in _tiles(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial):
             _launch_fwd(x2, r2, weight, bias, eps, outputs, tile)
         y, summed, mean, rstd = outputs
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
@@ -369,7 +358,7 @@ if HAS_TRITON:
 
         key = (str(summed.device), str(summed.dtype), block_d, grad_sum is not None, weight is not None,
                needs_weight_bias, _signature.bucket(rows))
-        for tile in _tile_to_launch(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial):
+        for tile in _tiles(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial):
             outputs = _bwd_outputs(s2, needs_weight_bias, tile)
             _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
         ds, partial_w, partial_b = outputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,8 @@ from vit_kernels import _ext, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct
+from vit_kernels._signature import bucket
+from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 # Epilogues of the GEMM kernel.
@@ -139,48 +141,62 @@ def _gelu_bwd_kernel(DY, Z, DZ, numel, TANH: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DZ + offs, (dy * _gelu_grad(z, TANH)).to(DZ.dtype.element_ty), mask=mask)
 
 
-# GEMM tile configurations the autotuner chooses from on a GPU. 16-bit inputs use tensor cores
-# (mma / wgmma) with 128-wide tiles; float32 stays exact (ieee FMA, no tf32), where a 128 x 128
-# fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every entry is compiled
-# for sm_80 and sm_90 by `make check-gpu`, which fails on spills.
-GEMM_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
-GEMM_TILES_16BIT = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))
+# GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): candidates that
+# the user's GPU validates and times per key (``vit_kernels._tiles``: dtype, epilogue, size bucket,
+# operand layout), the first one being the default where nothing may be run (tracing, graph capture):
+# for 16 bits the 128 x 128 x 64 tile that led the autotune list before (no GPU has timed the new
+# tiles yet, so none of them is promoted without a measurement). 16-bit inputs use tensor cores (mma on sm_80, wgmma on sm_90). The 128 x 256, 256 x 128 and
+# 128 x 128 x 128 tiles are the Hopper ones (8 warps as two warpgroups, 3 stages: 144-192 KB of
+# shared memory on sm_90, within its 227 KB, and 96-128 KB on sm_80, whose pipeline keeps one stage
+# fewer); the 64-wide ones serve small problems and sm_80. float32 stays exact (ieee FMA, no tf32),
+# where a 128 x 128 fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every
+# entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills and on shared
+# memory over the limit, and run against float64 by the GPU tests (tests/test_tiles.py).
+GEMM_TILES_16BIT = (
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+    (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+)
 GEMM_TILES_FP32 = ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
-MAX_BLOCK_K = 64  # split-K slices are multiples of every BLOCK_K above
+GEMM_INTERPRETER_TILE = (32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
+GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles shared in L2)
+MAX_BLOCK_K = max(tile[2] for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32)  # split-K slices are multiples of it
+VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
+GEMM_CHOOSER = TileChooser("GEMM")
 
 
-def gemm_configs(dtype: torch.dtype) -> list:
-    """The autotuner's candidates for A/B of ``dtype``, as triton.Config."""
+def gemm_config(tile: tuple) -> dict:
+    """A (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tile as the GEMM kernels' launch keywords."""
+    block_m, block_n, block_k, warps, stages = tile
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": GEMM_GROUP_M,
+            "num_warps": warps, "num_stages": stages}
+
+
+GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
+
+
+def gemm_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:
+    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: the dtype's table,
+    without tiles much larger than the problem (at most max(64, m) rows and max(64, n) columns;
+    the table's smallest tile where none is left)."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
-        for bm, bn, bk, warps, stages in tiles
-    ]
+    fitting = tuple(t for t in tiles if t[0] <= max(64, m) and t[1] <= max(64, n))
+    return fitting or tiles[-1:]
 
 
-def gemm_config_pruner(a: str, m: str, n: str):
-    """The autotuner's ``early_config_prune`` for a GEMM kernel whose left operand, row count and
-    column count are the arguments named ``a``, ``m`` and ``n``: keep the configs of the operand's
-    dtype (float32 configs are the ones with BLOCK_K = 32) whose tiles are not much larger than
-    the problem."""
-
-    def prune(configs, named_args, **kwargs):
-        fp32 = named_args[a].dtype == torch.float32
-        wanted = [c for c in configs if (c.kwargs["BLOCK_K"] == 32) == fp32]
-        rows, cols = named_args[m], named_args[n]
-        fitting = [c for c in wanted if c.kwargs["BLOCK_M"] <= max(64, rows) and c.kwargs["BLOCK_N"] <= max(64, cols)]
-        return fitting or wanted[-1:]
-
-    return prune
+def tile_report() -> list[dict]:
+    """Every GEMM tile choice made in this process: key (device, operand and output dtypes, HAS_BIAS,
+    EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, M bucket, N, K bucket, K slices, unit strides of A's
+    and B's two dimensions), the tile chosen and each candidate's time in ms or why it was excluded."""
+    return report_rows("gemm", GEMM_CHOOSER)
 
 
-def autotuned_gemm(kernel, a: str, m: str, n: str, k: str):
-    """``kernel`` autotuned over every gemm_configs entry, keyed on the problem size (the autotuner
-    adds the operands' dtypes to the key)."""
-    return triton.autotune(
-        configs=gemm_configs(torch.float16) + gemm_configs(torch.float32), key=[m, n, k],
-        prune_configs_by={"early_config_prune": gemm_config_pruner(a, m, n)},
-    )(kernel)
+def validation_rows(m: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of an m-row output a candidate is checked on: all (None) up to VALIDATION_ROWS, else
+    the first and the last VALIDATION_ROWS / 2 (the first tiles and the masked last ones)."""
+    if m <= VALIDATION_ROWS:
+        return None
+    half = VALIDATION_ROWS // 2
+    return torch.cat([torch.arange(half, device=device), torch.arange(m - half, m, device=device)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +229,7 @@ def _matmul(
     """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (M, N) contiguous, all read by strides.
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
     EPILOGUE_GELU_GRAD. Without bias, epilogue or residual, a deep K is split into slices summed
-    in float32."""
+    in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
@@ -222,29 +238,123 @@ def _matmul(
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
     slices = triton.cdiv(k, k_per_split) if k > 0 else 1
-    if slices > 1:
-        c = torch.empty((slices, m, n), dtype=torch.float32, device=a.device)
-    else:
-        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
-    args = (
-        a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
-        m, n, k, k_per_split,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if slices > 1 else 0, n,
-        bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
-    )
-    flags = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, TANH=tanh, SAVE_PREACT=aux is not None,
-                 HAS_RESIDUAL=residual is not None, PRECISION=dot_precision(a.dtype))
-    if interpreted(a.device):
-        cfg = GEMM_INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), slices)
-        launch(_linear_kernel, grid, *args, **flags, **cfg)
-    else:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), slices)
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, slices, k_per_split)
+    c = gemm.output()
+    for tile in _matmul_tiles(gemm):
+        gemm.launch(tile, c, aux)
+    return gemm.result(c)
 
-        launch(_linear_kernel_tuned, grid, *args, **flags)
-    return c.sum(0).to(out_dtype) if slices > 1 else c
+
+class _Gemm:
+    """One call of the GEMM kernel: its operands and split, launched with a given tile into given
+    outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
+
+    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "slices", "k_per_split")
+
+    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, slices, k_per_split):
+        self.a, self.b, self.out_dtype, self.bias, self.epilogue, self.tanh = a, b, out_dtype, bias, epilogue, tanh
+        self.aux, self.residual, self.slices, self.k_per_split = aux, residual, slices, k_per_split
+
+    def output(self) -> torch.Tensor:
+        """The kernel's C: (M, N) of the output dtype, or a float32 workspace (slices, M, N)."""
+        m, n = self.a.shape[0], self.b.shape[1]
+        if self.slices > 1:
+            return torch.empty((self.slices, m, n), dtype=torch.float32, device=self.a.device)
+        return torch.empty((m, n), dtype=self.out_dtype, device=self.a.device)
+
+    def result(self, c: torch.Tensor) -> torch.Tensor:
+        return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
+
+    def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
+        """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under SAVE_PREACT)."""
+        a, b, bias, residual = self.a, self.b, self.bias, self.residual
+        m, k = a.shape
+        n = b.shape[1]
+        config = gemm_config(tile)
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), self.slices)
+        res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
+        launch(
+            _linear_kernel, grid,
+            a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
+            m, n, k, self.k_per_split,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if self.slices > 1 else 0, n,
+            bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
+            HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
+            HAS_RESIDUAL=residual is not None, PRECISION=dot_precision(a.dtype), **config,
+        )
+
+    def key(self) -> tuple:
+        """What a tile choice is kept for: device, operand and output dtypes, the epilogue flags, M
+        and K bucketed to powers of two (the batch lives there: rows of the forward and of dX, the
+        reduction of dW), N exact (a layer width), the K slices, and which of A's and B's dimensions
+        have unit stride (W^T and dY^T are read transposed). Plain ints (SymInts made concrete)."""
+        a, b = self.a, self.b
+        (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
+        return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.tanh,
+                self.aux is not None, self.residual is not None, bucket(int(m)), int(n), bucket(int(k)), self.slices,
+                bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
+
+    def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+        """The output rows ``rows`` (all when None) computed by PyTorch: [out] (+ [pre-activation]
+        under SAVE_PREACT). In ``dtype`` when given (the reference), else as PyTorch computes it
+        in the operands' own dtypes (its matmul in the operands' dtype, the residual added in its
+        dtype, as ``linear_ref`` does)."""
+        def pick(t):
+            t = t if rows is None else t.index_select(0, rows)
+            return t if dtype is None else t.to(dtype)
+
+        approximate = "tanh" if self.tanh else "none"
+        z = torch.matmul(pick(self.a), self.b if dtype is None else self.b.to(dtype))
+        if self.bias is not None:
+            z = z + (self.bias if dtype is None else self.bias.to(dtype))
+        outputs = []
+        y = z
+        if self.epilogue == EPILOGUE_GELU:
+            y = F.gelu(z, approximate=approximate)
+            if self.aux is not None:
+                outputs.append(z)
+        elif self.epilogue == EPILOGUE_GELU_GRAD:
+            y = torch.ops.aten.gelu_backward(z, pick(self.aux), approximate=approximate)
+        if self.residual is not None:
+            y = y + pick(self.residual)
+        return [y.to(self.out_dtype) if dtype is None else y] + outputs
+
+    def trial(self) -> tuple[Callable, Callable]:
+        """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
+        [out] (+ [pre-activation] under SAVE_PREACT); ``check`` compares them on ``validation_rows``
+        with PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
+        save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
+
+        def run(tile):
+            aux = torch.empty_like(self.aux) if save_preact else self.aux
+            c = self.output()
+            self.launch(tile, c, aux)
+            return [self.result(c), aux] if save_preact else [self.result(c)]
+
+        wide = torch.float64 if self.a.dtype in (torch.float32, torch.float64) else torch.float32
+        references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
+
+        @torch.no_grad()
+        def check(outputs):
+            if not references:
+                rows = validation_rows(int(self.a.shape[0]), self.a.device)
+                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
+            rows, exacts, owns = references
+            for name, actual, exact, own in zip(("out", "preact"), outputs, exacts, owns):
+                picked = actual if rows is None else actual.index_select(0, rows)
+                problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.a.dtype])
+                if problem is not None:
+                    return problem
+            return None
+
+        return run, check
+
+
+def _matmul_tiles(gemm: _Gemm) -> tuple:
+    """The tile(s) ``_matmul`` launches: see ``vit_kernels._tiles.tiles_to_launch``."""
+    return tiles_to_launch(GEMM_CHOOSER, gemm.a.device, gemm.key, GEMM_INTERPRETER_TILE,
+                           lambda: gemm_candidates(gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1])),
+                           gemm.trial)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -272,10 +382,6 @@ def _linear_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, nee
 
 
 if HAS_TRITON:
-    # On a GPU the GEMM autotunes over gemm_configs, keyed on the problem size (and, by the
-    # autotuner, on the operands' dtypes); the interpreter runs GEMM_INTERPRETER_CONFIG.
-    _linear_kernel_tuned = autotuned_gemm(_linear_kernel, "A", "M", "N", "K")
-
     def _linear_fwd(
         x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
         activation: str,

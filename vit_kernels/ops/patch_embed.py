@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
-from vit_kernels.ops.linear import GEMM_INTERPRETER_CONFIG, MAX_BLOCK_K, autotuned_gemm, grouped_tile, split_k_slices
+from vit_kernels._signature import bucket
+from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
 
 
 @triton.jit
@@ -160,21 +162,43 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
     return n, weight.shape[0], weight[0].numel(), num_patches, num_patches + int(has_cls), width // patch_size
 
 
-if HAS_TRITON:
-    _patch_embed_fwd_kernel_tuned = autotuned_gemm(_patch_embed_fwd_kernel, "Images", "total_rows", "dim", "k_dim")
+SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
+VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
+FWD_CHOOSER = TileChooser("patch_embed forward")
 
-    def _patch_embed_fwd(
-        images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
-        pos_embed: Optional[torch.Tensor], patch_size: int,
-    ) -> torch.Tensor:
-        """images (N, C, H, W) -> tokens (N, T, D)."""
+
+def tile_report() -> list[dict]:
+    """Every forward tile choice made in this process: key (device, images' and output dtypes,
+    HAS_BIAS, HAS_CLS, HAS_POS, row bucket, D, C*P*P, P, tokens per image, channels last), the tile
+    chosen and each candidate's time in ms or why it was excluded."""
+    return report_rows("patch_embed forward", FWD_CHOOSER)
+
+
+def validation_images(n: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The images a forward candidate is checked on: all (None) up to VALIDATION_IMAGES, else the
+    first and the last VALIDATION_IMAGES / 2 (the first row tiles and the masked last ones)."""
+    if n <= VALIDATION_IMAGES:
+        return None
+    half = VALIDATION_IMAGES // 2
+    return torch.cat([torch.arange(half, device=device), torch.arange(n - half, n, device=device)])
+
+
+def _out_dtype(images: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embed: Optional[torch.Tensor]):
+    """The images' dtype promoted with the class token's and position embedding's (autocast: float32)."""
+    out_dtype = images.dtype
+    for extra in (cls_token, pos_embed):
+        if extra is not None:
+            out_dtype = torch.promote_types(out_dtype, extra.dtype)
+    return out_dtype
+
+
+if HAS_TRITON:
+
+    def _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size):
+        """-> (output, the forward kernel's arguments and flags but the tile)."""
         n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
         w2 = weight.reshape(dim, k_dim)
-        out_dtype = images.dtype
-        for extra in (cls_token, pos_embed):
-            if extra is not None:
-                out_dtype = torch.promote_types(out_dtype, extra.dtype)
-        out = torch.empty((n, tokens, dim), dtype=out_dtype, device=images.device)
+        out = torch.empty((n, tokens, dim), dtype=_out_dtype(images, cls_token, pos_embed), device=images.device)
         pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
         cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
         args = (
@@ -185,16 +209,64 @@ if HAS_TRITON:
         )
         flags = dict(HAS_BIAS=bias is not None, HAS_CLS=cls_token is not None, HAS_POS=pos_embed is not None,
                      PRECISION=dot_precision(images.dtype))
-        rows = n * tokens
-        if interpreted(images.device):
-            cfg = GEMM_INTERPRETER_CONFIG
-            launch(_patch_embed_fwd_kernel, (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(dim, cfg["BLOCK_N"]),),
-                   *args, **flags, **cfg)
-        else:
-            def grid(meta):
-                return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(dim, meta["BLOCK_N"]),)
+        return out, args, flags
 
-            launch(_patch_embed_fwd_kernel_tuned, grid, *args, **flags)
+    def _launch_fwd(args: tuple, flags: dict, tile: tuple) -> None:
+        rows, dim = args[6], args[7]
+        config = gemm_config(tile)
+        launch(_patch_embed_fwd_kernel, (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(dim, config["BLOCK_N"]),),
+               *args, **flags, **config)
+
+    def fwd_tiles(images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
+        """The forward tile(s) to launch: see ``vit_kernels._tiles.tiles_to_launch``. A candidate is
+        checked on ``validation_images`` against conv2d (+ class token and position embedding) in
+        float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
+        n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
+
+        def key():
+            return (images.device, images.dtype, _out_dtype(images, cls_token, pos_embed), bias is not None, cls_token is not None, pos_embed is not None,
+                    bucket(int(n) * int(tokens)), int(dim), int(k_dim), patch_size, int(tokens),
+                    bool(images.stride(1) == 1))
+
+        def trial():
+            def run(tile):
+                out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
+                _launch_fwd(args, flags, tile)
+                return [out]
+
+            wide = torch.float64 if images.dtype in (torch.float32, torch.float64) else torch.float32
+            references: list = []  # the images checked, the reference's output, PyTorch's own: on the first check
+
+            def reference(picked, dtype):
+                def cast(t):
+                    return t if t is None or dtype is None else t.to(dtype)
+
+                subset = images if picked is None else images.index_select(0, picked)
+                return patch_embed_ref(cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token),
+                                       cast(pos_embed))
+
+            @torch.no_grad()
+            def check(outputs):
+                if not references:
+                    picked = validation_images(int(n), images.device)
+                    references.extend((picked, reference(picked, wide), reference(picked, None)))
+                picked, exact, own = references
+                out = outputs[0] if picked is None else outputs[0].index_select(0, picked)
+                return within_pytorch_error("out", out, own, exact, FLOORS[images.dtype])
+
+            return run, check
+
+        return tiles_to_launch(FWD_CHOOSER, images.device, key, GEMM_INTERPRETER_TILE,
+                               lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)), trial)
+
+    def _patch_embed_fwd(
+        images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
+        pos_embed: Optional[torch.Tensor], patch_size: int,
+    ) -> torch.Tensor:
+        """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tiles``."""
+        out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
+        for tile in fwd_tiles(images, weight, bias, cls_token, pos_embed, patch_size):
+            _launch_fwd(args, flags, tile)
         return out
 
     torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
@@ -211,7 +283,7 @@ if HAS_TRITON:
         tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
         warps = 1 if interpreted(images.device) else 4
         slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
-        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), MAX_BLOCK_K)) * MAX_BLOCK_K
+        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
         slices = max(1, triton.cdiv(n * num_patches, rows_per_split))
         partial = slices > 1
         dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),

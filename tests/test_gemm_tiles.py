@@ -1,0 +1,224 @@
+"""The GEMM tile choice (linear's ``_matmul`` and patch_embed's forward), its parts on the CPU: the
+launchers take the GPU's path (candidates validated, then timed by a fake timer) while Triton's
+interpreter runs the candidate tiles, so the results are real. A wrong candidate is excluded with
+its reason, the fastest right one is kept and a decided key only looks it up; every epilogue and
+gradient gives the formula's answer through that path; the compile gate records every candidate;
+nothing runs where nothing may; keys are concrete under dynamic shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vit_kernels as vk
+from tests.helpers import CPU_BACKENDS, check_against_formula
+from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
+from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
+from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
+from vit_kernels import _tiles
+from vit_kernels._triton import recording_launches
+from vit_kernels.activations import GELU, GELU_TANH
+from vit_kernels.ops import linear, patch_embed
+
+if "triton" not in CPU_BACKENDS:
+    pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
+
+FP32_FAST_TO_SLOW = ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3))
+
+
+@pytest.fixture
+def gpu_path(measurable, monkeypatch):  # noqa: F811
+    """The tile launchers treat CPU tensors as they treat CUDA ones (the interpreter still runs the
+    kernels); ``times[tile]`` is what timing a candidate returns. The choices start and end empty."""
+    monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
+    for chooser in (linear.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
+        chooser.forget()
+    yield measurable
+    for chooser in (linear.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
+        chooser.forget()
+
+
+def spy_launches(monkeypatch, wrong=None) -> list:
+    """Record the tile of every GEMM launch; the ``wrong`` tile's output is scaled by 1.02 (a 2% error,
+    as wrong as the H100's wrong attention tile)."""
+    launched = []
+    original = linear._Gemm.launch
+
+    def launch(self, tile, c, aux):
+        launched.append(tile)
+        original(self, tile, c, aux)
+        if tile == wrong:
+            c.mul_(1.02)
+
+    monkeypatch.setattr(linear._Gemm, "launch", launch)
+    return launched
+
+
+def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path, monkeypatch):
+    fast, middle, slow = FP32_FAST_TO_SLOW
+    wrong = slow
+    gpu_path.update({fast: 0.2, middle: 0.3, slow: 0.1})
+    launched = spy_launches(monkeypatch, wrong=wrong)
+    x, w, b = torch.randn(3, 17, 40), torch.randn(72, 40) / 6, torch.randn(72)
+    with vk.use_backend("triton", strict=True):
+        y = vk.linear_gelu(x, w, b)
+    torch.testing.assert_close(y, F.gelu(F.linear(x, w, b)), atol=1e-5, rtol=1e-5)
+    (row,) = linear.tile_report()
+    assert row["key"] == ["cpu", "torch.float32", "torch.float32", True, linear.EPILOGUE_GELU, False, True, False,
+                          64, 72, 64, 1, False, True, True, False]
+    assert row["chosen"] == repr(fast)
+    assert row["candidates"][repr(fast)] == 0.2 and row["candidates"][repr(middle)] == 0.3
+    assert row["candidates"][repr(wrong)].startswith("invalid: out: relative error")
+    assert launched[-1] == fast  # the call itself runs the chosen tile, after every candidate's trial
+
+    def no_trial(self):
+        raise AssertionError("built the trial of a decided key")
+
+    monkeypatch.setattr(linear._Gemm, "trial", no_trial)
+    launched.clear()
+    with vk.use_backend("triton", strict=True):
+        again = vk.linear_gelu(torch.randn(3, 19, 40), w, b)  # 57 rows: the same bucket
+    assert launched == [fast] and again.shape == (3, 19, 72)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, dtype, approximate):
+    """mlp forward and backward with bias and residual: the GEMMs with bias + GELU saving the
+    pre-activation, bias + residual, GELU' (dZ), plain dX and split-K dW, each chosen (all
+    candidates right, the table's first one timed fastest) and right against float64."""
+    tiles = linear.GEMM_TILES_FP32 if dtype == torch.float32 else linear.GEMM_TILES_16BIT
+    gpu_path.update({tile: 1.0 + i for i, tile in enumerate(tiles)})
+    spy_launches(monkeypatch)
+    d, hidden = 24, 130
+    inputs = [torch.randn(4, 33, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
+              torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d), torch.randn(4, 33, d)]
+
+    def run(x, w1, b1, w2, b2, r):
+        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
+
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
+                              inputs, dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+    rows = linear.tile_report()
+    # (bias, epilogue, tanh, aux, residual, K slices) of each GEMM key
+    kinds = {(r["key"][3], r["key"][4], r["key"][5], r["key"][6], r["key"][7], r["key"][11] > 1) for r in rows}
+    tanh = approximate == "tanh"
+    assert (True, linear.EPILOGUE_GELU, tanh, True, False, False) in kinds  # fc1 + bias + GELU, Z saved
+    assert (True, linear.EPILOGUE_NONE, False, False, True, False) in kinds  # fc2 + bias + residual
+    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, False) in kinds  # dZ = dY W2 * gelu'(Z)
+    assert (False, linear.EPILOGUE_NONE, False, False, False, True) in kinds  # split-K weight gradients
+    for r in rows:
+        times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
+        assert times == r["candidates"], r  # every candidate of every key computed the right answer
+        assert r["chosen"] == min(times, key=times.get)
+
+
+@pytest.mark.parametrize("epilogue", ["bias+residual", "gelu", "gelu_grad", "split"])
+def test_the_gemm_check_names_a_wrong_output(epilogue):
+    """The trial's check passes a candidate's right outputs and names the wrong one (2% off): the
+    output, or the saved pre-activation."""
+    torch.manual_seed(0)
+    m, k, n = 40, 24, 36
+    a, b = torch.randn(m, k), torch.randn(n, k).t() / 5
+    bias, residual, aux = torch.randn(n), torch.randn(m, n), torch.empty(m, n)
+    kwargs = {"bias+residual": dict(bias=bias, residual=residual), "gelu": dict(bias=bias, epilogue=linear.EPILOGUE_GELU,
+                                                                                  aux=aux, tanh=True),
+              "gelu_grad": dict(epilogue=linear.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)), "split": {}}[epilogue]
+    slices, k_per_split = (3, 8) if epilogue == "split" else (1, k)  # K = 24 in three slices, or one
+    gemm = linear._Gemm(a, b, torch.float32, kwargs.get("bias"), kwargs.get("epilogue", linear.EPILOGUE_NONE),
+                        kwargs.get("tanh", False), kwargs.get("aux"), kwargs.get("residual"), slices, k_per_split)
+    run, check = gemm.trial()
+    outputs = run(linear.GEMM_INTERPRETER_TILE)
+    assert len(outputs) == (2 if epilogue == "gelu" else 1)
+    assert check(outputs) is None
+    for index, name in enumerate(["out", "preact"][:len(outputs)]):
+        wrong = [t * 1.02 if i == index else t for i, t in enumerate(outputs)]
+        problem = check(wrong)
+        assert problem is not None and problem.startswith(f"{name}: relative error"), problem
+
+
+def test_only_the_validation_rows_are_checked(monkeypatch):
+    """Past VALIDATION_ROWS rows a candidate is checked on the first and the last halves of them."""
+    assert linear.validation_rows(4096, torch.device("cpu")) is None
+    rows = linear.validation_rows(10_000, torch.device("cpu"))
+    assert rows.tolist() == list(range(2048)) + list(range(10_000 - 2048, 10_000))
+    monkeypatch.setattr(linear, "VALIDATION_ROWS", 8)
+    gemm = linear._Gemm(torch.randn(40, 16), torch.randn(16, 24), torch.float32, None, linear.EPILOGUE_NONE, False,
+                        None, None, 1, 16)
+    run, check = gemm.trial()
+    (out,) = run(linear.GEMM_INTERPRETER_TILE)
+    assert check([out]) is None
+    last = out.clone()
+    last[-1] += 1.0
+    assert check([last]) is not None  # the masked last tile is checked
+
+
+def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
+    """Tracing, graph capture, no GPU: the decided tile, else the first candidate, unmeasured."""
+    monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
+    launched = spy_launches(monkeypatch)
+    linear.GEMM_CHOOSER.forget()
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    with vk.use_backend("triton", strict=True):
+        y = vk.linear(x, w)
+    torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)
+    assert launched == [linear.gemm_candidates(torch.float32, 5, 8)[0]] and linear.tile_report() == []
+
+
+def test_the_compile_gate_records_every_candidate():
+    """On meta tensors an mlp forward and backward records, for each of its GEMMs, one launch per
+    candidate tile; small outputs leave the tiles much larger than them out."""
+    dt = torch.bfloat16
+    x, w1, w2 = (torch.empty(s, dtype=dt, device="meta") for s in ((64, 197, 768), (3072, 768), (768, 3072)))
+    with recording_launches() as launches:
+        out, hidden, preact = torch.ops.vit_kernels.mlp_fwd(x, w1, None, w2, None, None, GELU)
+        torch.ops.vit_kernels.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
+    tiles = [(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["BLOCK_K"], l.kwargs["num_warps"],
+              l.kwargs["num_stages"]) for l in launches if l.kernel.fn.__name__ == "_linear_kernel"]
+    gemms = 2 + 4  # forward fc1, fc2; backward dW2, dZ, dX, dW1
+    assert tiles == list(linear.GEMM_TILES_16BIT) * gemms
+    small = linear.gemm_candidates(dt, 50, 3072)
+    assert small and all(tile[0] <= 64 for tile in small)
+    assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32
+
+
+def test_gemm_keys_are_concrete_under_dynamic_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    a = mode.from_tensor(torch.empty(1576, 768, dtype=torch.bfloat16), symbolic_context=context)
+    b = mode.from_tensor(torch.empty(3072, 768, dtype=torch.bfloat16), symbolic_context=context).t()
+    assert isinstance(a.shape[0], torch.SymInt)
+    key = linear._Gemm(a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, 1, 768).key()
+    hash(key)
+    assert key[8:] == (2048, 3072, 1024, 1, False, True, True, False)
+    assert all(type(part) in (bool, int, torch.dtype, torch.device) for part in key)
+
+
+def test_patch_embed_forward_tile_is_chosen(gpu_path):
+    fast, middle, slow = FP32_FAST_TO_SLOW
+    gpu_path.update({fast: 0.1, middle: 0.2, slow: 0.3})
+    inputs = make_inputs(6, 3, 32, 32, 8, 20)  # more images than are validated: the first and last two
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run_patch_embed, patch_embed_formula, inputs, torch.float32, PATCH_EMBED_NAMES,
+                              patch_size=8)
+    (row,) = patch_embed.tile_report()
+    assert row["kernel"] == "patch_embed forward" and row["chosen"] == repr(fast)
+    assert row["candidates"] == {repr(fast): 0.1, repr(middle): 0.2, repr(slow): 0.3}
+
+
+def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
+    from benchmarks import gpu_report_markdown
+
+    gpu_path.update({tile: 0.5 for tile in linear.GEMM_TILES_FP32})
+    with vk.use_backend("triton", strict=True):
+        vk.linear(torch.randn(6, 16), torch.randn(8, 16), residual=torch.randn(6, 8))
+    text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": linear.tile_report()}))
+    assert "## GEMM tiles chosen on this device" in text
+    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, 8, 8, 16, 1," in text
