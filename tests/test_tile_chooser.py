@@ -151,7 +151,8 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
     def trial():
         raise AssertionError("built the trial of a decided key")
 
-    assert attention._tiles_to_launch(chooser, qkv, 2, None, lambda: ["a"], trial) == ("a",)
+    key = attention._chooser_key(qkv, 2)
+    assert _tiles.tiles_to_launch(chooser, qkv.device, lambda: key, None, lambda: ["a"], trial) == ("a",)
 
 
 def test_the_pair_measured_fastest_at_head_dim_64_is_the_default():

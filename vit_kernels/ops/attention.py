@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, recording, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -488,12 +488,7 @@ BWD_CHOOSER = TileChooser("attention backward")
 def tile_report() -> list[dict]:
     """Every attention tile choice made in this process: kernel, key (dtype, head dim, length,
     batch x heads bucket), the tile chosen and each candidate's time in ms or why it was excluded."""
-    rows = []
-    for kernel, chooser in (("forward", FWD_CHOOSER), ("backward", BWD_CHOOSER)):
-        for key, choice in chooser.report().items():
-            rows.append({"kernel": kernel, "key": list(key), "chosen": repr(choice.tile),
-                         "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}})
-    return rows
+    return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
 
 
 def _block_d(head_dim: int) -> int:
@@ -609,24 +604,6 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
     return check
 
 
-def _tiles_to_launch(chooser: TileChooser, qkv: torch.Tensor, num_heads: int, interpreter_tile: tuple,
-                     candidates: Callable[[], tuple], trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
-    """The tile(s) a launcher launches: the interpreter's fixed tile; every candidate while the
-    compile gate records; else the tile ``chooser`` keeps for this call's key, choosing it first when
-    there is none (``trial() -> (run, check)``, built only then: a decided call does no more than
-    the key's lookup)."""
-    if interpreted(qkv.device):
-        return (interpreter_tile,)
-    if recording():
-        return candidates()
-    key = _chooser_key(qkv, num_heads)
-    tile = chooser.chosen(key)
-    if tile is None:
-        run, check = trial()
-        tile = chooser.choose(key, qkv.device, candidates(), run, check)
-    return (tile,)
-
-
 if HAS_TRITON:
 
     def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile) -> None:
@@ -651,7 +628,7 @@ if HAS_TRITON:
         return out, stats
 
     def fwd_tiles(qkv, num_heads, scale, seed) -> tuple:
-        """The forward tile(s) to launch: see ``_tiles_to_launch`` (validated without dropout)."""
+        """The forward tile(s) to launch: see ``_tiles.tiles_to_launch`` (validated without dropout)."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
@@ -663,8 +640,8 @@ if HAS_TRITON:
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
 
-        return _tiles_to_launch(FWD_CHOOSER, qkv, num_heads, _interpreter_tile(seq_len),
-                                lambda: fwd_candidates(qkv.dtype, head_dim, seq_len), trial)
+        return tiles_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads), _interpreter_tile(seq_len),
+                               lambda: fwd_candidates(qkv.dtype, head_dim, seq_len), trial)
 
     def _attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
@@ -704,7 +681,7 @@ if HAS_TRITON:
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
-        """The backward tile pair(s) to launch: see ``_tiles_to_launch``."""
+        """The backward tile pair(s) to launch: see ``_tiles.tiles_to_launch``."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
@@ -715,8 +692,9 @@ if HAS_TRITON:
             return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
                                                qkv, num_heads, scale, grad_out)
 
-        return _tiles_to_launch(BWD_CHOOSER, qkv, num_heads, (_interpreter_tile(seq_len),) * 2,
-                                lambda: bwd_candidates(qkv.dtype, head_dim, seq_len), trial)
+        return tiles_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads),
+                               (_interpreter_tile(seq_len),) * 2, lambda: bwd_candidates(qkv.dtype, head_dim, seq_len),
+                               trial)
 
     def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
