@@ -93,7 +93,8 @@ std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_hea
                            .view({batch, length, 3, num_heads, head_dim})
                            .permute({2, 0, 3, 1, 4})
                            .reshape({3, batch * num_heads, length, head_dim});
-  const Tensor q = heads[0], k = heads[1], v = heads[2];
+  const auto qkv_parts = heads.unbind(0);
+  const Tensor &q = qkv_parts[0], &k = qkv_parts[1], &v = qkv_parts[2];
   const Tensor probs = softmax(at::bmm(q, k.transpose(1, 2)).mul_(scale));  // (B*H, L, L)
   const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
   const Tensor out = at::bmm(dropped, v)  // (B*H, L, Dh) -> (B, L, H*Dh)
