@@ -170,3 +170,41 @@ def test_deep_weight_gradient_is_split_over_k():
     with vk.use_backend("triton"):
         check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs,
                               torch.float32, ["x", "weight", "bias", "residual"])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
+def test_mlp_without_gradients(device, backend_name, dtype, approximate, with_residual):
+    """Inference takes its own path on Triton (the pre-activation is not written): same formula."""
+    inputs = [torch.randn(2, 33, 48), torch.randn(96, 48) / 7, torch.randn(96), torch.randn(40, 96) / 10,
+              torch.randn(40), torch.randn(2, 33, 40) if with_residual else None]
+    exact = mlp_formula(*(None if t is None else t.double() for t in inputs), approximate)
+    cast = [None if t is None else t.to(device, dtype) for t in inputs]
+    with torch.no_grad():
+        with vk.use_backend(backend_name, strict=True):
+            out = vk.mlp(*cast[:5], approximate=approximate, residual=cast[5])
+        with vk.use_backend("torch"):
+            own = vk.mlp(*cast[:5], approximate=approximate, residual=cast[5])
+    assert out.dtype == dtype and out.shape == exact.shape
+    assert_within_pytorch_error("output", out, own, exact, dtype, torch.device(device))
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
+def test_triton_inference_writes_no_preactivation():
+    """Without gradients the GELU GEMMs launch without SAVE_PREACT (the M x hidden pre-activation is
+    only read by backward); with them, the pre-activation is written."""
+    from vit_kernels._triton import recording_launches
+    from vit_kernels.ops import linear
+
+    def saved(grad: bool) -> set:
+        x = torch.empty(4, 197, 64, device="meta", requires_grad=grad)
+        w1, b1 = torch.empty(256, 64, device="meta"), torch.empty(256, device="meta")
+        w2, b2 = torch.empty(64, 256, device="meta"), torch.empty(64, device="meta")
+        with recording_launches() as launches:
+            linear.linear_gelu_triton(x, w1, b1)
+            linear.mlp_triton(x, w1, b1, w2, b2)
+        return {launch.kwargs["SAVE_PREACT"] for launch in launches if launch.kwargs.get("EPILOGUE") == 1}
+
+    assert saved(grad=False) == {False}
+    assert saved(grad=True) == {True}

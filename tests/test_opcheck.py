@@ -22,6 +22,10 @@ def cases(device: str = "cpu"):
         "linear_fwd": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), _grad(2, 5, 8), "none")),
         "linear_fwd_gelu": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), None, "gelu_tanh")),
         "mlp_fwd": (lambda: ops.mlp_fwd, (x, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12), "gelu")),
+        # the inference ops (no gradient will be asked for: inputs that do not require it)
+        "linear_gelu_infer": (lambda: ops.linear_gelu_infer, (x.detach(), torch.randn(8, 12, device=device), None, "gelu")),
+        "mlp_infer": (lambda: ops.mlp_infer, (x.detach(), torch.randn(16, 12, device=device), torch.randn(16, device=device),
+                                              torch.randn(12, 16, device=device), None, x.detach(), "gelu_tanh")),
         "patch_embed_fwd": (lambda: ops.patch_embed_fwd,
                             (_grad(2, 3, 8, 8), _grad(12, 3, 4, 4), _grad(12), _grad(1, 1, 12), _grad(1, 5, 12), 4)),
     }

@@ -109,6 +109,7 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 out, preact = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
                                                                None, activation)
                 torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
+                torch.ops.vit_kernels.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
         mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH),
@@ -123,6 +124,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                     _t(rdt, *x) if has_residual else None, activation)
                 torch.ops.vit_kernels.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation,
                                               bias1, bias2)
+                torch.ops.vit_kernels.mlp_infer(inp, w1, _t(dt, 4 * dim) if bias1 else None, w2,
+                                                _t(dt, dim) if bias2 else None, _t(rdt, *x) if has_residual else None,
+                                                activation)
 
             yield Case("mlp", precision, model, f"bias={bias1},{bias2} {activation} residual={has_residual}", batch,
                        run_mlp)

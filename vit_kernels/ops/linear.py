@@ -427,21 +427,49 @@ if HAS_TRITON:
 
     linear_fwd = differentiable("vit_kernels::linear_fwd", _linear_backward, _linear_setup_context, _linear_fwd)
 
+    def _linear_gelu_infer(
+        x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+    ) -> torch.Tensor:
+        """gelu(x @ W^T + b) (..., N) where no gradient will be asked for: the GEMM with its bias +
+        GELU epilogue, without writing the pre-activation (M x N) that only backward reads."""
+        out = _matmul(_rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, tanh=activation == GELU_TANH)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    linear_gelu_infer = direct(
+        torch.library.triton_op("vit_kernels::linear_gelu_infer", mutates_args=())(_linear_gelu_infer), _linear_gelu_infer)
+
     def _mlp_fwd(
         x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
         fc2_bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], activation: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fc2(gelu(fc1(x))) (+ residual) (..., D_out), with the hidden H and pre-activation Z (M, Hd)."""
         x2 = _rows(x)
-        tanh = activation == GELU_TANH
         preact = torch.empty((x2.shape[0], fc1_weight.shape[0]), dtype=x.dtype, device=x.device)
-        hidden = _matmul(x2, fc1_weight.t(), x.dtype, bias=fc1_bias, epilogue=EPILOGUE_GELU, tanh=tanh, aux=preact)
-        out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
-        out = _matmul(hidden, fc2_weight.t(), out_dtype, bias=fc2_bias,
-                      residual=_rows(residual) if residual is not None else None)
+        out, hidden = _mlp_gemms(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, preact)
         return out.view(*x.shape[:-1], fc2_weight.shape[0]), hidden, preact
 
+    def _mlp_gemms(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, preact):
+        """(out (M, D_out), hidden (M, Hd)) of rows x2 (M, D): fc1 with its bias + GELU epilogue (also
+        writing the pre-activation into ``preact`` unless it is None), then fc2 (+ residual)."""
+        hidden = _matmul(x2, fc1_weight.t(), x2.dtype, bias=fc1_bias, epilogue=EPILOGUE_GELU,
+                         tanh=activation == GELU_TANH, aux=preact)
+        out_dtype = torch.result_type(x2, residual) if residual is not None else x2.dtype
+        out = _matmul(hidden, fc2_weight.t(), out_dtype, bias=fc2_bias,
+                      residual=_rows(residual) if residual is not None else None)
+        return out, hidden
+
     torch.library.triton_op("vit_kernels::mlp_fwd", mutates_args=())(_mlp_fwd)
+
+    def _mlp_infer(
+        x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
+        fc2_bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], activation: str,
+    ) -> torch.Tensor:
+        """fc2(gelu(fc1(x))) (+ residual) (..., D_out) where no gradient will be asked for: the
+        pre-activation (M x Hd), which only backward reads, is not written."""
+        out, _ = _mlp_gemms(_rows(x), fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, None)
+        return out.view(*x.shape[:-1], fc2_weight.shape[0])
+
+    mlp_infer = direct(torch.library.triton_op("vit_kernels::mlp_infer", mutates_args=())(_mlp_infer), _mlp_infer)
 
     def _mlp_bwd(
         grad_out: torch.Tensor, x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
@@ -479,13 +507,22 @@ def linear_triton(x, weight, bias=None, residual=None):
     return linear_fwd(x, weight, bias, residual, NONE)[0]
 
 
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will record a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear_gelu_triton(x, weight, bias=None, approximate="none"):
-    """The Triton implementation of ``vk.linear_gelu``."""
+    """The Triton implementation of ``vk.linear_gelu`` (inference skips writing the pre-activation)."""
+    if not _needs_grad(x, weight, bias):
+        return linear_gelu_infer(x, weight, bias, gelu_act(approximate))
     return linear_fwd(x, weight, bias, None, gelu_act(approximate))[0]
 
 
 def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
-    """The Triton implementation of ``vk.mlp``."""
+    """The Triton implementation of ``vk.mlp`` (inference skips writing the pre-activation)."""
+    if not _needs_grad(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual):
+        return mlp_infer(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))
     return mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))[0]
 
 
