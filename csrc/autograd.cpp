@@ -5,7 +5,8 @@
 // backward op. torch.compile traces through these the same way (the fake implementations are
 // registered in Python, in vit_kernels/ops/<op>.py).
 //
-//   fused_layer_norm:  (y, s, mean, rstd) = LN(x + residual);  d x = d residual = d s_total, where
+//   fused_layer_norm:  (y, s, mean, rstd) = LN(x + residual) (gradients reaching mean and rstd are
+//                      ignored: they are statistics);  d x = d residual = d s_total, where
 //                      d s_total = LN'(d y) + d s (the gradient reaching the returned sum directly);
 //                      d weight = sum_rows d y * xhat, d bias = sum_rows d y (float32, then the
 //                      parameter's dtype)
@@ -89,7 +90,6 @@ class FusedLayerNormFunction : public torch::autograd::Function<FusedLayerNormFu
     ctx->save_for_backward({residual.has_value() ? summed : x, weight.value_or(Tensor()), mean, rstd});
     ctx->saved_data["present"] = int64_t{1} | int64_t{residual.has_value()} << 1 | int64_t{weight.has_value()} << 2 |
                                  int64_t{bias.has_value()} << 3;
-    ctx->mark_non_differentiable({mean, rstd});
     return {y, summed, mean, rstd};
   }
 
@@ -146,7 +146,7 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
       at::NoGradGuard no_grad;
       Tensor dz = op.call(grads[0].contiguous(), x, optional(bias), approximate);
       const int64_t present = ctx->saved_data["present"].toInt();
-      if (needs_grad(ctx, present, 1)) result[1] = dz.reshape({-1, dz.size(-1)}).sum(0);
+      if (needs_grad(ctx, present, 1)) result[1] = dz.reshape_symint({-1, dz.sym_size(-1)}).sum(0);
       if (needs_grad(ctx, present, 0)) result[0] = std::move(dz);
     }
     return once_differentiable("vit_kernels::bias_gelu", grads, std::move(result));

@@ -38,37 +38,44 @@ Tensor softmax(const Tensor& x) {
   return op.call(x);
 }
 
-// (..., N) with the leading dimensions of x: the shape of a linear layer's output.
-std::vector<int64_t> output_shape(const Tensor& x, int64_t out_features) {
-  auto shape = x.sizes().vec();
+// (..., N) with the leading dimensions of x: the shape of a linear layer's output. Sizes are read as
+// SymInts throughout, so that under torch.compile with dynamic shapes they stay symbolic (a plain
+// size read would guard on its value and recompile per batch size).
+std::vector<c10::SymInt> output_shape(const Tensor& x, const c10::SymInt& out_features) {
+  auto shape = x.sym_sizes().vec();
   shape.back() = out_features;
   return shape;
 }
 
+// The rows of x (..., K) as a matrix: explicit, so that K = 0 or no rows reshape too.
+c10::SymInt row_count(const Tensor& x) { return c10::multiply_integers(x.sym_sizes().slice(0, x.dim() - 1)); }
+
 Tensor linear_residual(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, const Tensor& residual) {
-  const int64_t out_features = weight.size(0);
-  const int64_t rows = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));  // explicit: K = 0 or N = 0 too
-  Tensor accumulator = residual.reshape({rows, out_features});
+  const c10::SymInt rows = row_count(x), out_features = weight.sym_size(0);
+  Tensor accumulator = residual.reshape_symint({rows, out_features});
   if (bias.has_value()) accumulator = accumulator + *bias;
-  return at::addmm(accumulator, x.reshape({rows, x.size(-1)}), weight.t()).view(output_shape(x, out_features));
+  return at::addmm(accumulator, x.reshape_symint({rows, x.sym_size(-1)}), weight.t())
+      .view_symint(output_shape(x, out_features));
 }
 
 // cuBLASLt's GELU_BIAS epilogue (at::_addmm_activation) computes the GEMM, the bias and the GELU in one
 // kernel: on an H100, ViT-B/16's fc1 in bf16 took 0.206 ms against 0.295 for the GEMM and a separate
 // bias + GELU pass (shared/gpu/h100-2026-11-22.md). Its GELU is the tanh form (on CUDA; the CPU
 // implementation applies the erf form) and it has no derivative: taken for the tanh form on CUDA,
-// with a bias, when no gradient is needed.
+// with a bias, when no gradient is needed, and K > 0 (with K = 0 CUDA's addmm returns the bias
+// before any activation).
 bool cublaslt_gelu_epilogue(const Tensor& x, const Tensor& weight, const OptionalTensor& bias,
                             c10::string_view approximate) {
   if (approximate != "tanh" || !x.is_cuda() || !bias.has_value() || bias->dim() != 1) return false;
+  if (x.sym_size(-1) == 0) return false;
   return !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias->requires_grad()));
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, c10::string_view approximate) {
   if (cublaslt_gelu_epilogue(x, weight, bias, approximate)) {
-    const int64_t rows = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
-    return at::_addmm_activation(*bias, x.reshape({rows, x.size(-1)}), weight.t(), 1, 1, /*use_gelu=*/true)
-        .view(output_shape(x, weight.size(0)));
+    return at::_addmm_activation(*bias, x.reshape_symint({row_count(x), x.sym_size(-1)}), weight.t(), 1, 1,
+                                 /*use_gelu=*/true)
+        .view_symint(output_shape(x, weight.sym_size(0)));
   }
   const Tensor preactivation = at::linear(x, weight).contiguous();
   return bias_gelu(preactivation, bias.has_value() ? OptionalTensor(bias->contiguous()) : c10::nullopt, approximate);
@@ -85,23 +92,28 @@ Tensor mlp(const Tensor& x, const Tensor& fc1_weight, const OptionalTensor& fc1_
 }
 
 std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_heads, double scale, double dropout_p) {
+  TORCH_CHECK(num_heads > 0, "vit_kernels::attention_explicit: num_heads must be positive, got ", num_heads);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.sym_size(2) % (3 * num_heads) == 0,
+              "vit_kernels::attention_explicit: qkv must have shape (B, L, 3 * num_heads * head_dim), got ",
+              qkv.sym_sizes(), " with num_heads = ", num_heads);
   const auto dtype = qkv.scalar_type();
   const bool narrow = dtype == at::kHalf || dtype == at::kBFloat16;
-  const int64_t batch = qkv.size(0), length = qkv.size(1), head_dim = qkv.size(2) / (3 * num_heads);
+  const c10::SymInt batch = qkv.sym_size(0), length = qkv.sym_size(1), head_dim = qkv.sym_size(2) / (3 * num_heads);
+  const c10::SymInt batch_heads = batch * num_heads;
   // (B, L, 3*D) -> (3, B*H, L, Dh) in one copy; q, k, v are its three (B*H, L, Dh) slices
   const Tensor heads = (narrow ? qkv.to(at::kFloat) : qkv)
-                           .view({batch, length, 3, num_heads, head_dim})
+                           .view_symint({batch, length, 3, num_heads, head_dim})
                            .permute({2, 0, 3, 1, 4})
-                           .reshape({3, batch * num_heads, length, head_dim});
+                           .reshape_symint({3, batch_heads, length, head_dim});
   const auto qkv_parts = heads.unbind(0);
   const Tensor &q = qkv_parts[0], &k = qkv_parts[1], &v = qkv_parts[2];
   const Tensor probs = softmax(at::bmm(q, k.transpose(1, 2)).mul_(scale));  // (B*H, L, L)
   const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
   const Tensor out = at::bmm(dropped, v)  // (B*H, L, Dh) -> (B, L, H*Dh)
-                         .view({batch, num_heads, length, head_dim})
+                         .view_symint({batch, num_heads, length, head_dim})
                          .transpose(1, 2)
-                         .reshape({batch, length, num_heads * head_dim});
-  const Tensor maps = probs.view({batch, num_heads, length, length});
+                         .reshape_symint({batch, length, head_dim * num_heads});
+  const Tensor maps = probs.view_symint({batch, num_heads, length, length});
   return {narrow ? out.to(dtype) : out, narrow ? maps.to(dtype) : maps};
 }
 

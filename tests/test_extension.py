@@ -384,3 +384,44 @@ def test_cuda_opcheck(case):
         for a in args
     )
     torch.library.opcheck(op, args)
+
+
+def test_compiled_autograd_runs_the_cpp_backwards():
+    """Compiled autograd collects the C++ nodes (it asserts on a non-differentiable output set)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    w, b = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    upstream = torch.randn(4, 8)
+
+    def loss():
+        y = ops.fused_layer_norm(x, None, w, b, 1e-5)[0]
+        return (ops.softmax(ops.bias_gelu(y, b, "none")) * upstream).sum()
+
+    expected = torch.autograd.grad(loss(), [x, w, b])
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        loss().backward()
+    for got, want in zip((x.grad, w.grad, b.grad), expected):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", ["linear_residual", "attention_explicit"])
+def test_compositions_stay_symbolic_under_dynamic_shapes(op):
+    """Sizes are read as SymInts: new batch sizes reuse the graph instead of recompiling."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    w, b = torch.randn(6, 8), torch.randn(6)
+    if op == "linear_residual":
+        fn = torch.compile(lambda x, r: ops.linear_residual(x, w, b, r), backend=counter, dynamic=True)
+        calls = [(torch.randn(n, 5, 8), torch.randn(n, 5, 6)) for n in (2, 3, 4)]
+    else:
+        fn = torch.compile(lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0], backend=counter, dynamic=True)
+        calls = [(torch.randn(n, 5, 24),) for n in (2, 3, 4)]
+    for args in calls:
+        fn(*args)
+    assert counter.frame_count == 1
+
+
+def test_attention_explicit_rejects_bad_heads():
+    with pytest.raises(RuntimeError, match="num_heads must be positive"):
+        ops.attention_explicit(torch.randn(1, 2, 6), 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match=r"qkv must have shape \(B, L, 3 \* num_heads \* head_dim\)"):
+        ops.attention_explicit(torch.randn(1, 2, 10), 4, 1.0, 0.0)
