@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, check_against_formula
-from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
+from tests.test_linear import mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
 from vit_kernels import _tiles
 from vit_kernels._triton import recording_launches
-from vit_kernels.activations import GELU, GELU_TANH
+from vit_kernels.activations import GELU
 from vit_kernels.ops import linear, patch_embed
 
 if "triton" not in CPU_BACKENDS:

@@ -21,7 +21,7 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, recording, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
