@@ -57,6 +57,12 @@ def within_pytorch_error(name: str, actual: torch.Tensor, pytorch: torch.Tensor,
     return f"{name}: relative error {error:.2e} > 2 x PyTorch's {own:.2e} (floor {floor:.0e})"
 
 
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a candidate's exact reference is computed in: float64 for float32 (and float64)
+    inputs, float32 for 16-bit ones."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 # The relative error below which any result passes, per dtype (a few units of its rounding).
 FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 

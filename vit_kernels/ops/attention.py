@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -587,7 +587,7 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
     """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
     within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
     inputs) or float32 (16-bit inputs). The references are computed once, on first use."""
-    wide = torch.float64 if qkv.dtype == torch.float32 else torch.float32
+    wide = reference_dtype(qkv.dtype)
     references: list = []
 
     def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:

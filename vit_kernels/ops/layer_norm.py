@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -217,10 +217,6 @@ def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, li
     return check
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float32 else torch.float32
-
-
 def _pytorch_forward(x2, r2, weight, bias, eps, dtype):
     """PyTorch's y (and s) for rows x2 (+ r2), computed in ``dtype``."""
     s = x2.to(dtype) if r2 is None else x2.to(dtype) + r2.to(dtype)
@@ -279,7 +275,7 @@ if HAS_TRITON:
                 return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
 
             def references():
-                return (_pytorch_forward(x2, r2, weight, bias, eps, _wide(x2.dtype)),
+                return (_pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
                         _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype))
 
             return run, _check_parts(("y", "s"), references, x2.dtype)
@@ -352,7 +348,7 @@ if HAS_TRITON:
 
             def references():
                 return tuple(_pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
-                             for dtype in (_wide(s2.dtype), s2.dtype))
+                             for dtype in (reference_dtype(s2.dtype), s2.dtype))
 
             return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
 

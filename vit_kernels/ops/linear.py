@@ -22,7 +22,7 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 
 # Epilogues of the GEMM kernel.
@@ -331,7 +331,7 @@ class _Gemm:
             self.launch(tile, c, aux)
             return [self.result(c), aux] if save_preact else [self.result(c)]
 
-        wide = torch.float64 if self.a.dtype in (torch.float32, torch.float64) else torch.float32
+        wide = reference_dtype(self.a.dtype)
         references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
 
         @torch.no_grad()

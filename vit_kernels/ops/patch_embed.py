@@ -16,7 +16,7 @@ from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
 from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
 
 
@@ -234,7 +234,7 @@ if HAS_TRITON:
                 _launch_fwd(args, flags, tile)
                 return [out]
 
-            wide = torch.float64 if images.dtype in (torch.float32, torch.float64) else torch.float32
+            wide = reference_dtype(images.dtype)
             references: list = []  # the images checked, the reference's output, PyTorch's own: on the first check
 
             def reference(picked, dtype):
