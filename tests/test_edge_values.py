@@ -56,6 +56,12 @@ r5 = torch.randn(4, 5)
 ln_w, ln_b = torch.randn(8), torch.randn(8)
 w_hidden, w_out = torch.randn(6, 8), torch.randn(8, 6)
 qkv = torch.randn(2, 5, 24)
+# An +inf in key 3 of image 1, head 0 (head dim 4), at dimension 1, where every query of that head
+# has a negative component: every score against that key is -inf, so the forward is finite and the
+# gradient NaN only in dQ's dimension 1 (0 * inf), while dK and dV stay finite.
+qkv_inf_key = qkv.clone()
+qkv_inf_key[1, :, 1] = -qkv_inf_key[1, :, 1].abs() - 0.5
+qkv_inf_key[1, 3, 9] = float("inf")
 images, patch_w = torch.randn(2, 3, 8, 8), torch.randn(8, 3, 4, 4)
 
 
@@ -138,6 +144,9 @@ NON_FINITE_CASES = [
      [poke(qkv, (0, 1, 0), NAN)]),
     ("attention +inf key (probs)", lambda t: vk.attention(t, 2, return_probs=True), lambda t: torch_attention(t, True),
      [poke(qkv, (1, 3, 9), INF)]),
+    ("attention +inf key, all scores -inf (probs)", lambda t: vk.attention(t, 2, return_probs=True),
+     lambda t: torch_attention(t, True), [qkv_inf_key]),
+    ("attention +inf key, all scores -inf", lambda t: vk.attention(t, 2), torch_attention, [qkv_inf_key]),
     ("attention nan", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (0, 1, 0), NAN)]),
     ("attention -inf value", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (1, 2, 20), -INF)]),
     ("patch_embed nan", lambda x, w: vk.patch_embed(x, w, patch_size=4),

@@ -174,9 +174,11 @@ def _attention_fwd_kernel(
 # rows_m and key rows rows_n of one (batch, head):
 #   P = 2^((s - m) c) / l (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
 #   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
-# Rows past the sequence come out 0 without a mask: their q, dO, m and 1 / l load as 0, so
-# P = 2^0 * 0. Keys past the sequence are masked only where MASK_N (the dQ kernel's tail block): the
-# dK/dV kernel discards those keys' rows of dK and dV at its store, which are all they reach.
+# Rows past the sequence load q, dO, m and 1 / l as 0; the dQ kernel discards their rows at its
+# store, and the dK/dV kernel zeroes their P~ and dS in its tail block (a non-finite key gives them
+# s = 0 * inf = NaN, which would reach every dK and dV row). Keys past the sequence are masked only
+# where MASK_N (the dQ kernel's tail block): the dK/dV kernel discards those keys' rows of dK and dV
+# at its store, which are all they reach.
 # The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
 # these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
 # cancels exactly where the math does (one token; a saturated, one-hot softmax) instead of keeping
@@ -203,7 +205,7 @@ def _attention_bwd_p_dp(
 
 # One query block of the dK/dV kernel (query rows start_m + offs_m against its key tile k, v):
 #   dV += P~^T dO,  dK += dS^T Q (scaled at the end),  dS = P (dP - delta)     -> (dK, dV)
-# Loads masked on the rows only in the tail block (MASK_M); rows past the sequence give P = dS = 0.
+# Loads masked on the rows only in the tail block (MASK_M), where rows past the sequence get P~ = dS = 0.
 @triton.jit
 def _attention_bwd_dkdv_query_block(
     dk, dv, k, v, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len,
@@ -225,6 +227,9 @@ def _attention_bwd_dkdv_query_block(
     p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, rows_m, offs_n, seq_len, pid_bh, seed,
                                            scale_log2, dropout_p, False, DROPOUT, PRECISION)
     ds = p * (dp - delta[:, None])
+    if MASK_M:
+        p_dropped = tl.where(mask_m[:, None], p_dropped, 0.0)
+        ds = tl.where(mask_m[:, None], ds, 0.0)
     dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     return dk, dv
