@@ -10,7 +10,8 @@
 //                      d s_total = LN'(d y) + d s (the gradient reaching the returned sum directly);
 //                      d weight = sum_rows d y * xhat, d bias = sum_rows d y (float32, then the
 //                      parameter's dtype)
-//   bias_gelu:         y = gelu(x + bias);  d x = d y * gelu'(x + bias),  d bias = sum_rows d x
+//   bias_gelu:         y = gelu(x + bias);  d x = d y * gelu'(x + bias),  d bias = sum_rows d x (float32,
+//                      reduced by the backward kernel in the pass that writes d x, then the bias's dtype)
 //   softmax:           y = softmax(x);      d x = y * (d y - sum(d y * y))
 //   patchify:          its adjoint unpatchify is its derivative, and the reverse: both differentiable
 //                      again (a gradient penalty through patch_embed works)
@@ -44,7 +45,8 @@ using LayerNormFwd = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, c
 using LayerNormBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const OptionalTensor&, const Tensor&,
                                                         const OptionalTensor&, const Tensor&, const Tensor&, bool);
 using BiasGeluFwd = Tensor(const Tensor&, const OptionalTensor&, c10::string_view);
-using BiasGeluBwd = Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view);
+using BiasGeluBwd = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
+                                                bool);
 using SoftmaxFwd = Tensor(const Tensor&);
 using SoftmaxBwd = Tensor(const Tensor&, const Tensor&);
 using Patchify = Tensor(const Tensor&, int64_t);
@@ -144,9 +146,10 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
     variable_list result(3);
     {
       at::NoGradGuard no_grad;
-      Tensor dz = op.call(grads[0].contiguous(), x, optional(bias), approximate);
       const int64_t present = ctx->saved_data["present"].toInt();
-      if (needs_grad(ctx, present, 1)) result[1] = dz.reshape_symint({-1, dz.sym_size(-1)}).sum(0);
+      const bool needs_bias = needs_grad(ctx, present, 1);
+      auto [dz, db] = op.call(grads[0].contiguous(), x, optional(bias), approximate, needs_bias);
+      if (needs_bias) result[1] = db.to(bias.scalar_type());
       if (needs_grad(ctx, present, 0)) result[0] = std::move(dz);
     }
     return once_differentiable("vit_kernels::bias_gelu", grads, std::move(result));

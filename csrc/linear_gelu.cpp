@@ -2,7 +2,7 @@
 // forward and backward, on the CPU.
 //
 //   z = x + bias (per column),  y = gelu(z)           (erf or tanh form, see cpu_math.h)
-//   backward: dz = dy * gelu'(z)    (d bias = sum_rows(dz) is left to the caller)
+//   backward: dz = dy * gelu'(z),  d bias = sum_rows(dz) (float32; float64 for float64 inputs)
 // z is recomputed in backward from x and bias rather than saved.
 
 #include <ATen/Parallel.h>
@@ -77,8 +77,9 @@ at::Tensor bias_gelu_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& b
   return y;
 }
 
-at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                                  c10::string_view approximate) {
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                                          const c10::optional<at::Tensor>& bias,
+                                                          c10::string_view approximate, bool bias_grad) {
   check_input(kBackward, x, bias);
   check_like(kBackward, "grad_out", grad_out, x);
   const bool tanh_form = gelu_is_tanh(kBackward, std::string(approximate));
@@ -92,7 +93,9 @@ at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
       tanh_form ? gelu_grad_row<true>(out, dy, xs, b, cols) : gelu_grad_row<false>(out, dy, xs, b, cols);
     });
   });
-  return dz;
+  const auto reduced = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (!bias_grad) return {dz, at::empty({0}, x.options().dtype(reduced))};
+  return {dz, dz.reshape({-1, cols}).sum(0, /*keepdim=*/false, reduced)};
 }
 
 TORCH_LIBRARY_IMPL(vit_kernels, CPU, m) {

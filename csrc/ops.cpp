@@ -25,8 +25,10 @@ TORCH_LIBRARY(vit_kernels, m) {
         " Tensor mean, Tensor rstd, bool weight_bias_grad) -> (Tensor, Tensor, Tensor)");
   // y = gelu(x + bias), approximate 'none' (erf) or 'tanh'.
   m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
-  // d(x + bias) = grad_out * gelu'(x + bias).
-  m.def("bias_gelu_backward(Tensor grad_out, Tensor x, Tensor? bias, str approximate) -> Tensor");
+  // Returns (d z, d bias) for z = x + bias: d z = grad_out * gelu'(z) and, when bias_grad, d bias =
+  // sum_rows d z in float32 (C,) (else an empty tensor), reduced in the pass that writes d z.
+  m.def("bias_gelu_backward(Tensor grad_out, Tensor x, Tensor? bias, str approximate, bool bias_grad)"
+        " -> (Tensor, Tensor)");
   // Softmax over the last dimension, and dx = y * (dy - sum(dy * y)).
   m.def("softmax(Tensor x) -> Tensor");
   m.def("softmax_backward(Tensor grad_out, Tensor out) -> Tensor");

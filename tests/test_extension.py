@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import CUDA_DTYPES, check_against_formula, requires_cuda
+from tests.helpers import CUDA_DTYPES, DTYPE_NAMES, TOLERANCES, check_against_formula, cuda_param, requires_cuda
 from vit_kernels import _ext
 
 BUILT = _ext.extension_unavailable_reason() is None
@@ -144,7 +144,8 @@ def opcheck_cases():
             ops.fused_layer_norm_backward, (torch.randn_like(y), torch.randn_like(s), s, w.detach(), mean, rstd, True),
         ),
         "bias_gelu": (ops.bias_gelu, (torch.randn(3, 11, requires_grad=True), torch.randn(11, requires_grad=True), "tanh")),
-        "bias_gelu_backward": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), torch.randn(11), "none")),
+        "bias_gelu_backward": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), torch.randn(11), "none", True)),
+        "bias_gelu_backward_no_bias_grad": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), None, "tanh", False)),
         "softmax": (ops.softmax, (torch.randn(2, 3, 17, 17, requires_grad=True),)),
         "softmax_backward": (ops.softmax_backward, (torch.randn(4, 9), torch.softmax(torch.randn(4, 9), -1))),
         "patchify": (ops.patchify, (images, 4)),
@@ -209,6 +210,53 @@ def test_bias_gelu_gradients_of_every_argument_subset(with_bias, needs):
         torch.testing.assert_close(got, want)
 
 
+def bias_gelu_backward_formula(grad_out, x, bias, approximate):
+    """(d z, d bias) of y = gelu(z), z = x + bias, in float64: d z = grad_out * gelu'(z), d bias = sum_rows d z."""
+    z = (x if bias is None else x + bias).double().requires_grad_(True)
+    (dz,) = torch.autograd.grad(F.gelu(z, approximate=approximate), z, grad_out.double())
+    return dz, dz.reshape(-1, dz.shape[-1]).sum(0)
+
+
+BIAS_GELU_BACKWARD_CASES = [
+    pytest.param("cpu", dtype, shape, id=f"cpu-{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}")
+    for dtype in CPU_DTYPES for shape in [(1, 1), (3, 1023), (2, 17, 96), (0, 8)]
+] + [
+    # one column tile and one row slice; scalar columns (1023); a partial last column tile (1000
+    # columns: 125 16-bit packs) over several row slices; thousands of rows in ~130 slices
+    cuda_param("cuda", dtype, shape, id=f"{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}")
+    for dtype in CUDA_DTYPES for shape in [(1, 1), (3, 1023), (2, 197, 1000), (128, 197, 96), (0, 8)]
+]
+
+
+@pytest.mark.parametrize("device,dtype,shape", BIAS_GELU_BACKWARD_CASES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_backward_reduces_the_bias_gradient(device, dtype, shape, approximate):
+    """d z in the input's dtype and d bias in float32 (float64 for float64) from one call, against
+    float64; the bias gradient only when asked for (else an empty tensor), deterministic (a second call
+    gives the same bits), and 0 over no rows."""
+    if device == "cuda" and not _ext.HAS_CUDA_KERNELS:
+        pytest.skip("vit_kernels._C has no CUDA kernels")
+    grad_out, x, bias = torch.randn(shape), torch.randn(shape) * 3, torch.randn(shape[-1])
+    args = [t.to(device, dtype) for t in (grad_out, x, bias)]
+    dz, db = ops.bias_gelu_backward(*args, approximate, True)
+    want_dz, want_db = bias_gelu_backward_formula(*[t.cpu() for t in args], approximate)
+    reduced = torch.float64 if dtype == torch.float64 else torch.float32
+    assert dz.dtype == dtype and dz.shape == x.shape and db.dtype == reduced and db.shape == (shape[-1],)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(dz.cpu().double(), want_dz, atol=atol, rtol=rtol)
+    # a sum of up to thousands of rounded terms: the tolerance grows with the square root of the count
+    rows = max(1, want_dz.numel() // shape[-1])
+    torch.testing.assert_close(db.cpu().double(), want_db, atol=atol * rows**0.5, rtol=rtol)
+    again_dz, again_db = ops.bias_gelu_backward(*args, approximate, True)
+    assert torch.equal(again_dz, dz) and torch.equal(again_db, db)
+    dz_only, nothing = ops.bias_gelu_backward(*args, approximate, False)
+    assert torch.equal(dz_only, dz) and nothing.numel() == 0
+    no_bias_dz, no_bias_db = ops.bias_gelu_backward(args[0], args[1], None, approximate, True)
+    want_no_bias_dz, want_no_bias_db = bias_gelu_backward_formula(args[0].cpu(), args[1].cpu(), None, approximate)
+    torch.testing.assert_close(no_bias_dz.cpu().double(), want_no_bias_dz, atol=atol, rtol=rtol)
+    torch.testing.assert_close(no_bias_db.cpu().double(), want_no_bias_db, atol=atol * rows**0.5, rtol=rtol)
+
+
 @pytest.mark.parametrize("op", ["fused_layer_norm", "bias_gelu", "softmax"])
 def test_a_second_derivative_through_a_kernel_backward_raises(op):
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
@@ -256,7 +304,7 @@ BAD_INPUTS = [
      r"mean must be a contiguous \(3,\)"),
     (lambda: ops.bias_gelu(torch.randn(3, 4), torch.randn(3), "none"), r"bias must have shape \(4,\)"),
     (lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"), "approximate must be 'none' or 'tanh'"),
-    (lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none"), "grad_out must have the input's shape"),
+    (lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none", True), "grad_out must have the input's shape"),
     (lambda: ops.softmax(torch.randn(4, 6)[:, ::2]), "x must be contiguous"),
     (lambda: ops.softmax_backward(torch.randn(4, 6), torch.randn(4, 6).half()), "grad_out has dtype"),
     (lambda: ops.patchify(torch.randn(2, 3, 8), 4), r"images must have shape \(N, C, H, W\)"),
@@ -338,7 +386,7 @@ def test_cuda_layer_norm_param_grads(dtype, shape):
 @needs_cuda_kernels
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072), (2, 197, 1000), (8192, 96)])
 def test_cuda_bias_gelu(dtype, approximate, shape):
     inputs = [torch.randn(shape) * 3, torch.randn(shape[-1])]
     check_against_formula(ops.bias_gelu, bias_gelu_formula, inputs, dtype, ["x", "bias"], device="cuda",

@@ -49,9 +49,10 @@ def spy_launches(monkeypatch, wrong=None) -> list:
 
     def launch(self, tile, c, aux):
         launched.append(tile)
-        original(self, tile, c, aux)
+        column_sums = original(self, tile, c, aux)
         if tile == wrong:
             c.mul_(1.02)
+        return column_sums
 
     monkeypatch.setattr(linear._Gemm, "launch", launch)
     return launched
@@ -68,7 +69,7 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
     torch.testing.assert_close(y, F.gelu(F.linear(x, w, b)), atol=1e-5, rtol=1e-5)
     (row,) = linear.tile_report()
     # no gradient asked for: the inference GEMM, which does not write the pre-activation (SAVE_PREACT off)
-    assert row["key"] == ["cpu", "torch.float32", "torch.float32", True, linear.EPILOGUE_GELU, False, False, False,
+    assert row["key"] == ["cpu", "torch.float32", "torch.float32", True, linear.EPILOGUE_GELU, False, False, False, False,
                           64, 72, 64, 1, False, True, True, False]
     assert row["chosen"] == repr(fast)
     assert row["candidates"][repr(fast)] == 0.2 and row["candidates"][repr(middle)] == 0.3
@@ -105,13 +106,14 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
                               inputs, dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
     rows = linear.tile_report()
-    # (bias, epilogue, tanh, aux, residual, K slices) of each GEMM key
-    kinds = {(r["key"][3], r["key"][4], r["key"][5], r["key"][6], r["key"][7], r["key"][11] > 1) for r in rows}
+    # (bias, epilogue, tanh, aux, residual, column sums, K slices) of each GEMM key
+    kinds = {(*r["key"][3:9], r["key"][12] > 1) for r in rows}
     tanh = approximate == "tanh"
-    assert (True, linear.EPILOGUE_GELU, tanh, True, False, False) in kinds  # fc1 + bias + GELU, Z saved
-    assert (True, linear.EPILOGUE_NONE, False, False, True, False) in kinds  # fc2 + bias + residual
-    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, False) in kinds  # dZ = dY W2 * gelu'(Z)
-    assert (False, linear.EPILOGUE_NONE, False, False, False, True) in kinds  # split-K weight gradients
+    assert (True, linear.EPILOGUE_GELU, tanh, True, False, False, False) in kinds  # fc1 + bias + GELU, Z saved
+    assert (True, linear.EPILOGUE_NONE, False, False, True, False, False) in kinds  # fc2 + bias + residual
+    # dZ = dY W2 * gelu'(Z), with its column sums (fc1's bias gradient)
+    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, True, False) in kinds
+    assert (False, linear.EPILOGUE_NONE, False, False, False, False, True) in kinds  # split-K weight gradients
     for r in rows:
         times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
         assert times == r["candidates"], r  # every candidate of every key computed the right answer
@@ -131,7 +133,7 @@ def test_the_gemm_check_names_a_wrong_output(epilogue):
               "gelu_grad": dict(epilogue=linear.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)), "split": {}}[epilogue]
     slices, k_per_split = (3, 8) if epilogue == "split" else (1, k)  # K = 24 in three slices, or one
     gemm = linear._Gemm(a, b, torch.float32, kwargs.get("bias"), kwargs.get("epilogue", linear.EPILOGUE_NONE),
-                        kwargs.get("tanh", False), kwargs.get("aux"), kwargs.get("residual"), slices, k_per_split)
+                        kwargs.get("tanh", False), kwargs.get("aux"), kwargs.get("residual"), False, slices, k_per_split)
     run, check = gemm.trial()
     outputs = run(linear.GEMM_INTERPRETER_TILE)
     assert len(outputs) == (2 if epilogue == "gelu" else 1)
@@ -149,7 +151,7 @@ def test_only_the_validation_rows_are_checked(monkeypatch):
     assert rows.tolist() == list(range(2048)) + list(range(10_000 - 2048, 10_000))
     monkeypatch.setattr(linear, "VALIDATION_ROWS", 8)
     gemm = linear._Gemm(torch.randn(40, 16), torch.randn(16, 24), torch.float32, None, linear.EPILOGUE_NONE, False,
-                        None, None, 1, 16)
+                        None, None, False, 1, 16)
     run, check = gemm.trial()
     (out,) = run(linear.GEMM_INTERPRETER_TILE)
     assert check([out]) is None
@@ -196,9 +198,9 @@ def test_gemm_keys_are_concrete_under_dynamic_shapes():
     a = mode.from_tensor(torch.empty(1576, 768, dtype=torch.bfloat16), symbolic_context=context)
     b = mode.from_tensor(torch.empty(3072, 768, dtype=torch.bfloat16), symbolic_context=context).t()
     assert isinstance(a.shape[0], torch.SymInt)
-    key = linear._Gemm(a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, 1, 768).key()
+    key = linear._Gemm(a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, False, 1, 768).key()
     hash(key)
-    assert key[8:] == (2048, 3072, 1024, 1, False, True, True, False)
+    assert key[9:] == (2048, 3072, 1024, 1, False, True, True, False)
     assert all(type(part) in (bool, int, torch.dtype, torch.device) for part in key)
 
 
@@ -222,4 +224,4 @@ def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
         vk.linear(torch.randn(6, 16), torch.randn(8, 16), residual=torch.randn(6, 8))
     text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": linear.tile_report()}))
     assert "## GEMM tiles chosen on this device" in text
-    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, 8, 8, 16, 1," in text
+    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, False, 8, 8, 16, 1," in text

@@ -12,7 +12,7 @@ import triton.testing
 
 import vit_kernels as vk
 from vit_kernels import _tiles
-from vit_kernels._triton import HAS_TRITON, recording_launches, triton
+from vit_kernels._triton import H100_MULTIPROCESSORS, HAS_TRITON, recording_launches, triton
 from vit_kernels.ops import layer_norm
 
 if not HAS_TRITON:
@@ -46,7 +46,7 @@ def test_the_backward_grid_fits_the_gpu_and_covers_every_row():
         if launch.kernel.fn.__name__ != "_layer_norm_bwd_kernel":
             continue
         (programs,), tiles_per_program = launch.grid, launch.args[11]
-        assert programs <= max(layer_norm.BWD_PROGRAMS_PER_SM) * layer_norm.H100_MULTIPROCESSORS
+        assert programs <= max(layer_norm.BWD_PROGRAMS_PER_SM) * H100_MULTIPROCESSORS
         assert programs * tiles_per_program * launch.kwargs["ROWS"] >= rows
 
 
@@ -63,7 +63,7 @@ def choosing_on_the_cpu(monkeypatch):
     is what timing one returns (default 1 ms)."""
     times: dict = {}
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
-    monkeypatch.setattr(layer_norm, "_multiprocessors", lambda device: 2)
+    monkeypatch.setattr(layer_norm, "multiprocessors", lambda device: 2)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
     monkeypatch.setattr(triton.testing, "do_bench",
                         lambda fn, **kwargs: (fn(), times.get(fn.__defaults__[0], 1.0))[1])

@@ -208,3 +208,48 @@ def test_triton_inference_writes_no_preactivation():
 
     assert saved(grad=False) == {False}
     assert saved(grad=True) == {True}
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
+    """dZ = dY * gelu'(Z) and sum_rows dZ (float32) from the one pass of the linear_gelu backward:
+    83 rows (several row slices, the last step partial) by 37 columns (a partial column strip),
+    against float64; no bias gradient when none is asked for."""
+    from vit_kernels.ops import linear
+
+    grad, preact = torch.randn(83, 37), torch.randn(83, 37) * 3
+    z = preact.to(dtype).double().requires_grad_(True)
+    (want,) = torch.autograd.grad(gelu_formula(z, approximate), z, grad.to(dtype).double())
+    dz, db = linear._gelu_backward(grad.to(dtype), preact.to(dtype), approximate == "tanh", True)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    assert dz.dtype == dtype and db.dtype == torch.float32 and db.shape == (37,)
+    torch.testing.assert_close(dz.double(), want, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(db.double(), want.sum(0), atol=tolerance * 10, rtol=tolerance)
+    dz_only, nothing = linear._gelu_backward(grad.to(dtype), preact.to(dtype), approximate == "tanh", False)
+    assert torch.equal(dz_only, dz) and nothing is None
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
+def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
+    """On the GPU path the GELU layers' bias gradients are reduced where dZ is written: by the
+    linear_gelu backward's GELU' pass (BIAS_GRAD) and by mlp's dZ = dY W2 * gelu'(Z) GEMM
+    (COLUMN_SUMS), and only when the bias needs one."""
+    from vit_kernels._triton import recording_launches
+    from vit_kernels.activations import GELU
+
+    def flags(with_bias: bool) -> tuple:
+        x = torch.empty(4, 197, 64, device="meta")
+        w1, w2 = torch.empty(256, 64, device="meta"), torch.empty(64, 256, device="meta")
+        with recording_launches() as launches:
+            out, preact = torch.ops.vit_kernels.linear_fwd(x, w1, None, None, GELU)
+            _, hidden, preact2 = torch.ops.vit_kernels.mlp_fwd(x, w1, None, w2, None, None, GELU)
+            torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), x, w1, preact, GELU, with_bias)
+            torch.ops.vit_kernels.mlp_bwd(torch.empty_like(x), x, w1, w2, hidden, preact2, GELU, with_bias, False)
+        gelu_pass = {l.kwargs["BIAS_GRAD"] for l in launches if l.kernel.fn.__name__ == "_gelu_bwd_kernel"}
+        dz_gemm = {l.kwargs["COLUMN_SUMS"] for l in launches if l.kwargs.get("EPILOGUE") == 2}
+        return gelu_pass, dz_gemm
+
+    assert flags(with_bias=True) == ({True}, {True})
+    assert flags(with_bias=False) == ({False}, {False})

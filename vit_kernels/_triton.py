@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -56,6 +57,19 @@ def interpreted(device) -> bool:
     (only possible under TRITON_INTERPRET=1). CUDA tensors, and the meta tensors of the compile check
     (``python -m vit_kernels.gpu_check``), get the GPU's launch configurations."""
     return device.type == "cpu"
+
+
+H100_MULTIPROCESSORS = 132  # the grid size the compile gate (meta tensors, no device) sizes launches for
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (asked once); 2 under the interpreter, so that the CPU tests walk several
+    tiles per program; an H100's count for the compile gate's meta tensors."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index if device.index is not None
+                                                else torch.cuda.current_device()).multi_processor_count
+    return 2 if interpreted(device) else H100_MULTIPROCESSORS
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional, Union
 
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, multiprocessors, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
@@ -176,19 +175,6 @@ def tile_report() -> list[dict]:
     return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
 
 
-H100_MULTIPROCESSORS = 132  # the grid size the compile gate (meta tensors, no device) sizes launches for
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device (asked once); 2 under the interpreter, so that the CPU tests walk several
-    tiles per program; an H100's count for the compile gate's meta tensors."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index if device.index is not None
-                                                else torch.cuda.current_device()).multi_processor_count
-    return 2 if interpreted(device) else H100_MULTIPROCESSORS
-
-
 def _tiles(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
            trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
     """The tile(s) to launch (``tiles_to_launch``), the default for no rows (nothing to validate on)."""
@@ -309,7 +295,7 @@ if HAS_TRITON:
     def _bwd_programs(s2: torch.Tensor, tile: tuple) -> int:
         """Programs of a backward launch: one per tile of rows, at most ``programs per SM`` x SMs."""
         tile_rows, per_sm, _ = tile
-        return max(1, min(triton.cdiv(s2.shape[0], tile_rows), per_sm * _multiprocessors(s2.device)))
+        return max(1, min(triton.cdiv(s2.shape[0], tile_rows), per_sm * multiprocessors(s2.device)))
 
     def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, tile: tuple) -> tuple[torch.Tensor, ...]:
         ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import math
 from typing import Callable, Optional
 
@@ -23,7 +21,7 @@ from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, multiprocessors, tl, triton
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
@@ -77,17 +75,19 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 #   GELU:      Z = acc (stored when SAVE_PREACT), acc = gelu(Z)
 #   GELU_GRAD: acc = acc * gelu'(Aux[m, n])      (dZ = dH * gelu'(Z), the MLP backward)
 #   acc += residual[m, n];  C[slice, m, n] = acc cast once
+#   COLUMN_SUMS: ColSums[tile row, n] = sum_{m in tile} acc[m, n]   (float32, before the cast: the
+#                bias gradient of dZ, summed over the tile rows by the host, with no second read of dZ)
 # With several K slices C is a float32 workspace (slices, M, N) that the host sums (only without
 # epilogue). Every operand is read by strides, so W^T, dY^T, strided biases and broadcast residuals
 # need no copies.
 @triton.jit
 def _linear_kernel(
-    A, B, C, Bias, Aux, Residual,
+    A, B, C, Bias, Aux, Residual, ColSums,
     M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_c_split, stride_cm, stride_bias,
     stride_aux_m, stride_res_m, stride_res_n,
     HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COLUMN_SUMS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -127,18 +127,38 @@ def _linear_kernel(
         acc = acc * _gelu_grad(z, TANH)
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(tl.float32)
+    if COLUMN_SUMS:
+        tl.store(ColSums + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, acc, 0.0), 0), mask=mask_n)
     tl.store(C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols, acc.to(C.dtype.element_ty), mask=mask)
 
 
-# dZ = dY * gelu'(Z), elementwise over BLOCK elements (the linear_gelu backward, whose dY comes from
-# outside and so cannot ride in a GEMM epilogue of ours).
+# The linear_gelu backward's epilogue pass (its dY comes from outside, so it cannot ride in a GEMM
+# epilogue of ours), over a BLOCK_N-column strip (grid axis 0) of one slice of rows (axis 1):
+#   dZ = dY * gelu'(Z)                                  (M, N), in Z's dtype
+#   BIAS_GRAD: Partial[slice, n] = sum_{m in slice} dZ[m, n]   (float32 before dZ's rounding; the
+#              host sums the slices): the bias gradient without a second read of dZ
 @triton.jit
-def _gelu_bwd_kernel(DY, Z, DZ, numel, TANH: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DZ + offs, (dy * _gelu_grad(z, TANH)).to(DZ.dtype.element_ty), mask=mask)
+def _gelu_bwd_kernel(
+    DY, Z, DZ, Partial, rows, cols, rows_per_slice,
+    TANH: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < cols
+    row_begin = tl.program_id(1) * rows_per_slice
+    row_end = tl.minimum(row_begin + rows_per_slice, rows)
+    sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(row_begin, row_end, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask = (offs_m < row_end)[:, None] & mask_n[None, :]
+        offs = offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+        dz = dy * _gelu_grad(z, TANH)
+        tl.store(DZ + offs, dz.to(DZ.dtype.element_ty), mask=mask)
+        if BIAS_GRAD:
+            sums += tl.sum(dz, 0)  # masked elements are 0 * gelu'(0) = 0
+    if BIAS_GRAD:
+        tl.store(Partial + tl.program_id(1).to(tl.int64) * cols + offs_n, sums, mask=mask_n)
 
 
 # GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): candidates that
@@ -199,12 +219,6 @@ def validation_rows(m: int, device: torch.device) -> Optional[torch.Tensor]:
     return torch.cat([torch.arange(half, device=device), torch.arange(m - half, m, device=device)])
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    """The SM count of CUDA device ``index``, asked once (not on every launch)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     """How many K slices a GEMM without epilogue is split into so that it fills the GPU: the
     weight-gradient GEMMs (M, N = layer widths, K = batch x tokens) have few output tiles and a
@@ -213,8 +227,7 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     if interpreted(device):
         machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_CONFIG["BLOCK_M"]
     else:
-        machine = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 132
+        machine = multiprocessors(device)
         min_depth, tile = 1024, 128
     tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
     slices = min(triton.cdiv(2 * machine, tiles), k // min_depth, 32)
@@ -224,36 +237,40 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
 def _matmul(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None,
     epilogue: int = EPILOGUE_NONE, tanh: bool = False, aux: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (M, N) contiguous, all read by strides.
+    residual: Optional[torch.Tensor] = None, column_sums: bool = False,
+):
+    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> C (M, N) contiguous, all read by strides;
+    with ``column_sums``, (C, sum_rows C (N,) in float32, summed before C's rounding).
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
-    EPILOGUE_GELU_GRAD. Without bias, epilogue or residual, a deep K is split into slices summed
-    in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
+    EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or column sums, a deep K is split into
+    slices summed in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
-        return torch.empty((m, n), dtype=out_dtype, device=a.device)
-    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        return (c, torch.zeros(n, dtype=torch.float32, device=a.device)) if column_sums else c
+    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and not column_sums
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
     slices = triton.cdiv(k, k_per_split) if k > 0 else 1
-    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, slices, k_per_split)
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, column_sums, slices, k_per_split)
     c = gemm.output()
     for tile in _matmul_tiles(gemm):
-        gemm.launch(tile, c, aux)
-    return gemm.result(c)
+        partial = gemm.launch(tile, c, aux)
+    return (gemm.result(c), partial.sum(0)) if column_sums else gemm.result(c)
 
 
 class _Gemm:
     """One call of the GEMM kernel: its operands and split, launched with a given tile into given
     outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
 
-    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "slices", "k_per_split")
+    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "column_sums", "slices",
+                 "k_per_split")
 
-    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, slices, k_per_split):
+    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, column_sums, slices, k_per_split):
         self.a, self.b, self.out_dtype, self.bias, self.epilogue, self.tanh = a, b, out_dtype, bias, epilogue, tanh
-        self.aux, self.residual, self.slices, self.k_per_split = aux, residual, slices, k_per_split
+        self.aux, self.residual, self.column_sums = aux, residual, column_sums
+        self.slices, self.k_per_split = slices, k_per_split
 
     def output(self) -> torch.Tensor:
         """The kernel's C: (M, N) of the output dtype, or a float32 workspace (slices, M, N)."""
@@ -265,23 +282,28 @@ class _Gemm:
     def result(self, c: torch.Tensor) -> torch.Tensor:
         return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
 
-    def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
-        """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under SAVE_PREACT)."""
+    def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
+        SAVE_PREACT) -> the column sums per tile row (cdiv(M, BLOCK_M), N) float32 when asked, else None."""
         a, b, bias, residual = self.a, self.b, self.bias, self.residual
         m, k = a.shape
         n = b.shape[1]
         config = gemm_config(tile)
-        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), self.slices)
+        tile_rows = triton.cdiv(m, config["BLOCK_M"])
+        grid = (tile_rows * triton.cdiv(n, config["BLOCK_N"]), self.slices)
+        partial = torch.empty((tile_rows, n), dtype=torch.float32, device=a.device) if self.column_sums else None
         res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
         launch(
             _linear_kernel, grid,
             a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
-            m, n, k, self.k_per_split,
+            partial if partial is not None else c, m, n, k, self.k_per_split,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if self.slices > 1 else 0, n,
             bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
             HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
-            HAS_RESIDUAL=residual is not None, PRECISION=dot_precision(a.dtype), **config,
+            HAS_RESIDUAL=residual is not None, COLUMN_SUMS=self.column_sums, PRECISION=dot_precision(a.dtype),
+            **config,
         )
+        return partial
 
     def key(self) -> tuple:
         """What a tile choice is kept for: device, operand and output dtypes, the epilogue flags, M
@@ -291,7 +313,7 @@ class _Gemm:
         a, b = self.a, self.b
         (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
         return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.tanh,
-                self.aux is not None, self.residual is not None, bucket(int(m)), int(n), bucket(int(k)), self.slices,
+                self.aux is not None, self.residual is not None, self.column_sums, bucket(int(m)), int(n), bucket(int(k)), self.slices,
                 bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
 
     def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
@@ -363,22 +385,38 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
-def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool) -> torch.Tensor:
+GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread
+
+
+def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_grad: bool):
+    """dZ = grad * gelu'(preact) (M, N) and, when ``bias_grad``, its column sums (N,) in float32
+    (else None), from one pass. Row slices: about four programs per multiprocessor in all, each
+    slice a whole number of steps."""
     grad, preact = grad.contiguous(), preact.contiguous()
     dz = torch.empty_like(preact)
+    rows, cols = preact.shape
     if dz.numel() == 0:
-        return dz
-    block = 1024
-    launch(_gelu_bwd_kernel, (triton.cdiv(preact.numel(), block),), grad, preact, dz, preact.numel(), TANH=tanh, BLOCK=block)
-    return dz
+        return dz, preact.new_zeros(cols, dtype=torch.float32) if bias_grad else None
+    block_m, block_n, warps = (16, 16, 1) if interpreted(preact.device) else GELU_BWD_BLOCK
+    strips = triton.cdiv(cols, block_n)
+    machine = multiprocessors(preact.device)
+    slices = max(1, min(triton.cdiv(4 * machine, strips), triton.cdiv(rows, block_m), 65535))
+    rows_per_slice = triton.cdiv(triton.cdiv(rows, slices), block_m) * block_m
+    slices = triton.cdiv(rows, rows_per_slice)
+    partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
+    launch(_gelu_bwd_kernel, (strips, slices), grad, preact, dz, partial, rows, cols, rows_per_slice,
+           TANH=tanh, BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dz, partial.sum(0) if bias_grad else None
 
 
-def _linear_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, needs_bias: bool):
-    """For Y = X W^T + b: dX = dY W, dW = dY^T X, db = sum_rows dY."""
-    dx = _matmul(dy2, weight, x2.dtype)
-    dw = _matmul(dy2.t(), x2, weight.dtype)
-    db = dy2.sum(0, dtype=torch.float32).to(weight.dtype) if needs_bias else dy2.new_empty(0)
-    return dx, dw, db
+def _column_sums(t: torch.Tensor) -> torch.Tensor:
+    """sum_rows t (M, N) -> (N,) float32: the bias gradient of a linear layer."""
+    return t.sum(0, dtype=torch.float32)
+
+
+def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
+    """For Y = X W^T + b: dX = dY W, dW = dY^T X."""
+    return _matmul(dy2, weight, x2.dtype), _matmul(dy2.t(), x2, weight.dtype)
 
 
 if HAS_TRITON:
@@ -408,10 +446,12 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx (..., K), dW (N, K), db (N,) (empty when there is no bias)."""
         dy2 = _rows(grad_out).to(x.dtype)
-        if activation != NONE:
-            dy2 = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH)
-        dx, dw, db = _linear_grads(dy2, _rows(x), weight, needs_bias)
-        return dx.view(x.shape), dw, db
+        if activation != NONE:  # dZ and its column sums (the bias gradient) from one pass
+            dy2, db = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH, needs_bias)
+        else:
+            db = _column_sums(dy2) if needs_bias else None
+        dx, dw = _input_and_weight_grads(dy2, _rows(x), weight)
+        return dx.view(x.shape), dw, db.to(weight.dtype) if needs_bias else dy2.new_empty(0)
 
     linear_bwd = direct(torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd)
 
@@ -475,14 +515,17 @@ if HAS_TRITON:
         grad_out: torch.Tensor, x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
         hidden: torch.Tensor, preact: torch.Tensor, activation: str, needs_bias1: bool, needs_bias2: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> dx, d(fc1_weight), d(fc1_bias), d(fc2_weight), d(fc2_bias) (biases' empty when absent). GELU' rides in the epilogue
-        of the dH = dY W2 GEMM, which therefore yields dZ directly."""
+        """-> dx, d(fc1_weight), d(fc1_bias), d(fc2_weight), d(fc2_bias) (biases' empty when absent).
+        GELU' rides in the epilogue of the dH = dY W2 GEMM, which therefore yields dZ directly, and
+        with it dZ's column sums (fc1's bias gradient) when asked."""
         dy2 = _rows(grad_out).to(x.dtype)
         dw2 = _matmul(dy2.t(), hidden, fc2_weight.dtype)
-        db2 = dy2.sum(0, dtype=torch.float32).to(fc2_weight.dtype) if needs_bias2 else dy2.new_empty(0)
-        dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact)
-        dx, dw1, db1 = _linear_grads(dz, _rows(x), fc1_weight, needs_bias1)
-        return dx.view(x.shape), dw1, db1, dw2, db2
+        db2 = _column_sums(dy2).to(fc2_weight.dtype) if needs_bias2 else dy2.new_empty(0)
+        dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact,
+                     column_sums=needs_bias1)
+        dz, db1 = dz if needs_bias1 else (dz, None)
+        dx, dw1 = _input_and_weight_grads(dz, _rows(x), fc1_weight)
+        return dx.view(x.shape), dw1, db1.to(fc1_weight.dtype) if needs_bias1 else dy2.new_empty(0), dw2, db2
 
     mlp_bwd = direct(torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())(_mlp_bwd), _mlp_bwd)
 
@@ -596,8 +639,9 @@ def _register_extension_ops():
         return torch.empty_like(x)
 
     @torch.library.register_fake("vit_kernels::bias_gelu_backward")
-    def _(grad_out, x, bias, approximate):
-        return torch.empty_like(x)
+    def _(grad_out, x, bias, approximate, bias_grad):
+        reduced = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return torch.empty_like(x), x.new_empty((x.shape[-1] if bias_grad else 0,), dtype=reduced)
 
 
 if _ext.LOADED:
