@@ -15,6 +15,12 @@
 //   softmax:           y = softmax(x);      d x = y * (d y - sum(d y * y))
 //   patchify:          its adjoint unpatchify is its derivative, and the reverse: both differentiable
 //                      again (a gradient penalty through patch_embed works)
+//   attention_explicit: the extension's attention, (out, P) = (P V merged to (B, L, H*Dh), P) with
+//                      P = softmax(S), S = scale Q K^T (by the softmax kernel, float32 for 16-bit
+//                      inputs): one node whose backward is
+//                      dV = P^T dO,  dP = dO V^T (+ the gradient reaching P),  dS = scale softmax'(dP),
+//                      dQ = dS K,  dK = dS^T Q,  packed back into d qkv (B, L, 3D) in one copy.
+//                      With dropout it is a composition of differentiable ops instead.
 //
 // The kernels' backwards are not differentiable themselves: a second derivative through them raises
 // (as Python's @once_differentiable does) instead of treating the first derivative as a constant.
@@ -26,6 +32,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 
 namespace vit_kernels::autograd {
 namespace {
@@ -236,9 +243,135 @@ Tensor unpatchify(const Tensor& patches, int64_t channels, int64_t height, int64
   return UnpatchifyFunction::apply(patches, channels, height, width, patch_size);
 }
 
+// ---- attention_explicit ----------------------------------------------------------------------------
+
+// Sizes are read as SymInts throughout, so that under torch.compile with dynamic shapes they stay
+// symbolic (a plain size read would guard on its value and recompile per batch size).
+struct AttentionShape {
+  c10::SymInt batch, length, heads, head_dim;
+  c10::SymInt batch_heads() const { return batch * heads; }
+};
+
+AttentionShape attention_shape(const Tensor& qkv, int64_t num_heads) {
+  TORCH_CHECK(num_heads > 0, "vit_kernels::attention_explicit: num_heads must be positive, got ", num_heads);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.sym_size(2) % (3 * num_heads) == 0,
+              "vit_kernels::attention_explicit: qkv must have shape (B, L, 3 * num_heads * head_dim), got ",
+              qkv.sym_sizes(), " with num_heads = ", num_heads);
+  return {qkv.sym_size(0), qkv.sym_size(1), c10::SymInt(num_heads), qkv.sym_size(2) / (3 * num_heads)};
+}
+
+bool is_narrow(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+
+// (B, L, 3*D) -> (3, B*H, L, Dh) in one copy (float32 for 16-bit inputs): q, k, v are its slices.
+Tensor split_heads(const Tensor& qkv, const AttentionShape& s) {
+  return (is_narrow(qkv) ? qkv.to(at::kFloat) : qkv)
+      .view_symint({s.batch, s.length, 3, s.heads, s.head_dim})
+      .permute({2, 0, 3, 1, 4})
+      .reshape_symint({3, s.batch_heads(), s.length, s.head_dim});
+}
+
+// (B*H, L, Dh) -> (B, L, H*Dh)
+Tensor merge_heads(const Tensor& t, const AttentionShape& s) {
+  return t.view_symint({s.batch, s.heads, s.length, s.head_dim})
+      .transpose(1, 2)
+      .reshape_symint({s.batch, s.length, s.head_dim * s.heads});
+}
+
+// -> (out (B, L, D), P (B, H, L, L) in the compute dtype); with autograd recorded where enabled. P is
+// made in its returned shape (not a view of a (B*H, L, L) tensor: a custom Function returning a view
+// would have its sizes made concrete under torch.compile).
+std::tuple<Tensor, Tensor> attention_forward(const Tensor& qkv, const AttentionShape& s, double scale,
+                                             double dropout_p) {
+  static const auto softmax_op = find_op<SoftmaxFwd>("vit_kernels::softmax");
+  const auto parts = split_heads(qkv, s).unbind(0);
+  const Tensor scores = at::bmm(parts[0], parts[1].transpose(1, 2)).mul_(scale);
+  const Tensor probs = softmax_op.call(scores.view_symint({s.batch, s.heads, s.length, s.length}));
+  const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
+  const Tensor out = merge_heads(at::bmm(dropped.view_symint({s.batch_heads(), s.length, s.length}), parts[2]), s);
+  return {is_narrow(qkv) ? out.to(qkv.scalar_type()) : out, probs};
+}
+
+// The op's outputs: the attention maps in the input's dtype.
+std::tuple<Tensor, Tensor> attention_outputs(const Tensor& qkv, const Tensor& out, const Tensor& probs) {
+  return {out, is_narrow(qkv) ? probs.to(qkv.scalar_type()) : probs};
+}
+
+// Below autograd (no gradient, or the forward of the node below).
+std::tuple<Tensor, Tensor> attention_explicit_kernel(const Tensor& qkv, int64_t num_heads, double scale,
+                                                     double dropout_p) {
+  auto [out, probs] = attention_forward(qkv, attention_shape(qkv, num_heads), scale, dropout_p);
+  return attention_outputs(qkv, out, probs);
+}
+
+class AttentionExplicitFunction : public torch::autograd::Function<AttentionExplicitFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t num_heads, double scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const AttentionShape s = attention_shape(qkv, num_heads);
+    auto [out, probs] = attention_forward(qkv, s, scale, 0.0);
+    ctx->save_for_backward({qkv, probs});
+    ctx->saved_data["num_heads"] = num_heads;
+    ctx->saved_data["scale"] = scale;
+    auto [result, maps] = attention_outputs(qkv, out, probs);
+    return {result, maps};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto softmax_backward = find_op<SoftmaxBwd>("vit_kernels::softmax_backward");
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& qkv = saved[0];
+    const AttentionShape s = attention_shape(qkv, ctx->saved_data["num_heads"].toInt());
+    const Tensor p = saved[1].view_symint({s.batch_heads(), s.length, s.length});  // (B*H, L, L)
+    const double scale = ctx->saved_data["scale"].toDouble();
+    variable_list result(3);
+    const Tensor &grad_out = grads[0], &grad_maps = grads[1];
+    if (!grad_out.defined() && !grad_maps.defined()) return result;
+    {
+      at::NoGradGuard no_grad;
+      const Tensor heads = split_heads(qkv, s);  // (3, B*H, L, Dh): q, k, v
+      Tensor d_probs, dv;                        // (B*H, L, L), (B*H, L, Dh)
+      if (grad_out.defined()) {
+        const Tensor d_out = grad_out.to(heads.scalar_type())
+                                 .reshape_symint({s.batch, s.length, s.heads, s.head_dim})
+                                 .transpose(1, 2)
+                                 .reshape_symint({s.batch_heads(), s.length, s.head_dim});
+        dv = at::bmm(p.transpose(1, 2), d_out);
+        d_probs = at::bmm(d_out, heads[2].transpose(1, 2));
+      } else {
+        dv = at::zeros_like(heads[2]);
+      }
+      if (grad_maps.defined()) {
+        const Tensor extra = grad_maps.to(p.scalar_type()).reshape_symint({s.batch_heads(), s.length, s.length});
+        d_probs = d_probs.defined() ? d_probs.add_(extra) : extra.contiguous();
+      }
+      const Tensor d_scores = softmax_backward.call(d_probs, p).mul_(scale);
+      const Tensor d_heads = at::stack({at::bmm(d_scores, heads[1]), at::bmm(d_scores.transpose(1, 2), heads[0]), dv});
+      result[0] = d_heads.view_symint({3, s.batch, s.heads, s.length, s.head_dim})
+                      .permute({1, 3, 0, 2, 4})
+                      .reshape_symint({s.batch, s.length, 3 * s.heads * s.head_dim})
+                      .to(qkv.scalar_type());
+    }
+    return once_differentiable("vit_kernels::attention_explicit", grads, std::move(result));
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_heads, double scale, double dropout_p) {
+  if (dropout_p > 0) {  // a composition of differentiable ops (dropout's mask lives in its own node)
+    auto [out, probs] = attention_forward(qkv, attention_shape(qkv, num_heads), scale, dropout_p);
+    return attention_outputs(qkv, out, probs);
+  }
+  auto outputs = AttentionExplicitFunction::apply(qkv, num_heads, scale);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
+TORCH_LIBRARY_IMPL(vit_kernels, CompositeExplicitAutograd, m) {
+  m.impl("attention_explicit", &attention_explicit_kernel);
+}
+
 TORCH_LIBRARY_IMPL(vit_kernels, Autograd, m) {
+  m.impl("attention_explicit", &attention_explicit);
   m.impl("fused_layer_norm", &fused_layer_norm);
   m.impl("bias_gelu", &bias_gelu);
   m.impl("softmax", &softmax);

@@ -10,9 +10,6 @@
 //                                  its bias + GELU epilogue
 //   mlp(x, W1, b1?, W2, b2?, a, R?) = linear_residual(linear_gelu(x, W1, b1, a), W2, b2, R)
 //                                  (F.linear + R where R is absent or of another dtype: autocast)
-//   attention_explicit(qkv, H, scale, p) = (dropout_p(P) V merged to (B, L, H*Dh), P),
-//                                  P = softmax(Q K^T * scale) by the softmax kernel, in float32
-//                                  for 16-bit inputs (scores rounded to 16 bits lose whole units)
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,12 +27,6 @@ Tensor bias_gelu(const Tensor& x, const OptionalTensor& bias, c10::string_view a
                              .findSchemaOrThrow("vit_kernels::bias_gelu", "")
                              .typed<Tensor(const Tensor&, const OptionalTensor&, c10::string_view)>();
   return op.call(x, bias, approximate);
-}
-
-Tensor softmax(const Tensor& x) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("vit_kernels::softmax", "").typed<Tensor(const Tensor&)>();
-  return op.call(x);
 }
 
 // (..., N) with the leading dimensions of x: the shape of a linear layer's output. Sizes are read as
@@ -91,39 +82,12 @@ Tensor mlp(const Tensor& x, const Tensor& fc1_weight, const OptionalTensor& fc1_
   return residual.has_value() ? out + *residual : out;
 }
 
-std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_heads, double scale, double dropout_p) {
-  TORCH_CHECK(num_heads > 0, "vit_kernels::attention_explicit: num_heads must be positive, got ", num_heads);
-  TORCH_CHECK(qkv.dim() == 3 && qkv.sym_size(2) % (3 * num_heads) == 0,
-              "vit_kernels::attention_explicit: qkv must have shape (B, L, 3 * num_heads * head_dim), got ",
-              qkv.sym_sizes(), " with num_heads = ", num_heads);
-  const auto dtype = qkv.scalar_type();
-  const bool narrow = dtype == at::kHalf || dtype == at::kBFloat16;
-  const c10::SymInt batch = qkv.sym_size(0), length = qkv.sym_size(1), head_dim = qkv.sym_size(2) / (3 * num_heads);
-  const c10::SymInt batch_heads = batch * num_heads;
-  // (B, L, 3*D) -> (3, B*H, L, Dh) in one copy; q, k, v are its three (B*H, L, Dh) slices
-  const Tensor heads = (narrow ? qkv.to(at::kFloat) : qkv)
-                           .view_symint({batch, length, 3, num_heads, head_dim})
-                           .permute({2, 0, 3, 1, 4})
-                           .reshape_symint({3, batch_heads, length, head_dim});
-  const auto qkv_parts = heads.unbind(0);
-  const Tensor &q = qkv_parts[0], &k = qkv_parts[1], &v = qkv_parts[2];
-  const Tensor probs = softmax(at::bmm(q, k.transpose(1, 2)).mul_(scale));  // (B*H, L, L)
-  const Tensor dropped = dropout_p > 0 ? at::dropout(probs, dropout_p, /*train=*/true) : probs;
-  const Tensor out = at::bmm(dropped, v)  // (B*H, L, Dh) -> (B, L, H*Dh)
-                         .view_symint({batch, num_heads, length, head_dim})
-                         .transpose(1, 2)
-                         .reshape_symint({batch, length, head_dim * num_heads});
-  const Tensor maps = probs.view_symint({batch, num_heads, length, length});
-  return {narrow ? out.to(dtype) : out, narrow ? maps.to(dtype) : maps};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(vit_kernels, CompositeImplicitAutograd, m) {
   m.impl("linear_residual", &linear_residual);
   m.impl("linear_gelu", &linear_gelu);
   m.impl("mlp", &mlp);
-  m.impl("attention_explicit", &attention_explicit);
 }
 
 }  // namespace vit_kernels::compositions

@@ -473,3 +473,50 @@ def test_attention_explicit_rejects_bad_heads():
         ops.attention_explicit(torch.randn(1, 2, 6), 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match=r"qkv must have shape \(B, L, 3 \* num_heads \* head_dim\)"):
         ops.attention_explicit(torch.randn(1, 2, 10), 4, 1.0, 0.0)
+
+
+def explicit_attention_formula(qkv, num_heads, scale):
+    """(out (B, L, D), P (B, H, L, L)) of softmax(scale q k^T) v, by PyTorch's own ops."""
+    batch, length, three_d = qkv.shape
+    q, k, v = qkv.view(batch, length, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    probs = torch.softmax(scale * q @ k.transpose(-1, -2), dim=-1)
+    return (probs @ v).transpose(1, 2).reshape(batch, length, three_d // 3), probs
+
+
+@pytest.mark.parametrize("through", ["out", "probs", "both"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_attention_explicit_gradient_through_either_output(through, dtype):
+    """The one-node backward of attention_explicit (dV = P^T dO, dP = dO V^T + the gradient reaching
+    P, dS = scale softmax'(dP), dQ = dS K, dK = dS^T Q) against autograd of the formula in float64,
+    with the loss reaching the output, the probabilities, or both."""
+    qkv = torch.randn(3, 7, 36)
+    upstream = torch.randn(3, 7, 12), torch.randn(3, 2, 7, 7)
+
+    def loss(out, probs):
+        terms = {"out": (out * upstream[0].to(out.dtype)).sum(), "probs": (probs * upstream[1].to(probs.dtype)).sum()}
+        return sum(terms[name] for name in terms if through in (name, "both"))
+
+    mine_input = qkv.to(dtype).requires_grad_(True)
+    (mine,) = torch.autograd.grad(loss(*ops.attention_explicit(mine_input, 2, 0.4, 0.0)), mine_input)
+    exact_input = qkv.to(dtype).double().requires_grad_(True)
+    (exact,) = torch.autograd.grad(loss(*explicit_attention_formula(exact_input, 2, 0.4)), exact_input)
+    assert mine.dtype == dtype and mine.shape == qkv.shape
+    atol, rtol = {torch.float64: (1e-10, 1e-8), torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+    torch.testing.assert_close(mine.double(), exact, atol=atol, rtol=rtol)
+
+
+def test_attention_explicit_backward_stays_symbolic_under_dynamic_shapes():
+    """Compiled with gradients (AOT autograd, dynamic shapes): one graph serves three batch sizes, and
+    its gradients are eager's."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0].square().sum(), backend=counter,
+                       dynamic=True)
+    for n in (2, 3, 4):
+        qkv = torch.randn(n, 5, 24, requires_grad=True)
+        (compiled,) = torch.autograd.grad(fn(qkv), qkv)
+        (eager,) = torch.autograd.grad(ops.attention_explicit(qkv, 2, 0.5, 0.0)[0].square().sum(), qkv)
+        torch.testing.assert_close(compiled, eager)
+    assert counter.frame_count == 1
