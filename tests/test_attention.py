@@ -353,3 +353,16 @@ def test_torch_backend_takes_a_misaligned_qkv_on_cuda(dtype):
         out = vk.attention(qkv, 3)
     expected = vk.attention(qkv.contiguous().double(), 3)
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_a_loss_on_the_probabilities_alone(on_backend):
+    """Only the attention maps reach the loss (the output is unused): d qkv is the probabilities'
+    own gradient, no gradient of the output being made up."""
+    qkv = torch.randn(2, 9, 24, dtype=torch.float64 if on_backend != "triton" else torch.float32)
+    upstream = torch.randn(2, 2, 9, 9, dtype=qkv.dtype)
+    mine_input = qkv.clone().requires_grad_(True)
+    _, probs = vk.attention(mine_input, 2, return_probs=True)
+    (mine,) = torch.autograd.grad((probs * upstream).sum(), mine_input)
+    exact_input = qkv.double().requires_grad_(True)
+    (exact,) = torch.autograd.grad((attention_formula(exact_input, 2)[1] * upstream.double()).sum(), exact_input)
+    torch.testing.assert_close(mine.double(), exact, atol=1e-5, rtol=1e-5)

@@ -76,3 +76,18 @@ def test_layer_norm_under_autocast_computes_in_float32():
         y, s = vk.layer_norm(x, torch.ones(16), torch.zeros(16), residual=residual)
     assert y.dtype == torch.float32 and s.dtype == torch.float32
     torch.testing.assert_close(s, x.float() + residual)
+
+
+def test_a_loss_on_the_residual_sum_alone(on_backend):
+    """Only x + residual reaches the loss (the normalised output is unused): its gradient flows to
+    x and the residual, none to the affine parameters."""
+    x, residual = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    weight, bias = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    x.requires_grad_(True)
+    residual.requires_grad_(True)
+    upstream = torch.randn(3, 5, 16)
+    _, summed = vk.layer_norm(x, weight, bias, residual=residual)
+    grads = torch.autograd.grad((summed * upstream).sum(), (x, residual, weight, bias), allow_unused=True)
+    torch.testing.assert_close(grads[0], upstream)
+    torch.testing.assert_close(grads[1], upstream)
+    assert all(g is None or not g.any() for g in grads[2:])

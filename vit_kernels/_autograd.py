@@ -22,8 +22,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 def tracing() -> bool:
     """Whether the call is being traced or transformed (Dynamo; a dispatch mode: fake tensors, make_fx,
     AOTAutograd's backward, export; a functorch transform such as vmap): then the registered op must
-    be called, so that the graph holds it (or the dispatcher applies the transform)."""
-    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    be called, so that the graph holds it (or the dispatcher applies the transform). A dispatch mode
+    with ``sees_eager_calls = True`` (one counting the ops an eager call runs) is not tracing."""
+    mode = _get_current_dispatch_mode()
+    return (torch.compiler.is_compiling() or (mode is not None and not getattr(mode, "sees_eager_calls", False))
             or torch._C._are_functorch_transforms_active())
 
 
@@ -54,13 +56,16 @@ def differentiable(
     implementation, or the op itself below the autograd key), setup_context and backward when a
     gradient will be needed, and the forward alone when none will. ``double_backward``: the backward
     is made of differentiable ops (a second derivative goes through it); otherwise it launches
-    kernels, and a second derivative through it raises instead of treating it as a constant."""
+    kernels, and a second derivative through it raises instead of treating it as a constant.
+    ``backward`` takes None for an output that receives no gradient (eagerly no zeros are made for
+    the outputs only backward reads, such as a saved pre-activation)."""
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     forward = body if body is not None else _below_autograd(op)
 
     def function_forward(ctx, *args):
+        ctx.set_materialize_grads(False)  # an output without a gradient gives None, not a tensor of zeros
         output = forward(*args)
         setup_context(ctx, args, output)
         return output

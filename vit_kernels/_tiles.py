@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from vit_kernels import _autograd, _signature
-from vit_kernels._triton import interpreted, recording
+from vit_kernels._triton import interpreted, recording, recording_every_candidate
 
 Tile = tuple
 
@@ -133,14 +133,15 @@ def tiles_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[]
                     candidates: Callable[[], Sequence[Tile]],
                     trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
     """The tile(s) a launcher launches on tensors of ``device``: the interpreter's fixed tile (CPU
-    tensors); every candidate while the compile gate records launches (so each one is compiled);
+    tensors); every candidate while the compile gate records launches (so each one is compiled), the
+    first (the default) while a call's launches are counted;
     else the tile ``chooser`` keeps for ``key()``, choosing it first where there is none
     (``trial() -> (run, check)`` is built only then: a decided call does no more than the key's
     lookup)."""
     if interpreted(device):
         return (interpreter_tile,)
     if recording():
-        return tuple(candidates())
+        return tuple(candidates()) if recording_every_candidate() else (tuple(candidates())[0],)
     chosen_key = key()
     tile = chooser.chosen(chosen_key)
     if tile is None:

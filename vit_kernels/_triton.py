@@ -84,16 +84,19 @@ class Launch:
     kwargs: dict
 
 
-_recorder: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("vit_kernels_launch_recorder", default=None)
+# (the list launches are recorded into, whether every candidate tile is launched) while recording
+_recorder: contextvars.ContextVar[Optional[tuple[list, bool]]] = contextvars.ContextVar(
+    "vit_kernels_launch_recorder", default=None)
 
 
 @contextlib.contextmanager
-def recording_launches() -> Iterator[list]:
+def recording_launches(every_candidate: bool = True) -> Iterator[list]:
     """Inside the block, ``launch`` records each launch in the yielded list instead of running it, so
-    the launchers can be driven with meta tensors to enumerate the kernel variants they would
-    compile on a GPU."""
+    the launchers can be driven with meta tensors: to enumerate the kernel variants they would
+    compile on a GPU (``every_candidate``: each call launches every candidate tile), or to count the
+    launches one call makes (otherwise: the default tile only)."""
     launches: list = []
-    token = _recorder.set(launches)
+    token = _recorder.set((launches, every_candidate))
     try:
         yield launches
     finally:
@@ -105,13 +108,19 @@ def recording() -> bool:
     return _recorder.get() is not None
 
 
+def recording_every_candidate() -> bool:
+    """Whether launches are being recorded with every candidate tile launched."""
+    recorder = _recorder.get()
+    return recorder is not None and recorder[1]
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode, or record it inside
     ``recording_launches``."""
-    launches = _recorder.get()
-    if launches is not None:
-        launches.append(Launch(kernel, grid if callable(grid) else tuple(grid), args, kwargs))
+    recorder = _recorder.get()
+    if recorder is not None:
+        recorder[0].append(Launch(kernel, grid if callable(grid) else tuple(grid), args, kwargs))
         return
     if tracing():
         import torch

@@ -46,6 +46,7 @@ import torch
 from vit_kernels import _measure, _signature
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
+from vit_kernels._triton import recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
@@ -161,7 +162,7 @@ def triton_unavailable_reason() -> Optional[str]:
     """Why the Triton backend cannot run on this machine, or None when it can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if not torch.cuda.is_available() and not TRITON_INTERPRET:
+    if not torch.cuda.is_available() and not TRITON_INTERPRET and not recording():
         return "no CUDA device, and TRITON_INTERPRET=1 is not set for running Triton on the CPU"
     return None
 
@@ -176,6 +177,8 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
         if not TRITON_INTERPRET:
             return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
         return None
+    if device.type == "meta" and recording():
+        return None  # launches are recorded, not run (vit_kernels._triton.recording_launches)
     return f"Triton kernels do not run on {device.type} tensors"
 
 

@@ -359,6 +359,10 @@ if HAS_TRITON:
         summed, weight, mean, rstd = ctx.saved_tensors
         has_weight, has_bias, has_residual = ctx.has
         grad_sum = grad_sum if has_residual else None
+        if grad_y is None and grad_sum is None:
+            return (None,) * 5
+        if grad_y is None:  # only the sum x + residual was used
+            grad_y = torch.zeros_like(summed)
         ds, dw, db = layer_norm_bwd(grad_y, grad_sum, summed, weight, mean, rstd, has_weight or has_bias)
         return (
             ds,

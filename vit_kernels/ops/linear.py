@@ -461,6 +461,8 @@ if HAS_TRITON:
         ctx.activation, ctx.has_bias, ctx.has_residual = activation, bias is not None, residual is not None
 
     def _linear_backward(ctx, grad_out, grad_preact):
+        if grad_out is None:
+            return None, None, None, None, None
         x, weight, preact = ctx.saved_tensors
         dx, dw, db = linear_bwd(grad_out, x, weight, preact, ctx.activation, ctx.has_bias)
         return dx, dw, db if ctx.has_bias else None, grad_out if ctx.has_residual else None, None
@@ -536,6 +538,8 @@ if HAS_TRITON:
         ctx.has = (fc1_bias is not None, fc2_bias is not None, residual is not None)
 
     def _mlp_backward(ctx, grad_out, grad_hidden, grad_preact):
+        if grad_out is None:
+            return (None,) * 7
         x, fc1_weight, fc2_weight, hidden, preact = ctx.saved_tensors
         has_b1, has_b2, has_residual = ctx.has
         dx, dw1, db1, dw2, db2 = mlp_bwd(grad_out, x, fc1_weight, fc2_weight, hidden, preact, ctx.activation, has_b1, has_b2)
