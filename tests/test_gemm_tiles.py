@@ -106,14 +106,17 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
                               inputs, dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
     rows = linear.tile_report()
-    # (bias, epilogue, tanh, aux, residual, column sums, K slices) of each GEMM key
+    # (bias, epilogue, tanh, aux, residual, sums, K slices) of each GEMM key
     kinds = {(*r["key"][3:9], r["key"][12] > 1) for r in rows}
     tanh = approximate == "tanh"
-    assert (True, linear.EPILOGUE_GELU, tanh, True, False, False, False) in kinds  # fc1 + bias + GELU, Z saved
-    assert (True, linear.EPILOGUE_NONE, False, False, True, False, False) in kinds  # fc2 + bias + residual
+    none, c_columns, a_rows = linear.SUMS_NONE, linear.SUMS_OF_C_COLUMNS, linear.SUMS_OF_A_ROWS
+    assert (True, linear.EPILOGUE_GELU, tanh, True, False, none, False) in kinds  # fc1 + bias + GELU, Z saved
+    assert (True, linear.EPILOGUE_NONE, False, False, True, none, False) in kinds  # fc2 + bias + residual
     # dZ = dY W2 * gelu'(Z), with its column sums (fc1's bias gradient)
-    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, True, False) in kinds
-    assert (False, linear.EPILOGUE_NONE, False, False, False, False, True) in kinds  # split-K weight gradients
+    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, c_columns, False) in kinds
+    assert (False, linear.EPILOGUE_NONE, False, False, False, none, True) in kinds  # split-K weight gradients
+    # fc2's weight gradient, split over K, with the row sums of dY^T (fc2's bias gradient)
+    assert (False, linear.EPILOGUE_NONE, False, False, False, a_rows, True) in kinds
     for r in rows:
         times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
         assert times == r["candidates"], r  # every candidate of every key computed the right answer
@@ -224,4 +227,4 @@ def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
         vk.linear(torch.randn(6, 16), torch.randn(8, 16), residual=torch.randn(6, 8))
     text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": linear.tile_report()}))
     assert "## GEMM tiles chosen on this device" in text
-    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, False, 8, 8, 16, 1," in text
+    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, 0, 8, 8, 16, 1," in text

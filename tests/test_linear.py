@@ -235,8 +235,9 @@ def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
 def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
     """On the GPU path the GELU layers' bias gradients are reduced where dZ is written: by the
     linear_gelu backward's GELU' pass (BIAS_GRAD) and by mlp's dZ = dY W2 * gelu'(Z) GEMM
-    (COLUMN_SUMS), and only when the bias needs one."""
+    (SUMS_OF_C_COLUMNS), and only when the bias needs one."""
     from vit_kernels._triton import recording_launches
+    from vit_kernels.ops import linear
     from vit_kernels.activations import GELU
 
     def flags(with_bias: bool) -> tuple:
@@ -248,8 +249,8 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
             torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), x, w1, preact, GELU, with_bias)
             torch.ops.vit_kernels.mlp_bwd(torch.empty_like(x), x, w1, w2, hidden, preact2, GELU, with_bias, False)
         gelu_pass = {l.kwargs["BIAS_GRAD"] for l in launches if l.kernel.fn.__name__ == "_gelu_bwd_kernel"}
-        dz_gemm = {l.kwargs["COLUMN_SUMS"] for l in launches if l.kwargs.get("EPILOGUE") == 2}
+        dz_gemm = {l.kwargs["SUMS"] for l in launches if l.kwargs.get("EPILOGUE") == 2}
         return gelu_pass, dz_gemm
 
-    assert flags(with_bias=True) == ({True}, {True})
-    assert flags(with_bias=False) == ({False}, {False})
+    assert flags(with_bias=True) == ({True}, {linear.SUMS_OF_C_COLUMNS})
+    assert flags(with_bias=False) == ({False}, {linear.SUMS_NONE})

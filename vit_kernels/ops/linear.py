@@ -25,6 +25,8 @@ from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, 
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
+# Sums the GEMM kernel can reduce on the way (a bias gradient without a second read of its input).
+SUMS_NONE, SUMS_OF_C_COLUMNS, SUMS_OF_A_ROWS = 0, 1, 2
 # GELU constants, as constexprs: a @triton.jit function may not read plain Python globals (the
 # interpreter allows it, the GPU compiler does not).
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -75,19 +77,22 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 #   GELU:      Z = acc (stored when SAVE_PREACT), acc = gelu(Z)
 #   GELU_GRAD: acc = acc * gelu'(Aux[m, n])      (dZ = dH * gelu'(Z), the MLP backward)
 #   acc += residual[m, n];  C[slice, m, n] = acc cast once
-#   COLUMN_SUMS: ColSums[tile row, n] = sum_{m in tile} acc[m, n]   (float32, before the cast: the
-#                bias gradient of dZ, summed over the tile rows by the host, with no second read of dZ)
+#   SUMS_OF_C_COLUMNS: Sums[tile row, n] = sum_{m in tile} acc[m, n]   (float32, before the cast:
+#       the bias gradient of the dZ this GEMM writes, summed over the tile rows by the host)
+#   SUMS_OF_A_ROWS: Sums[slice, m] = sum_{k in slice} A[m, k], by the programs of the first tile
+#       column (float32: the bias gradient sum_rows dY of the weight-gradient GEMM dW = dY^T X, whose
+#       A = dY^T it reads anyway; summed over the K slices by the host)
 # With several K slices C is a float32 workspace (slices, M, N) that the host sums (only without
 # epilogue). Every operand is read by strides, so W^T, dY^T, strided biases and broadcast residuals
 # need no copies.
 @triton.jit
 def _linear_kernel(
-    A, B, C, Bias, Aux, Residual, ColSums,
+    A, B, C, Bias, Aux, Residual, Sums,
     M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_c_split, stride_cm, stride_bias,
     stride_aux_m, stride_res_m, stride_res_n,
     HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, COLUMN_SUMS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -105,13 +110,20 @@ def _linear_kernel(
     step_a = BLOCK_K * tl.cast(stride_ak, tl.int64)  # a unit stride arrives as a constexpr int
     step_b = BLOCK_K * tl.cast(stride_bk, tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_sums = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_k in range(k_start, k_end, BLOCK_K):
         mask_k = start_k - k_start + tl.arange(0, BLOCK_K) < k_end - k_start
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if SUMS == 2:
+            if pid_n == 0:
+                a_sums += tl.sum(a.to(tl.float32), 1)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += step_a
         b_ptrs += step_b
+    if SUMS == 2:
+        if pid_n == 0:
+            tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=mask_m)
 
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
@@ -127,8 +139,8 @@ def _linear_kernel(
         acc = acc * _gelu_grad(z, TANH)
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(tl.float32)
-    if COLUMN_SUMS:
-        tl.store(ColSums + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, acc, 0.0), 0), mask=mask_n)
+    if SUMS == 1:
+        tl.store(Sums + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, acc, 0.0), 0), mask=mask_n)
     tl.store(C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols, acc.to(C.dtype.element_ty), mask=mask)
 
 
@@ -237,39 +249,42 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
 def _matmul(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None,
     epilogue: int = EPILOGUE_NONE, tanh: bool = False, aux: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None, column_sums: bool = False,
+    residual: Optional[torch.Tensor] = None, sums: int = SUMS_NONE,
 ):
     """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> C (M, N) contiguous, all read by strides;
-    with ``column_sums``, (C, sum_rows C (N,) in float32, summed before C's rounding).
+    with ``sums``, (C, the sums in float32): SUMS_OF_C_COLUMNS, sum_rows C (N,) before C's rounding;
+    SUMS_OF_A_ROWS, sum_k A (M,).
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
-    EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or column sums, a deep K is split into
+    EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
     slices summed in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        return (c, torch.zeros(n, dtype=torch.float32, device=a.device)) if column_sums else c
-    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and not column_sums
+        if sums == SUMS_NONE:
+            return c
+        return c, torch.zeros(n if sums == SUMS_OF_C_COLUMNS else m, dtype=torch.float32, device=a.device)
+    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
     slices = triton.cdiv(k, k_per_split) if k > 0 else 1
-    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, column_sums, slices, k_per_split)
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, sums, slices, k_per_split)
     c = gemm.output()
     for tile in _matmul_tiles(gemm):
         partial = gemm.launch(tile, c, aux)
-    return (gemm.result(c), partial.sum(0)) if column_sums else gemm.result(c)
+    return gemm.result(c) if sums == SUMS_NONE else (gemm.result(c), partial.sum(0))
 
 
 class _Gemm:
     """One call of the GEMM kernel: its operands and split, launched with a given tile into given
     outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
 
-    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "column_sums", "slices",
+    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "sums", "slices",
                  "k_per_split")
 
-    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, column_sums, slices, k_per_split):
+    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, sums, slices, k_per_split):
         self.a, self.b, self.out_dtype, self.bias, self.epilogue, self.tanh = a, b, out_dtype, bias, epilogue, tanh
-        self.aux, self.residual, self.column_sums = aux, residual, column_sums
+        self.aux, self.residual, self.sums = aux, residual, int(sums)
         self.slices, self.k_per_split = slices, k_per_split
 
     def output(self) -> torch.Tensor:
@@ -284,14 +299,18 @@ class _Gemm:
 
     def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
-        SAVE_PREACT) -> the column sums per tile row (cdiv(M, BLOCK_M), N) float32 when asked, else None."""
+        SAVE_PREACT) -> the partial sums asked for (float32: per tile row (cdiv(M, BLOCK_M), N) of C's
+        columns, per K slice (slices, M) of A's rows), else None."""
         a, b, bias, residual = self.a, self.b, self.bias, self.residual
         m, k = a.shape
         n = b.shape[1]
         config = gemm_config(tile)
         tile_rows = triton.cdiv(m, config["BLOCK_M"])
         grid = (tile_rows * triton.cdiv(n, config["BLOCK_N"]), self.slices)
-        partial = torch.empty((tile_rows, n), dtype=torch.float32, device=a.device) if self.column_sums else None
+        partial = None
+        if self.sums != SUMS_NONE:
+            shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
+            partial = torch.empty(shape, dtype=torch.float32, device=a.device)
         res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
         launch(
             _linear_kernel, grid,
@@ -300,7 +319,7 @@ class _Gemm:
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if self.slices > 1 else 0, n,
             bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
             HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
-            HAS_RESIDUAL=residual is not None, COLUMN_SUMS=self.column_sums, PRECISION=dot_precision(a.dtype),
+            HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype),
             **config,
         )
         return partial
@@ -313,7 +332,7 @@ class _Gemm:
         a, b = self.a, self.b
         (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
         return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.tanh,
-                self.aux is not None, self.residual is not None, self.column_sums, bucket(int(m)), int(n), bucket(int(k)), self.slices,
+                self.aux is not None, self.residual is not None, self.sums, bucket(int(m)), int(n), bucket(int(k)), self.slices,
                 bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
 
     def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
@@ -409,14 +428,14 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_gr
     return dz, partial.sum(0) if bias_grad else None
 
 
-def _column_sums(t: torch.Tensor) -> torch.Tensor:
-    """sum_rows t (M, N) -> (N,) float32: the bias gradient of a linear layer."""
-    return t.sum(0, dtype=torch.float32)
-
-
-def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
-    """For Y = X W^T + b: dX = dY W, dW = dY^T X."""
-    return _matmul(dy2, weight, x2.dtype), _matmul(dy2.t(), x2, weight.dtype)
+def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias_grad: bool):
+    """For Y = X W^T + b: dX = dY W, dW = dY^T X and, when ``bias_grad``, db = sum_rows dY (float32,
+    reduced by the dW GEMM from the dY^T it reads; else None)."""
+    dx = _matmul(dy2, weight, x2.dtype)
+    if not bias_grad:
+        return dx, _matmul(dy2.t(), x2, weight.dtype), None
+    dw, db = _matmul(dy2.t(), x2, weight.dtype, sums=SUMS_OF_A_ROWS)
+    return dx, dw, db
 
 
 if HAS_TRITON:
@@ -448,9 +467,9 @@ if HAS_TRITON:
         dy2 = _rows(grad_out).to(x.dtype)
         if activation != NONE:  # dZ and its column sums (the bias gradient) from one pass
             dy2, db = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH, needs_bias)
-        else:
-            db = _column_sums(dy2) if needs_bias else None
-        dx, dw = _input_and_weight_grads(dy2, _rows(x), weight)
+            dx, dw, _ = _input_and_weight_grads(dy2, _rows(x), weight, False)
+        else:  # the bias gradient from the dW GEMM
+            dx, dw, db = _input_and_weight_grads(dy2, _rows(x), weight, needs_bias)
         return dx.view(x.shape), dw, db.to(weight.dtype) if needs_bias else dy2.new_empty(0)
 
     linear_bwd = direct(torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd)
@@ -519,15 +538,20 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx, d(fc1_weight), d(fc1_bias), d(fc2_weight), d(fc2_bias) (biases' empty when absent).
         GELU' rides in the epilogue of the dH = dY W2 GEMM, which therefore yields dZ directly, and
-        with it dZ's column sums (fc1's bias gradient) when asked."""
+        with it dZ's column sums (fc1's bias gradient) when asked; fc2's bias gradient comes from its
+        dW GEMM. No bias gradient re-reads its output gradient."""
         dy2 = _rows(grad_out).to(x.dtype)
-        dw2 = _matmul(dy2.t(), hidden, fc2_weight.dtype)
-        db2 = _column_sums(dy2).to(fc2_weight.dtype) if needs_bias2 else dy2.new_empty(0)
+        if needs_bias2:
+            dw2, db2 = _matmul(dy2.t(), hidden, fc2_weight.dtype, sums=SUMS_OF_A_ROWS)
+        else:
+            dw2, db2 = _matmul(dy2.t(), hidden, fc2_weight.dtype), None
         dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact,
-                     column_sums=needs_bias1)
+                     sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE)
         dz, db1 = dz if needs_bias1 else (dz, None)
-        dx, dw1 = _input_and_weight_grads(dz, _rows(x), fc1_weight)
-        return dx.view(x.shape), dw1, db1.to(fc1_weight.dtype) if needs_bias1 else dy2.new_empty(0), dw2, db2
+        dx, dw1, _ = _input_and_weight_grads(dz, _rows(x), fc1_weight, False)
+        empty = dy2.new_empty(0)
+        return (dx.view(x.shape), dw1, db1.to(fc1_weight.dtype) if needs_bias1 else empty, dw2,
+                db2.to(fc2_weight.dtype) if needs_bias2 else empty)
 
     mlp_bwd = direct(torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())(_mlp_bwd), _mlp_bwd)
 
