@@ -263,7 +263,9 @@ def _matmul(
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         if sums == SUMS_NONE:
             return c
-        return c, torch.zeros(n if sums == SUMS_OF_C_COLUMNS else m, dtype=torch.float32, device=a.device)
+        if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
+            return c, a.sum(1, dtype=torch.float32)
+        return c, torch.zeros(n, dtype=torch.float32, device=a.device)
     plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
