@@ -62,10 +62,6 @@ class Pass:
 
     kernels: list[Kernel] = field(default_factory=list)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(k.bytes for k in self.kernels)
-
 
 def _is_view_or_allocation(func) -> bool:
     schema = func._schema
@@ -162,27 +158,40 @@ def _patched(owner, name: str, value):
 
 
 def measure(model: str, batch: int, dtype: torch.dtype, backends=BACKENDS) -> dict:
+    """{model, batch, tokens, dim, heads, dtype, rows: {backend: {"forward": [[kernel, bytes], ...],
+    "backward": [...]}}}: plain JSON."""
     dim, heads = MODELS[model]
     tokens = TOKENS.get(model, 197)
     rows = {}
     for name in backends:
-        forward, backward = count_block(name, dim, heads, tokens, batch, dtype)
-        rows[name] = {"forward": forward, "backward": backward}
-    return {"model": model, "batch": batch, "tokens": tokens, "dim": dim, "heads": heads, "rows": rows}
+        passes = count_block(name, dim, heads, tokens, batch, dtype)
+        rows[name] = {step: [[k.name, k.bytes] for k in p.kernels] for step, p in zip(("forward", "backward"), passes)}
+    return {"model": model, "batch": batch, "tokens": tokens, "dim": dim, "heads": heads,
+            "dtype": str(dtype).removeprefix("torch."), "rows": rows}
 
 
-def table(result: dict) -> str:
-    lines = [f"one pre-norm block of {result['model']} (D={result['dim']}, H={result['heads']}, "
-             f"L={result['tokens']}), batch {result['batch']}: kernels and least bytes moved, MB",
-             "backend      fwd kernels  fwd MB  bwd kernels  bwd MB  total MB  vs torch"]
+def title(result: dict) -> str:
+    return (f"one pre-norm block of {result['model']} (D={result['dim']}, H={result['heads']}, L={result['tokens']}), "
+            f"batch {result['batch']}, {result['dtype']}: kernels and least bytes moved")
+
+
+def table(result: dict, markdown: bool = False) -> str:
+    """Per backend: kernels and MB forward and backward, total MB and its ratio to the first backend's."""
+    header = ["backend", "fwd kernels", "fwd MB", "bwd kernels", "bwd MB", "total MB", "vs torch"]
+    body = []
     base = None
     for name, row in result["rows"].items():
-        total = row["forward"].total_bytes + row["backward"].total_bytes
+        mb = {step: sum(b for _, b in row[step]) / 1e6 for step in ("forward", "backward")}
+        total = mb["forward"] + mb["backward"]
         base = base or total
-        lines.append(f"{name:<12} {len(row['forward'].kernels):>11} {row['forward'].total_bytes / 1e6:>7.0f} "
-                     f"{len(row['backward'].kernels):>12} {row['backward'].total_bytes / 1e6:>7.0f} "
-                     f"{total / 1e6:>9.0f} {total / base:>9.2f}")
-    return "\n".join(lines)
+        body.append([name, str(len(row["forward"])), f"{mb['forward']:.0f}", str(len(row["backward"])),
+                     f"{mb['backward']:.0f}", f"{total:.0f}", f"{total / base:.2f}"])
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+                         + ["| " + " | ".join(cells) + " |" for cells in body])
+    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header] + body)
 
 
 def detail(result: dict) -> str:
@@ -190,7 +199,7 @@ def detail(result: dict) -> str:
     for name, row in result["rows"].items():
         for step in ("forward", "backward"):
             lines.append(f"\n{name} {step}:")
-            lines += [f"  {k.name:<40} {k.bytes / 1e6:>9.1f} MB" for k in row[step].kernels]
+            lines += [f"  {kernel:<40} {size / 1e6:>9.1f} MB" for kernel, size in row[step]]
     return "\n".join(lines)
 
 
@@ -203,14 +212,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the counts to this JSON file")
     args = parser.parse_args(argv)
     result = measure(args.model, args.batch, DTYPES[args.dtype])
+    print(title(result) + ", MB")
     print(table(result))
     if args.detail:
         print(detail(result))
     if args.json:
-        rows = {name: {step: [[k.name, k.bytes] for k in row[step].kernels] for step in row}
-                for name, row in result["rows"].items()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**result, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

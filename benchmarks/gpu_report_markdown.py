@@ -6,7 +6,7 @@ end-to-end tables are ``benchmarks.report.markdown``'s, the host-cost table
 
 from __future__ import annotations
 
-from benchmarks import host_overhead, report, targets
+from benchmarks import block_traffic, host_overhead, report, targets
 
 
 def _g(value, digits: int = 3) -> str:
@@ -104,6 +104,11 @@ def _host(result: dict) -> list[str]:
             host_overhead.table(result["rows"], markdown=True), ""]
 
 
+def _traffic(result: dict) -> list[str]:
+    return ["## Kernels and bytes of one block", "", block_traffic.title(result) + " (`python -m benchmarks.block_traffic "
+            "--detail` lists each kernel).", "", block_traffic.table(result, markdown=True), ""]
+
+
 def _graphs(result: dict) -> list[str]:
     lines = ["## CUDA graphs", ""]
     if "skipped" in result:
@@ -159,7 +164,8 @@ def _timings(data: dict) -> list[str]:
     return ["## Per op and end to end", "", report.markdown(rows, ops.get("peaks", {}), meta), ""]
 
 
-PARTS = {"gpu_tests": _gpu_tests, "selftest": _selftest, "host_overhead": _host, "cuda_graphs": _graphs}
+PARTS = {"gpu_tests": _gpu_tests, "selftest": _selftest, "host_overhead": _host, "block_traffic": _traffic,
+         "cuda_graphs": _graphs}
 
 
 def render(data: dict) -> str:

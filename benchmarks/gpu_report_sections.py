@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks import cases, cuda_graphs, e2e, environment, host_overhead, ops_bench, peaks
+from benchmarks import block_traffic, cases, cuda_graphs, e2e, environment, host_overhead, ops_bench, peaks
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
 from vit_kernels import _gpu_tests, selftest
@@ -76,6 +76,13 @@ def host_overhead_section(ctx: Context, budget: Budget) -> dict:
     return {"calls": calls, "rounds": rounds, "columns": list(host_overhead.COLUMNS), "rows": rows}
 
 
+def block_traffic_section(ctx: Context, budget: Budget) -> dict:
+    """One ViT-B/16 block's kernels and least bytes, forward and backward, per backend (B=128, bf16;
+    counted on meta tensors, so the same on every machine: what the timings of the ops section are
+    made of)."""
+    return block_traffic.measure("vit_tiny" if ctx.quick else "vit_base", 8 if ctx.quick else 128, torch.bfloat16)
+
+
 def cuda_graphs_section(ctx: Context, budget: Budget) -> dict:
     """A training step of ``GRAPH_MODEL`` captured in a CUDA graph on every backend."""
     if ctx.device.type != "cuda":
@@ -120,8 +127,9 @@ SECTIONS = {
     "gpu_tests": (gpu_tests_section, 90.0),
     "selftest": (selftest_section, 45.0),
     "host_overhead": (host_overhead_section, 15.0),
+    "block_traffic": (block_traffic_section, 5.0),
     "ops": (ops_section, 150.0),
     "e2e": (e2e_section, 120.0),
     "cuda_graphs": (cuda_graphs_section, 30.0),  # last: a failed capture must not disturb the timings
 }
-CPU_SECTIONS = ("environment", "gpu_tests", "selftest", "host_overhead")
+CPU_SECTIONS = ("environment", "gpu_tests", "selftest", "host_overhead", "block_traffic")

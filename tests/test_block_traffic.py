@@ -1,6 +1,8 @@
 """benchmarks.block_traffic: one ViT block's kernels and bytes per backend, counted on meta tensors
 without a device (Triton launches recorded, not run)."""
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def counts():
 
 
 def names(row, step):
-    return [k.name for k in row[step].kernels]
+    return [kernel for kernel, _ in row[step]]
 
 
 def test_pytorch_runs_sdpa_as_one_fused_kernel_each_way(counts):
@@ -44,15 +46,18 @@ def test_bytes_are_the_distinct_elements_each_kernel_touches(counts):
     assert block_traffic.stored_bytes(torch.empty(0, 4, device="meta")) == 0
     for row in counts["rows"].values():
         for step in ("forward", "backward"):
-            assert row[step].kernels and all(k.bytes >= 0 for k in row[step].kernels)
+            assert row[step] and all(size >= 0 for _, size in row[step])
     # the layer norm forward reads x (bf16), weight and bias and writes y, and float32 mean and rstd
     rows, d = 2 * counts["tokens"], counts["dim"]
-    first = counts["rows"]["torch"]["forward"].kernels[0]
-    assert first.name == "native_layer_norm"
-    assert first.bytes == 2 * (rows * d * 2) + 2 * (d * 2) + 2 * (rows * 4)
+    name, size = counts["rows"]["torch"]["forward"][0]
+    assert name == "native_layer_norm"
+    assert size == 2 * (rows * d * 2) + 2 * (d * 2) + 2 * (rows * 4)
 
 
-def test_the_table_names_every_backend(counts, capsys):
-    assert block_traffic.main(["--model", "vit_tiny", "--batch", "1"]) == 0
+def test_the_table_names_every_backend(counts, capsys, tmp_path):
+    assert block_traffic.main(["--model", "vit_tiny", "--batch", "1", "--json", str(tmp_path / "counts.json")]) == 0
     out = capsys.readouterr().out
     assert all(f"\n{name} " in out for name in block_traffic.BACKENDS)
+    assert json.loads((tmp_path / "counts.json").read_text())["rows"].keys() == set(block_traffic.BACKENDS)
+    markdown = block_traffic.table(counts, markdown=True).splitlines()
+    assert markdown[0].startswith("| backend | fwd kernels") and len(markdown) == 2 + len(block_traffic.BACKENDS)

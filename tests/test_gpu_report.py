@@ -12,7 +12,7 @@ from benchmarks import gpu_report, host_overhead, targets
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import Context
 
-CPU_PART = "environment,gpu_tests,selftest,host_overhead"
+CPU_PART = "environment,gpu_tests,selftest,host_overhead,block_traffic"
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,10 @@ def test_files_are_written_whole_and_well_formed(written):
     (row,) = data["sections"]["host_overhead"]["result"]["rows"]
     assert row["op"] == "layer_norm" and isinstance(row["pytorch"], float) and row["triton"].startswith("n/a")
     markdown = (written / "gpu-report.md").read_text()
+    traffic = data["sections"]["block_traffic"]["result"]
+    assert traffic["model"] == "vit_tiny" and set(traffic["rows"]) == {"torch", "triton", "extension"}
     for heading in ("# vit-kernels GPU report", "## Sections", "## Targets", "## GPU tests", "## Selftest",
-                    "## Host cost per call"):
+                    "## Host cost per call", "## Kernels and bytes of one block"):
         assert heading in markdown
     if not torch.cuda.is_available():
         assert not data["gpu"] and gpu_report.NO_GPU in markdown
