@@ -19,14 +19,13 @@ attention, as on a GPU): kernels and MB, forward and backward. ``--detail`` list
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,19 +49,6 @@ def stored_bytes(t: torch.Tensor) -> int:
     return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
 
 
-@dataclass
-class Kernel:
-    name: str
-    bytes: int
-
-
-@dataclass
-class Pass:
-    """The kernels of one pass (forward or backward)."""
-
-    kernels: list[Kernel] = field(default_factory=list)
-
-
 def _is_view_or_allocation(func) -> bool:
     schema = func._schema
     if schema.name.split("::")[-1].startswith(("empty", "new_empty")) or schema.name in ("aten::detach", "aten::lift_fresh",
@@ -72,13 +58,13 @@ def _is_view_or_allocation(func) -> bool:
 
 
 class OpCounter(TorchDispatchMode):
-    """Records every aten / extension op that computes, with its bytes (reads and writes of distinct
+    """Records every aten / extension op that computes as [name, bytes] (reads and writes of distinct
     tensors, an argument written in place counted as a write only). Eager calls stay eager inside it
     (``sees_eager_calls``): vit_kernels' launchers run their bodies, whose launches are recorded."""
 
     sees_eager_calls = True
 
-    def __init__(self, kernels: list[Kernel]):
+    def __init__(self, kernels: list[list]):
         super().__init__()
         self.kernels = kernels
 
@@ -93,15 +79,16 @@ class OpCounter(TorchDispatchMode):
         tensors = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         read = sum(stored_bytes(t) for key, t in tensors.items() if key not in written)
         outputs = {id(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-        self.kernels.append(Kernel(str(func.overloadpacket.__name__), read + sum(stored_bytes(t) for t in outputs.values())))
+        self.kernels.append([str(func.overloadpacket.__name__), read + sum(stored_bytes(t) for t in outputs.values())])
         return out
 
 
-def _launch_kernels(launches) -> list[Kernel]:
+def _launch_kernels(launches) -> list[list]:
+    """[kernel name, bytes of its distinct tensor arguments] per recorded launch."""
     kernels = []
     for launch in launches:
         tensors = {id(a): a for a in launch.args if isinstance(a, torch.Tensor)}
-        kernels.append(Kernel(launch.kernel.fn.__name__, sum(stored_bytes(t) for t in tensors.values())))
+        kernels.append([launch.kernel.fn.__name__, sum(stored_bytes(t) for t in tensors.values())])
     return kernels
 
 
@@ -119,23 +106,19 @@ def _sdpa_as_on_a_gpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
-def count_block(backend: str, dim: int, heads: int, tokens: int, batch: int, dtype: torch.dtype) -> tuple[Pass, Pass]:
-    """(forward, backward) kernels of one pre-norm block on ``backend`` (strict except attention on
-    the extension, which is PyTorch's there)."""
+def count_block(backend: str, dim: int, heads: int, tokens: int, batch: int, dtype: torch.dtype) -> dict:
+    """{"forward": [[kernel, bytes], ...], "backward": [...]} of one pre-norm block on ``backend``
+    (strict except on the extension, whose fallbacks to PyTorch are by design here: see above)."""
     block = Block(dim, heads).to(device="meta", dtype=dtype)
     x = torch.empty(batch, tokens, dim, device="meta", dtype=dtype, requires_grad=True)
     grad = torch.empty(batch, tokens, dim, device="meta", dtype=dtype)
-    with warnings.catch_warnings():  # the extension's fallbacks to PyTorch are by design here (see above)
+    passes = {}
+    with warnings.catch_warnings(), recording_launches(every_candidate=False) as launches, \
+            vk.use_backend(backend, strict=backend != "extension"), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_on_a_gpu):
         warnings.simplefilter("ignore", RuntimeWarning)
-        return _count_passes(block, x, grad, backend)
-
-
-def _count_passes(block, x, grad, backend: str) -> tuple[Pass, Pass]:
-    passes = []
-    with recording_launches(every_candidate=False) as launches, vk.use_backend(backend, strict=backend != "extension"), \
-            _patched(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_on_a_gpu):
         for step in ("forward", "backward"):
-            kernels: list[Kernel] = []
+            kernels: list[list] = []
             launches.clear()
             with OpCounter(kernels):
                 if step == "forward":
@@ -143,18 +126,8 @@ def _count_passes(block, x, grad, backend: str) -> tuple[Pass, Pass]:
                 else:
                     out.backward(grad)
             # op and launch order interleave on a GPU; kept apart here (ops first)
-            passes.append(Pass(kernels + _launch_kernels(launches)))
-    return passes[0], passes[1]
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+            passes[step] = kernels + _launch_kernels(launches)
+    return passes
 
 
 def measure(model: str, batch: int, dtype: torch.dtype, backends=BACKENDS) -> dict:
@@ -162,10 +135,7 @@ def measure(model: str, batch: int, dtype: torch.dtype, backends=BACKENDS) -> di
     "backward": [...]}}}: plain JSON."""
     dim, heads = MODELS[model]
     tokens = TOKENS.get(model, 197)
-    rows = {}
-    for name in backends:
-        passes = count_block(name, dim, heads, tokens, batch, dtype)
-        rows[name] = {step: [[k.name, k.bytes] for k in p.kernels] for step, p in zip(("forward", "backward"), passes)}
+    rows = {name: count_block(name, dim, heads, tokens, batch, dtype) for name in backends}
     return {"model": model, "batch": batch, "tokens": tokens, "dim": dim, "heads": heads,
             "dtype": str(dtype).removeprefix("torch."), "rows": rows}
 

@@ -296,7 +296,7 @@ std::tuple<Tensor, Tensor> attention_outputs(const Tensor& qkv, const Tensor& ou
   return {out, is_narrow(qkv) ? probs.to(qkv.scalar_type()) : probs};
 }
 
-// Below autograd (no gradient, or the forward of the node below).
+// Below autograd (no gradient); with autograd recorded, the dropout path of the Autograd kernel.
 std::tuple<Tensor, Tensor> attention_explicit_kernel(const Tensor& qkv, int64_t num_heads, double scale,
                                                      double dropout_p) {
   auto [out, probs] = attention_forward(qkv, attention_shape(qkv, num_heads), scale, dropout_p);
@@ -357,8 +357,7 @@ class AttentionExplicitFunction : public torch::autograd::Function<AttentionExpl
 
 std::tuple<Tensor, Tensor> attention_explicit(const Tensor& qkv, int64_t num_heads, double scale, double dropout_p) {
   if (dropout_p > 0) {  // a composition of differentiable ops (dropout's mask lives in its own node)
-    auto [out, probs] = attention_forward(qkv, attention_shape(qkv, num_heads), scale, dropout_p);
-    return attention_outputs(qkv, out, probs);
+    return attention_explicit_kernel(qkv, num_heads, scale, dropout_p);
   }
   auto outputs = AttentionExplicitFunction::apply(qkv, num_heads, scale);
   return {outputs[0], outputs[1]};

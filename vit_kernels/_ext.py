@@ -62,12 +62,10 @@ def supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         return _load_error
     if device.type == "cpu":
         return None if dtype in CPU_DTYPES else f"the C++ CPU kernels take {CPU_DTYPES}, not {dtype}"
-    if device.type == "meta" and recording():
-        # a call's kernels being counted on meta tensors (benchmarks.block_traffic): as on a GPU
-        return None if dtype in CUDA_DTYPES else f"the CUDA kernels take {CUDA_DTYPES}, not {dtype}"
-    if device.type == "cuda":
-        if not HAS_CUDA_KERNELS:
-            return "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
+    if device.type == "cuda" and not HAS_CUDA_KERNELS:
+        return "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
+    # meta tensors while a call's kernels are counted (benchmarks.block_traffic): as on a GPU
+    if device.type == "cuda" or (device.type == "meta" and recording()):
         return None if dtype in CUDA_DTYPES else f"the CUDA kernels take {CUDA_DTYPES}, not {dtype}"
     return f"the extension has no kernels for {device.type} tensors"
 

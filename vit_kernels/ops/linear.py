@@ -246,14 +246,19 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     return max(1, slices)
 
 
-def _matmul(
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, **epilogue) -> torch.Tensor:
+    """C of ``_matmul_and_sums`` (no sums)."""
+    return _matmul_and_sums(a, b, out_dtype, **epilogue)[0]
+
+
+def _matmul_and_sums(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None,
     epilogue: int = EPILOGUE_NONE, tanh: bool = False, aux: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, sums: int = SUMS_NONE,
-):
-    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> C (M, N) contiguous, all read by strides;
-    with ``sums``, (C, the sums in float32): SUMS_OF_C_COLUMNS, sum_rows C (N,) before C's rounding;
-    SUMS_OF_A_ROWS, sum_k A (M,).
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (C (M, N) contiguous, all read by strides;
+    the sums in float32, or None for SUMS_NONE): SUMS_OF_C_COLUMNS, sum_rows C (N,) before C's
+    rounding; SUMS_OF_A_ROWS, sum_k A (M,).
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
     EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
     slices summed in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
@@ -262,7 +267,7 @@ def _matmul(
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         if sums == SUMS_NONE:
-            return c
+            return c, None
         if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
             return c, a.sum(1, dtype=torch.float32)
         return c, torch.zeros(n, dtype=torch.float32, device=a.device)
@@ -274,7 +279,7 @@ def _matmul(
     c = gemm.output()
     for tile in _matmul_tiles(gemm):
         partial = gemm.launch(tile, c, aux)
-    return gemm.result(c) if sums == SUMS_NONE else (gemm.result(c), partial.sum(0))
+    return gemm.result(c), None if partial is None else partial.sum(0)
 
 
 class _Gemm:
@@ -433,11 +438,8 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_gr
 def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias_grad: bool):
     """For Y = X W^T + b: dX = dY W, dW = dY^T X and, when ``bias_grad``, db = sum_rows dY (float32,
     reduced by the dW GEMM from the dY^T it reads; else None)."""
-    dx = _matmul(dy2, weight, x2.dtype)
-    if not bias_grad:
-        return dx, _matmul(dy2.t(), x2, weight.dtype), None
-    dw, db = _matmul(dy2.t(), x2, weight.dtype, sums=SUMS_OF_A_ROWS)
-    return dx, dw, db
+    dw, db = _matmul_and_sums(dy2.t(), x2, weight.dtype, sums=SUMS_OF_A_ROWS if bias_grad else SUMS_NONE)
+    return _matmul(dy2, weight, x2.dtype), dw, db
 
 
 if HAS_TRITON:
@@ -543,13 +545,10 @@ if HAS_TRITON:
         with it dZ's column sums (fc1's bias gradient) when asked; fc2's bias gradient comes from its
         dW GEMM. No bias gradient re-reads its output gradient."""
         dy2 = _rows(grad_out).to(x.dtype)
-        if needs_bias2:
-            dw2, db2 = _matmul(dy2.t(), hidden, fc2_weight.dtype, sums=SUMS_OF_A_ROWS)
-        else:
-            dw2, db2 = _matmul(dy2.t(), hidden, fc2_weight.dtype), None
-        dz = _matmul(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH, aux=preact,
-                     sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE)
-        dz, db1 = dz if needs_bias1 else (dz, None)
+        dw2, db2 = _matmul_and_sums(dy2.t(), hidden, fc2_weight.dtype,
+                                    sums=SUMS_OF_A_ROWS if needs_bias2 else SUMS_NONE)
+        dz, db1 = _matmul_and_sums(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH,
+                                   aux=preact, sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE)
         dx, dw1, _ = _input_and_weight_grads(dz, _rows(x), fc1_weight, False)
         empty = dy2.new_empty(0)
         return (dx.view(x.shape), dw1, db1.to(fc1_weight.dtype) if needs_bias1 else empty, dw2,
