@@ -16,12 +16,15 @@ interval. A case is a REGRESSION when its whole interval lies above 1 + threshol
 it lies at or below; otherwise inconclusive, and more rounds are run for the undecided cases until
 each is decided or the time budget is spent.
 
-A regression must then be confirmed: its cases are timed again, from new samples, by a fresh pair
-of processes. Two processes running the same code can differ by several percent for as long as
-they live (where their memory happens to lie, which core caches what), and with dozens of cases
-some interval falls beyond the threshold by chance; a real slowdown survives a second, independent
-pair of processes, such an accident rarely does. Only a confirmed regression counts; one that is
-not confirmed takes the confirmation's verdict (and says so).
+A regression must then be confirmed: its cases are timed again, from new samples, by fresh pairs
+of processes (``--confirmations``, 2 by default), one after the other. Two processes running the
+same code can differ by several percent, on the CPU by 10-20% for a kernel whose tensors outgrow
+the caches, for as long as they live (where their memory happens to lie, which core caches what):
+such a process lands in a slow or a fast state, so one pair in four or so can look like a
+regression (a CPU run once confirmed a 13% one across two pairs of identical kernels). A real
+slowdown survives every fresh pair; an accident of placement rarely survives three. Only a
+regression that every confirming pair finds counts; one that a pair clears takes that pair's
+verdict (and says so).
 
 Exit 1: a confirmed regression (or the candidate fails a case); 3: inconclusive, noise too high;
 0: all within the threshold.
@@ -77,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads in each side (default: 1 on the CPU, where both sides are then pinned to "
                         "the same core; 0: torch's default)")
+    parser.add_argument("--confirmations", type=int, default=2,
+                        help="fresh pairs of processes that must each find a flagged regression again (at least 1)")
     parser.add_argument("--out", type=Path, default=None, help="write every case's samples and verdict to this JSON file")
 
 
@@ -232,21 +237,38 @@ def set_up(workers: list[Worker], specs: list[dict], device: torch.device, threa
 
 def confirm(flagged: list[int], specs: list[dict], sides, harness: Path, folder: Path, device: torch.device,
             threads: int, args) -> tuple[dict[int, gate.Comparison], dict[int, tuple[list, list]]]:
-    """Time the ``flagged`` cases again with a fresh pair of processes and new samples; a case stays
-    a REGRESSION only if this second run also finds one. Returns the new verdicts and the new
-    samples, by case index."""
-    print(f"ab: {len(flagged)} regression(s) to confirm with a fresh pair of processes", file=sys.stderr)
-    subset = [specs[i] for i in flagged]
-    workers = [Worker(f"{name}-confirm", tree, harness, folder) for name, tree in zip(("baseline", "candidate"), sides)]
-    try:
-        set_up(workers, subset, device, threads)
-        samples, verdicts, _, _ = run_rounds(workers, subset, list(range(len(subset))), args)
-    finally:
-        for worker in workers:
-            worker.close()
-    confirmed = {j: verdicts[j].verdict == stats.REGRESSION for j in range(len(flagged))}
-    return ({i: dataclasses.replace(verdicts[j], note="confirmed" if confirmed[j] else "regression not confirmed")
-             for j, i in enumerate(flagged)}, {i: samples[j] for j, i in enumerate(flagged)})
+    """Time the ``flagged`` cases again, with new samples, by ``args.confirmations`` fresh pairs of
+    processes in turn; a case stays a REGRESSION only if every pair finds one again, and takes the
+    verdict of the first pair that does not. Returns the verdicts and the samples of the last pair
+    that timed each case, by case index."""
+    verdicts: dict[int, gate.Comparison] = {}
+    samples: dict[int, tuple[list, list]] = {}
+    pending = list(flagged)
+    for attempt in range(1, args.confirmations + 1):
+        if not pending:
+            break
+        print(f"ab: {len(pending)} regression(s) to confirm with fresh pair {attempt} of {args.confirmations}",
+              file=sys.stderr)
+        subset = [specs[i] for i in pending]
+        workers = [Worker(f"{name}-confirm{attempt}", tree, harness, folder)
+                   for name, tree in zip(("baseline", "candidate"), sides)]
+        try:
+            set_up(workers, subset, device, threads)
+            pair_samples, pair_verdicts, _, _ = run_rounds(workers, subset, list(range(len(subset))), args)
+        finally:
+            for worker in workers:
+                worker.close()
+        still = []
+        for j, i in enumerate(pending):
+            samples[i] = pair_samples[j]
+            regressed = pair_verdicts[j].verdict == stats.REGRESSION
+            note = (f"confirmed by {attempt} fresh pair{'s' * (attempt > 1)}" if regressed
+                    else f"regression not confirmed by fresh pair {attempt}")
+            verdicts[i] = dataclasses.replace(pair_verdicts[j], note=note)
+            if regressed:
+                still.append(i)
+        pending = still
+    return verdicts, samples
 
 
 def _shared_cpus(device: torch.device, threads: int) -> Optional[list[int]]:
@@ -287,6 +309,8 @@ def main(args: argparse.Namespace) -> int:
     gate.check_threshold(args.threshold)
     if not 0.5 <= args.confidence < 1:
         raise SystemExit(f"--confidence must be in [0.5, 1), got {args.confidence}")
+    if args.confirmations < 1:
+        raise SystemExit(f"--confirmations must be at least 1, got {args.confirmations}")
     if args.min_rounds < 3 or args.max_rounds < args.min_rounds:
         raise SystemExit(f"--min-rounds must be at least 3 and --max-rounds at least --min-rounds, got "
                          f"{args.min_rounds} and {args.max_rounds}")

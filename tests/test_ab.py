@@ -107,7 +107,7 @@ def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
     assert code == gate.EXIT_REGRESSION
     regressed = {case for case, verdict in verdicts.items() if verdict.startswith(stats.REGRESSION)}
     assert regressed == {"layer_norm torch", "layer_norm extension"}, verdicts
-    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed)" for case in regressed), verdicts
+    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed by 2 fresh pairs)" for case in regressed), verdicts
 
 
 class _NoisyWorker:
@@ -147,16 +147,22 @@ class _SteadyWorker:
         pass
 
 
-@pytest.mark.parametrize("candidate_ms, expected", [(1.0, f"{stats.WITHIN}: regression not confirmed"),
-                                                    (1.3, f"{stats.REGRESSION}: confirmed")])
-def test_a_regression_counts_only_when_a_fresh_pair_of_processes_confirms_it(monkeypatch, candidate_ms, expected):
-    """The first run flagged case 0; the confirmation's fresh processes (stand-ins here) time the
-    candidate at 1.0 ms (as fast as the baseline: a chance flag) or at 1.3 ms (really slower)."""
+@pytest.mark.parametrize("candidate_ms, expected, pairs", [
+    ((1.0, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 1", 1),
+    ((1.3, 1.0), f"{stats.WITHIN}: regression not confirmed by fresh pair 2", 2),
+    ((1.3, 1.3), f"{stats.REGRESSION}: confirmed by 2 fresh pairs", 2)])
+def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it(monkeypatch, candidate_ms,
+                                                                               expected, pairs):
+    """The first run flagged case 0; each confirming pair's fresh processes (stand-ins here) time the
+    candidate at 1.0 ms (as fast as the baseline: the flag was a chance one) or at 1.3 ms (slower).
+    A process that lands in a slow state can fool one pair; a regression must survive them all, and
+    the pairs after the first that clears it are not started."""
     spawned = []
 
     def worker(name, tree, harness, folder):
         spawned.append(name)
-        return _SteadyWorker(name, tree, harness, folder, 1.0 if name.startswith("baseline") else candidate_ms)
+        pair = int(name[-1]) - 1
+        return _SteadyWorker(name, tree, harness, folder, 1.0 if name.startswith("baseline") else candidate_ms[pair])
 
     monkeypatch.setattr(ab, "Worker", worker)
     monkeypatch.setattr(ab, "set_up", lambda workers, specs, device, threads: None)
@@ -166,7 +172,7 @@ def test_a_regression_counts_only_when_a_fresh_pair_of_processes_confirms_it(mon
     specs = [{"kind": "op", "op": "linear", "model": "vit_digits", "batch": 1, "dtype": "float32",
               "backend": "torch", "mode": "forward"}] * 3
     verdicts, samples = ab.confirm([0], specs, ["base", "cand"], None, None, "cpu", 1, args)
-    assert spawned == ["baseline-confirm", "candidate-confirm"]
+    assert spawned == [f"{side}-confirm{k}" for k in range(1, pairs + 1) for side in ("baseline", "candidate")]
     assert list(verdicts) == list(samples) == [0] and len(samples[0][0]) == verdicts[0].rounds >= 5
     assert f"{verdicts[0].verdict}: {verdicts[0].note}" == expected
 
