@@ -91,9 +91,13 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
 def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, dtype, approximate):
     """mlp forward and backward with bias and residual: the GEMMs with bias + GELU saving the
     pre-activation, bias + residual, GELU' (dZ), plain dX and split-K dW, each chosen (all
-    candidates right, the table's first one timed fastest) and right against float64."""
+    candidates right) and right against float64. In float16 the TMA kernel's tiles are timed
+    fastest: the GEMM whose operands descriptors can read (fc1's forward, rows of 24 halves = 48
+    bytes) runs it; those reading a 130-wide operand (260-byte rows: the hidden activation, dZ, W2)
+    cannot and keep the pointer kernel."""
     tiles = linear.GEMM_TILES_FP32 if dtype == torch.float32 else linear.GEMM_TILES_16BIT
     gpu_path.update({tile: 1.0 + i for i, tile in enumerate(tiles)})
+    gpu_path.update({tile: 0.5 + i / 10 for i, tile in enumerate(linear.GEMM_TILES_TMA)})
     spy_launches(monkeypatch)
     d, hidden = 24, 130
     inputs = [torch.randn(4, 33, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
@@ -121,6 +125,97 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
         assert times == r["candidates"], r  # every candidate of every key computed the right answer
         assert r["chosen"] == min(times, key=times.get)
+    tma_chosen = {tuple(r["key"][3:9]) for r in rows if r["chosen"].endswith(f"'{linear.TMA}')")}
+    if dtype == torch.float32:
+        assert not tma_chosen
+    else:  # only fc1 + bias + GELU (X W1^T) has no operand 130 wide (hidden, dZ, W2)
+        assert tma_chosen == {(True, linear.EPILOGUE_GELU, tanh, True, False, none)}
+
+
+TMA_TILE = (32, 32, 32, 1, 1, linear.TMA)  # walked by 2 persistent programs under the interpreter
+
+
+def spy_kernels(monkeypatch) -> list:
+    """The name of every GEMM kernel launched."""
+    names = []
+    original = linear.launch
+
+    def launch(kernel, *args, **kwargs):
+        names.append(kernel.fn.__name__)
+        return original(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(linear, "launch", launch)
+    return names
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, approximate):
+    """Every GEMM of an mlp with bias and residual pinned to a TMA tile, in float16: descriptors over
+    X and W1 (fc1 + bias + GELU, saving Z), over the hidden activation and W2^T's W2 (fc2 + bias +
+    residual), dY and W2 (dZ = dY W2 * gelu'(Z) with its column sums), dY^T's dY (dW2 with the row
+    sums of dY^T, split over K), dZ^T's dZ (dW1, split), dZ and W1 (dX); widths no tile divides."""
+    monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm: (TMA_TILE,))
+    kernels = spy_kernels(monkeypatch)
+    d, hidden, rows = 24, 40, (4, 33)
+    assert linear.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
+    inputs = [torch.randn(*rows, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
+              torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d), torch.randn(*rows, d)]
+
+    def run(x, w1, b1, w2, b2, r):
+        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
+
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
+                              inputs, torch.float16, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+    gemms = [name for name in kernels if "linear" in name]
+    assert gemms == ["_linear_tma_kernel"] * 6, kernels
+
+
+def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
+    """The same tile dimensions through descriptors and through pointers: the same float32 sums in
+    the same order, so the same bits (linear + residual forward, both gradients)."""
+    x, w, b, r = (torch.randn(70, 48).half(), (torch.randn(56, 48) / 7).half(), torch.randn(56).half(),
+                  torch.randn(70, 56).half())
+    results = []
+    for tile in (TMA_TILE, TMA_TILE[:5]):
+        monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm, tile=tile: (tile,))
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with vk.use_backend("triton", strict=True):
+            y = vk.linear(*leaves, residual=r)
+            y.backward(torch.ones_like(y))
+        results.append([y.detach()] + [leaf.grad for leaf in leaves])
+    for tma, pointer in zip(*results):
+        assert torch.equal(tma, pointer)
+
+
+def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(monkeypatch):
+    """Rows of 20 halves (40 bytes: not 16-byte aligned), a float32 operand, a column-strided view
+    and data starting 2 bytes into a buffer: the TMA tile's dimensions run through the pointer
+    kernel, with the right answer."""
+    assert linear.tma_transposed(torch.empty(8, 24, dtype=torch.half)) is False
+    assert linear.tma_transposed(torch.empty(24, 8, dtype=torch.half).t()) is True
+    assert linear.tma_transposed(torch.empty(8, 20, dtype=torch.half)) is None
+    assert linear.tma_transposed(torch.empty(8, 24)) is None
+    assert linear.tma_transposed(torch.empty(8, 48, dtype=torch.half)[:, ::2]) is None
+    assert linear.tma_transposed(torch.empty(8 * 24 + 1, dtype=torch.half)[1:].view(8, 24)) is None
+    monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm: (TMA_TILE,))
+    kernels = spy_kernels(monkeypatch)
+    x, w, b = torch.randn(50, 20).half(), (torch.randn(36, 20) / 5).half(), torch.randn(36).half()
+    with vk.use_backend("triton", strict=True):
+        y = vk.linear_gelu(x, w, b)
+    torch.testing.assert_close(y.float(), F.gelu(F.linear(x.float(), w.float(), b.float())), atol=2e-3, rtol=2e-3)
+    assert kernels == ["_linear_kernel"]
+
+
+def test_no_tma_kernel_while_tracing():
+    """Under fake tensors (torch.compile's tracing) a TMA tile runs the pointer kernel: the graph
+    holds plain tensor arguments, and nothing asks a fake tensor for its address."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b = torch.empty(64, 32, dtype=torch.half), torch.empty(32, 48, dtype=torch.half)
+    assert linear.tma_possible(a, b)
+    with FakeTensorMode() as mode:
+        assert not linear.tma_possible(mode.from_tensor(a), mode.from_tensor(b))
 
 
 @pytest.mark.parametrize("epilogue", ["bias+residual", "gelu", "gelu_grad", "split"])
@@ -187,6 +282,10 @@ def test_the_compile_gate_records_every_candidate():
               l.kwargs["num_stages"]) for l in launches if l.kernel.fn.__name__ == "_linear_kernel"]
     gemms = 2 + 4  # forward fc1, fc2; backward dW2, dZ, dX, dW1
     assert tiles == list(linear.GEMM_TILES_16BIT) * gemms
+    # the ViT's 16-bit operands are all readable by descriptors: the TMA kernel's tiles too, each GEMM
+    tma_tiles = [(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["BLOCK_K"], l.kwargs["num_warps"],
+                  l.kwargs["num_stages"], linear.TMA) for l in launches if l.kernel.fn.__name__ == "_linear_tma_kernel"]
+    assert tma_tiles == list(linear.GEMM_TILES_TMA) * gemms
     small = linear.gemm_candidates(dt, 50, 3072)
     assert small and all(tile[0] <= 64 for tile in small)
     assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32

@@ -56,8 +56,10 @@ def pin(monkeypatch, module, name: str, tile) -> list:
     return launched
 
 
-def tile_id(tile: tuple[int, ...]) -> str:
-    return "x".join(map(str, tile[:-2])) + f"-w{tile[-2]}s{tile[-1]}"
+def tile_id(tile: tuple) -> str:
+    """(blocks..., warps, stages[, variant]) as text."""
+    *blocks, warps, stages = tile[:5] if len(tile) == 6 else tile
+    return "x".join(map(str, blocks)) + f"-w{warps}s{stages}" + "".join(f"-{v}" for v in tile[5:])
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -107,7 +109,8 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
 def gemm_cases(op: str) -> list:
     return [
         cuda_param(dtype, tile, id=f"{op}-{DTYPE_NAMES[dtype]}-{tile_id(tile)}", skip_reason=SKIP)
-        for dtypes, tiles in (((torch.float16, torch.bfloat16), linear.GEMM_TILES_16BIT),
+        for dtypes, tiles in (((torch.float16, torch.bfloat16),
+                               linear.GEMM_TILES_16BIT + (linear.GEMM_TILES_TMA if op != "patch_embed" else ())),
                               ((torch.float32,), linear.GEMM_TILES_FP32))
         for dtype in dtypes
         for tile in tiles
@@ -115,8 +118,9 @@ def gemm_cases(op: str) -> list:
 
 
 # 12 x 197 rows: the weight gradients' K (= rows) is deep enough for split-K on a GPU; widths that
-# no tile divides, so every tile has masked edges.
-ROWS, K, N = (12, LENGTH), 200, 300
+# no tile divides, so every tile has masked edges, whose 16-bit rows are 16-byte aligned (400 and
+# 608 bytes), so that TMA descriptors read every operand of the TMA kernel's tiles.
+ROWS, K, N = (12, LENGTH), 200, 304
 
 
 def linear_inputs(n_out: int = N) -> list:

@@ -21,6 +21,10 @@ try:
     import triton.language as tl
 
     HAS_TRITON = True
+    try:  # host-side TMA descriptors (triton 3.4+)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older triton: the TMA kernels are not offered
+        TensorDescriptor = None
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAS_TRITON = False
 
@@ -29,6 +33,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
     triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length())
     tl = types.SimpleNamespace(constexpr=object)
+    TensorDescriptor = None
 
 
 if HAS_TRITON:
@@ -130,4 +135,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "Launch", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]
+__all__ = ["HAS_TRITON", "Launch", "TensorDescriptor", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]

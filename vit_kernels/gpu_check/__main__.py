@@ -54,6 +54,8 @@ def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
             for variant in expand(launch):
                 keys = {}
                 for capability in targets:
+                    if capability < getattr(variant.kernel, "min_capability", 0):
+                        continue  # a kernel the launchers offer on newer GPUs only
                     bound = bind(variant, capability)
                     jobs.setdefault(bound.key, (variant, capability, bound))
                     keys[capability] = bound.key
@@ -114,7 +116,9 @@ def main(argv=None) -> int:
         for axis, (size, limit) in enumerate(zip(variant.grid, GRID_LIMITS)):
             if size > limit:
                 failures.append(f"{label}: grid axis {'xyz'[axis]} = {size} over CUDA's {limit}")
-        key = keys_by_target[targets[-1]]
+        if not keys_by_target:
+            continue
+        key = keys_by_target[max(keys_by_target)]
         signature = (key, tuple(sorted(variant.int_args().items())), variant.grid)
         if signature in checked or results[key].error:
             continue

@@ -145,6 +145,7 @@ class Resources:
     num_warps: int = 0
     ctas_per_sm: int = 0
     tensor_cores: str = "none"  # wgmma, mma, or none
+    tma: bool = False  # tiles copied by the Tensor Memory Accelerator (cp.async.bulk.tensor)
     error: Optional[str] = None
     ttir: str = ""
 
@@ -168,7 +169,7 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
     return Resources(
         registers=usage["REG"], spill_bytes=usage["LOCAL"], stack_bytes=usage["STACK"], shared_bytes=shared,
         num_warps=warps, ctas_per_sm=ctas_per_sm(capability, usage["REG"], warps, shared),
-        tensor_cores=tensor_cores, ttir=compiled.asm["ttir"],
+        tensor_cores=tensor_cores, tma="cp.async.bulk.tensor" in ptx, ttir=compiled.asm["ttir"],
     )
 
 

@@ -1,6 +1,6 @@
 """The compile gate's report: one JSON row per compiled variant and target, and a markdown table
 per target summarising each kernel (variants, registers, spills, shared memory, CTAs per SM,
-tensor cores)."""
+tensor cores, TMA copies)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _rows(jobs, results, launches) -> list[dict]:
             "registers": resources.registers, "spill_bytes": resources.spill_bytes,
             "stack_bytes": resources.stack_bytes, "shared_bytes": resources.shared_bytes,
             "num_warps": resources.num_warps, "ctas_per_sm": resources.ctas_per_sm,
-            "tensor_cores": resources.tensor_cores, "error": resources.error,
+            "tensor_cores": resources.tensor_cores, "tma": resources.tma, "error": resources.error,
             "used_by": sorted(used_by[key]),
         })
     return sorted(rows, key=lambda r: (r["target"], r["kernel"], r["config"]))
@@ -41,16 +41,18 @@ def summary_table(rows: list[dict], target: str) -> str:
         if row["target"] == target and not row["error"]:
             by_kernel[row["kernel"]].append(row)
     lines = [
-        f"| kernel ({target}) | variants | registers | spill bytes | shared KB | CTAs/SM | tensor cores |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        f"| kernel ({target}) | variants | registers | spill bytes | shared KB | CTAs/SM | tensor cores | TMA loads |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for kernel, group in sorted(by_kernel.items()):
         regs = [r["registers"] for r in group]
         ctas = [r["ctas_per_sm"] for r in group]
         shared = max(r["shared_bytes"] for r in group) / 1024
         cores = ", ".join(sorted({r["tensor_cores"] for r in group}))
+        tma = sum(bool(r.get("tma")) for r in group)
+        tma = "every variant" if tma == len(group) else "none" if tma == 0 else f"{tma} of {len(group)}"
         lines.append(f"| `{kernel}` | {len(group)} | {min(regs)}-{max(regs)} | {max(r['spill_bytes'] for r in group)} "
-                     f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} |")
+                     f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} | {tma} |")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -18,10 +19,11 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
-from vit_kernels._autograd import differentiable, direct
+from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, multiprocessors, tl, triton
+from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, dot_precision, interpreted, launch, multiprocessors,
+                                 recording, tl, triton)
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
@@ -62,7 +64,12 @@ def _gelu_grad(z, TANH: tl.constexpr):
 def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's (tile row, tile column) of an M x N output, in groups of GROUP_M tile rows
     so that neighbouring programs share B tiles in L2."""
-    pid = tl.program_id(0)
+    return grouped_tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def grouped_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile number ``pid``'s (tile row, tile column) in the grouped order of ``grouped_tile``."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * tiles_n
     first_m = (pid // group) * GROUP_M
@@ -124,7 +131,20 @@ def _linear_kernel(
     if SUMS == 2:
         if pid_n == 0:
             tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=mask_m)
+    _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
+                   stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+                   HAS_BIAS, EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, SUMS)
 
+
+@triton.jit
+def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
+                   stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+                   HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr,
+                   SAVE_PREACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr):
+    """The GEMM kernels' epilogue on one (BLOCK_M x BLOCK_N) fp32 tile ``acc`` of C (see
+    ``_linear_kernel``): bias, GELU or GELU', residual, the column sums, the one store of C."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m[:, None].to(tl.int64)
     cols = offs_n[None, :].to(tl.int64)
@@ -142,6 +162,60 @@ def _linear_kernel(
     if SUMS == 1:
         tl.store(Sums + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, acc, 0.0), 0), mask=mask_n)
     tl.store(C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols, acc.to(C.dtype.element_ty), mask=mask)
+
+
+
+# The same GEMM and epilogue for Hopper (sm_90+) and 16-bit operands: persistent (one program per
+# multiprocessor walks the (K slice, tile) work items, tiles in grouped_tile order) and A, B tiles
+# loaded by the Tensor Memory Accelerator from tensor descriptors (TMA: one asynchronous bulk copy
+# per tile into shared memory, zero-filled past M, N and K, so the K loop has no masks and no
+# address arithmetic). A descriptor is over the operand's row-major view: A (M, K) itself, or the
+# (K, M) matrix whose transpose A is (A_T: dY^T of a weight gradient); B (K, N), or the (N, K)
+# matrix whose transpose B is (B_T: W^T of a forward). K slices start at multiples of BLOCK_K.
+@triton.jit
+def _linear_tma_kernel(
+    A_desc, B_desc, C, Bias, Aux, Residual, Sums,
+    M, N, K, k_per_split, slices,
+    stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr,
+    B_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for item in range(tl.program_id(0), tiles * slices, tl.num_programs(0)):
+        pid_k = item // tiles
+        pid_m, pid_n = grouped_tile_of(item % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        first_m = pid_m * BLOCK_M
+        first_n = pid_n * BLOCK_N
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        a_sums = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start_k in range(k_start, k_end, BLOCK_K):
+            if A_T:
+                a = A_desc.load([start_k, first_m]).T
+            else:
+                a = A_desc.load([first_m, start_k])
+            if B_T:
+                b = B_desc.load([first_n, start_k]).T
+            else:
+                b = B_desc.load([start_k, first_n])
+            if SUMS == 2:
+                if pid_n == 0:
+                    a_sums += tl.sum(a.to(tl.float32), 1)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        offs_m = first_m + tl.arange(0, BLOCK_M)
+        offs_n = first_n + tl.arange(0, BLOCK_N)
+        if SUMS == 2:
+            if pid_n == 0:
+                tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=offs_m < M)
+        _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
+                       stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+                       HAS_BIAS, EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, SUMS)
+
+
+_linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible): the compile gate skips sm_80
 
 
 # The linear_gelu backward's epilogue pass (its dY comes from outside, so it cannot ride in a GEMM
@@ -189,6 +263,16 @@ GEMM_TILES_16BIT = (
     (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
 )
 GEMM_TILES_FP32 = ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
+# The persistent TMA kernel's tiles (``_linear_tma_kernel``; a tile's sixth entry names the
+# variant), offered beside the table above on sm_90+ for 16-bit operands that TMA can read (one unit
+# stride, the other 16-byte aligned, 16-byte aligned data): the shapes of Triton's persistent
+# Hopper matmul (128 x 256 and 128 x 128 with 8 warps as two warpgroups, 3-4 stages of 32-48 KB).
+# Never the default: the user's GPU validates and times them against the pointer kernel's tiles.
+TMA = "tma"
+GEMM_TILES_TMA = (
+    (128, 256, 64, 8, 3, TMA), (128, 128, 64, 8, 4, TMA), (256, 128, 64, 8, 3, TMA), (128, 128, 64, 4, 4, TMA),
+    (128, 128, 128, 8, 3, TMA),
+)
 GEMM_INTERPRETER_TILE = (32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
 GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles shared in L2)
 MAX_BLOCK_K = max(tile[2] for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32)  # split-K slices are multiples of it
@@ -197,8 +281,8 @@ GEMM_CHOOSER = TileChooser("GEMM")
 
 
 def gemm_config(tile: tuple) -> dict:
-    """A (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tile as the GEMM kernels' launch keywords."""
-    block_m, block_n, block_k, warps, stages = tile
+    """A (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, variant]) tile as the GEMM kernels' launch keywords."""
+    block_m, block_n, block_k, warps, stages = tile[:5]
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": GEMM_GROUP_M,
             "num_warps": warps, "num_stages": stages}
 
@@ -206,13 +290,48 @@ def gemm_config(tile: tuple) -> dict:
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
 
 
-def gemm_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:
-    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: the dtype's table,
-    without tiles much larger than the problem (at most max(64, m) rows and max(64, n) columns;
-    the table's smallest tile where none is left)."""
+def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
+    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: the dtype's table
+    (with the TMA kernel's where ``tma``), without tiles much larger than the problem (at most
+    max(64, m) rows and max(64, n) columns; the table's smallest tile where none is left)."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
+    tiles += GEMM_TILES_TMA if tma else ()
     fitting = tuple(t for t in tiles if t[0] <= max(64, m) and t[1] <= max(64, n))
     return fitting or tiles[-1:]
+
+
+def tma_transposed(t: torch.Tensor) -> Optional[bool]:
+    """How the TMA kernel reads a 2-D 16-bit operand: False by a descriptor over ``t`` (unit column
+    stride), True by one over ``t.t()`` (unit row stride), None where a descriptor cannot (no unit
+    stride, the other stride or the data not 16-byte aligned, a dimension of size 0)."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0 or t.data_ptr() % 16:
+        return None
+    rows, cols = t.stride()
+    aligned = 16 // t.element_size()
+    if cols == 1 and rows % aligned == 0:
+        return False
+    if rows == 1 and cols % aligned == 0:
+        return True
+    return None
+
+
+def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the TMA kernel can run a @ b: Hopper or newer (the compile gate's meta tensors count
+    as one, and the interpreter), both operands readable by descriptors, and not while tracing (torch.compile: the
+    pointer kernel with the same tile dimensions runs there, as it does for a misaligned operand)."""
+    if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
+        return False
+    if a.device.type == "meta":
+        return recording()
+    if interpreted(a.device):  # the tests run it under the interpreter where they pin its tiles
+        return True
+    return a.device.type == "cuda" and _hopper_or_newer(a.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device: torch.device) -> bool:
+    """Whether a CUDA device has TMA (compute capability 9.0+); asked once per device."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tile_report() -> list[dict]:
@@ -307,28 +426,37 @@ class _Gemm:
     def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
         SAVE_PREACT) -> the partial sums asked for (float32: per tile row (cdiv(M, BLOCK_M), N) of C's
-        columns, per K slice (slices, M) of A's rows), else None."""
+        columns, per K slice (slices, M) of A's rows), else None. A tile naming the TMA variant runs
+        ``_linear_tma_kernel``, else ``_linear_kernel``."""
         a, b, bias, residual = self.a, self.b, self.bias, self.residual
         m, k = a.shape
         n = b.shape[1]
         config = gemm_config(tile)
         tile_rows = triton.cdiv(m, config["BLOCK_M"])
-        grid = (tile_rows * triton.cdiv(n, config["BLOCK_N"]), self.slices)
+        tiles = tile_rows * triton.cdiv(n, config["BLOCK_N"])
         partial = None
         if self.sums != SUMS_NONE:
             shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
             partial = torch.empty(shape, dtype=torch.float32, device=a.device)
-        res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
-        launch(
-            _linear_kernel, grid,
-            a, b, c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
-            partial if partial is not None else c, m, n, k, self.k_per_split,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), m * n if self.slices > 1 else 0, n,
-            bias.stride(0) if bias is not None else 0, aux.stride(0) if aux is not None else 0, *res_strides,
-            HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
-            HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype),
-            **config,
-        )
+        epilogue_args = (
+            c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
+            partial if partial is not None else c)
+        strides = (m * n if self.slices > 1 else 0, n, bias.stride(0) if bias is not None else 0,
+                   aux.stride(0) if aux is not None else 0,
+                   *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)))
+        flags = dict(HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
+                     HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype))
+        if tile[5:] == (TMA,) and tma_possible(a, b):
+            a_t, b_t = tma_transposed(a), tma_transposed(b)
+            bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+            a_desc = TensorDescriptor.from_tensor(a.t(), [bk, bm]) if a_t else TensorDescriptor.from_tensor(a, [bm, bk])
+            b_desc = TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_t else TensorDescriptor.from_tensor(b, [bk, bn])
+            grid = (min(tiles * self.slices, multiprocessors(a.device)),)
+            launch(_linear_tma_kernel, grid, a_desc, b_desc, *epilogue_args, m, n, k, self.k_per_split, self.slices,
+                   *strides, **flags, A_T=a_t, B_T=b_t, **config)
+            return partial
+        launch(_linear_kernel, (tiles, self.slices), a, b, *epilogue_args, m, n, k, self.k_per_split,
+               a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides, **flags, **config)
         return partial
 
     def key(self) -> tuple:
@@ -401,7 +529,8 @@ class _Gemm:
 def _matmul_tiles(gemm: _Gemm) -> tuple:
     """The tile(s) ``_matmul`` launches: see ``vit_kernels._tiles.tiles_to_launch``."""
     return tiles_to_launch(GEMM_CHOOSER, gemm.a.device, gemm.key, GEMM_INTERPRETER_TILE,
-                           lambda: gemm_candidates(gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1])),
+                           lambda: gemm_candidates(gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]),
+                                                   tma_possible(gemm.a, gemm.b)),
                            gemm.trial)
 
 
