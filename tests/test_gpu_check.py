@@ -17,7 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from vit_kernels import backend  # noqa: E402
-from vit_kernels._triton import recording_launches  # noqa: E402
+from vit_kernels._triton import H100_MULTIPROCESSORS, recording_launches  # noqa: E402
 from vit_kernels.gpu_check import cases  # noqa: E402
 from vit_kernels.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
 from vit_kernels.gpu_check.int_range import find_overflows  # noqa: E402
@@ -31,18 +31,21 @@ def meta(dtype, *shape):
 
 def test_launchers_record_gpu_configs_on_meta_tensors():
     """A linear forward on meta tensors records one launch per GEMM candidate tile (what a GPU would
-    validate and time), each with its grid computed from its tile."""
+    validate and time), each with its grid computed from its tile: the pointer kernel's table, then
+    the persistent TMA kernel's (one program per SM of an H100, at most one per tile)."""
     x, w = meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768)
     with recording_launches() as launches:
         out = linear.linear_gelu_triton(x, w, meta(torch.bfloat16, 3072))
     assert out.shape == (64, 197, 3072)
     variants = [v for launch in launches for v in expand(launch)]
     tiles = [(v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
-              v.kwargs["num_stages"]) for v in variants]
-    assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072)) == list(linear.GEMM_TILES_16BIT)
+              v.kwargs["num_stages"]) + ((linear.TMA,) if v.name == "_linear_tma_kernel" else ()) for v in variants]
+    assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
+    assert tiles == list(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA)
     for v in variants:
         blocks = triton.cdiv(64 * 197, v.kwargs["BLOCK_M"]) * triton.cdiv(3072, v.kwargs["BLOCK_N"])
-        assert v.grid == (blocks, 1, 1)
+        persistent = v.name == "_linear_tma_kernel"
+        assert v.grid == ((min(blocks, H100_MULTIPROCESSORS) if persistent else blocks), 1, 1)
     assert all(v.kwargs["BLOCK_K"] >= 64 for v in variants)  # 16-bit operands: the tensor-core tiles only
 
 
@@ -78,6 +81,24 @@ def test_a_recorded_launch_compiles_for_a_real_gpu(capability):
     assert resources.error is None
     assert 16 <= resources.registers <= 255 and resources.spill_bytes == 0
     assert resources.ctas_per_sm >= 1 and "tt.func" in resources.ttir
+
+
+def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
+    """The persistent TMA GEMM's 128 x 128 x 64 tile (bf16, ViT-B fc1 with bias + GELU) compiled for
+    sm_90: its A and B tiles arrive by bulk tensor copies (TMA) and feed wgmma, with no spills; the
+    pointer kernel's same tile has no TMA copy. The gate compiles the TMA kernel for sm_90 only."""
+    x, w, b = meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)
+    with recording_launches() as launches:
+        linear.linear_gelu_triton(x, w, b)
+    picked = {}
+    for launch in launches:
+        (variant,) = expand(launch)
+        if (variant.kwargs["BLOCK_M"], variant.kwargs["BLOCK_N"], variant.kwargs["num_warps"]) == (128, 128, 8):
+            picked.setdefault(variant.name, variant)
+    tma, pointer = (compile_variant(v, 90, bind(v, 90)) for v in (picked["_linear_tma_kernel"], picked["_linear_kernel"]))
+    assert tma.error is None and tma.spill_bytes == 0 and tma.tma and tma.tensor_cores == "wgmma"
+    assert pointer.error is None and not pointer.tma
+    assert linear._linear_tma_kernel.min_capability == 90
 
 
 @triton.jit

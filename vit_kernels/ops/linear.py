@@ -316,9 +316,9 @@ def tma_transposed(t: torch.Tensor) -> Optional[bool]:
 
 
 def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the TMA kernel can run a @ b: Hopper or newer (the compile gate's meta tensors count
-    as one, and the interpreter), both operands readable by descriptors, and not while tracing (torch.compile: the
-    pointer kernel with the same tile dimensions runs there, as it does for a misaligned operand)."""
+    """Whether the TMA kernel can run a @ b: on Hopper or newer (the compile gate's meta tensors and
+    the interpreter count as such), both operands readable by descriptors, not while tracing
+    (torch.compile). Where it cannot, a TMA tile runs the pointer kernel with its dimensions."""
     if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
         return False
     if a.device.type == "meta":
