@@ -113,6 +113,12 @@ def recording() -> bool:
     return _recorder.get() is not None
 
 
+def as_on_a_gpu(device) -> bool:
+    """Whether launchers and support checks treat tensors of ``device`` as a GPU's: CUDA tensors, and
+    meta tensors while launches are recorded (the compile gate; ``benchmarks.block_traffic``)."""
+    return device.type == "cuda" or (device.type == "meta" and recording())
+
+
 def recording_every_candidate() -> bool:
     """Whether launches are being recorded with every candidate tile launched."""
     recorder = _recorder.get()
@@ -135,4 +141,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "Launch", "TensorDescriptor", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]
+__all__ = ["HAS_TRITON", "Launch", "TensorDescriptor", "as_on_a_gpu", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]

@@ -46,7 +46,7 @@ import torch
 from vit_kernels import _measure, _signature
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
-from vit_kernels._triton import recording
+from vit_kernels._triton import as_on_a_gpu, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
@@ -171,14 +171,12 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
     """Why Triton kernels cannot run on tensors of ``device``, or None when they can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if device.type == "cuda":
+    if as_on_a_gpu(device):  # meta tensors: launches recorded, not run (vit_kernels._triton.recording_launches)
         return None
     if device.type == "cpu":
         if not TRITON_INTERPRET:
             return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
         return None
-    if device.type == "meta" and recording():
-        return None  # launches are recorded, not run (vit_kernels._triton.recording_launches)
     return f"Triton kernels do not run on {device.type} tensors"
 
 

@@ -21,7 +21,7 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, recording, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, as_on_a_gpu, dot_precision, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -911,7 +911,7 @@ def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[st
     """The extension's attention runs on the CPU only: on CUDA its unfused scores-softmax-GEMM path
     loses to SDPA by 4-15x (1.34 vs 0.09 ms forward, 3.20 vs 0.83 ms forward+backward at ViT-B/16,
     B=128, bf16, H100), so it is not offered there at all."""
-    if device.type == "cuda" or (device.type == "meta" and recording()):
+    if as_on_a_gpu(device):
         return EXTENSION_CUDA_REASON
     return _ext.supports(device, dtype)
 

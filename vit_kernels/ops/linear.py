@@ -22,8 +22,8 @@ from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, dot_precision, interpreted, launch, multiprocessors,
-                                 recording, tl, triton)
+from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, as_on_a_gpu, dot_precision, interpreted, launch,
+                                 multiprocessors, tl, triton)
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
@@ -321,11 +321,9 @@ def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
     (torch.compile). Where it cannot, a TMA tile runs the pointer kernel with its dimensions."""
     if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
         return False
-    if a.device.type == "meta":
-        return recording()
     if interpreted(a.device):  # the tests run it under the interpreter where they pin its tiles
         return True
-    return a.device.type == "cuda" and _hopper_or_newer(a.device)
+    return as_on_a_gpu(a.device) and (a.device.type == "meta" or _hopper_or_newer(a.device))
 
 
 @functools.lru_cache(maxsize=None)
