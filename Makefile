@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all test-gpu test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
+.PHONY: install lint test-cuda-sim demo test test-all test-gpu test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,6 +27,13 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu 
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# ruff (rules in pyproject.toml) over the whole tree: an undefined name in a branch no CPU test
+# reaches is found here in a second. ruff is installed on first use, not by `make install`.
+LINT_PATHS := vit_kernels vit benchmarks tests
+lint: $(STAMP)
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "ruff>=0.6"
+	$(PY) -m ruff check $(LINT_PATHS)
 
 demo: $(STAMP)
 	$(PY) -m vit.train --model vit_digits --dataset digits --epochs 200 --backend auto --out runs/demo

@@ -99,7 +99,7 @@ def _model_batches(text: str, what: str) -> list[tuple[str, int]]:
             get_config(model)
             pairs.append((model, int(batch)))
         except (KeyError, ValueError) as error:
-            raise SystemExit(f"{what}: expected MODEL:BATCH such as vit_digits:8, got {item!r} ({error})")
+            raise SystemExit(f"{what}: expected MODEL:BATCH such as vit_digits:8, got {item!r} ({error})") from None
         if pairs[-1][1] < 1:
             raise SystemExit(f"{what}: the batch must be positive, got {item!r}")
     return pairs

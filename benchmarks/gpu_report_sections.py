@@ -97,7 +97,7 @@ def ops_section(ctx: Context, budget: Budget) -> dict:
     rows = []
     for model, batch in QUICK_OP_SHAPES if ctx.quick else OP_SHAPES:
         shape = cases.shape_of(model, batch)
-        for op in budget.take(ctx.ops, lambda op: f"{op} {shape.label}"):
+        for op in budget.take(ctx.ops, lambda op, shape=shape: f"{op} {shape.label}"):
             case = cases.build_case(op, shape)
             rows += ops_bench.run_case(case, ctx.device, ctx.dtype, OP_MODES, ctx.measured_peaks, ctx.compile,
                                        interpreted_triton=False, meta=ctx.meta, extra=extra_implementations(case))

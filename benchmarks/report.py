@@ -26,7 +26,7 @@ def read_json(path: Path) -> dict[str, object]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise SystemExit(f"cannot read benchmark results from {path}: {error}")
+        raise SystemExit(f"cannot read benchmark results from {path}: {error}") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise SystemExit(f"{path} is not a benchmark results file (expected a JSON object with a 'rows' list)")
     return data

@@ -31,9 +31,9 @@ def _git(repo: Path, *args: str) -> bytes:
     try:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, timeout=120).stdout
     except FileNotFoundError:
-        raise SystemExit("git is not installed: python -m benchmarks ab needs it to export revisions")
+        raise SystemExit("git is not installed: python -m benchmarks ab needs it to export revisions") from None
     except subprocess.CalledProcessError as error:
-        raise SystemExit(f"git {' '.join(args)} failed in {repo}: {error.stderr.decode().strip()}")
+        raise SystemExit(f"git {' '.join(args)} failed in {repo}: {error.stderr.decode().strip()}") from None
 
 
 def repo_root(start: Path) -> Path:
@@ -50,7 +50,7 @@ def resolve(repo: Path, revision: str) -> str:
                               capture_output=True, check=True, text=True, timeout=60).stdout.strip()
     except subprocess.CalledProcessError:
         raise SystemExit(f"--baseline/--candidate: {revision!r} is not a commit in {repo} "
-                         f"(a shallow clone may lack it: fetch it first, e.g. git fetch --deepen=1)")
+                         f"(a shallow clone may lack it: fetch it first, e.g. git fetch --deepen=1)") from None
 
 
 def _extensions(root: Path) -> list[Path]:

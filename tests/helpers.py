@@ -213,7 +213,7 @@ def check_against_formula(
         assert g is not None, f"no gradient for {name}"
         parts = (grad_parts or {}).get(name, (name,))
 
-        def split(t):
+        def split(t, parts=parts):
             return t.chunk(len(parts), -1) if len(parts) > 1 else (t,)
 
         own = split(own_grads[i]) if own_grads is not None else [None] * len(parts)

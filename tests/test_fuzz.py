@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import pytest
@@ -212,7 +211,7 @@ def linear_cases(draw) -> dict:
 def linear_inputs(case: dict, second: bool = False) -> tuple[list, torch.Size]:
     """x (..., K), W (N, K) or W1 (Hd, K), b, [W2 (N, Hd), b2], residual (..., N)."""
     sample = drawer(case)
-    dtype, k, n = case["dtype"], case["k"], case["n"]
+    k, n = case["k"], case["n"]
     rows = case["batch"]
     x_shape = (*rows, k) if len(rows) else (k,)
     x = sample(x_shape, case["x_layout"] if len(rows) else "contiguous", case["scale"])

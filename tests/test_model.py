@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import vit
-from vit.model import ViTConfig, sincos_pos_embed
+from vit.model import sincos_pos_embed
 from tests.helpers import requires_cuda
 
 TIMM_COUNTS = {
@@ -141,7 +141,7 @@ def test_model_on_triton_backend_matches_torch(name, overrides):
         results[choice] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
     for n, g in results["torch"][1].items():
-        torch.testing.assert_close(results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:

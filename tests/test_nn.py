@@ -38,7 +38,7 @@ def test_block_equals_transformer_encoder_layer(norm_first, act):
         layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
         layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
     ]):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_block_returns_attention_probabilities():

@@ -19,7 +19,7 @@ def _assert_same_outputs_and_grads(model, reference, x):
     (out * weights).sum().backward()
     (expected * weights).sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

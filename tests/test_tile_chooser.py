@@ -80,7 +80,7 @@ def test_the_compile_gate_records_every_candidate(dtype, head_dim):
 
 def test_no_listed_tile_is_one_the_h100_found_wrong():
     """(32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at 16-bit head dims 80-128 on an H100."""
-    for dq, dkdv in attention.ATTENTION_BWD_TILES[(False, 128)]:
+    for _dq, dkdv in attention.ATTENTION_BWD_TILES[(False, 128)]:
         assert dkdv not in ((32, 64, 8, 2), (32, 64, 4, 2)), dkdv
 
 

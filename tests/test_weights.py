@@ -280,7 +280,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(drop_path_rate, drop_ra
     assert (plain_calls, calls) == (1, 2), "checkpointing recomputes each block (its first layer at least) in backward"
     torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
     for name, grad in plain_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     model.eval().set_grad_checkpointing(True)
     calls = []
     hook = model.blocks[0].norm1.register_forward_hook(lambda *_: calls.append(1))

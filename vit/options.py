@@ -39,7 +39,7 @@ def _number(kind: type, low: float, high: float, low_open: bool = False) -> Call
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
         if value < low or value > high or (low_open and value == low):
@@ -64,7 +64,7 @@ def device(text: str) -> str:
     try:
         parsed = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
@@ -99,7 +99,7 @@ def checkpoint_path(text: str) -> str:
     try:
         return str(resolve(Path(text).expanduser()))
     except CheckpointError as error:
-        raise argparse.ArgumentTypeError(str(error))
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class OneLineErrors(argparse.ArgumentParser):

@@ -424,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             traceback.print_exc()
         hint = "" if args.debug else " (--debug shows the traceback)"
         print(f"python -m vit.train: error: {error}{hint}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     except distributed.PeerLost as error:
         if args.debug:
             traceback.print_exc()
@@ -433,7 +433,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"({error}); the job stops. Continue from the last checkpoint with --resume.",
             file=sys.stderr, flush=True,
         )
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     if args.distributed == "none" or os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary), flush=True)
 

@@ -14,6 +14,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import torch
+
 from vit_kernels._autograd import tracing
 
 try:

@@ -46,7 +46,7 @@ def compare(
             continue
         got = patched_params[name].grad
         assert got is not None, f"{name} has no gradient after patching"
-        torch.testing.assert_close(got, param.grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, param.grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
         grad_diff = max(grad_diff, (got - param.grad).abs().max().item())
     return output_diff, grad_diff
 

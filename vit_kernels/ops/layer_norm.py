@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, interpreted, launch, multiprocessors, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, launch, multiprocessors, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)

@@ -1,0 +1,70 @@
+"""The simulated CUDA device's fixtures: every test runs on an sm_90 (H100) and an sm_80 (A100)
+device, with ``auto`` measuring (as a user's first call does), and fails on any exception that the
+runtime caught: a candidate that ``auto`` or a tile chooser excluded because it raised, or the
+warning ``auto`` gives when it drops an implementation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+os.environ["VIT_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-kernels-cuda-sim-cache-")
+os.environ.pop("TRITON_INTERPRET", None)  # launchers must take their GPU paths
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import vit_kernels as vk  # noqa: E402
+from vit_kernels import _ext, _signature, _tiles, backend  # noqa: E402
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed  # noqa: E402
+from tests.cuda_sim.device import SimulatedCudaTensor, simulated_cuda  # noqa: E402
+
+ARCHS = (90, 80)
+CHOOSERS = [value for module in (attention, layer_norm, linear, patch_embed) for value in vars(module).values()
+            if isinstance(value, _tiles.TileChooser)]
+LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the session, per architecture
+
+_untimeable = _signature.untimeable
+
+
+def _untimeable_unless_simulated(args) -> bool:
+    """Dispatch never times tensor subclasses; the simulated device's tensors stand for plain CUDA
+    tensors, so they are timed as those would be (the rest of the rule unchanged)."""
+    plain = torch.zeros(())
+    return _untimeable([plain if isinstance(a, SimulatedCudaTensor) else a for a in args])
+
+
+def exceptions_caught() -> list[str]:
+    """Every candidate that auto or a tile chooser excluded because it raised."""
+    found = []
+    for signature, entry in backend._measured.items():
+        for name, outcome in entry["candidates"].items():
+            if isinstance(outcome, str) and "raised" in outcome:
+                found.append(f"auto, {signature}, {name}: {outcome}")
+    for chooser in CHOOSERS:
+        for key, choice in chooser.report().items():
+            for tile, trial in choice.trials.items():
+                if isinstance(trial, str) and "raised" in trial:
+                    found.append(f"{chooser.name}, {key}, {tile}: {trial}")
+    return found
+
+
+@pytest.fixture(params=ARCHS, ids=lambda arch: f"sm{arch}")
+def sim(request, monkeypatch):
+    """A fresh simulated device of the parametrised architecture, measuring from scratch."""
+    backend.clear_decisions()
+    backend._disk.clear()
+    for chooser in CHOOSERS:
+        chooser.forget()
+    vk.set_autotune(True, cache_dir=False)
+    monkeypatch.setattr(_signature, "untimeable", _untimeable_unless_simulated)
+    monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # a build with the CUDA kernels, run through their fakes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # auto's warning that it dropped an implementation
+        with simulated_cuda(request.param) as recorder:
+            yield recorder
+    LAUNCHES[request.param].extend(recorder.launches)
+    caught = exceptions_caught()
+    vk.set_backend("auto")
+    assert not caught, "exceptions caught on the simulated CUDA device:\n" + "\n".join(caught)

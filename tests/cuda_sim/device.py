@@ -1,0 +1,198 @@
+"""A simulated CUDA device: the host code a GPU user runs, down to the kernel launch, on this CPU.
+
+Tensors made on device ``cuda`` inside ``simulated_cuda(arch)`` are ``SimulatedCudaTensor``s: meta
+tensors to PyTorch's C++ core (shapes, strides and dtypes propagate through every aten op and the
+autograd engine, with no memory and no driver) that report device ``cuda:0`` to Python code. So every
+``device.type == "cuda"`` branch of ``vit_kernels`` runs, forward and backward, exactly as on a GPU.
+Inside PyTorch's own ops (its Python meta kernels allocate outputs on their inputs' device) the tensors
+report ``meta``.
+
+What a GPU would do is intercepted at four points only:
+
+* the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
+  (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly;
+* Triton launches: ``JITFunction.run`` records each launch (kernel, grid, arguments) instead of
+  compiling and running it; ``compile_launches`` compiles the recorded variants for the architecture;
+* reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
+  (there is no data), so validation code runs each comparison and finds every candidate right;
+* timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms.
+
+Nothing else is patched: dispatch, tile choosers, validation and the launchers run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from dataclasses import dataclass
+from typing import Iterator
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+ARCHITECTURES = {
+    90: dict(name="NVIDIA H100 80GB HBM3 (simulated)", major=9, minor=0, multi_processor_count=132,
+             total_memory=80 * 2**30, L2_cache_size=50 * 2**20, shared_memory_per_block_optin=232448,
+             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, warp_size=32),
+    80: dict(name="NVIDIA A100-SXM4-80GB (simulated)", major=8, minor=0, multi_processor_count=108,
+             total_memory=80 * 2**30, L2_cache_size=40 * 2**20, shared_memory_per_block_optin=166912,
+             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, warp_size=32),
+}
+
+_inside_torch = threading.local()
+_tensor_device = torch._C.TensorBase.device.__get__
+_VALUE_READS = {torch.Tensor.item: 0, torch.Tensor.__bool__: False, torch.Tensor.__float__: 0.0,
+                torch.Tensor.__int__: 0, torch.Tensor.__index__: 0}
+
+
+def _depth() -> int:
+    return getattr(_inside_torch, "depth", 0)
+
+
+class SimulatedCudaTensor(torch.Tensor):
+    """A meta tensor that Python code outside PyTorch's own ops sees on ``cuda:0``."""
+
+    @property
+    def device(self) -> torch.device:
+        return _tensor_device(self) if _depth() else torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self) -> bool:
+        return not _depth()
+
+    @property
+    def is_meta(self) -> bool:
+        return bool(_depth())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _VALUE_READS:
+            return _VALUE_READS[func]
+        if func is torch.Tensor.tolist:
+            return tree_map(lambda _: 0, torch._C.TensorBase.tolist(torch.zeros(args[0].shape)))
+        _inside_torch.depth = _depth() + 1
+        try:
+            return super().__torch_function__(func, types, args, kwargs)
+        finally:
+            _inside_torch.depth -= 1
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # tensor.to(0) / new_empty(device=0): a CUDA ordinal
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _simulated(t):
+    if isinstance(t, torch.Tensor) and not isinstance(t, SimulatedCudaTensor) and _tensor_device(t).type == "meta":
+        return t.as_subclass(SimulatedCudaTensor)
+    return t
+
+
+_MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.new_empty, torch.Tensor.new_zeros,
+          torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_tensor)
+
+
+class _CudaAsMeta(TorchFunctionMode):
+    """Factory calls and moves to ``cuda`` make simulated tensors instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        moved = False
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"], moved = "meta", True
+        if func in (torch.Tensor.to, torch.Tensor.cuda):
+            if func is torch.Tensor.cuda or any(_is_cuda(a) for a in args[1:]):
+                moved = True
+                args = (args[0], *("meta" if _is_cuda(a) else a for a in args[1:]))
+                if func is torch.Tensor.cuda:
+                    func, args = torch.Tensor.to, (args[0], "meta")
+            elif isinstance(args[0], SimulatedCudaTensor) or any(isinstance(a, SimulatedCudaTensor) for a in args[1:]):
+                moved = True  # .to(dtype) / .to(other_tensor) of a simulated tensor stays simulated
+        if not moved and func in _MOVES and isinstance(args[0], SimulatedCudaTensor):
+            moved = True
+        out = func(*args, **kwargs)
+        return tree_map(_simulated, out) if moved else out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded Triton launch: the JITFunction, its grid as given, the arguments as passed."""
+
+    kernel: object
+    grid: object
+    args: tuple
+    kwargs: dict
+
+
+class Recorder:
+    """The launches made inside one ``simulated_cuda`` block."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+        self.launches: list[Launch] = []
+
+    def kernels(self) -> set[str]:
+        return {launch.kernel.fn.__name__ for launch in self.launches}
+
+
+def _fake_do_bench(fn, *args, **kwargs) -> float:
+    fn()
+    fn()
+    return 1.0
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 1.0
+
+
+@contextlib.contextmanager
+def simulated_cuda(arch: int = 90) -> Iterator[Recorder]:
+    """Inside the block, ``device="cuda"`` gives simulated tensors on a device of ``arch`` (90 or 80)
+    and Triton launches are recorded in the yielded ``Recorder``."""
+    from triton.runtime.jit import JITFunction
+
+    recorder = Recorder(arch)
+    props = types.SimpleNamespace(**ARCHITECTURES[arch])
+
+    def record(self, *args, grid, warmup, **kwargs):
+        grid = grid(kwargs) if callable(grid) else grid
+        recorder.launches.append(Launch(self, tuple(grid), args, kwargs))
+
+    cuda = torch.cuda
+    patches = [
+        mock.patch.object(cuda, "is_available", lambda: True),
+        mock.patch.object(cuda, "device_count", lambda: 1),
+        mock.patch.object(cuda, "current_device", lambda: 0),
+        mock.patch.object(cuda, "get_device_properties", lambda device=None: props),
+        mock.patch.object(cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
+        mock.patch.object(cuda, "get_device_name", lambda device=None: props.name),
+        mock.patch.object(cuda, "synchronize", lambda device=None: None),
+        mock.patch.object(cuda, "is_current_stream_capturing", lambda: False),
+        mock.patch.object(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8)),
+        mock.patch.object(cuda, "set_rng_state", lambda state, device="cuda": None),
+        mock.patch.object(cuda, "manual_seed", lambda seed: None),
+        mock.patch.object(cuda, "Event", _Event),
+        mock.patch.object(JITFunction, "run", record),
+        mock.patch("triton.testing.do_bench", _fake_do_bench),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(_CudaAsMeta())
+        yield recorder
