@@ -5,6 +5,8 @@ compile gate, and the attention's check catches a dK as wrong as the one an H100
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -167,3 +169,37 @@ def test_16bit_forward_candidates_include_128_rows_on_8_warps_at_2_to_4_stages(h
     tiles = attention.ATTENTION_FWD_TILES[(False, head_dim)]
     stages = {stages for bm, _, warps, stages in tiles if (bm, warps) == (128, 8)}
     assert {2, 3} <= stages, tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("relative_error", [1.3e-2, 8.4e-2])
+def test_validation_rejects_the_wrong_dk_the_h100_found(dtype, relative_error):
+    """The attention backward check refuses a dK off by the relative error the H100 measured (1.3e-2
+    to 8.4e-2 of its largest magnitude), while the right dK, rounded to the dtype, passes."""
+    qkv = (torch.randn(2, 50, 3 * 128, dtype=torch.float64) * 2).to(dtype)
+    grad_out = torch.randn(2, 50, 128, dtype=torch.float64).to(dtype)
+    scale = 64 ** -0.5
+    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)),
+                                             qkv, 2, scale, grad_out)
+    exact = torch.cat(attention._reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
+    assert check([exact.to(dtype)]) is None
+    dq, dk, dv = exact.chunk(3, dim=-1)
+    wrong_dk = dk + relative_error * dk.abs().max() * torch.sign(torch.randn_like(dk))
+    problem = check([torch.cat([dq, wrong_dk, dv], dim=-1).to(dtype)])
+    assert problem is not None and problem.startswith("dk"), problem
+
+
+def test_tile_validation_runs_without_autocast():
+    """A chooser measures with autocast off: its float32 reference stays float32 inside a caller's
+    bf16 autocast region (else PyTorch's own error reads 0 and every candidate passes on the floor)."""
+    seen = []
+    chooser = _tiles.TileChooser("probe")
+
+    def run(tile):
+        seen.append(torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+        return []
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), mock.patch.object(_tiles, "can_measure", lambda device: True), \
+            mock.patch("triton.testing.do_bench", lambda fn, **kwargs: fn() or 1.0):
+        chooser.choose(("key",), torch.device("cpu"), [(1,)], run, lambda outputs: None)
+    assert seen and not any(seen)

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from vit_kernels import _tiles
+
 # (atol relative to the reference's largest magnitude, rtol) by the dtype the call computes in.
 TOLERANCES = {
     torch.float64: (1e-7, 1e-7),
@@ -144,13 +146,17 @@ def measure(
     """Validate and time each of ``candidates`` (backend -> fn; the reference among them under its
     name) on clones of ``args``. ``validation_args`` are the same call made deterministic (e.g.
     dropout off), used for the comparison; timing uses ``args``."""
+    with _tiles.without_autocast():
+        return _measure(candidates, reference, args, validation_args, device, dtype, grad)
+
+
+def _measure(candidates, reference, args, validation_args, device, dtype, grad) -> dict[str, Candidate]:
     results: dict[str, Candidate] = {}
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         wide = torch.float64 if dtype == torch.float64 else torch.float32
-        with torch.autocast(device.type, enabled=False):
-            expected = _Runner(reference, validation_args, grad, None, wide)
-            ref_outs, ref_grads = expected()
+        expected = _Runner(reference, validation_args, grad, None, wide)
+        ref_outs, ref_grads = expected()
         runs: dict[str, _Runner] = {}
         for name, fn in candidates.items():
             result = results[name] = Candidate(name)

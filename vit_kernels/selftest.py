@@ -28,11 +28,12 @@ import torch
 import vit_kernels as vk
 from vit_kernels import _gpu_tests, backend
 from vit_kernels.op_specs import SPECS, Shape
+from vit_kernels._tiles import FLOORS
 
 # A backend passes when each of its errors against float64 is at most ERROR_RATIO x PyTorch's own
 # error in the same dtype, or at most the dtype's absolute floor (about one rounding step at 1).
 ERROR_RATIO = 2.0
-ERROR_FLOORS = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+ERROR_FLOORS = FLOORS  # the tile choosers' floors (vit_kernels._tiles), one table
 # ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
 SHAPE = Shape("vit_small_patch16_224", batch=4, tokens=197, dim=384, heads=6, hidden=1536, channels=3, image=224,
               patch=16)

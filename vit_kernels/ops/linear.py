@@ -495,15 +495,20 @@ class _Gemm:
 
     def trial(self) -> tuple[Callable, Callable]:
         """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
-        [out] (+ [pre-activation] under SAVE_PREACT); ``check`` compares them on ``validation_rows``
-        with PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
+        every output the launch writes: [out] (+ [pre-activation] under SAVE_PREACT) (+ [the sums]:
+        C's column sums (N,) or A's row sums (M,), float32, reduced over tile rows or K slices);
+        ``check`` compares out and the pre-activation on ``validation_rows`` and the sums whole, with
+        PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
         save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
+        names = ["out"] + (["preact"] if save_preact else []) + \
+            {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[self.sums]
 
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
             c = self.output()
-            self.launch(tile, c, aux)
-            return [self.result(c), aux] if save_preact else [self.result(c)]
+            partial = self.launch(tile, c, aux)
+            outputs = [self.result(c)] + ([aux] if save_preact else [])
+            return outputs + ([partial.sum(0)] if partial is not None else [])
 
         wide = reference_dtype(self.a.dtype)
         references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
@@ -513,9 +518,16 @@ class _Gemm:
             if not references:
                 rows = validation_rows(int(self.a.shape[0]), self.a.device)
                 references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
+                if self.sums == SUMS_OF_C_COLUMNS:  # every row of C counts: the whole GEMM, once per key
+                    references[1].append(self.reference(None, wide)[0].sum(0))
+                    references[2].append(self.reference(None, None)[0].float().sum(0))
+                elif self.sums == SUMS_OF_A_ROWS:
+                    references[1].append(self.a.to(wide).sum(1))
+                    references[2].append(self.a.sum(1))
             rows, exacts, owns = references
-            for name, actual, exact, own in zip(("out", "preact"), outputs, exacts, owns):
-                picked = actual if rows is None else actual.index_select(0, rows)
+            for index, (name, actual, exact, own) in enumerate(zip(names, outputs, exacts, owns, strict=True)):
+                whole = rows is None or index >= len(names) - (self.sums != SUMS_NONE)
+                picked = actual if whole else actual.index_select(0, rows)
                 problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.a.dtype])
                 if problem is not None:
                     return problem
