@@ -16,7 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import backend  # noqa: E402
+from vit_kernels import _tiles, backend  # noqa: E402
+from vit_kernels._tune_cache import DiskCache  # noqa: E402
 from tests.helpers import device_backends, exact_float32  # noqa: E402
 
 
@@ -33,6 +34,13 @@ def pytest_collectstart(collector):
     import is the same whatever other modules were collected before it."""
     if isinstance(collector, pytest.Module):
         torch.manual_seed(zlib.crc32(collector.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def tile_choices_in_memory(monkeypatch):
+    """Each test's tile choices stay its own: none persists to the next test through the disk
+    (tests of the persistence set a folder themselves)."""
+    monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
 
 
 @pytest.fixture(autouse=True)

@@ -203,3 +203,33 @@ def test_tile_validation_runs_without_autocast():
             mock.patch("triton.testing.do_bench", lambda fn, **kwargs: fn() or 1.0):
         chooser.choose(("key",), torch.device("cpu"), [(1,)], run, lambda outputs: None)
     assert seen and not any(seen)
+
+
+def test_tile_choices_persist_on_disk(tmp_path):
+    """A second process (a fresh chooser, the same cache folder) takes the stored choice without
+    running a candidate; a stored tile that is no longer a candidate is measured afresh."""
+    calls = []
+
+    def run(tile):
+        calls.append(tile)
+        return []
+
+    patches = (mock.patch.object(_tiles, "can_measure", lambda device: True),
+               mock.patch("triton.testing.do_bench", lambda fn, **kwargs: fn() or float(calls[-1][0])))
+    previous = _tiles._disk
+    _tiles.set_cache_folder(tmp_path)
+    try:
+        with patches[0], patches[1]:
+            first = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))],
+                                                           run, lambda outputs: None)
+            assert first == (2, (1, 2))
+            calls.clear()
+            _tiles.set_cache_folder(tmp_path)  # a new process reads the file
+            again = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))],
+                                                           run, lambda outputs: None)
+            assert again == (2, (1, 2)) and calls == []
+            changed = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(5, (1, 2))],
+                                                             run, lambda outputs: None)
+            assert changed == (5, (1, 2)) and calls
+    finally:
+        _tiles._disk = previous

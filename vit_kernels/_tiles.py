@@ -29,6 +29,7 @@ import torch
 
 from vit_kernels import _autograd, _signature
 from vit_kernels._triton import interpreted, recording, recording_every_candidate
+from vit_kernels._tune_cache import DiskCache, default_folder
 
 Tile = tuple
 
@@ -85,8 +86,23 @@ def can_measure(device: torch.device) -> bool:
     return device.type == "cuda" and not _autograd.tracing() and not _signature.capturing_cuda_graph()
 
 
+_disk = DiskCache(default_folder(), "tiles")
+
+
+def set_cache_folder(folder) -> None:
+    """Where tile choices persist (``vk.set_autotune(cache_dir=...)``; None: memory only)."""
+    global _disk
+    _disk = DiskCache(folder, "tiles")
+
+
+def _as_tile(value):
+    """A tile read back from JSON: lists become tuples again, nested (the attention pairs) too."""
+    return tuple(_as_tile(v) for v in value) if isinstance(value, list) else value
+
+
 class TileChooser:
-    """The chosen tile per key of one launcher, for this process."""
+    """The chosen tile per key of one launcher: in memory, and on disk beside ``auto``'s decisions
+    (keyed by the GPU's name and the software versions), so a second process measures nothing again."""
 
     def __init__(self, name: str):
         self.name = name
@@ -102,6 +118,12 @@ class TileChooser:
         hit = self._chosen.get(key)
         if hit is not None:
             return hit.tile
+        hardware = _signature.device_name(device) if device.type != "cuda" or torch.cuda.is_available() else str(device)
+        disk_key = f"{self.name} | {hardware} | {key!r}"
+        stored = _disk.get(disk_key)
+        if stored is not None and _as_tile(stored["tile"]) in candidates:
+            hit = self._chosen[key] = Choice(_as_tile(stored["tile"]), {"from the tile cache": stored.get("trials")})
+            return hit.tile
         if not can_measure(device):
             return candidates[0]
         with self._lock, without_autocast():
@@ -109,6 +131,7 @@ class TileChooser:
             if hit is None:
                 hit = self._measure(key, candidates, run, check)
                 self._chosen[key] = hit
+                _disk.put(disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}})
         return hit.tile
 
     def _measure(self, key, candidates, run, check) -> Choice:

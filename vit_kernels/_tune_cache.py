@@ -1,8 +1,9 @@
-"""The on-disk cache of ``auto``'s measured decisions.
+"""The on-disk caches of what was measured: ``auto``'s decisions and the tile choosers' tiles.
 
-One JSON file per software environment, ``dispatch-<digest>.json``, where the digest covers the
-torch, triton and vit_kernels versions (a new version measures afresh); inside, one entry per call
-signature, whose key names the device it was measured on. The folder is ``VIT_KERNELS_CACHE_DIR``
+One JSON file per kind and software environment, ``dispatch-<digest>.json`` and
+``tiles-<digest>.json``, where the digest covers the torch, CUDA runtime, triton and vit_kernels
+versions (a new version measures afresh); inside, one entry per key, which names the device it was
+measured on. The folder is ``VIT_KERNELS_CACHE_DIR``
 (read once, at import), else ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``;
 ``vk.set_autotune(cache_dir=...)`` overrides it, and ``cache_dir=False`` keeps decisions in memory only.
 
@@ -47,20 +48,24 @@ def environment() -> dict[str, str]:
     """The software versions a decision depends on."""
     return {
         "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
         "triton": _version("triton"),
         "vit_kernels": _version("vit-kernels"),
     }
 
 
 class DiskCache:
-    """Decisions by signature key (a string), loaded lazily from one JSON file."""
+    """Entries by key (a string), loaded lazily from one JSON file; ``kind`` names the file and the
+    field every entry must have ("dispatch": "backend", "tiles": "tile")."""
 
-    def __init__(self, folder: Optional[Path]):
-        self.folder = folder
+    FIELDS = {"dispatch": "backend", "tiles": "tile"}
+
+    def __init__(self, folder: Optional[Path], kind: str = "dispatch"):
+        self.folder, self.kind = folder, kind
         self._entries: Optional[dict[str, dict]] = None
         self._env = environment()
         digest = hashlib.sha256(json.dumps(self._env, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = None if folder is None else folder / f"dispatch-{digest}.json"
+        self.path = None if folder is None else folder / f"{kind}-{digest}.json"
 
     def _read(self) -> dict[str, dict]:
         if self.path is None or not self.path.exists():
@@ -68,11 +73,12 @@ class DiskCache:
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
             if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-                raise ValueError("not a vit_kernels dispatch cache of format 1")
-            return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("backend"), str)}
+                raise ValueError(f"not a vit_kernels {self.kind} cache of format {FORMAT}")
+            field = self.FIELDS[self.kind]
+            return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and v.get(field) is not None}
         except (OSError, ValueError) as error:
             warnings.warn(
-                f"vit_kernels: ignoring the unreadable dispatch cache {self.path} ({error}); "
+                f"vit_kernels: ignoring the unreadable {self.kind} cache {self.path} ({error}); "
                 f"auto measures afresh and rewrites it",
                 RuntimeWarning,
                 stacklevel=3,
@@ -100,7 +106,7 @@ class DiskCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             merged = {**self._read_quietly(), **self._entries}
             payload = json.dumps({"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True)
-            fd, temporary = tempfile.mkstemp(prefix=".dispatch-", suffix=".tmp", dir=self.folder)
+            fd, temporary = tempfile.mkstemp(prefix=f".{self.kind}-", suffix=".tmp", dir=self.folder)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
                     out.write(payload)
@@ -109,7 +115,7 @@ class DiskCache:
                 os.unlink(temporary)
                 raise
         except OSError as error:
-            warnings.warn(f"vit_kernels: could not write the dispatch cache {self.path} ({error})", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"vit_kernels: could not write the {self.kind} cache {self.path} ({error})", RuntimeWarning, stacklevel=3)
 
     def _read_quietly(self) -> dict[str, dict]:
         with warnings.catch_warnings():

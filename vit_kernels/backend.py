@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _measure, _signature
+from vit_kernels import _measure, _signature, _tiles
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._triton import as_on_a_gpu, recording
@@ -425,6 +425,7 @@ def set_autotune(
         if cache_dir is True or not isinstance(cache_dir, (str, os.PathLike, bool)):
             raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
         _disk = DiskCache(None if cache_dir is False else Path(cache_dir).expanduser())
+        _tiles.set_cache_folder(_disk.folder)
     _forget_choices()
 
 
