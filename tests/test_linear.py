@@ -254,3 +254,29 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
 
     assert flags(with_bias=True) == ({True}, {linear.SUMS_OF_C_COLUMNS})
     assert flags(with_bias=False) == ({False}, {linear.SUMS_NONE})
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
+@pytest.mark.parametrize("way", ["separate", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_both_ways_of_the_bias_gradient_match_the_formula(monkeypatch, way, dtype):
+    """db = sum_rows dY beside dW = dY^T X, by PyTorch's sum after the GEMM ("separate") or by the
+    dW GEMM's row sums ("fused", split over K slices too): both candidates, each right, through the
+    linear and mlp backwards (the first of BIAS_GRAD_WAYS is what runs without a measurement)."""
+    from vit_kernels.ops import linear
+
+    monkeypatch.setattr(linear, "BIAS_GRAD_WAYS", (way,) + tuple(w for w in linear.BIAS_GRAD_WAYS if w != way))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 37, 48, generator=generator, dtype=torch.float64)
+    w, b = torch.randn(40, 48, generator=generator, dtype=torch.float64) / 7, torch.randn(40, generator=generator, dtype=torch.float64)
+    dy = torch.randn(3, 37, 40, generator=generator, dtype=torch.float64)
+    leaves = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+    with vk.use_backend("triton", strict=True):
+        out = vk.linear(*leaves)
+    grads = torch.autograd.grad(out, leaves, dy.to(dtype))
+    expected = (dy @ w, dy.flatten(0, 1).t() @ x.flatten(0, 1), dy.sum((0, 1)))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    dw, db = linear._weight_and_bias_grads_by(way, dy.flatten(0, 1).to(dtype), x.flatten(0, 1).to(dtype), dtype)
+    torch.testing.assert_close(db.double(), expected[2], rtol=tolerance, atol=tolerance * expected[2].abs().max().item())
