@@ -30,7 +30,7 @@ install: $(STAMP)
 
 # ruff (rules in pyproject.toml) over the whole tree: an undefined name in a branch no CPU test
 # reaches is found here in a second. ruff is installed on first use, not by `make install`.
-LINT_PATHS := vit_kernels vit benchmarks tests
+LINT_PATHS := vit_kernels vit benchmarks tests tools
 lint: $(STAMP)
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "ruff>=0.6"
 	$(PY) -m ruff check $(LINT_PATHS)
@@ -45,6 +45,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot and not gpu" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "aot and not slow" $(PYTEST_ARGS)
+
+# The simulated CUDA device (tests/cuda_sim): the host code of every GPU call, down to the launch,
+# on sm_90 and sm_80 devices simulated on this CPU, each recorded launch compiled for its
+# architecture; fails on any exception, also one that auto or a tile chooser would have caught.
+# Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md.
+CUDA_SIM_OUT ?= build/cuda-sim
+test-cuda-sim: $(STAMP)
+	mkdir -p $(CUDA_SIM_OUT)
+	env -u TRITON_INTERPRET COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
+		tests/cuda_sim $(PYTEST_ARGS)
+	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report --out $(CUDA_SIM_OUT)/coverage.md
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)
@@ -107,10 +118,10 @@ bench-gate: $(STAMP)
 # kernels are cached by Triton (~/.triton/cache), so a second run only re-checks.
 GPU_CHECK_OUT ?= build/check-gpu
 check-gpu: $(STAMP)
-	$(PY) -m vit_kernels.gpu_check --out $(GPU_CHECK_OUT)
+	$(PY) -m tools.gpu_check --out $(GPU_CHECK_OUT)
 
 check-gpu-all: $(STAMP)
-	$(PY) -m vit_kernels.gpu_check --all --out $(GPU_CHECK_OUT)-all
+	$(PY) -m tools.gpu_check --all --out $(GPU_CHECK_OUT)-all
 
 # What a user with a GPU runs first: the CUDA tests and a short benchmark on their device, one
 # results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
@@ -140,7 +151,7 @@ NVCC_FLAGS := -std=c++20 -O2 -gencode arch=compute_80,code=sm_80 -gencode arch=c
 	-DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -DVIT_KERNELS_WITH_CUDA=1
 
 check-cuda: $(CUDA_OBJECTS)
-	$(PY) -m vit_kernels.gpu_check.ptxas $(CUDA_OBJECTS:.o=.ptxas.log)
+	$(PY) -m tools.gpu_check.ptxas $(CUDA_OBJECTS:.o=.ptxas.log)
 
 $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h:
 	mkdir -p $(dir $@)

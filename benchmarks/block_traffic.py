@@ -1,9 +1,10 @@
 """python -m benchmarks.block_traffic: the kernels one ViT block launches and the bytes they move,
 forward and backward, per backend, counted without a device.
 
-The block (``vit_kernels.nn.Block``, pre-norm, as in ViT/timm) runs on meta tensors with its
-parameters, input and output gradient in one dtype. A kernel is a Triton launch (recorded, not run:
-``recording_launches``, the default tile of each launcher), an op of the extension, or an aten op
+The block (``vit_kernels.nn.Block``, pre-norm, as in ViT/timm) runs on the simulated CUDA device
+(``tools.cuda_sim``, an H100) with its parameters, input and output gradient in one dtype. A kernel
+is a Triton launch (recorded, not run, the default tile of each launcher: the device reports a graph
+capture, so nothing is measured), an op of the extension, or an aten op
 that computes (views, allocations and detaches excluded); nothing else reaches the device. Its bytes
 are the distinct elements of every tensor it reads and writes, each counted once (an expanded
 tensor by its stored elements): the least traffic the kernel can have. Real traffic is higher where
@@ -32,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import vit_kernels as vk
-from vit_kernels._triton import recording_launches
+from tools.cuda_sim import simulated_cuda
 from vit_kernels.nn import Block
 
 MODELS = {"vit_tiny": (192, 3), "vit_small": (384, 6), "vit_base": (768, 12), "vit_large": (1024, 16),
@@ -94,7 +95,8 @@ def _launch_kernels(launches) -> list[list]:
 
 def _sdpa_as_on_a_gpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as a GPU runs it: one fused kernel (flash for 16-bit inputs,
-    memory-efficient for float32) and its backward, where meta tensors would take the math path."""
+    memory-efficient for float32) and its backward, where the simulated device's meta tensors would
+    take the math path."""
     if attn_mask is not None or enable_gqa:
         return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if q.dtype in (torch.float16, torch.bfloat16):
@@ -109,14 +111,15 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 def count_block(backend: str, dim: int, heads: int, tokens: int, batch: int, dtype: torch.dtype) -> dict:
     """{"forward": [[kernel, bytes], ...], "backward": [...]} of one pre-norm block on ``backend``
     (strict except on the extension, whose fallbacks to PyTorch are by design here: see above)."""
-    block = Block(dim, heads).to(device="meta", dtype=dtype)
-    x = torch.empty(batch, tokens, dim, device="meta", dtype=dtype, requires_grad=True)
-    grad = torch.empty(batch, tokens, dim, device="meta", dtype=dtype)
     passes = {}
-    with warnings.catch_warnings(), recording_launches(every_candidate=False) as launches, \
+    with warnings.catch_warnings(), simulated_cuda(90, measuring=False) as device, \
             vk.use_backend(backend, strict=backend != "extension"), \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_on_a_gpu):
         warnings.simplefilter("ignore", RuntimeWarning)
+        block = Block(dim, heads).to(device="cuda", dtype=dtype)
+        x = torch.empty(batch, tokens, dim, device="cuda", dtype=dtype, requires_grad=True)
+        grad = torch.empty(batch, tokens, dim, device="cuda", dtype=dtype)
+        launches = device.launches
         for step in ("forward", "backward"):
             kernels: list[list] = []
             launches.clear()

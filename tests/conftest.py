@@ -38,9 +38,10 @@ def pytest_collectstart(collector):
 
 @pytest.fixture(autouse=True)
 def tile_choices_in_memory(monkeypatch):
-    """Each test's tile choices stay its own: none persists to the next test through the disk
-    (tests of the persistence set a folder themselves)."""
+    """Each test's tile choices stay its own: none persists to the next test, in memory or through
+    the disk (tests of the persistence set a folder themselves)."""
     monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
+    _tiles.TileChooser.forget_all()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,8 @@ import vit_kernels as vk
 from vit_kernels import backend
 from vit_kernels.ops import attention
 from tests.helpers import (
-    CPU_BACKENDS, CUDA_DTYPES, check_against_formula, device_backend_dtypes, device_backends, requires_cuda,
+    CPU_BACKENDS, CUDA_DTYPES, assert_close, check_against_formula, device_backend_dtypes, device_backends,
+    requires_cuda,
 )
 
 
@@ -76,6 +77,20 @@ def test_tail_blocks_match_formula(device, backend_name, dtype, length, head_dim
                               grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
 
 
+# The backward at the ViT head dims, 64 (ViT-B and -L), 80 and 96 (padded to 128: masked columns)
+# and 128, at lengths with a tail block for the interpreter's 32-row tile (L = 50: 18 rows in a 32-row
+# tail; L = 197: 5 rows in a 16-row one): dq, dk and dv each on its own against float64.
+@pytest.mark.parametrize("length", [50, 197])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("device,backend_name,dtype", TAIL_DTYPES)
+def test_backward_at_vit_head_dims_matches_formula(device, backend_name, dtype, length, head_dim):
+    heads = 2
+    qkv = torch.randn(2 if length < 100 else 1, length, 3 * heads * head_dim)
+    with vk.use_backend(backend_name, strict=True):
+        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], device,
+                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+
+
 @pytest.mark.parametrize("length,block_n,tail", [(197, 64, 16), (197, 32, 16), (192, 64, 0), (64, 64, 0),
                                                   (65, 64, 16), (1, 16, 16), (100, 64, 64), (81, 64, 32)])
 def test_tail_block_is_the_remainder_padded(length, block_n, tail):
@@ -84,15 +99,16 @@ def test_tail_block_is_the_remainder_padded(length, block_n, tail):
 
 @pytest.mark.parametrize("length", [197, 256])
 def test_gpu_launches_mask_only_a_tail_block(length):
-    """On a GPU (launches recorded with meta tensors) each kernel gets the tail of its own loop: the
-    forward's and dQ's over key blocks (BLOCK_N), dK/dV's over query blocks (BLOCK_M)."""
-    from vit_kernels._triton import recording_launches
+    """On a GPU (the simulated H100, launches recorded) each kernel gets the tail of its own loop:
+    the forward's and dQ's over key blocks (BLOCK_N), dK/dV's over query blocks (BLOCK_M)."""
+    from tools.cuda_sim import simulated_cuda
 
-    qkv = torch.empty(2, length, 3 * 2 * 64, dtype=torch.bfloat16, device="meta")
-    seed = torch.empty(1, dtype=torch.int64, device="meta")
-    with recording_launches() as launches:
-        out, stats = torch.ops.vit_kernels.attention_fwd(qkv, 2, 0.125, 0.0, seed)
-        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, 0.125, 0.0)
+    with simulated_cuda(90) as device:
+        qkv = torch.empty(2, length, 3 * 2 * 64, dtype=torch.bfloat16, device="cuda")
+        seed = torch.empty(1, dtype=torch.int64, device="cuda")
+        out, stats = attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
+        attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, 0.125, 0.0)
+    launches = device.launches
     assert launches
     for launch in launches:
         looped = launch.kwargs["BLOCK_M" if launch.kernel.fn.__name__ == "_attention_bwd_dkdv_kernel" else "BLOCK_N"]
@@ -198,15 +214,33 @@ def test_dropout_is_unbiased_and_seeded():
     torch.testing.assert_close(mean, reference, atol=0.08, rtol=0.0)
 
 
-def _dropout_mask(length: int, p: float, seed: int) -> torch.Tensor:
-    """The keep mask (L, L) of one head: with v = identity the output *is* the dropped probabilities."""
-    q_k = torch.randn(1, length, 2 * length)
-    qkv = torch.cat([q_k, torch.eye(length).unsqueeze(0)], dim=-1)
+def _dropout_masks(batch: int, heads: int, length: int, p: float, seed: int) -> torch.Tensor:
+    """The keep masks (B, H, L, L), (query, key): with v = identity (head dim L) each head's output
+    *is* its dropped probabilities."""
+    q_k = torch.randn(batch, length, 2 * heads * length)
+    identity = torch.eye(length).repeat(1, heads).expand(batch, length, heads * length)
+    qkv = torch.cat([q_k, identity], dim=-1)
     torch.manual_seed(seed)
-    out, probs = vk.attention(qkv, 1, dropout_p=p, return_probs=True)
-    mask = out[0] != 0
-    torch.testing.assert_close(out[0][mask], probs[0, 0][mask] / (1 - p), atol=1e-5, rtol=1e-5)
+    out, probs = vk.attention(qkv, heads, dropout_p=p, return_probs=True)
+    out = out.unflatten(-1, (heads, length)).transpose(1, 2)  # (B, H, L, L)
+    mask = out != 0
+    torch.testing.assert_close(out[mask], probs[mask] / (1 - p), atol=1e-5, rtol=1e-5)
     return mask
+
+
+def _dropout_mask(length: int, p: float, seed: int) -> torch.Tensor:
+    """The keep mask (L, L) of one head of one image."""
+    return _dropout_masks(1, 1, length, p, seed)[0, 0]
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _cached_dropout_masks(*args) -> torch.Tensor:
+    """``_dropout_masks``, drawn once per process for each (batch, heads, length, p, seed)."""
+    if args not in _MASKS:
+        _MASKS[args] = _dropout_masks(*args)
+    return _MASKS[args]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.25])
@@ -240,6 +274,34 @@ def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_prob
     (ref_grad,) = torch.autograd.grad(ref, wide, upstream.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length", [50, 197])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_gradient_at_vit_head_dims(dtype, head_dim, length):
+    """With dropout, at the ViT head dims and lengths with a tail block (two heads; two images at
+    L = 50): out = (z * P / (1 - p)) v with the masks z drawn for that seed (the dK/dV kernel draws
+    them on transposed tiles), and dq, dk, dv each its gradient, against float64."""
+    if "triton" not in CPU_BACKENDS:
+        pytest.skip("the Triton backend does not run here")
+    p, seed, batch, heads = 0.2, 3, 2 if length < 100 else 1, 2
+    with vk.use_backend("triton", strict=True):
+        mask = _cached_dropout_masks(batch, heads, length, p, seed).double()
+        qkv = torch.randn(batch, length, 3 * heads * head_dim).to(dtype).requires_grad_(True)
+        torch.manual_seed(seed)
+        out = vk.attention(qkv, heads, dropout_p=p)
+    upstream = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, qkv, upstream.to(dtype))
+
+    wide = qkv.detach().double().requires_grad_(True)
+    q, k, v = (t.unflatten(-1, (heads, head_dim)).transpose(1, 2) for t in wide.chunk(3, dim=-1))
+    probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(head_dim), dim=-1)
+    ref = attention.merge_heads((probs * mask / (1 - p)) @ v)
+    (ref_grad,) = torch.autograd.grad(ref, wide, upstream.double())
+    assert_close(out, ref, dtype, "out")
+    for name, part, ref_part in zip("qkv", grad.chunk(3, dim=-1), ref_grad.chunk(3, dim=-1)):
+        assert_close(part, ref_part, dtype, f"d{name}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

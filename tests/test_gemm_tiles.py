@@ -19,7 +19,7 @@ from tests.test_linear import mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
 from vit_kernels import _tiles
-from vit_kernels._triton import recording_launches
+from tools.cuda_sim import simulated_cuda
 from vit_kernels.activations import GELU
 from vit_kernels.ops import linear, patch_embed
 
@@ -98,6 +98,8 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
     tiles = linear.GEMM_TILES_FP32 if dtype == torch.float32 else linear.GEMM_TILES_16BIT
     gpu_path.update({tile: 1.0 + i for i, tile in enumerate(tiles)})
     gpu_path.update({tile: 0.5 + i / 10 for i, tile in enumerate(linear.GEMM_TILES_TMA)})
+    gpu_path.update({"separate": 2.0, "fused": 1.0})  # fc2's bias gradient: the dW GEMM's row sums time faster
+    linear.BIAS_GRAD_CHOOSER.forget()
     spy_launches(monkeypatch)
     d, hidden = 24, 130
     inputs = [torch.randn(4, 33, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
@@ -125,6 +127,8 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
         assert times == r["candidates"], r  # every candidate of every key computed the right answer
         assert r["chosen"] == min(times, key=times.get)
+    (bias_choice,) = linear.BIAS_GRAD_CHOOSER.report().values()  # both ways validated (dW and db), then timed
+    assert bias_choice.tile == "fused" and bias_choice.trials == {"separate": 2.0, "fused": 1.0}
     tma_chosen = {tuple(r["key"][3:9]) for r in rows if r["chosen"].endswith(f"'{linear.TMA}')")}
     if dtype == torch.float32:
         assert not tma_chosen
@@ -270,22 +274,24 @@ def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
     assert launched == [linear.gemm_candidates(torch.float32, 5, 8)[0]] and linear.tile_report() == []
 
 
-def test_the_compile_gate_records_every_candidate():
-    """On meta tensors an mlp forward and backward records, for each of its GEMMs, one launch per
-    candidate tile; small outputs leave the tiles much larger than them out."""
+def test_a_first_call_on_a_gpu_launches_every_candidate():
+    """On an H100 (simulated) an mlp forward and backward tries, for each of its GEMMs, every candidate
+    tile; small outputs leave the tiles much larger than them out."""
     dt = torch.bfloat16
-    x, w1, w2 = (torch.empty(s, dtype=dt, device="meta") for s in ((64, 197, 768), (3072, 768), (768, 3072)))
-    with recording_launches() as launches:
-        out, hidden, preact = torch.ops.vit_kernels.mlp_fwd(x, w1, None, w2, None, None, GELU)
-        torch.ops.vit_kernels.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
-    tiles = [(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["BLOCK_K"], l.kwargs["num_warps"],
-              l.kwargs["num_stages"]) for l in launches if l.kernel.fn.__name__ == "_linear_kernel"]
-    gemms = 2 + 4  # forward fc1, fc2; backward dW2, dZ, dX, dW1
-    assert tiles == list(linear.GEMM_TILES_16BIT) * gemms
+    with simulated_cuda(90) as device:
+        x, w1, w2 = (torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072)))
+        out, hidden, preact = linear.mlp_fwd(x, w1, None, w2, None, None, GELU)
+        linear.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
+    per_gemm: dict = {}  # the GEMM (its operand shapes and flags) -> the tiles it launched
+    for launch in device.launches:
+        if launch.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel"):
+            gemm = (launch.args[-3:], launch.kwargs["EPILOGUE"], launch.kwargs["SUMS"])
+            tma = (linear.TMA,) if launch.kernel.fn.__name__ == "_linear_tma_kernel" else ()
+            per_gemm.setdefault(repr(gemm), set()).add((launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"],
+                                                        launch.kwargs["BLOCK_K"], launch.kwargs["num_warps"],
+                                                        launch.kwargs["num_stages"]) + tma)
     # the ViT's 16-bit operands are all readable by descriptors: the TMA kernel's tiles too, each GEMM
-    tma_tiles = [(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["BLOCK_K"], l.kwargs["num_warps"],
-                  l.kwargs["num_stages"], linear.TMA) for l in launches if l.kernel.fn.__name__ == "_linear_tma_kernel"]
-    assert tma_tiles == list(linear.GEMM_TILES_TMA) * gemms
+    assert per_gemm and all(tiles == set(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA) for tiles in per_gemm.values())
     small = linear.gemm_candidates(dt, 50, 3072)
     assert small and all(tile[0] <= 64 for tile in small)
     assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32

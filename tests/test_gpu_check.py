@@ -1,4 +1,4 @@
-"""The GPU compile gate's parts, on this CPU: recording launches with meta tensors, autotune
+"""The GPU compile gate's parts, on this CPU: recording launches on the simulated CUDA device, autotune
 expansion, real ahead-of-time compiles for sm_80/sm_90 with resource usage, the int32 overflow
 analysis on real Triton IR, and the ptxas log parser."""
 
@@ -15,31 +15,59 @@ pytestmark = [
 ]
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from vit_kernels import backend  # noqa: E402
-from vit_kernels._triton import H100_MULTIPROCESSORS, recording_launches  # noqa: E402
-from vit_kernels.gpu_check import cases  # noqa: E402
-from vit_kernels.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
-from vit_kernels.gpu_check.int_range import find_overflows  # noqa: E402
-from vit_kernels.gpu_check.ptxas import parse  # noqa: E402
+from tools.cuda_sim import ARCHITECTURES, simulated_cuda  # noqa: E402
+from vit_kernels import _tiles  # noqa: E402
+from vit_kernels.ops import attention, layer_norm  # noqa: E402
+from tools.gpu_check import cases  # noqa: E402
+from tools.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
+from tools.gpu_check.int_range import find_overflows  # noqa: E402
+from tools.gpu_check.ptxas import parse  # noqa: E402
+from tools.gpu_check.report import summary_table  # noqa: E402
+from tools.gpu_check.ttgir import transposes_into_dots  # noqa: E402
 from vit_kernels.ops import linear  # noqa: E402
 
 
+H100_MULTIPROCESSORS = ARCHITECTURES[90]["multi_processor_count"]
+
+
 def meta(dtype, *shape):
+    """A tensor on the simulated CUDA device (meta to PyTorch's core): make it inside ``recorded``."""
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def on_meta(dtype, *shape):
+    """A meta tensor: an argument of a variant built by hand (binding reads its dtype and alignment)."""
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def recorded(call) -> list:
+    """The launches ``call()`` makes as a first call on the simulated H100 (every candidate tile)."""
+    _tiles.TileChooser.forget_all()
+    with simulated_cuda(90) as device:
+        call()
+    return device.launches
+
+
+def first_seen(items) -> list:
+    return list(dict.fromkeys(items))
 
 
 def test_launchers_record_gpu_configs_on_meta_tensors():
     """A linear forward on meta tensors records one launch per GEMM candidate tile (what a GPU would
     validate and time), each with its grid computed from its tile: the pointer kernel's table, then
     the persistent TMA kernel's (one program per SM of an H100, at most one per tile)."""
-    x, w = meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768)
-    with recording_launches() as launches:
-        out = linear.linear_gelu_triton(x, w, meta(torch.bfloat16, 3072))
-    assert out.shape == (64, 197, 3072)
+    shapes = []
+    launches = recorded(lambda: shapes.append(linear.linear_gelu_triton(
+        meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)).shape))
+    assert shapes == [(64, 197, 3072)]
     variants = [v for launch in launches for v in expand(launch)]
-    tiles = [(v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
-              v.kwargs["num_stages"]) + ((linear.TMA,) if v.name == "_linear_tma_kernel" else ()) for v in variants]
+    tiles = first_seen((v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
+                        v.kwargs["num_stages"]) + ((linear.TMA,) if v.name == "_linear_tma_kernel" else ())
+                       for v in variants)
     assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
     assert tiles == list(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA)
     for v in variants:
@@ -51,11 +79,13 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
 
 def test_attention_grid_stays_within_cuda_limits_at_large_batch():
     """ViT-L/16 at batch 16,384 (262,144 batch x heads): every attention grid fits axis x, y = z = 1."""
-    qkv = meta(torch.float16, 16384, 197, 3 * 1024)
-    seed = torch.empty(1, dtype=torch.int64, device="meta")
-    with recording_launches() as launches:
-        out, lse = torch.ops.vit_kernels.attention_fwd(qkv, 16, 0.125, 0.1, seed)
-        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, lse, seed, 16, 0.125, 0.1)
+    def call():
+        qkv = meta(torch.float16, 16384, 197, 3 * 1024)
+        seed = torch.empty(1, dtype=torch.int64, device="cuda")
+        out, lse = attention.attention_fwd(qkv, 16, 0.125, 0.1, seed)
+        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, 16, 0.125, 0.1)
+
+    launches = recorded(call)
     grids = [v.grid for launch in launches for v in expand(launch)]
     assert len(grids) >= 4
     assert all(g[0] < 2**31 and g[1] == 1 and g[2] == 1 for g in grids)
@@ -73,10 +103,11 @@ def test_sweep_covers_every_op_and_flag():
 def test_a_recorded_launch_compiles_for_a_real_gpu(capability):
     """A layer_norm forward (fp16, ViT-B width) compiled for sm_80/sm_90: registers and shared memory
     read back from the cubin, no spills, and an occupancy figure."""
-    x, w = meta(torch.float16, 8, 197, 768), meta(torch.float16, 768)
-    with recording_launches() as launches:
-        torch.ops.vit_kernels.layer_norm_fwd(x, w, w, 1e-6, None)
-    (variant,) = expand(launches[0])
+    def call():
+        x, w = meta(torch.float16, 8, 197, 768), meta(torch.float16, 768)
+        layer_norm.layer_norm_fwd(x, w, w, 1e-6, None)
+
+    (variant,) = expand(recorded(call)[0])
     resources = compile_variant(variant, capability, bind(variant, capability))
     assert resources.error is None
     assert 16 <= resources.registers <= 255 and resources.spill_bytes == 0
@@ -87,9 +118,8 @@ def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
     """The persistent TMA GEMM's 128 x 128 x 64 tile (bf16, ViT-B fc1 with bias + GELU) compiled for
     sm_90: its A and B tiles arrive by bulk tensor copies (TMA) and feed wgmma, with no spills; the
     pointer kernel's same tile has no TMA copy. The gate compiles the TMA kernel for sm_90 only."""
-    x, w, b = meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)
-    with recording_launches() as launches:
-        linear.linear_gelu_triton(x, w, b)
+    launches = recorded(lambda: linear.linear_gelu_triton(
+        meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)))
     picked = {}
     for launch in launches:
         (variant,) = expand(launch)
@@ -114,7 +144,7 @@ def _offsets_kernel(X, stride, WIDE: tl.constexpr):
 @pytest.mark.parametrize("wide", [False, True])
 def test_int32_index_overflow_is_found_in_real_triton_ir(wide):
     """pid * stride in int32 wraps for 70,000 programs with a stride of 40,000; in int64 it does not."""
-    x = meta(torch.float32, 10)
+    x = on_meta(torch.float32, 10)
     variant = Variant(_offsets_kernel, (70000, 1, 1), (x, 40000), {"WIDE": wide}, "")
     resources = compile_variant(variant, 90, bind(variant, 90))
     assert resources.error is None
@@ -131,7 +161,7 @@ def test_a_compile_error_is_reported_not_raised():
     def broken(X):
         tl.store(X, undefined_name)  # noqa: F821
 
-    x = meta(torch.float32, 4)
+    x = on_meta(torch.float32, 4)
     variant = Variant(broken, (1, 1, 1), (x,), {}, "")
     resources = compile_variant(variant, 90, bind(variant, 90))
     assert resources.error is not None and "undefined_name" in resources.error
@@ -185,3 +215,109 @@ def test_float_scalars_passed_as_fp64_stay_fp32_arithmetic():
         checked.append(name)
     assert {"_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel",
             "_attention_probs_kernel", "_layer_norm_fwd_kernel"} <= set(checked)
+
+
+NONE, LOADED, COMPUTED = 0, 1, 2  # what _transpose_kernel transposes
+
+
+@triton.jit
+def _transpose_kernel(A, B, C, Out, n, SOURCE: tl.constexpr, B_SIDE: tl.constexpr):
+    """Out = sum over n 64 x 64 blocks of x c (c x where B_SIDE), x being a block of A as loaded
+    (NONE), its transpose as loaded (LOADED), or the transpose of the computed tile A_i B_i
+    (COMPUTED, in the accumulator's layout: the triton-lang/triton#6124 pattern). The loop lets the
+    pipeliner stage A's blocks through shared memory with async copies."""
+    rows = tl.arange(0, 64)
+    tile = rows[:, None] * 64 + rows[None, :]
+    c = tl.load(C + tile)
+    acc = tl.zeros([64, 64], dtype=tl.float32)
+    for i in range(n):
+        a = tl.load(A + i * 4096 + tile)
+        if SOURCE == 2:
+            x = tl.trans(tl.dot(a, tl.load(B + i * 4096 + tile)).to(tl.float16))
+        elif SOURCE == 1:
+            x = tl.trans(a)
+        else:
+            x = a
+        if B_SIDE:
+            acc += tl.dot(c, x)
+        else:
+            acc += tl.dot(x, c)
+    tl.store(Out + tile, acc)
+
+
+def _transpose_variant(source: int, b_side: bool) -> Variant:
+    blocks = on_meta(torch.float16, 8, 64, 64)
+    return Variant(_transpose_kernel, (1, 1, 1), (blocks, blocks, on_meta(torch.float16, 64, 64),
+                                                  on_meta(torch.float32, 64, 64), 8),
+                   {"SOURCE": source, "B_SIDE": b_side, "num_warps": 4, "num_stages": 3}, "")
+
+
+def _compile_transpose_kernel(source: int, b_side: bool, capability: int):
+    variant = _transpose_variant(source, b_side)
+    resources = compile_variant(variant, capability, bind(variant, capability))
+    assert resources.error is None
+    return resources
+
+
+def test_a_transposed_computed_tile_feeding_a_dot_is_flagged():
+    """tl.dot(tl.trans(computed), c) on sm_90: a register tt.trans of the truncated accumulator
+    (#mma layout) into the warp_group_dot's A operand (through shared memory), found and described
+    with its source line; it is what fails the gate."""
+    resources = _compile_transpose_kernel(COMPUTED, False, 90)
+    assert resources.tensor_cores == "wgmma"
+    (found,) = resources.computed_transposes
+    assert "arith.truncf" in found and "#mma" in found and "ttng.warp_group_dot" in found, found
+    assert "test_gpu_check.py:" in found, found
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("b_side", [False, True])
+@pytest.mark.parametrize("source", [NONE, LOADED])
+def test_transposes_of_loaded_tiles_pass(source, b_side, capability):
+    """No transpose, or tl.trans of a tile as loaded, on either side of the dot: nothing flagged. On
+    sm_90 the loaded tile's transpose is a shared-memory view (ttg.memdesc_trans, not a register
+    tt.trans); on sm_80 it stays a register tt.trans into the dot operand, of the tile the async
+    copies loaded (or of the load itself), which the check follows back to its load."""
+    resources = _compile_transpose_kernel(source, b_side, capability)
+    assert resources.computed_transposes == []
+    if source == LOADED and capability == 80:
+        variant = _transpose_variant(source, b_side)
+        bound = bind(variant, 80)
+        compiled = triton.compile(ASTSource(variant.kernel, bound.signature, bound.constexprs, bound.attrs),
+                                  target=GPUTarget("cuda", 80, 32), options=bound.options.__dict__)
+        (seen,) = transposes_into_dots(compiled.asm["ttgir"])
+        assert seen.origins == ("load",) and not seen.computed and seen.dot == "tt.dot"
+
+
+def test_the_attention_kernels_transpose_no_computed_tile():
+    """Forward, dQ and dK/dV (16-bit, head dim 128 with its padding-free tiles, a tail, dropout) on
+    sm_90 and sm_80: the dK/dV kernel computes dV = P~^T dO and dK = dS^T Q key-major, so no
+    computed tile is transposed into a dot; the loaded tiles' transposes pass."""
+    def call():
+        qkv = meta(torch.float16, 2, 197, 3 * 2 * 128)
+        seed = torch.empty(1, dtype=torch.int64, device="cuda")
+        out, stats = attention.attention_fwd(qkv, 2, 128**-0.5, 0.1, seed)
+        attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, 128**-0.5, 0.1)
+
+    launches = recorded(call)
+    first = {}
+    for launch in launches:
+        for variant in expand(launch):
+            first.setdefault(variant.name, variant)
+    assert {"_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"} <= set(first)
+    for name, variant in first.items():
+        for capability in (90, 80):
+            resources = compile_variant(variant, capability, bind(variant, capability))
+            assert resources.error is None, (name, capability, resources.error)
+            assert resources.computed_transposes == [], (name, capability, resources.computed_transposes)
+
+
+def test_the_report_counts_computed_transposes_per_kernel():
+    row = {"target": "sm_90", "error": None, "registers": 128, "spill_bytes": 0, "shared_bytes": 1024,
+           "ctas_per_sm": 2, "tensor_cores": "wgmma", "tma": False}
+    rows = [{**row, "kernel": "_k", "computed_transposes": ["tt.trans of arith.truncf -> ttng.warp_group_dot"] * 2},
+            {**row, "kernel": "_k", "computed_transposes": []}, {**row, "kernel": "_clean", "computed_transposes": []}]
+    table = summary_table(rows, "sm_90").splitlines()
+    assert table[0].endswith("| computed-tile transposes |")
+    assert table[2].startswith("| `_clean` |") and table[2].endswith("| 0 |")
+    assert table[3].startswith("| `_k` | 2 |") and table[3].endswith("| 2 |")

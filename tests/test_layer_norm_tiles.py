@@ -12,7 +12,8 @@ import triton.testing
 
 import vit_kernels as vk
 from vit_kernels import _tiles
-from vit_kernels._triton import H100_MULTIPROCESSORS, HAS_TRITON, recording_launches, triton
+from tools.cuda_sim import ARCHITECTURES, simulated_cuda
+from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import layer_norm
 
 if not HAS_TRITON:
@@ -20,11 +21,12 @@ if not HAS_TRITON:
 
 
 @pytest.mark.parametrize("dim", [192, 768, 1024, 4096])
-def test_the_compile_gate_records_every_candidate(dim):
-    x = torch.empty(4 * 197, dim, device="meta")
-    with recording_launches() as launches:
-        y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
-        torch.ops.vit_kernels.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
+def test_a_first_call_on_a_gpu_launches_every_candidate(dim):
+    with simulated_cuda(90) as device:
+        x = torch.empty(4 * 197, dim, device="cuda")
+        y, summed, mean, rstd = layer_norm.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
+        layer_norm.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
+    launches = device.launches
 
     def tiles(name):
         return {(l.kwargs["ROWS"], l.kwargs["num_warps"]) for l in launches if l.kernel.fn.__name__ == name}
@@ -38,15 +40,15 @@ def test_the_backward_grid_fits_the_gpu_and_covers_every_row():
     """A backward tile's programs: at most programs-per-SM x SMs, each walking enough tiles that all
     rows are covered."""
     rows, dim = 25216, 768
-    x = torch.empty(rows, dim, device="meta")
-    with recording_launches() as launches:
-        y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
-        torch.ops.vit_kernels.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
-    for launch in launches:
+    with simulated_cuda(90) as device:
+        x = torch.empty(rows, dim, device="cuda")
+        y, summed, mean, rstd = layer_norm.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
+        layer_norm.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
+    for launch in device.launches:
         if launch.kernel.fn.__name__ != "_layer_norm_bwd_kernel":
             continue
         (programs,), tiles_per_program = launch.grid, launch.args[11]
-        assert programs <= max(layer_norm.BWD_PROGRAMS_PER_SM) * H100_MULTIPROCESSORS
+        assert programs <= max(layer_norm.BWD_PROGRAMS_PER_SM) * ARCHITECTURES[90]["multi_processor_count"]
         assert programs * tiles_per_program * launch.kwargs["ROWS"] >= rows
 
 

@@ -194,17 +194,17 @@ def test_mlp_without_gradients(device, backend_name, dtype, approximate, with_re
 def test_triton_inference_writes_no_preactivation():
     """Without gradients the GELU GEMMs launch without SAVE_PREACT (the M x hidden pre-activation is
     only read by backward); with them, the pre-activation is written."""
-    from vit_kernels._triton import recording_launches
+    from tools.cuda_sim import simulated_cuda
     from vit_kernels.ops import linear
 
     def saved(grad: bool) -> set:
-        x = torch.empty(4, 197, 64, device="meta", requires_grad=grad)
-        w1, b1 = torch.empty(256, 64, device="meta"), torch.empty(256, device="meta")
-        w2, b2 = torch.empty(64, 256, device="meta"), torch.empty(64, device="meta")
-        with recording_launches() as launches:
+        with simulated_cuda(90) as device:
+            x = torch.empty(4, 197, 64, device="cuda", requires_grad=grad)
+            w1, b1 = torch.empty(256, 64, device="cuda"), torch.empty(256, device="cuda")
+            w2, b2 = torch.empty(64, 256, device="cuda"), torch.empty(64, device="cuda")
             linear.linear_gelu_triton(x, w1, b1)
             linear.mlp_triton(x, w1, b1, w2, b2)
-        return {launch.kwargs["SAVE_PREACT"] for launch in launches if launch.kwargs.get("EPILOGUE") == 1}
+        return {launch.kwargs["SAVE_PREACT"] for launch in device.launches if launch.kwargs.get("EPILOGUE") == 1}
 
     assert saved(grad=False) == {False}
     assert saved(grad=True) == {True}
@@ -236,18 +236,19 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
     """On the GPU path the GELU layers' bias gradients are reduced where dZ is written: by the
     linear_gelu backward's GELU' pass (BIAS_GRAD) and by mlp's dZ = dY W2 * gelu'(Z) GEMM
     (SUMS_OF_C_COLUMNS), and only when the bias needs one."""
-    from vit_kernels._triton import recording_launches
+    from tools.cuda_sim import simulated_cuda
     from vit_kernels.ops import linear
     from vit_kernels.activations import GELU
 
     def flags(with_bias: bool) -> tuple:
-        x = torch.empty(4, 197, 64, device="meta")
-        w1, w2 = torch.empty(256, 64, device="meta"), torch.empty(64, 256, device="meta")
-        with recording_launches() as launches:
-            out, preact = torch.ops.vit_kernels.linear_fwd(x, w1, None, None, GELU)
-            _, hidden, preact2 = torch.ops.vit_kernels.mlp_fwd(x, w1, None, w2, None, None, GELU)
-            torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), x, w1, preact, GELU, with_bias)
-            torch.ops.vit_kernels.mlp_bwd(torch.empty_like(x), x, w1, w2, hidden, preact2, GELU, with_bias, False)
+        with simulated_cuda(90) as device:
+            x = torch.empty(4, 197, 64, device="cuda")
+            w1, w2 = torch.empty(256, 64, device="cuda"), torch.empty(64, 256, device="cuda")
+            out, preact = linear.linear_fwd(x, w1, None, None, GELU)
+            _, hidden, preact2 = linear.mlp_fwd(x, w1, None, w2, None, None, GELU)
+            linear.linear_bwd(torch.empty_like(out), x, w1, preact, GELU, with_bias)
+            linear.mlp_bwd(torch.empty_like(x), x, w1, w2, hidden, preact2, GELU, with_bias, False)
+        launches = device.launches
         gelu_pass = {l.kwargs["BIAS_GRAD"] for l in launches if l.kernel.fn.__name__ == "_gelu_bwd_kernel"}
         dz_gemm = {l.kwargs["SUMS"] for l in launches if l.kwargs.get("EPILOGUE") == 2}
         return gelu_pass, dz_gemm

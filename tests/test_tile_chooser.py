@@ -13,7 +13,7 @@ import torch
 import triton.testing
 
 from vit_kernels import _tiles
-from vit_kernels._triton import recording_launches
+from tools.cuda_sim import simulated_cuda
 from vit_kernels.ops import attention
 
 
@@ -63,12 +63,13 @@ def test_nothing_runs_where_nothing_may():
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)])
-def test_the_compile_gate_records_every_candidate(dtype, head_dim):
-    qkv = torch.empty(4, 197, 3 * 2 * head_dim, dtype=dtype, device="meta")
-    seed = torch.empty(1, dtype=torch.int64, device="meta")
-    with recording_launches() as launches:
-        out, stats = torch.ops.vit_kernels.attention_fwd(qkv, 2, head_dim**-0.5, 0.0, seed)
-        torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, head_dim**-0.5, 0.0)
+def test_a_first_call_on_a_gpu_launches_every_candidate(dtype, head_dim):
+    with simulated_cuda(90) as device:
+        qkv = torch.empty(4, 197, 3 * 2 * head_dim, dtype=dtype, device="cuda")
+        seed = torch.empty(1, dtype=torch.int64, device="cuda")
+        out, stats = attention.attention_fwd(qkv, 2, head_dim**-0.5, 0.0, seed)
+        attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, head_dim**-0.5, 0.0)
+    launches = device.launches
 
     def tiles(name, block):
         return {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])

@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 
 from vit_kernels import backend
-from vit_kernels._triton import as_on_a_gpu
 
 _C = None
 _load_error: Optional[str] = None
@@ -62,9 +61,9 @@ def supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         return _load_error
     if device.type == "cpu":
         return None if dtype in CPU_DTYPES else f"the C++ CPU kernels take {CPU_DTYPES}, not {dtype}"
-    if device.type == "cuda" and not HAS_CUDA_KERNELS:
-        return "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
-    if as_on_a_gpu(device):  # meta tensors too, while a call's kernels are counted (benchmarks.block_traffic)
+    if device.type == "cuda":
+        if not HAS_CUDA_KERNELS:
+            return "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
         return None if dtype in CUDA_DTYPES else f"the CUDA kernels take {CUDA_DTYPES}, not {dtype}"
     return f"the extension has no kernels for {device.type} tensors"
 

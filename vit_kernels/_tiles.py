@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from vit_kernels import _autograd, _signature
-from vit_kernels._triton import interpreted, recording, recording_every_candidate
+from vit_kernels._triton import interpreted
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 Tile = tuple
@@ -104,10 +104,13 @@ class TileChooser:
     """The chosen tile per key of one launcher: in memory, and on disk beside ``auto``'s decisions
     (keyed by the GPU's name and the software versions), so a second process measures nothing again."""
 
+    instances: list["TileChooser"] = []  # every chooser, for forget_all and the reports
+
     def __init__(self, name: str):
         self.name = name
         self._chosen: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
+        TileChooser.instances.append(self)
 
     def choose(self, key: tuple, device: torch.device, candidates: Sequence[Tile],
                run: Callable[[Tile], Sequence[torch.Tensor]],
@@ -164,6 +167,12 @@ class TileChooser:
     def forget(self) -> None:
         self._chosen.clear()
 
+    @classmethod
+    def forget_all(cls) -> None:
+        """Every chooser forgets its choices (the disk keeps them)."""
+        for chooser in cls.instances:
+            chooser.forget()
+
 
 def tiles_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[], tuple], interpreter_tile: Tile,
                     candidates: Callable[[], Sequence[Tile]],
@@ -176,8 +185,6 @@ def tiles_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[]
     lookup)."""
     if interpreted(device):
         return (interpreter_tile,)
-    if recording():
-        return tuple(candidates()) if recording_every_candidate() else (tuple(candidates())[0],)
     chosen_key = key()
     tile = chooser.chosen(chosen_key)
     if tile is None:

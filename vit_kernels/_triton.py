@@ -7,12 +7,8 @@ Kernel modules write ``from vit_kernels._triton import triton, tl`` and decorate
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import types
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
 
 import torch
 
@@ -61,80 +57,23 @@ def dot_precision(dtype) -> str:
 
 def interpreted(device) -> bool:
     """Whether kernels launched on tensors of ``device`` run in the Triton interpreter: CPU tensors
-    (only possible under TRITON_INTERPRET=1). CUDA tensors, and the meta tensors of the compile check
-    (``python -m vit_kernels.gpu_check``), get the GPU's launch configurations."""
+    (only possible under TRITON_INTERPRET=1). CUDA tensors get the GPU's launch configurations."""
     return device.type == "cpu"
-
-
-H100_MULTIPROCESSORS = 132  # the grid size the compile gate (meta tensors, no device) sizes launches for
 
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device (asked once); 2 under the interpreter, so that the CPU tests walk several
-    tiles per program; an H100's count for the compile gate's meta tensors."""
+    tiles per program."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device.index if device.index is not None
                                                 else torch.cuda.current_device()).multi_processor_count
-    return 2 if interpreted(device) else H100_MULTIPROCESSORS
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch as a launcher issued it: the kernel (a JITFunction or an Autotuner), the
-    grid (a tuple, or for an Autotuner a function of the chosen config's meta-parameters), and the
-    arguments exactly as passed (tensors, ints, floats, constexpr keywords)."""
-
-    kernel: Any
-    grid: Any
-    args: tuple
-    kwargs: dict
-
-
-# (the list launches are recorded into, whether every candidate tile is launched) while recording
-_recorder: contextvars.ContextVar[Optional[tuple[list, bool]]] = contextvars.ContextVar(
-    "vit_kernels_launch_recorder", default=None)
-
-
-@contextlib.contextmanager
-def recording_launches(every_candidate: bool = True) -> Iterator[list]:
-    """Inside the block, ``launch`` records each launch in the yielded list instead of running it, so
-    the launchers can be driven with meta tensors: to enumerate the kernel variants they would
-    compile on a GPU (``every_candidate``: each call launches every candidate tile), or to count the
-    launches one call makes (otherwise: the default tile only)."""
-    launches: list = []
-    token = _recorder.set((launches, every_candidate))
-    try:
-        yield launches
-    finally:
-        _recorder.reset(token)
-
-
-def recording() -> bool:
-    """Whether launches are being recorded (``recording_launches``) rather than run."""
-    return _recorder.get() is not None
-
-
-def as_on_a_gpu(device) -> bool:
-    """Whether launchers and support checks treat tensors of ``device`` as a GPU's: CUDA tensors, and
-    meta tensors while launches are recorded (the compile gate; ``benchmarks.block_traffic``)."""
-    return device.type == "cuda" or (device.type == "meta" and recording())
-
-
-def recording_every_candidate() -> bool:
-    """Whether launches are being recorded with every candidate tile launched."""
-    recorder = _recorder.get()
-    return recorder is not None and recorder[1]
+    return 2
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
-    (so that torch.compile and fake tensors see it), directly in eager mode, or record it inside
-    ``recording_launches``."""
-    recorder = _recorder.get()
-    if recorder is not None:
-        recorder[0].append(Launch(kernel, grid if callable(grid) else tuple(grid), args, kwargs))
-        return
+    (so that torch.compile and fake tensors see it), directly in eager mode."""
     if tracing():
         import torch
 
@@ -143,4 +82,4 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "Launch", "TensorDescriptor", "as_on_a_gpu", "dot_precision", "as_float32", "interpreted", "launch", "recording", "recording_launches", "triton", "tl"]
+__all__ = ["HAS_TRITON", "TensorDescriptor", "dot_precision", "as_float32", "interpreted", "launch", "multiprocessors", "triton", "tl"]

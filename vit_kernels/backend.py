@@ -46,7 +46,6 @@ import torch
 from vit_kernels import _measure, _signature, _tiles
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
-from vit_kernels._triton import as_on_a_gpu, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
@@ -162,7 +161,7 @@ def triton_unavailable_reason() -> Optional[str]:
     """Why the Triton backend cannot run on this machine, or None when it can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if not torch.cuda.is_available() and not TRITON_INTERPRET and not recording():
+    if not torch.cuda.is_available() and not TRITON_INTERPRET:
         return "no CUDA device, and TRITON_INTERPRET=1 is not set for running Triton on the CPU"
     return None
 
@@ -171,7 +170,7 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
     """Why Triton kernels cannot run on tensors of ``device``, or None when they can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if as_on_a_gpu(device):  # meta tensors: launches recorded, not run (vit_kernels._triton.recording_launches)
+    if device.type == "cuda":
         return None
     if device.type == "cpu":
         if not TRITON_INTERPRET:

@@ -17,12 +17,10 @@ import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import _ext, _signature, _tiles, backend  # noqa: E402
-from vit_kernels.ops import attention, layer_norm, linear, patch_embed  # noqa: E402
-from tests.cuda_sim.device import SimulatedCudaTensor, simulated_cuda  # noqa: E402
+from tools.cuda_sim import SimulatedCudaTensor, simulated_cuda  # noqa: E402
 
 ARCHS = (90, 80)
-CHOOSERS = [value for module in (attention, layer_norm, linear, patch_embed) for value in vars(module).values()
-            if isinstance(value, _tiles.TileChooser)]
+CHOOSERS = _tiles.TileChooser.instances
 LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the session, per architecture
 
 _untimeable = _signature.untimeable
@@ -55,16 +53,21 @@ def sim(request, monkeypatch):
     """A fresh simulated device of the parametrised architecture, measuring from scratch."""
     backend.clear_decisions()
     backend._disk.clear()
-    for chooser in CHOOSERS:
-        chooser.forget()
+    _tiles.TileChooser.forget_all()
     vk.set_autotune(True, cache_dir=False)
     monkeypatch.setattr(_signature, "untimeable", _untimeable_unless_simulated)
     monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # a build with the CUDA kernels, run through their fakes
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # auto's warning that it dropped an implementation
+        # auto's warning that it dropped an implementation (declared fallbacks only warn)
+        warnings.filterwarnings("error", message="vit_kernels: the .* failed validation", category=RuntimeWarning)
         with simulated_cuda(request.param) as recorder:
             yield recorder
     LAUNCHES[request.param].extend(recorder.launches)
     caught = exceptions_caught()
     vk.set_backend("auto")
     assert not caught, "exceptions caught on the simulated CUDA device:\n" + "\n".join(caught)
+
+
+def pytest_collection_modifyitems(items):
+    """The compile test reads what every other test recorded: it runs last."""
+    items.sort(key=lambda item: item.module.__name__.endswith("test_recorded_launches"))

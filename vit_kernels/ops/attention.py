@@ -21,7 +21,7 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, as_on_a_gpu, dot_precision, interpreted, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -41,9 +41,12 @@ def _block_and_head(seq_len, num_heads, BLOCK: tl.constexpr):
 
 # The dropout keep mask z_ij of (batch * head, query i, key j): Philox on the int64 counter
 # (bh * L + i) * L + j, unique for every element of every head and image (no int32 wrap-around).
+# ``query`` and ``key`` are index tensors broadcasting to the tile: (rows_m[:, None], rows_n[None, :])
+# for a (query, key) tile; (rows_m[None, :], rows_n[:, None]) for the dK/dV kernel's (key, query)
+# tile, whose element (j, i) must draw the forward's z_ij.
 @triton.jit
-def _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p):
-    counter = (pid_bh.to(tl.int64) * seq_len + rows_m[:, None]) * seq_len + rows_n[None, :]
+def _dropout_keep(seed, pid_bh, query, key, seq_len, dropout_p):
+    counter = (pid_bh.to(tl.int64) * seq_len + query) * seq_len + key
     return tl.rand(seed, counter) >= dropout_p
 
 
@@ -88,7 +91,8 @@ def _attention_fwd_key_block(
     p = tl.exp2((s - m_new[:, None]) * scale_log2)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(_dropout_keep(seed, pid_bh, offs_m, rows_n, seq_len, dropout_p), p * keep_scale, 0.0)
+        p = tl.where(_dropout_keep(seed, pid_bh, offs_m[:, None], rows_n[None, :], seq_len, dropout_p), p * keep_scale,
+                     0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -170,15 +174,12 @@ def _attention_fwd_kernel(
     tl.store(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, inv_sum, mask=mask_m)
 
 
-# The backward's per-tile recomputation, shared by the dQ and dK/dV kernels, for query rows
-# rows_m and key rows rows_n of one (batch, head):
+# The dQ kernel's per-tile recomputation, for query rows rows_m and key rows rows_n of one
+# (batch, head) (the dK/dV kernel computes the same tiles transposed, in its query block):
 #   P = 2^((s - m) c) / l (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
 #   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
-# Rows past the sequence load q, dO, m and 1 / l as 0; the dQ kernel discards their rows at its
-# store, and the dK/dV kernel zeroes their P~ and dS in its tail block (a non-finite key gives them
-# s = 0 * inf = NaN, which would reach every dK and dV row). Keys past the sequence are masked only
-# where MASK_N (the dQ kernel's tail block): the dK/dV kernel discards those keys' rows of dK and dV
-# at its store, which are all they reach.
+# Rows past the sequence load q, dO, m and 1 / l as 0: the dQ kernel discards their rows at its
+# store. Keys past the sequence are masked where MASK_N (the dQ kernel's tail block).
 # The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
 # these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
 # cancels exactly where the math does (one token; a saturated, one-hot softmax) instead of keeping
@@ -195,7 +196,7 @@ def _attention_bwd_p_dp(
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep_scale = 1.0 / (1.0 - dropout_p)
-        keep = _dropout_keep(seed, pid_bh, rows_m, rows_n, seq_len, dropout_p)
+        keep = _dropout_keep(seed, pid_bh, rows_m[:, None], rows_n[None, :], seq_len, dropout_p)
         p_dropped = tl.where(keep, p * keep_scale, 0.0)
         dp = tl.where(keep, dp * keep_scale, 0.0)
     else:
@@ -203,9 +204,18 @@ def _attention_bwd_p_dp(
     return p, p_dropped, dp
 
 
-# One query block of the dK/dV kernel (query rows start_m + offs_m against its key tile k, v):
-#   dV += P~^T dO,  dK += dS^T Q (scaled at the end),  dS = P (dP - delta)     -> (dK, dV)
-# Loads masked on the rows only in the tail block (MASK_M), where rows past the sequence get P~ = dS = 0.
+# One query block of the dK/dV kernel: query rows i = start_m + offs_m against the program's key
+# rows j (its k and v tiles), in (key, query) tiles of BLOCK_N x BLOCK_M (the kernel's formulas):
+#   S^T = k q^T,  P^T = 2^((S^T - m) c) / l,  dP~^T = v dO^T,  dV += P~^T dO,  dK += dS^T q   -> (dK, dV)
+# P~^T and dS^T enter their products as computed, as left operands; the only transposes are of the
+# q and dO tiles as loaded (as the forward's of k). A transposed computed tile feeding tl.dot
+# (tl.trans(P~), out of the accumulator's MMA layout) is what Triton miscompiles on Hopper
+# (triton-lang/triton#6124: a wrong dK on an H100); the compile gate (`make check-gpu`) fails any
+# variant whose TTGIR has one.
+# Loads are masked on the rows only in the tail block (MASK_M), where query rows past the sequence
+# (columns here) get P~ = dS = 0: they load q, dO, m and 1 / l as 0, but a non-finite key gives them
+# S = 0 * inf = NaN, which would reach every dK and dV row. Keys past the sequence are not masked:
+# the kernel discards their rows of dK and dV at its store, which are all they reach.
 @triton.jit
 def _attention_bwd_dkdv_query_block(
     dk, dv, k, v, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len,
@@ -224,27 +234,38 @@ def _attention_bwd_dkdv_query_block(
         row_max = tl.load(RowMax + stats_ptrs)
         inv_sum = tl.load(RowInvSum + stats_ptrs)
         delta = tl.load(Delta + stats_ptrs)
-    p, p_dropped, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, rows_m, offs_n, seq_len, pid_bh, seed,
-                                           scale_log2, dropout_p, False, DROPOUT, PRECISION)
-    ds = p * (dp - delta[:, None])
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    if DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        keep_t = _dropout_keep(seed, pid_bh, rows_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        p_dropped_t = tl.where(keep_t, p_t * keep_scale, 0.0)
+        dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+    else:
+        p_dropped_t = p_t
+    ds_t = p_t * (dp_t - delta[None, :])
     if MASK_M:
-        p_dropped = tl.where(mask_m[:, None], p_dropped, 0.0)
-        ds = tl.where(mask_m[:, None], ds, 0.0)
-    dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=PRECISION)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        p_dropped_t = tl.where(mask_m[None, :], p_dropped_t, 0.0)
+        ds_t = tl.where(mask_m[None, :], ds_t, 0.0)
+    dv += tl.dot(p_dropped_t.to(do.dtype), do, input_precision=PRECISION)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
-# dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks:
-#   P = 2^((s - m) c) / l,  P~ = z * P / (1 - p)
-#   dV = sum_i P~_i^T dO_i,  dP~ = dO V^T,  dP = z * dP~ / (1 - p),  dS = P (dP - delta),
-#   dK = scale * sum_i dS_i^T Q_i
+# dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks
+# with every tile key-major, (key j, query i): the transposes of the forward's tiles.
+#   S^T = K Q^T,  P^T_ji = 2^((S^T_ji - m_i) c) / l_i,  P~^T = z^T * P^T / (1 - p)
+#   dV = sum_i P~^T_i dO_i                                (O = P~ V)
+#   dP~^T = V dO^T,  dP^T = z^T * dP~^T / (1 - p),  dS^T_ji = P^T_ji (dP^T_ji - delta_i)
+#   dK = scale * sum_i dS^T_i Q_i
 # (the derivative of O = P~ V with respect to V, and of S = scale Q K^T through the softmax,
-# dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik), with respect to K). The BLOCK_M query blocks inside the
-# sequence load without masks; the tail (BLOCK_TAIL rows, L mod BLOCK_M padded to a power of two,
-# when BLOCK_M does not divide L) is the only block masked. K and V are loaded once; the key rows
-# past the sequence are masked on that load and the stores only. Shapes: qkv and dqkv (B, L, 3D),
-# dO (B, L, D), row statistics and delta (B*H, L).
+# dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik), with respect to K: dK = scale dS^T Q). Key-major, no
+# computed tile is transposed (see the query block). The BLOCK_M query blocks inside the sequence
+# load without masks; the tail (BLOCK_TAIL rows, L mod BLOCK_M padded to a power of two, when
+# BLOCK_M does not divide L) is the only block masked. K and V are loaded once (and again for the
+# tail); the key rows past the sequence are masked on those loads and the stores only. Shapes: qkv
+# and dqkv (B, L, 3D), dO (B, L, D), row statistics and delta (B*H, L).
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
@@ -288,6 +309,16 @@ def _attention_bwd_dkdv_kernel(
             RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p,
             False, EVEN_D, DROPOUT, PRECISION)
     if BLOCK_TAIL > 0:
+        # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
+        # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
+        # at that first load and keeps them live across the loop beside the loop's own (spilling up
+        # to 3.3 KB per thread: float32 at head dim 128).
+        if EVEN_D:
+            kv_mask = (offs_n < seq_len)[:, None]
+        else:
+            kv_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
+        v = tl.load(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, mask=kv_mask, other=0.0, volatile=True)
         offs_t = tl.arange(0, BLOCK_TAIL)
         dk, dv = _attention_bwd_dkdv_query_block(
             dk, dv, k, v, q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
@@ -911,7 +942,7 @@ def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[st
     """The extension's attention runs on the CPU only: on CUDA its unfused scores-softmax-GEMM path
     loses to SDPA by 4-15x (1.34 vs 0.09 ms forward, 3.20 vs 0.83 ms forward+backward at ViT-B/16,
     B=128, bf16, H100), so it is not offered there at all."""
-    if as_on_a_gpu(device):
+    if device.type == "cuda":
         return EXTENSION_CUDA_REASON
     return _ext.supports(device, dtype)
 

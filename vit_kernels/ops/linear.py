@@ -22,7 +22,7 @@ from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, as_on_a_gpu, dot_precision, interpreted, launch,
+from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, dot_precision, interpreted, launch,
                                  multiprocessors, tl, triton)
 
 # Epilogues of the GEMM kernel.
@@ -316,14 +316,14 @@ def tma_transposed(t: torch.Tensor) -> Optional[bool]:
 
 
 def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the TMA kernel can run a @ b: on Hopper or newer (the compile gate's meta tensors and
-    the interpreter count as such), both operands readable by descriptors, not while tracing
-    (torch.compile). Where it cannot, a TMA tile runs the pointer kernel with its dimensions."""
+    """Whether the TMA kernel can run a @ b: on Hopper or newer (the interpreter counts as such),
+    both operands readable by descriptors, not while tracing (torch.compile). Where it cannot, a
+    TMA tile runs the pointer kernel with its dimensions."""
     if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
         return False
     if interpreted(a.device):  # the tests run it under the interpreter where they pin its tiles
         return True
-    return as_on_a_gpu(a.device) and (a.device.type == "meta" or _hopper_or_newer(a.device))
+    return a.device.type == "cuda" and _hopper_or_newer(a.device)
 
 
 @functools.lru_cache(maxsize=None)

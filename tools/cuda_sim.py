@@ -11,18 +11,23 @@ What a GPU would do is intercepted at four points only:
 
 * the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
   (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly;
-* Triton launches: ``JITFunction.run`` records each launch (kernel, grid, arguments) instead of
-  compiling and running it; ``compile_launches`` compiles the recorded variants for the architecture;
+* Triton launches: ``JITFunction.run`` (``InterpretedFunction.run`` under TRITON_INTERPRET=1)
+  records each launch (kernel, grid, arguments) instead of compiling and running it; the compile
+  gate (``tools.gpu_check``) compiles the recorded variants for the architecture;
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
-* timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms.
+* timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms; what is measured
+  on the simulated device stays in memory (the on-disk caches of decisions and tiles are off).
 
-Nothing else is patched: dispatch, tile choosers, validation and the launchers run unchanged.
+Nothing else is patched: dispatch, tile choosers, validation and the launchers run unchanged. What
+the runtime cached of a device's answers (``functools`` caches in ``vit_kernels``) is cleared on entry
+and exit, so an sm_80 block after an sm_90 one asks again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 from dataclasses import dataclass
@@ -32,6 +37,9 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+from vit_kernels import _tiles, backend
+from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
     90: dict(name="NVIDIA H100 80GB HBM3 (simulated)", major=9, minor=0, multi_processor_count=132,
@@ -75,9 +83,10 @@ class SimulatedCudaTensor(torch.Tensor):
             return tree_map(lambda _: 0, torch._C.TensorBase.tolist(torch.zeros(args[0].shape)))
         _inside_torch.depth = _depth() + 1
         try:
-            return super().__torch_function__(func, types, args, kwargs)
+            out = super().__torch_function__(func, types, args, kwargs)
         finally:
             _inside_torch.depth -= 1
+        return tree_map(_simulated, out)  # what the engine made in C++ (a .grad) is simulated too
 
 
 def _is_cuda(device) -> bool:
@@ -103,6 +112,8 @@ class _CudaAsMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch._C._nn._parse_to:  # Module.to's parsing: the device stays as asked, for t.to below
+            return func(*args, **kwargs)
         moved = False
         if _is_cuda(kwargs.get("device")):
             kwargs["device"], moved = "meta", True
@@ -161,10 +172,21 @@ class _Event:
         return 1.0
 
 
+def _clear_device_caches() -> None:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vit_kernels"):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)) and hasattr(value, "__wrapped__"):
+                    value.cache_clear()
+
+
 @contextlib.contextmanager
-def simulated_cuda(arch: int = 90) -> Iterator[Recorder]:
+def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]:
     """Inside the block, ``device="cuda"`` gives simulated tensors on a device of ``arch`` (90 or 80)
-    and Triton launches are recorded in the yielded ``Recorder``."""
+    and Triton launches are recorded in the yielded ``Recorder``. ``measuring=False``: the device
+    reports a CUDA graph being captured, so nothing is measured and each launcher launches its
+    default tile (what a captured or traced call runs)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     recorder = Recorder(arch)
@@ -183,16 +205,21 @@ def simulated_cuda(arch: int = 90) -> Iterator[Recorder]:
         mock.patch.object(cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
         mock.patch.object(cuda, "get_device_name", lambda device=None: props.name),
         mock.patch.object(cuda, "synchronize", lambda device=None: None),
-        mock.patch.object(cuda, "is_current_stream_capturing", lambda: False),
+        mock.patch.object(cuda, "is_current_stream_capturing", lambda: not measuring),
         mock.patch.object(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8)),
         mock.patch.object(cuda, "set_rng_state", lambda state, device="cuda": None),
         mock.patch.object(cuda, "manual_seed", lambda seed: None),
         mock.patch.object(cuda, "Event", _Event),
         mock.patch.object(JITFunction, "run", record),
+        mock.patch.object(InterpretedFunction, "run", record),
         mock.patch("triton.testing.do_bench", _fake_do_bench),
+        mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
+        mock.patch.object(backend, "_disk", DiskCache(None)),
     ]
     with contextlib.ExitStack() as stack:
+        stack.callback(_clear_device_caches)
         for patch in patches:
             stack.enter_context(patch)
         stack.enter_context(_CudaAsMeta())
+        _clear_device_caches()
         yield recorder

@@ -4,7 +4,8 @@ A recorded ``Launch`` is bound the way Triton's JIT binds it at a real launch (i
 integers equal to 1 become constants, integers and pointers divisible by 16 get the divisibility
 attribute, large integers become i64), then compiled with ``triton.compile`` for a ``GPUTarget``.
 Registers, spill (local) bytes and stack come from the cubin through the ``cuobjdump`` that ships
-with Triton; shared memory from the compiled kernel's metadata; tensor-core use from the PTX.
+with Triton; shared memory from the compiled kernel's metadata; tensor-core use from the PTX;
+transposes of computed tiles feeding a dot (triton-lang/triton#6124) from the TTGIR (``ttgir``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from vit_kernels._triton import Launch
+from tools.cuda_sim import Launch
+from tools.gpu_check.ttgir import computed_transposes
 
 # Per-SM limits of the targets: registers, threads, resident CTAs, shared memory per SM and the
 # most one block may opt in to (CUDA C Programming Guide, compute capabilities 8.0 and 9.0).
@@ -146,6 +148,8 @@ class Resources:
     ctas_per_sm: int = 0
     tensor_cores: str = "none"  # wgmma, mma, or none
     tma: bool = False  # tiles copied by the Tensor Memory Accelerator (cp.async.bulk.tensor)
+    # register transposes of computed tiles that reach a dot operand, described (ttgir.Transpose)
+    computed_transposes: list[str] = field(default_factory=list)
     error: Optional[str] = None
     ttir: str = ""
 
@@ -169,7 +173,8 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
     return Resources(
         registers=usage["REG"], spill_bytes=usage["LOCAL"], stack_bytes=usage["STACK"], shared_bytes=shared,
         num_warps=warps, ctas_per_sm=ctas_per_sm(capability, usage["REG"], warps, shared),
-        tensor_cores=tensor_cores, tma="cp.async.bulk.tensor" in ptx, ttir=compiled.asm["ttir"],
+        tensor_cores=tensor_cores, tma="cp.async.bulk.tensor" in ptx,
+        computed_transposes=[str(t) for t in computed_transposes(compiled.asm["ttgir"])], ttir=compiled.asm["ttir"],
     )
 
 

@@ -1,4 +1,4 @@
-"""The sweep: every op's Triton launchers driven with meta tensors over dtypes, flags, head dims,
+"""The sweep: every op's Triton launchers driven on the simulated CUDA device over dtypes, flags, head dims,
 ViT shapes and batch sizes, recording the launches they would issue on a GPU.
 
 Each case calls the same launcher code a CUDA call runs (the ``*_triton`` forward entry points
@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from vit_kernels._triton import Launch, recording_launches
+from tools.cuda_sim import Launch, simulated_cuda
+from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
@@ -57,7 +58,7 @@ FULL = Sweep(tuple(PRECISIONS), (1, 7, 256, 16384), (TOKENS, 50, 577), True)
 
 
 def _t(dtype, *shape) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty(shape, dtype=dtype, device="cuda")
 
 
 def _patch_embed_cases(sweep: Sweep) -> Iterator[Case]:
@@ -80,7 +81,7 @@ def _patch_embed_cases(sweep: Sweep) -> Iterator[Case]:
                     images, weight, _t(dt, dim) if has_bias else None, PATCH,
                     _t(rdt, 1, 1, dim) if has_cls else None, _t(rdt, 1, tokens, dim) if has_pos else None)
                 for needs_images in (False, True):
-                    torch.ops.vit_kernels.patch_embed_bwd(torch.empty_like(out), images, weight, PATCH, has_cls,
+                    patch_embed.patch_embed_bwd(torch.empty_like(out), images, weight, PATCH, has_cls,
                                                           needs_images)
 
             flags = f"bias={has_bias} cls={has_cls} pos={has_pos}" + (" channels_last" if channels_last else "")
@@ -96,9 +97,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
         for has_bias, has_residual in pairs:
             def run_linear(dt=dt, rdt=rdt, x=x, dim=dim, has_bias=has_bias, has_residual=has_residual):
                 inp, weight = _t(dt, *x), _t(dt, dim, dim)
-                out, _ = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
+                out, _ = linear.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
                                                           _t(rdt, *x) if has_residual else None, NONE)
-                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
+                linear.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
 
             yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
         gelu_flags = list(itertools.product((True, False), (GELU, GELU_TANH))) if sweep.all_flags else [
@@ -106,10 +107,10 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
         for has_bias, activation in gelu_flags:
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
-                out, preact = torch.ops.vit_kernels.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
+                out, preact = linear.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
                                                                None, activation)
-                torch.ops.vit_kernels.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
-                torch.ops.vit_kernels.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
+                linear.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
+                linear.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
         mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH),
@@ -119,12 +120,12 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
             def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
                         has_residual=has_residual):
                 inp, w1, w2 = _t(dt, *x), _t(dt, 4 * dim, dim), _t(dt, dim, 4 * dim)
-                out, hidden, preact = torch.ops.vit_kernels.mlp_fwd(
+                out, hidden, preact = linear.mlp_fwd(
                     inp, w1, _t(dt, 4 * dim) if bias1 else None, w2, _t(dt, dim) if bias2 else None,
                     _t(rdt, *x) if has_residual else None, activation)
-                torch.ops.vit_kernels.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation,
+                linear.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation,
                                               bias1, bias2)
-                torch.ops.vit_kernels.mlp_infer(inp, w1, _t(dt, 4 * dim) if bias1 else None, w2,
+                linear.mlp_infer(inp, w1, _t(dt, 4 * dim) if bias1 else None, w2,
                                                 _t(dt, dim) if bias2 else None, _t(rdt, *x) if has_residual else None,
                                                 activation)
 
@@ -144,11 +145,11 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
             def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
                     return_probs=return_probs):
                 qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
-                seed = torch.empty(1, dtype=torch.int64, device="meta")
-                out, lse = torch.ops.vit_kernels.attention_fwd(qkv, heads, head_dim**-0.5, dropout_p, seed)
+                seed = torch.empty(1, dtype=torch.int64, device="cuda")
+                out, lse = attention.attention_fwd(qkv, heads, head_dim**-0.5, dropout_p, seed)
                 if return_probs:
-                    torch.ops.vit_kernels.attention_probs(qkv, lse, heads, head_dim**-0.5)
-                torch.ops.vit_kernels.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads,
+                    attention.attention_probs(qkv, lse, heads, head_dim**-0.5)
+                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads,
                                                     head_dim**-0.5, dropout_p)
 
             flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}"
@@ -167,9 +168,9 @@ def _layer_norm_cases(sweep: Sweep) -> Iterator[Case]:
             def run(rdt=rdt, dim=dim, batch=batch, affine=affine, has_residual=has_residual):
                 x = _t(rdt, batch, TOKENS, dim)
                 weight = _t(rdt, dim) if affine else None
-                y, summed, mean, rstd = torch.ops.vit_kernels.layer_norm_fwd(
+                y, summed, mean, rstd = layer_norm.layer_norm_fwd(
                     x, weight, weight, 1e-6, _t(rdt, *x.shape) if has_residual else None)
-                torch.ops.vit_kernels.layer_norm_bwd(torch.empty_like(y), torch.empty_like(y) if has_residual else None,
+                layer_norm.layer_norm_bwd(torch.empty_like(y), torch.empty_like(y) if has_residual else None,
                                                      summed if has_residual else x, weight, mean, rstd, affine)
 
             yield Case("layer_norm", precision, shape, f"affine={affine} residual={has_residual}", batch, run)
@@ -183,7 +184,9 @@ def cases(sweep: Sweep) -> Iterator[Case]:
 
 
 def record(case: Case) -> list[Launch]:
-    """The launches ``case`` issues, recorded instead of run."""
-    with recording_launches() as launches:
+    """The launches ``case`` issues on the simulated H100, recorded instead of run: every candidate
+    tile of each launcher's first call (the choosers start afresh for each case, as in a new process)."""
+    _tiles.TileChooser.forget_all()
+    with simulated_cuda(90) as device:
         case.run()
-    return launches
+    return device.launches

@@ -1,4 +1,4 @@
-"""python -m vit_kernels.gpu_check.ptxas LOG [LOG ...]: the compile gate for the CUDA sources.
+"""python -m tools.gpu_check.ptxas LOG [LOG ...]: the compile gate for the CUDA sources.
 
 Reads the ``nvcc -Xptxas -v`` output of every csrc/cuda/*.cu file (compiled for sm_80 and sm_90 by
 ``make check-cuda``), prints registers, spills and static shared memory per kernel and target, and
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from vit_kernels.gpu_check.compile import TARGETS
+from tools.gpu_check.compile import TARGETS
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

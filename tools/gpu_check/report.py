@@ -1,6 +1,6 @@
 """The compile gate's report: one JSON row per compiled variant and target, and a markdown table
 per target summarising each kernel (variants, registers, spills, shared memory, CTAs per SM,
-tensor cores, TMA copies)."""
+tensor cores, TMA copies, transposes of computed tiles feeding a dot)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import triton
 
 def _rows(jobs, results, launches) -> list[dict]:
     used_by = defaultdict(set)
-    for case, variant, keys in launches:
+    for case, _, keys in launches:
         for key in keys.values():
             used_by[key].add(f"{case.op} {case.precision}")
     rows = []
@@ -28,7 +28,8 @@ def _rows(jobs, results, launches) -> list[dict]:
             "registers": resources.registers, "spill_bytes": resources.spill_bytes,
             "stack_bytes": resources.stack_bytes, "shared_bytes": resources.shared_bytes,
             "num_warps": resources.num_warps, "ctas_per_sm": resources.ctas_per_sm,
-            "tensor_cores": resources.tensor_cores, "tma": resources.tma, "error": resources.error,
+            "tensor_cores": resources.tensor_cores, "tma": resources.tma,
+            "computed_transposes": resources.computed_transposes, "error": resources.error,
             "used_by": sorted(used_by[key]),
         })
     return sorted(rows, key=lambda r: (r["target"], r["kernel"], r["config"]))
@@ -41,8 +42,9 @@ def summary_table(rows: list[dict], target: str) -> str:
         if row["target"] == target and not row["error"]:
             by_kernel[row["kernel"]].append(row)
     lines = [
-        f"| kernel ({target}) | variants | registers | spill bytes | shared KB | CTAs/SM | tensor cores | TMA loads |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        f"| kernel ({target}) | variants | registers | spill bytes | shared KB | CTAs/SM | tensor cores | TMA loads "
+        "| computed-tile transposes |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for kernel, group in sorted(by_kernel.items()):
         regs = [r["registers"] for r in group]
@@ -51,8 +53,9 @@ def summary_table(rows: list[dict], target: str) -> str:
         cores = ", ".join(sorted({r["tensor_cores"] for r in group}))
         tma = sum(bool(r.get("tma")) for r in group)
         tma = "every variant" if tma == len(group) else "none" if tma == 0 else f"{tma} of {len(group)}"
+        transposes = sum(len(r.get("computed_transposes", ())) for r in group)
         lines.append(f"| `{kernel}` | {len(group)} | {min(regs)}-{max(regs)} | {max(r['spill_bytes'] for r in group)} "
-                     f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} | {tma} |")
+                     f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} | {tma} | {transposes} |")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""python -m vit_kernels.gpu_check [--all] [--ops attention,...] [--targets 80,90] [--jobs N] [--out DIR]
+"""python -m tools.gpu_check [--all] [--ops attention,...] [--targets 80,90] [--jobs N] [--out DIR]
 
 Compiles every Triton kernel variant the launchers can choose on CUDA for each target, writes
 ``DIR/report.json`` and ``DIR/report.md``, prints a summary, and exits 1 on any failure:
@@ -8,6 +8,9 @@ Compiles every Triton kernel variant the launchers can choose on CUDA for each t
   budget is also zero (FP32_SPILL_BUDGET): exact float32 tiles are sized to fit the register file,
   since a spill costs a local-memory round trip per access in the inner loop;
 * shared memory over the target's per-block limit, or no CTA fitting on an SM;
+* a transpose of a computed register tile reaching a dot operand in the TTGIR (``ttgir``), the
+  pattern Triton miscompiles on Hopper (triton-lang/triton#6124); transposes of tiles as loaded,
+  and of shared-memory descriptors, pass;
 * a grid dimension over CUDA's limits (2^31 - 1 on x, 65,535 on y and z);
 * integer index arithmetic that overflows its type at the recorded sizes (``int_range``).
 """
@@ -15,19 +18,17 @@ Compiles every Triton kernel variant the launchers can choose on CUDA for each t
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
 import time
-from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from vit_kernels.gpu_check import cases as sweeps
-from vit_kernels.gpu_check.compile import GRID_LIMITS, TARGETS, Resources, Variant, bind, compile_variant, expand
-from vit_kernels.gpu_check.int_range import find_overflows
-from vit_kernels.gpu_check.report import write_reports
+from tools.gpu_check import cases as sweeps
+from tools.gpu_check.compile import GRID_LIMITS, TARGETS, Resources, Variant, bind, compile_variant, expand
+from tools.gpu_check.int_range import find_overflows
+from tools.gpu_check.report import write_reports
 
 FP32_SPILL_BUDGET = 0  # bytes of local memory per thread allowed in a float32-only variant
 _JOBS: list = []  # (variant, capability, bound), shared with forked workers
@@ -40,6 +41,26 @@ def _compile_job(index: int) -> Resources:
 
 def _is_16bit(bound) -> bool:
     return any(t in ("*fp16", "*bf16") for t in bound.signature.values())
+
+
+def variant_failures(variant: Variant, capability: int, bound, resources: Resources) -> list[str]:
+    """Why one compiled variant fails the gate (none: it passes). Also what the simulated CUDA
+    device (tests/cuda_sim) applies to the launches it records."""
+    where = f"{variant.name} [{variant.config}] sm_{capability}"
+    if resources.error:
+        return [f"{where}: compile error: {resources.error}"]
+    failures = []
+    budget = 0 if _is_16bit(bound) else FP32_SPILL_BUDGET
+    if resources.spill_bytes > budget:
+        failures.append(f"{where}: {resources.spill_bytes} bytes of spills per thread (budget {budget})")
+    if resources.shared_bytes > TARGETS[capability]["smem_block"]:
+        failures.append(f"{where}: {resources.shared_bytes} bytes of shared memory, over the "
+                        f"{TARGETS[capability]['smem_block']}-byte limit")
+    elif resources.ctas_per_sm == 0:
+        failures.append(f"{where}: no CTA fits on an SM")
+    for transpose in resources.computed_transposes:
+        failures.append(f"{where}: transpose of a computed tile feeding a dot (triton-lang/triton#6124): {transpose}")
+    return failures
 
 
 def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
@@ -64,7 +85,7 @@ def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vit_kernels.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)")
     parser.add_argument("--ops", default=None, help="only these ops' cases, comma-separated (default: every op)")
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (80, 90)")
@@ -97,19 +118,7 @@ def main(argv=None) -> int:
 
     failures: list[str] = []
     for key, resources in results.items():
-        variant, capability, bound = jobs[key]
-        where = f"{variant.name} [{variant.config}] sm_{capability}"
-        if resources.error:
-            failures.append(f"{where}: compile error: {resources.error}")
-            continue
-        budget = 0 if _is_16bit(bound) else FP32_SPILL_BUDGET
-        if resources.spill_bytes > budget:
-            failures.append(f"{where}: {resources.spill_bytes} bytes of spills per thread (budget {budget})")
-        if resources.shared_bytes > TARGETS[capability]["smem_block"]:
-            failures.append(f"{where}: {resources.shared_bytes} bytes of shared memory, over the "
-                            f"{TARGETS[capability]['smem_block']}-byte limit")
-        elif resources.ctas_per_sm == 0:
-            failures.append(f"{where}: no CTA fits on an SM")
+        failures += variant_failures(*jobs[key], resources)
     checked = set()
     for case, variant, keys_by_target in launches:
         label = f"{case.op} {case.precision} {case.shape} {case.flags} batch={case.batch}: {variant.name}"

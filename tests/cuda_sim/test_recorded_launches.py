@@ -1,0 +1,50 @@
+"""Every Triton launch the simulated devices recorded, compiled for that device's architecture by
+the compile gate's own binder and compiler (tools.gpu_check), one launch per kernel variant:
+the launch a GPU user's call makes compiles, fits the SM, does not spill and has no transpose of a
+computed tile feeding a dot. Runs after every
+other test of the stage (conftest orders it last), on the launches they recorded."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from tests.cuda_sim.conftest import ARCHS, LAUNCHES
+from tools.gpu_check.__main__ import variant_failures
+from tools.gpu_check.compile import bind, compile_variant, expand
+
+_JOBS: list = []  # (variant, capability, bound), shared with forked workers
+
+
+def _compile(index: int):
+    variant, capability, bound = _JOBS[index]
+    return compile_variant(variant, capability, bound)
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda arch: f"sm{arch}")
+def test_every_recorded_launch_compiles_for_its_device(arch):
+    launches = LAUNCHES[arch]
+    if not launches:
+        pytest.fail("no launch was recorded on this architecture: run the whole stage (make test-cuda-sim)")
+    jobs = {}
+    for launch in launches:
+        for variant in expand(launch):
+            if arch < getattr(variant.kernel, "min_capability", 0):
+                continue
+            bound = bind(variant, arch)
+            # one compile per kernel variant: its constexprs (tiles, warps, stages, flags) and argument
+            # types; launches that differ only in which sizes are multiples of 16 share it
+            kind = (variant.name, repr(sorted(bound.constexprs.items(), key=str)), repr(sorted(bound.signature.items())),
+                    variant.kwargs.get("num_warps"), variant.kwargs.get("num_stages"))
+            jobs.setdefault(kind, (variant, arch, bound))
+    _JOBS[:] = list(jobs.values())
+    print(f"sm_{arch}: {len(launches)} launches recorded, {len(_JOBS)} unique variants to compile")
+    workers = max(1, min(len(_JOBS), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_compile, range(len(_JOBS)), chunksize=2))
+    failures = [failure for (variant, capability, bound), resources in zip(_JOBS, results)
+                for failure in variant_failures(variant, capability, bound, resources)]
+    assert not failures, f"{len(failures)} of {len(_JOBS)} recorded variants fail on sm_{arch}:\n" + "\n".join(failures)

@@ -1,0 +1,50 @@
+"""A patch_model'd timm ViT's forward and backward on the simulated CUDA device (tools/cuda_sim.py):
+the host code of a GPU user's training step, on sm_90 and sm_80, with auto measuring, every backend
+and bf16 autocast, failing on any exception auto or a tile chooser caught."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives beside the package, not in it
+from tools.cuda_sim import simulated_cuda  # noqa: E402
+
+import vit_kernels as vk  # noqa: E402
+from vit_kernels import _ext, _tiles, backend  # noqa: E402
+
+
+def _exceptions_caught() -> list[str]:
+    found = [f"auto {signature} {name}: {outcome}" for signature, entry in backend._measured.items()
+             for name, outcome in entry["candidates"].items() if isinstance(outcome, str) and "raised" in outcome]
+    found += [f"{chooser.name} {key} {tile}: {trial}" for chooser in _tiles.TileChooser.instances
+              for key, choice in chooser.report().items() for tile, trial in choice.trials.items()
+              if isinstance(trial, str) and "raised" in trial]
+    return found
+
+
+@pytest.mark.parametrize("backend_name", ["auto", "triton", "torch"])
+@pytest.mark.parametrize("arch", [90, 80], ids=lambda arch: f"sm{arch}")
+def test_patched_timm_vit_trains_on_the_simulated_gpu(monkeypatch, arch, backend_name):
+    monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # a build with the CUDA kernels, run through their fakes
+    backend.clear_decisions()
+    _tiles.TileChooser.forget_all()
+    vk.set_autotune(True, cache_dir=False)
+    try:
+        with simulated_cuda(arch) as device:
+            model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, depth=2).to("cuda")
+            report = vk.patch_model(model)
+            assert report.replaced, report
+            images = torch.randn(8, 3, 224, 224, device="cuda")
+            with vk.use_backend(backend_name), torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(images).float().logsumexp(-1).mean()
+            loss.backward()
+            assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
+        if backend_name == "triton":
+            assert device.launches
+        assert not _exceptions_caught(), _exceptions_caught()
+    finally:
+        vk.set_autotune(False)
+        backend.clear_decisions()
