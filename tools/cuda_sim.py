@@ -10,7 +10,9 @@ report ``meta``.
 What a GPU would do is intercepted at four points only:
 
 * the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
-  (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly;
+  (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly; the
+  extension, where it loaded, counts as built with its CUDA kernels, whose calls run through their
+  fake implementations (shapes and dtypes, as under torch.compile);
 * Triton launches: ``JITFunction.run`` (``InterpretedFunction.run`` under TRITON_INTERPRET=1)
   records each launch (kernel, grid, arguments) instead of compiling and running it; the compile
   gate (``tools.gpu_check``) compiles the recorded variants for the architecture;
@@ -38,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _tiles, backend
+from vit_kernels import _ext, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
@@ -54,6 +56,52 @@ _inside_torch = threading.local()
 _tensor_device = torch._C.TensorBase.device.__get__
 _VALUE_READS = {torch.Tensor.item: 0, torch.Tensor.__bool__: False, torch.Tensor.__float__: 0.0,
                 torch.Tensor.__int__: 0, torch.Tensor.__index__: 0}
+
+
+_saved_tensors = torch._C._FunctionBase.saved_tensors.__get__
+
+
+def _as_tuple(tensors) -> tuple:
+    return (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+
+
+def _seeds(outputs: tuple, grad_outputs) -> tuple:
+    grad_outputs = (None,) * len(outputs) if grad_outputs is None else _as_tuple(grad_outputs)
+    return tuple(torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs, strict=True))
+
+
+def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+          allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    """torch.autograd.grad, run by the engine directly: the backward functions it calls (our code)
+    see simulated tensors, where the torch-function path would run them with subclasses disabled."""
+    from torch.autograd.graph import _engine_run_backward
+
+    outputs, inputs = _as_tuple(outputs), _as_tuple(inputs)
+    grads = _engine_run_backward(outputs, _seeds(outputs, grad_outputs), create_graph if retain_graph is None
+                                 else retain_graph, create_graph, inputs, bool(allow_unused or materialize_grads),
+                                 accumulate_grad=False)
+    if materialize_grads:
+        grads = tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True))
+    return tuple(_simulated(g) for g in grads)
+
+
+def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+    """torch.autograd.backward (and Tensor.backward), run by the engine directly, as ``_grad``."""
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = _as_tuple(tensors)
+    _engine_run_backward(tensors, _seeds(tensors, grad_tensors), create_graph if retain_graph is None else retain_graph,
+                         create_graph, _as_tuple(inputs) if inputs is not None else (), True, accumulate_grad=True)
+
+
+def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    _backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+# The engine's entry points run our backward functions: they are called here directly, not inside
+# PyTorch's torch-function handling (which would hide the simulated device from them).
+_RUNS_OUR_CODE = {torch.autograd.grad: _grad, torch.autograd.backward: _backward,
+                  torch.Tensor.backward: _tensor_backward}
 
 
 def _depth() -> int:
@@ -81,6 +129,8 @@ class SimulatedCudaTensor(torch.Tensor):
             return _VALUE_READS[func]
         if func is torch.Tensor.tolist:
             return tree_map(lambda _: 0, torch._C.TensorBase.tolist(torch.zeros(args[0].shape)))
+        if func in _RUNS_OUR_CODE:
+            return _RUNS_OUR_CODE[func](*args, **(kwargs or {}))
         _inside_torch.depth = _depth() + 1
         try:
             out = super().__torch_function__(func, types, args, kwargs)
@@ -180,12 +230,24 @@ def _clear_device_caches() -> None:
                     value.cache_clear()
 
 
+def _backward_on_the_device(apply):
+    """A custom Function's backward as the engine calls it, on the simulated device: the gradients
+    the engine made in C++ (plain meta tensors) are simulated CUDA tensors, as the inputs were, and
+    factory calls inside it make simulated tensors (the block's mode is not active in the engine)."""
+    def backward(self, *args):
+        with _CudaAsMeta():
+            return apply(self, *tree_map(_simulated, args))
+
+    return backward
+
+
 @contextlib.contextmanager
 def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]:
     """Inside the block, ``device="cuda"`` gives simulated tensors on a device of ``arch`` (90 or 80)
     and Triton launches are recorded in the yielded ``Recorder``. ``measuring=False``: the device
     reports a CUDA graph being captured, so nothing is measured and each launcher launches its
     default tile (what a captured or traced call runs)."""
+    from torch.autograd.function import BackwardCFunction
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -210,9 +272,13 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(cuda, "set_rng_state", lambda state, device="cuda": None),
         mock.patch.object(cuda, "manual_seed", lambda seed: None),
         mock.patch.object(cuda, "Event", _Event),
+        mock.patch.object(BackwardCFunction, "apply", _backward_on_the_device(BackwardCFunction.apply)),
+        mock.patch.object(BackwardCFunction, "saved_tensors",
+                          property(lambda ctx: tuple(_simulated(t) for t in _saved_tensors(ctx))), create=True),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
         mock.patch("triton.testing.do_bench", _fake_do_bench),
+        mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
         mock.patch.object(backend, "_disk", DiskCache(None)),
     ]

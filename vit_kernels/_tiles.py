@@ -156,6 +156,11 @@ class TileChooser:
                                f"{key}: {trials}")
         return Choice(min(timed, key=timed.get), trials)
 
+    def pin(self, key: tuple, tile: Tile) -> None:
+        """Launch ``tile`` for ``key`` from now on in this process, unmeasured (tooling: the compile
+        gate runs each candidate with the flags its trial leaves out, such as dropout)."""
+        self._chosen[key] = Choice(tile, {"pinned": tile})
+
     def chosen(self, key: tuple) -> Optional[Tile]:
         hit = self._chosen.get(key)
         return None if hit is None else hit.tile

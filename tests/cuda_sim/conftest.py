@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import _ext, _signature, _tiles, backend  # noqa: E402
+from vit_kernels import _signature, _tiles, backend  # noqa: E402
 from tools.cuda_sim import SimulatedCudaTensor, simulated_cuda  # noqa: E402
 
 ARCHS = (90, 80)
@@ -56,7 +56,6 @@ def sim(request, monkeypatch):
     _tiles.TileChooser.forget_all()
     vk.set_autotune(True, cache_dir=False)
     monkeypatch.setattr(_signature, "untimeable", _untimeable_unless_simulated)
-    monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # a build with the CUDA kernels, run through their fakes
     with warnings.catch_warnings():
         # auto's warning that it dropped an implementation (declared fallbacks only warn)
         warnings.filterwarnings("error", message="vit_kernels: the .* failed validation", category=RuntimeWarning)

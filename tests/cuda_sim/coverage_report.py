@@ -27,7 +27,32 @@ RULES = (  # (text in the enclosing condition or statement, reason)
 )
 
 
+FUNCTION_RULES = (  # (text in a decorator of an enclosing function, reason)
+    ("triton.jit", "Triton kernel code: compiled for sm_80 and sm_90 by the stage (and make check-gpu), "
+                   "executed by Triton (the interpreter in make test), never by Python on a GPU"),
+    ("register_fake", "fake implementation: run while torch.compile traces (tests/test_compile.py)"),
+)
+MODULE_RULES = (  # (path suffix, reason)
+    ("integrations/timm.py", "timm's model classes: make test-integration (a patched timm ViT on the simulated device there)"),
+    ("integrations/huggingface.py", "transformers' model classes: make test-integration"),
+    ("integrations/torchvision.py", "torchvision's model classes: make test-integration"),
+)
+
+
+def _enclosing_functions(tree_parents: dict, node: ast.AST):
+    current = node
+    while current is not None:
+        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield current
+        current = tree_parents.get(current)
+
+
 def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
+    for function in _enclosing_functions(tree_parents, node):
+        decorators = " ".join(ast.get_source_segment(source, d) or "" for d in function.decorator_list)
+        for needle, reason in FUNCTION_RULES:
+            if needle in decorators:
+                return reason
     if isinstance(node, ast.Raise):
         return "refusal (bad input, limits, no right candidate): run by tests/test_bad_input.py and the CPU suite"
     current = node
@@ -46,6 +71,10 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
 
 def unrun_lines(path: Path, missing: list[int]) -> list[tuple[int, str, str]]:
     """(line, code, reason) for each missing line of ``path``."""
+    for suffix, reason in MODULE_RULES:
+        if str(path).endswith(suffix):
+            lines = path.read_text().splitlines()
+            return [(n, lines[n - 1].strip(), reason) for n in missing]
     source = path.read_text()
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}

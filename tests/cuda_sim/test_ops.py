@@ -35,6 +35,8 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         qkv = _p(B, L, 3 * heads * head_dim, dtype=dtype)
         if variant == "probs":
             return (lambda: vk.attention(qkv, heads, return_probs=True)), [qkv]
+        if variant == "dropout":
+            return (lambda: vk.attention(qkv, heads, dropout_p=0.1)), [qkv]
         return (lambda: vk.attention(qkv, heads)), [qkv]
     if op == "linear":
         w, b = _p(D, D, dtype=dtype), _p(D, dtype=dtype)
@@ -56,7 +58,7 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
 
 
 CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention", "dh64"), ("attention", "dh80"),
-         ("attention", "dh128"), ("attention", "probs"), ("linear", "plain"), ("linear", "residual"),
+         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("linear", "plain"), ("linear", "residual"),
          ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("mlp", "plain"), ("mlp", "residual"),
          ("layer_norm", "plain"), ("layer_norm", "residual")]
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives bes
 from tools.cuda_sim import simulated_cuda  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import _ext, _tiles, backend  # noqa: E402
+from vit_kernels import _tiles, backend  # noqa: E402
 
 
 def _exceptions_caught() -> list[str]:
@@ -27,8 +27,7 @@ def _exceptions_caught() -> list[str]:
 
 @pytest.mark.parametrize("backend_name", ["auto", "triton", "torch"])
 @pytest.mark.parametrize("arch", [90, 80], ids=lambda arch: f"sm{arch}")
-def test_patched_timm_vit_trains_on_the_simulated_gpu(monkeypatch, arch, backend_name):
-    monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # a build with the CUDA kernels, run through their fakes
+def test_patched_timm_vit_trains_on_the_simulated_gpu(arch, backend_name):
     backend.clear_decisions()
     _tiles.TileChooser.forget_all()
     vk.set_autotune(True, cache_dir=False)

@@ -146,11 +146,19 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                     return_probs=return_probs):
                 qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
                 seed = torch.empty(1, dtype=torch.int64, device="cuda")
-                out, lse = attention.attention_fwd(qkv, heads, head_dim**-0.5, dropout_p, seed)
+                scale = head_dim**-0.5
+                out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed)
                 if return_probs:
-                    attention.attention_probs(qkv, lse, heads, head_dim**-0.5)
-                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads,
-                                                    head_dim**-0.5, dropout_p)
+                    attention.attention_probs(qkv, lse, heads, scale)
+                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p)
+                if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
+                    key = attention._chooser_key(qkv, heads)
+                    for tile in attention.fwd_candidates(dt, head_dim, seq_len):
+                        attention.FWD_CHOOSER.pin(key, tile)
+                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed)
+                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len):
+                        attention.BWD_CHOOSER.pin(key, tiles)
+                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p)
 
             flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}"
             yield Case("attention", precision, shape, flags, batch, run)

@@ -74,34 +74,46 @@ class Transpose:
         return f"tt.trans{at} of {self.source_op} ({self.source_type}) -> {self.dot}"
 
 
+def _first_top_level(text: str, stop) -> int:
+    """The index of the first character outside every bracket at which ``stop(text, i)`` holds, else
+    ``len(text)`` (``->`` is an arrow, not a closing bracket)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}" or (ch == ">" and text[i - 1] != "-"):
+            depth -= 1
+        elif depth == 0 and stop(text, i):
+            return i
+    return len(text)
+
+
 def _strip_types(rest: str) -> str:
     """An op's text before its trailing type signature and location (operands and attributes)."""
     rest = _LOC.sub("", rest.rstrip())
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}" or (ch == ">" and rest[i - 1] != "-"):
-            depth -= 1
-        elif ch == ":" and depth == 0 and rest[i - 1] == " " and i + 1 < len(rest) and rest[i + 1] == " ":
-            return rest[:i]
-    return rest
+    return rest[:_first_top_level(rest, lambda t, i: t[i] == ":" and t[i - 1] == " " and t[i + 1:i + 2] == " ")]
 
 
 def _operand_type(text: str) -> str:
     """The first type of an op's signature (``: tensor<...> -> ...``): its first operand's."""
     rest = _LOC.sub("", text.rstrip())
-    head = _strip_types(rest)
-    signature = rest[len(head):].lstrip(" :")
-    depth = 0
-    for i, ch in enumerate(signature):
-        if ch in "<([{":
-            depth += 1
-        elif ch in ")]}" or (ch == ">" and signature[i - 1] != "-"):
-            depth -= 1
-        elif depth == 0 and (ch == "," or signature.startswith(" ->", i)):
-            return signature[:i].strip()
-    return signature.strip()
+    signature = rest[len(_strip_types(rest)):].lstrip(" :")
+    return signature[:_first_top_level(signature, lambda t, i: t[i] == "," or t.startswith(" ->", i))].strip()
+
+
+def _worklist(first: str):
+    """(stack, values): a depth-first walk from ``first``; what is pushed onto ``stack`` while
+    iterating ``values`` is visited too, each value once."""
+    stack, seen = [first], set()
+
+    def values():
+        while stack:
+            value = stack.pop()
+            if value not in seen:
+                seen.add(value)
+                yield value
+
+    return stack, values()
 
 
 class _Module:
@@ -226,12 +238,8 @@ class _Module:
         """What produced the data of ``value``, through moves, buffers and loop-carried values:
         load op names, "constant", or the names of the ops that computed it."""
         found: set[str] = set()
-        stack, seen = [value], set()
-        while stack:
-            value = stack.pop()
-            if value in seen:
-                continue
-            seen.add(value)
+        stack, values = _worklist(value)
+        for value in values:
             if value in self.sources:
                 stack.extend(self.sources[value])
                 if value not in self.defs:
@@ -261,12 +269,8 @@ class _Module:
 
     def reaches_dot(self, value: str) -> Optional[str]:
         """The dot op (name) whose A or B operand ``value`` becomes, through moves and casts."""
-        stack, seen = [value], set()
-        while stack:
-            value = stack.pop()
-            if value in seen:
-                continue
-            seen.add(value)
+        stack, values = _worklist(value)
+        for value in values:
             for op, index in self.uses.get(value, []):
                 if op.name in DOTS and index in (0, 1):
                     return op.name
