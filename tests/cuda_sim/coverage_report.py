@@ -1,9 +1,11 @@
-"""python -m tests.cuda_sim.coverage_report --out FILE: the simulated CUDA stage's coverage of the
-runtime modules of ``vit_kernels``, as markdown, with every line it left unrun and why.
+"""python -m tests.cuda_sim.coverage_report --out FILE [--cpu-suite DATA]: the simulated CUDA stage's
+coverage of the runtime modules of ``vit_kernels``, as markdown, with every line it left unrun and why.
 
-The reason of an unrun line is read off the code around it: the branch it sits in (CPU tensors,
-the interpreter, triton absent, tracing), a refusal of bad input, or error handling. A line none of
-these explains is listed as "unexplained": those are the CUDA-only lines the stage should reach.
+The reason of an unrun line is read off the code around it: a Triton kernel's body (compiled, not
+run by Python), a fake implementation, the branch it sits in (CPU tensors, the interpreter, triton
+absent, tracing), a refusal of bad input, error handling; else, given the coverage data of the CPU
+suite (``--cpu-suite``), that ``make test`` runs it. A line none of these explains is listed as
+"unexplained": run neither on the simulated device nor on the CPU.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
     return "unexplained"
 
 
-def unrun_lines(path: Path, missing: list[int]) -> list[tuple[int, str, str]]:
-    """(line, code, reason) for each missing line of ``path``."""
+CPU_SUITE = "run by make test on the CPU (the interpreter, the C++ kernels, tracing, bad input, the cache)"
+
+
+def unrun_lines(path: Path, missing: list[int], cpu_run: set[int]) -> list[tuple[int, str, str]]:
+    """(line, code, reason) for each missing line of ``path``; ``cpu_run``: the lines the CPU suite ran."""
     for suffix, reason in MODULE_RULES:
         if str(path).endswith(suffix):
             lines = path.read_text().splitlines()
@@ -83,16 +88,24 @@ def unrun_lines(path: Path, missing: list[int]) -> list[tuple[int, str, str]]:
         if isinstance(node, ast.stmt):
             statements.setdefault(node.lineno, node)
     lines = source.splitlines()
-    return [(n, lines[n - 1].strip(), _reason(parents, statements[n], source) if n in statements else "unexplained")
-            for n in missing]
+    rows = []
+    for n in missing:
+        reason = _reason(parents, statements[n], source) if n in statements else "unexplained"
+        rows.append((n, lines[n - 1].strip(), CPU_SUITE if reason == "unexplained" and n in cpu_run else reason))
+    return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cuda_sim.coverage_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="markdown file to write")
+    parser.add_argument("--cpu-suite", default=None, help="coverage data file of make test's CPU suite")
     args = parser.parse_args(argv)
     cov = coverage.Coverage()
     cov.load()
+    cpu = None
+    if args.cpu_suite:
+        cpu = coverage.CoverageData(basename=args.cpu_suite)
+        cpu.read()
     root = Path.cwd()
     rows, details, unexplained = [], [], 0
     total_statements = total_missing = 0
@@ -104,7 +117,7 @@ def main(argv=None) -> int:
         total_missing += len(missing)
         rows.append(f"| `{relative}` | {len(statements)} | {len(missing)} | "
                     f"{100 * (len(statements) - len(missing)) / max(1, len(statements)):.0f}% |")
-        unrun = unrun_lines(path, missing)
+        unrun = unrun_lines(path, missing, set(cpu.lines(filename) or ()) if cpu is not None else set())
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:
             details.append(f"\n### `{relative}`\n\n| line | code | why the simulated device does not run it |\n| --- | --- | --- |")
@@ -114,7 +127,7 @@ def main(argv=None) -> int:
         "# Coverage of the runtime modules under the simulated CUDA device (`make test-cuda-sim`)",
         "",
         f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
-        f"{unexplained} unrun lines have no reason from the rules (CUDA-only lines the stage misses).",
+        f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
         "Tooling that leaves the runtime package under the lean-core work (`gpu_check`, `selftest`, "
         "`op_specs`, `_gpu_tests`) is not counted.",
         "",
