@@ -7,7 +7,7 @@ autograd engine, with no memory and no driver) that report device ``cuda:0`` to 
 Inside PyTorch's own ops (its Python meta kernels allocate outputs on their inputs' device) the tensors
 report ``meta``.
 
-What a GPU would do is intercepted at four points only:
+What a GPU would do is intercepted at five points only:
 
 * the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
   (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly; the
@@ -19,7 +19,10 @@ What a GPU would do is intercepted at four points only:
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
 * timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms; what is measured
-  on the simulated device stays in memory (the on-disk caches of decisions and tiles are off).
+  on the simulated device stays in memory (the on-disk caches of decisions and tiles are off);
+* the autograd engine's entry points (``torch.autograd.grad``/``backward``) run the engine directly,
+  and a custom Function's backward gets its saved tensors and gradients as simulated tensors:
+  PyTorch would otherwise run backward with tensor subclasses hidden, on plain meta tensors.
 
 Nothing else is patched: dispatch, tile choosers, validation and the launchers run unchanged. What
 the runtime cached of a device's answers (``functools`` caches in ``vit_kernels``) is cleared on entry
