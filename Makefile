@@ -49,13 +49,17 @@ test: $(STAMP)
 # The simulated CUDA device (tests/cuda_sim): the host code of every GPU call, down to the launch,
 # on sm_90 and sm_80 devices simulated on this CPU, each recorded launch compiled for its
 # architecture; fails on any exception, also one that auto or a tile chooser would have caught.
-# Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md.
+# Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md (CUDA_SIM_REPORT_ARGS:
+# e.g. --cpu-suite build/cpu-suite/.coverage, the CPU suite's coverage, which then explains the lines
+# that only make test runs; benchmarks/results/cuda-sim-coverage.md is made so).
 CUDA_SIM_OUT ?= build/cuda-sim
+CUDA_SIM_REPORT_ARGS ?=
 test-cuda-sim: $(STAMP)
 	mkdir -p $(CUDA_SIM_OUT)
 	env -u TRITON_INTERPRET COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
 		tests/cuda_sim $(PYTEST_ARGS)
-	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report --out $(CUDA_SIM_OUT)/coverage.md
+	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report --out $(CUDA_SIM_OUT)/coverage.md \
+		$(CUDA_SIM_REPORT_ARGS)
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)

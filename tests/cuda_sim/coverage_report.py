@@ -26,6 +26,8 @@ RULES = (  # (text in the enclosing condition or statement, reason)
     ("is_compiling", "tracing branch (torch.compile, export): run by tests/test_compile.py"),
     ("recording", "launch recording of the compile gate and block_traffic: run by make check-gpu"),
     ('type == "meta"', "meta tensors: run by make check-gpu and benchmarks.block_traffic"),
+    ("problem is not None", "a candidate failing validation: on the simulated device every value reads 0 and every "
+                            "candidate passes; the CPU suite injects wrong tiles and outputs"),
 )
 
 
@@ -34,6 +36,10 @@ FUNCTION_RULES = (  # (text in a decorator of an enclosing function, reason)
                    "executed by Triton (the interpreter in make test), never by Python on a GPU"),
     ("register_fake", "fake implementation: run while torch.compile traces (tests/test_compile.py)"),
 )
+NAME_RULES = {  # enclosing function name -> reason
+    "tile_report": "the tile tables of make gpu-report (a GPU's measured choices)",
+    "pin": "tooling: the compile gate pins each candidate (make check-gpu)",
+}
 MODULE_RULES = (  # (path suffix, reason)
     ("integrations/timm.py", "timm's model classes: make test-integration (a patched timm ViT on the simulated device there)"),
     ("integrations/huggingface.py", "transformers' model classes: make test-integration"),
@@ -55,6 +61,8 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
         for needle, reason in FUNCTION_RULES:
             if needle in decorators:
                 return reason
+        if function.name in NAME_RULES:
+            return NAME_RULES[function.name]
     if isinstance(node, ast.Raise):
         return "refusal (bad input, limits, no right candidate): run by tests/test_bad_input.py and the CPU suite"
     current = node
@@ -85,7 +93,7 @@ def unrun_lines(path: Path, missing: list[int], cpu_run: set[int]) -> list[tuple
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     statements = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.stmt):
+        if isinstance(node, (ast.stmt, ast.ExceptHandler)):
             statements.setdefault(node.lineno, node)
     lines = source.splitlines()
     rows = []
@@ -128,8 +136,8 @@ def main(argv=None) -> int:
         "",
         f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
         f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
-        "Tooling that leaves the runtime package under the lean-core work (`gpu_check`, `selftest`, "
-        "`op_specs`, `_gpu_tests`) is not counted.",
+        "Test tooling still inside the package (`selftest`, `op_specs`, `_gpu_tests`) is not counted. "
+        + (f"Lines run by the CPU suite: from `{args.cpu_suite}`." if args.cpu_suite else "No CPU-suite data given."),
         "",
         "| module | statements | not run | run |",
         "| --- | --- | --- | --- |",

@@ -31,7 +31,7 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         w, b, cls, pos = _p(D, 3, 16, 16, dtype=dtype), _p(D, dtype=dtype), _p(1, 1, D, dtype=dtype), _p(1, L, D, dtype=dtype)
         return (lambda: vk.patch_embed(images, w, b, patch_size=16, cls_token=cls, pos_embed=pos)), [images, w, b, cls, pos]
     if op == "attention":
-        heads, head_dim = {"dh80": (4, 80), "dh128": (4, 128)}.get(variant, (HEADS, D // HEADS))
+        heads, head_dim = {"dh80": (4, 80), "dh128": (4, 128), "dh15": (3, 15)}.get(variant, (HEADS, D // HEADS))
         qkv = _p(B, L, 3 * heads * head_dim, dtype=dtype)
         if variant == "probs":
             return (lambda: vk.attention(qkv, heads, return_probs=True)), [qkv]
@@ -39,6 +39,10 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
             return (lambda: vk.attention(qkv, heads, dropout_p=0.1)), [qkv]
         return (lambda: vk.attention(qkv, heads)), [qkv]
     if op == "linear":
+        if variant == "tall":  # more rows than a GEMM candidate is validated on
+            x = _p(4 * B, L, D, dtype=dtype)
+        if variant == "empty":  # no rows: nothing to launch or validate
+            x = _p(0, D, dtype=dtype)
         w, b = _p(D, D, dtype=dtype), _p(D, dtype=dtype)
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
         return (lambda: vk.linear(x, w, b, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
@@ -51,6 +55,12 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         leaves = [x, w1, b1, w2, b2] + ([residual] if residual is not None else [])
         return (lambda: vk.mlp(x, w1, b1, w2, b2, residual=residual)), leaves
     if op == "layer_norm":
+        if variant == "wide":  # past the CUDA extension's row limit
+            x = _p(2, 4, 16384, dtype=dtype)
+            w, b = _p(16384, dtype=dtype), _p(16384, dtype=dtype)
+            return (lambda: vk.layer_norm(x, w, b, 1e-6)), [x, w, b]
+        if variant == "empty":
+            x = _p(0, D, dtype=dtype)
         w, b = _p(D, dtype=dtype), _p(D, dtype=dtype)
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
         return (lambda: vk.layer_norm(x, w, b, 1e-6, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
@@ -58,7 +68,8 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
 
 
 CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention", "dh64"), ("attention", "dh80"),
-         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("linear", "plain"), ("linear", "residual"),
+         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"), ("linear", "tall"), ("layer_norm", "wide"),
+         ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"),
          ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("mlp", "plain"), ("mlp", "residual"),
          ("layer_norm", "plain"), ("layer_norm", "residual")]
 
@@ -89,3 +100,18 @@ def test_op_forward_and_backward(sim, op, variant, backend_choice, dtype, autoca
         assert grad is not None and grad.shape == leaf.shape and grad.device.type == "cuda"
     if backend_choice == "triton":
         assert sim.launches, "the triton backend launched no kernel"
+
+
+@pytest.mark.parametrize("backend_choice", BACKENDS)
+@pytest.mark.parametrize("op,variant", CASES, ids=[f"{op}-{variant}" for op, variant in CASES])
+def test_op_inference(sim, op, variant, backend_choice):
+    """Without gradients (serving): the inference launchers (no saved pre-activation, no statistics
+    for backward), bfloat16."""
+    fn, _ = _inputs(op, torch.bfloat16, variant)
+    try:
+        with torch.no_grad(), vk.use_backend(backend_choice, strict=backend_choice != "auto"):
+            outputs = _outputs(fn())
+    except CannotRunError as declared:
+        assert backend_choice in ("extension", "triton"), declared
+        return
+    assert all(out.device.type == "cuda" and out.dtype == torch.bfloat16 for out in outputs if out.is_floating_point())
