@@ -205,6 +205,17 @@ class Recorder:
         return {launch.kernel.fn.__name__ for launch in self.launches}
 
 
+def exceptions_caught() -> list[str]:
+    """Every candidate that auto or a tile chooser excluded because it raised: on the simulated
+    device every value reads 0 and every candidate validates, so any exclusion is an exception."""
+    found = [f"auto, {signature}, {name}: {outcome}" for signature, entry in backend._measured.items()
+             for name, outcome in entry["candidates"].items() if isinstance(outcome, str) and "raised" in outcome]
+    found += [f"{chooser.name}, {key}, {tile}: {trial}" for chooser in _tiles.TileChooser.instances
+              for key, choice in chooser.report().items() for tile, trial in choice.trials.items()
+              if isinstance(trial, str) and "raised" in trial]
+    return found
+
+
 def _fake_do_bench(fn, *args, **kwargs) -> float:
     fn()
     fn()

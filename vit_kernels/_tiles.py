@@ -121,9 +121,8 @@ class TileChooser:
         hit = self._chosen.get(key)
         if hit is not None:
             return hit.tile
-        hardware = _signature.device_name(device) if device.type != "cuda" or torch.cuda.is_available() else str(device)
-        disk_key = f"{self.name} | {hardware} | {key!r}"
-        stored = _disk.get(disk_key)
+        disk_key = None if _disk.path is None else f"{self.name} | {_signature.device_name(device)} | {key!r}"
+        stored = None if disk_key is None else _disk.get(disk_key)
         if stored is not None and _as_tile(stored["tile"]) in candidates:
             hit = self._chosen[key] = Choice(_as_tile(stored["tile"]), {"from the tile cache": stored.get("trials")})
             return hit.tile
@@ -134,7 +133,8 @@ class TileChooser:
             if hit is None:
                 hit = self._measure(key, candidates, run, check)
                 self._chosen[key] = hit
-                _disk.put(disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}})
+                if disk_key is not None:
+                    _disk.put(disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}})
         return hit.tile
 
     def _measure(self, key, candidates, run, check) -> Choice:

@@ -50,8 +50,6 @@ else:  # pragma: no cover
 def dot_precision(dtype) -> str:
     """tl.dot input precision: exact products for float32 inputs (tf32 would lose accuracy that
     PyTorch's float32 reference keeps); 16-bit inputs multiply exactly either way."""
-    import torch
-
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -75,8 +73,6 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode."""
     if tracing():
-        import torch
-
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:  # eager: no tracing wrapper to build and consult on every launch
         kernel[grid](*args, **kwargs)

@@ -17,10 +17,9 @@ import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import _signature, _tiles, backend  # noqa: E402
-from tools.cuda_sim import SimulatedCudaTensor, simulated_cuda  # noqa: E402
+from tools.cuda_sim import SimulatedCudaTensor, exceptions_caught, simulated_cuda  # noqa: E402
 
 ARCHS = (90, 80)
-CHOOSERS = _tiles.TileChooser.instances
 LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the session, per architecture
 
 _untimeable = _signature.untimeable
@@ -31,21 +30,6 @@ def _untimeable_unless_simulated(args) -> bool:
     tensors, so they are timed as those would be (the rest of the rule unchanged)."""
     plain = torch.zeros(())
     return _untimeable([plain if isinstance(a, SimulatedCudaTensor) else a for a in args])
-
-
-def exceptions_caught() -> list[str]:
-    """Every candidate that auto or a tile chooser excluded because it raised."""
-    found = []
-    for signature, entry in backend._measured.items():
-        for name, outcome in entry["candidates"].items():
-            if isinstance(outcome, str) and "raised" in outcome:
-                found.append(f"auto, {signature}, {name}: {outcome}")
-    for chooser in CHOOSERS:
-        for key, choice in chooser.report().items():
-            for tile, trial in choice.trials.items():
-                if isinstance(trial, str) and "raised" in trial:
-                    found.append(f"{chooser.name}, {key}, {tile}: {trial}")
-    return found
 
 
 @pytest.fixture(params=ARCHS, ids=lambda arch: f"sm{arch}")

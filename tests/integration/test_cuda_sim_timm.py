@@ -10,19 +10,10 @@ import timm
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives beside the package, not in it
-from tools.cuda_sim import simulated_cuda  # noqa: E402
+from tools.cuda_sim import exceptions_caught, simulated_cuda  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import _tiles, backend  # noqa: E402
-
-
-def _exceptions_caught() -> list[str]:
-    found = [f"auto {signature} {name}: {outcome}" for signature, entry in backend._measured.items()
-             for name, outcome in entry["candidates"].items() if isinstance(outcome, str) and "raised" in outcome]
-    found += [f"{chooser.name} {key} {tile}: {trial}" for chooser in _tiles.TileChooser.instances
-              for key, choice in chooser.report().items() for tile, trial in choice.trials.items()
-              if isinstance(trial, str) and "raised" in trial]
-    return found
 
 
 @pytest.mark.parametrize("backend_name", ["auto", "triton", "torch"])
@@ -43,7 +34,7 @@ def test_patched_timm_vit_trains_on_the_simulated_gpu(arch, backend_name):
             assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
         if backend_name == "triton":
             assert device.launches
-        assert not _exceptions_caught(), _exceptions_caught()
+        assert not exceptions_caught(), exceptions_caught()
     finally:
         vk.set_autotune(False)
         backend.clear_decisions()

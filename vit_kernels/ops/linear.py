@@ -500,8 +500,8 @@ class _Gemm:
         ``check`` compares out and the pre-activation on ``validation_rows`` and the sums whole, with
         PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
         save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
-        names = ["out"] + (["preact"] if save_preact else []) + \
-            {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[self.sums]
+        per_row = ["out"] + (["preact"] if save_preact else [])  # checked on validation_rows; the sums whole
+        names = per_row + {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[self.sums]
 
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
@@ -526,8 +526,7 @@ class _Gemm:
                     references[2].append(self.a.sum(1))
             rows, exacts, owns = references
             for index, (name, actual, exact, own) in enumerate(zip(names, outputs, exacts, owns, strict=True)):
-                whole = rows is None or index >= len(names) - (self.sums != SUMS_NONE)
-                picked = actual if whole else actual.index_select(0, rows)
+                picked = actual if rows is None or index >= len(per_row) else actual.index_select(0, rows)
                 problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.a.dtype])
                 if problem is not None:
                     return problem
@@ -599,11 +598,14 @@ def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
         return list(_weight_and_bias_grads_by(way, dy2, x2, dtype))
 
     wide = reference_dtype(dy2.dtype)
+    references: list = []  # the exact (dW, db) and PyTorch's own: made on the first check
 
     @torch.no_grad()
     def check(outputs):
-        exact = (dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0))
-        own = (dy2.t() @ x2, dy2.sum(0))
+        if not references:
+            references.append((dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)))
+            references.append((dy2.t() @ x2, dy2.sum(0)))
+        exact, own = references
         for name, actual, reference, pytorch in zip(("dW", "db"), outputs, exact, own, strict=True):
             problem = within_pytorch_error(name, actual, pytorch, reference, FLOORS[dy2.dtype])
             if problem is not None:
