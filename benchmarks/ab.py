@@ -17,14 +17,16 @@ it lies at or below; otherwise inconclusive, and more rounds are run for the und
 each is decided or the time budget is spent.
 
 A regression must then be confirmed: its cases are timed again, from new samples, by fresh pairs
-of processes (``--confirmations``, 2 by default), one after the other. Two processes running the
+of processes (``--confirmations``, 4 by default), one after the other. Two processes running the
 same code can differ by several percent, on the CPU by 10-20% for a kernel whose tensors outgrow
 the caches, for as long as they live (where their memory happens to lie, which core caches what):
 such a process lands in a slow or a fast state, so one pair in four or so can look like a
-regression (a CPU run once confirmed a 13% one across two pairs of identical kernels). A real
-slowdown survives every fresh pair; an accident of placement rarely survives three. Only a
-regression that every confirming pair finds counts; one that a pair clears takes that pair's
-verdict (and says so).
+regression. CPU runs have confirmed 13% ones across two pairs of identical code, more than once: with
+two confirmations and a few flagged cases per run, about one run in ten fails on placement alone.
+A real slowdown survives every fresh pair; an accident of placement survives four with a chance of
+about 1/4^4 = 0.4% per flagged case. Only a regression that every confirming pair finds counts; one
+that a pair clears takes that pair's verdict (and says so). Confirming pairs time only the flagged
+cases, so each costs seconds.
 
 Exit 1: a confirmed regression (or the candidate fails a case); 3: inconclusive, noise too high;
 0: all within the threshold.
@@ -80,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads in each side (default: 1 on the CPU, where both sides are then pinned to "
                         "the same core; 0: torch's default)")
-    parser.add_argument("--confirmations", type=int, default=2,
+    parser.add_argument("--confirmations", type=int, default=4,
                         help="fresh pairs of processes that must each find a flagged regression again (at least 1)")
     parser.add_argument("--out", type=Path, default=None, help="write every case's samples and verdict to this JSON file")
 
