@@ -1,4 +1,6 @@
-"""Loads the compiled extension ``vit_kernels._C`` when it was built, and says why when it was not.
+"""Loads the compiled extension ``vit_kernels._C`` when it was built, and says why when it was not;
+one that was built but cannot be loaded (built for another torch) warns at import
+(``ExtensionLoadWarning``) with the reason and the command that rebuilds it.
 The fake (meta) implementation and autograd of each of its ops live with the op they serve, in
 ``vit_kernels/ops/<op>.py``.
 
@@ -17,19 +19,64 @@ and ``auto`` never picks it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import torch
 
 from vit_kernels import backend
 
-_C = None
-_load_error: Optional[str] = None
+EXTENSION = "vit_kernels._C"
 
-try:
-    _C = importlib.import_module("vit_kernels._C")
-except ImportError as error:  # not built (VIT_KERNELS_SKIP_EXT=1, no compiler) or built for another torch
-    _load_error = f"the compiled extension vit_kernels._C is not built or failed to load ({error})"
+
+class ExtensionLoadWarning(UserWarning):
+    """The compiled extension exists but cannot be loaded (e.g. built against another torch), so the
+    ``extension`` backend is off until it is rebuilt. A warning of its own so that it can be
+    filtered (or turned into an error) without touching other warnings."""
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def rebuild_command(package_dir: Path = PACKAGE_DIR) -> str:
+    """The command that rebuilds the extension for the torch this interpreter imports: an editable
+    reinstall of the source checkout holding ``package_dir`` (its build starts from an empty build
+    folder, so a stale object is never reused), or a reinstall from source elsewhere."""
+    root = package_dir.parent
+    pip = f"{sys.executable} -m pip install --no-build-isolation --no-deps"
+    if (root / "setup.py").is_file():
+        return f"{pip} -e {root}"
+    return f"{pip} --force-reinstall <vit-kernels source folder or sdist>"
+
+
+def _load() -> tuple[Optional[ModuleType], Optional[str]]:
+    """(the extension module, None), or (None, why it is unavailable). Never built is the expected
+    state of a pure-Python install (VIT_KERNELS_SKIP_EXT=1, no compiler) and stays quiet; built but
+    unloadable (an undefined symbol after a torch upgrade, a wrong architecture, a registration
+    error) would otherwise leave every ``auto`` choice silently on the slower backends, so it warns,
+    once per process, with the reason and the rebuild command."""
+    try:
+        spec = importlib.util.find_spec(EXTENSION)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None, f"the compiled extension {EXTENSION} is not built (pip install -e . builds it)"
+    try:
+        return importlib.import_module(EXTENSION), None
+    except Exception as error:  # noqa: BLE001 (an extension's static initialisers can raise anything)
+        detail = f"{type(error).__name__}: {error}".splitlines()[0]
+        where = spec.origin or EXTENSION
+        reason = f"the compiled extension {where} was built but failed to load ({detail})"
+        warnings.warn(f"{reason}; the extension backend is off until it is rebuilt for torch {torch.__version__}: "
+                      f"{rebuild_command()}", ExtensionLoadWarning, stacklevel=2)
+        return None, reason
+
+
+_C, _load_error = _load()
 
 LOADED = _C is not None
 
