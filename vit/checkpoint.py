@@ -1,7 +1,9 @@
 """Checkpoints as a folder: ``model.safetensors`` (weights), ``optimizer.safetensors`` (AdamW
 moments, keyed by parameter name), ``state.safetensors`` (RNG states) and ``checkpoint.json`` (model
-config, dataset, training options and progress, the optimizer's non-tensor state, file sizes).
-safetensors holds tensors only, so nothing executable is ever unpickled.
+config, dataset, training options and progress, the optimizer's non-tensor state, and each file's
+size and sha256). safetensors holds tensors only, so nothing executable is ever unpickled, and a
+file whose bytes differ from those written (truncated, overwritten, another run's) is refused with
+the file's name before anything reads it.
 
 Writes are atomic: a checkpoint is written to a hidden temporary folder beside its final place,
 every file and the folder are fsynced, and only then is it renamed into place. A run folder holds
@@ -12,13 +14,18 @@ every file and the folder are fsynced, and only then is it renamed into place. A
 
 so a kill at any moment leaves ``checkpoint`` pointing at a complete checkpoint (or absent, before
 the first one): the previous link stays valid until the new folder is complete, and old folders are
-deleted only once no link points at them.
+deleted only once no link points at them. Rotation never deletes the best checkpoint nor the last
+checkpoint of a finished run (its folder name ends in ``-final``); ``best`` moves only to a checkpoint
+that scores a higher test accuracy on the same test split, and no link moves to a checkpoint whose
+metrics are not finite.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -38,10 +45,21 @@ LATEST_LINK = "checkpoint"
 BEST_LINK = "best"
 FOLDERS = "checkpoints"
 _FOLDER_NAME = re.compile(r"^ckpt-(\d+)-")
+FINAL_SUFFIX = "-final"
+# (path, size, mtime) of files whose sha256 matched in this process: a file is hashed once.
+_verified: set[tuple[str, int, int]] = set()
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, incomplete or not a checkpoint."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
@@ -102,7 +120,8 @@ def write_checkpoint(
     for name, tensors in files.items():
         save_file(tensors, str(temporary / name))
         _fsync_path(temporary / name)
-    meta["files"] = {name: (temporary / name).stat().st_size for name in files}
+    meta["files"] = {name: {"bytes": (temporary / name).stat().st_size, "sha256": sha256_of(temporary / name)}
+                     for name in files}
     with open(temporary / META_FILE, "w") as handle:
         json.dump(meta, handle, indent=2)
         handle.flush()
@@ -146,18 +165,41 @@ def resolve(path: str | Path) -> Path:
 
 
 def read_meta(folder: str | Path) -> dict:
-    """The checkpoint's metadata, after checking every file it lists is there with its size."""
+    """The checkpoint's metadata, after checking that every file it lists is there with the size and
+    the sha256 recorded when it was written (checkpoints of older versions record sizes only)."""
     folder = resolve(folder)
     try:
         meta = json.loads((folder / META_FILE).read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("files", {}), dict):
+            raise ValueError("not a checkpoint's metadata")
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{str(folder / META_FILE)!r} is unreadable ({error})") from error
-    for name, size in meta.get("files", {MODEL_FILE: None}).items():
-        path = folder / name
-        if not path.is_file() or (size is not None and path.stat().st_size != size):
-            raise CheckpointError(f"checkpoint {str(folder)!r} is incomplete: {name} is missing or has the wrong size")
+    for name, recorded in meta.get("files", {MODEL_FILE: None}).items():
+        _verify(folder, name, recorded)
     meta["folder"] = str(folder)
     return meta
+
+
+def _verify(folder: Path, name: str, recorded) -> None:
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(folder)!r} is incomplete: {name} is missing")
+    size, digest = (recorded.get("bytes"), recorded.get("sha256")) if isinstance(recorded, dict) else (recorded, None)
+    stat = path.stat()
+    if size is not None and stat.st_size != size:
+        raise CheckpointError(f"{str(path)!r} is damaged: {stat.st_size} bytes, {size} were written")
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if digest is None or key in _verified:
+        return
+    if sha256_of(path) != digest:
+        raise CheckpointError(f"{str(path)!r} is damaged: its sha256 differs from the one recorded when it was written")
+    _verified.add(key)
+
+
+def finite_evaluation(meta: dict) -> bool:
+    """Whether the checkpoint's recorded test metrics (if any) are finite numbers."""
+    evaluation = meta.get("evaluation") or {}
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for k, v in evaluation.items() if k != "split")
 
 
 def load_tensors(folder: str | Path, name: str) -> dict[str, torch.Tensor]:
@@ -185,7 +227,7 @@ def load_optimizer_state(folder: str | Path, meta: dict) -> dict:
 
 class RunFolder:
     """The checkpoints of one run folder: numbered, atomically written, linked as ``checkpoint``
-    (latest) and ``best``; all but the ``keep`` latest and the best are deleted."""
+    (latest) and ``best``; all but the ``keep`` latest, the best and a finished run's last are deleted."""
 
     def __init__(self, root: str | Path, keep: int = 2) -> None:
         self.root, self.keep = Path(root), keep
@@ -209,17 +251,60 @@ class RunFolder:
         path = self.root / link
         return path.resolve() if path.is_symlink() and path.exists() else None
 
-    def save(self, *, epoch: int, step: int, best: bool, **contents: Any) -> Path:
+    def holds_run(self) -> bool:
+        """Whether a run has saved a checkpoint here (a folder a new run must not write into)."""
+        return bool(self._numbered()) or (self.root / LATEST_LINK).exists() or (self.root / LATEST_LINK).is_symlink()
+
+    def newest_intact(self) -> Optional[Path]:
+        """The newest checkpoint whose files all match their recorded sizes and sha256, or None."""
+        for _, folder in reversed(self._numbered()):
+            try:
+                read_meta(folder)
+                return folder.resolve()
+            except CheckpointError:
+                continue
+        return None
+
+    def erase(self) -> None:
+        """Delete the run kept here (checkpoints, links, metrics): what ``--overwrite`` asks for."""
+        for link in (LATEST_LINK, BEST_LINK):
+            (self.root / link).unlink(missing_ok=True)
+        for name in ("metrics.json", "metrics.csv"):
+            (self.root / name).unlink(missing_ok=True)
+        if self.folders.is_dir():
+            trash = self.root / f".trash-{FOLDERS}-{os.getpid()}"
+            os.rename(self.folders, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def save(self, *, epoch: int, step: int, best: bool, final: bool = False, **contents: Any) -> Path:
         """Write a checkpoint (``contents`` as for :func:`write_checkpoint`), point ``checkpoint``
-        (and, if ``best``, ``best``) at it, then delete the ones no longer kept."""
+        at it (and ``best``, if ``best`` and its ``meta["evaluation"]`` beats the current best's on
+        the same split), then delete the ones no longer kept. ``final``: the last checkpoint of a
+        finished run, never rotated away. A checkpoint with non-finite metrics is refused."""
+        meta = contents.get("meta", {})
+        if not finite_evaluation(meta):
+            raise ValueError(f"refusing to save a checkpoint with non-finite metrics {meta['evaluation']}")
         numbered = self._numbered()
         number = numbered[-1][0] + 1 if numbered else 1
-        folder = write_checkpoint(self.folders / f"ckpt-{number:06d}-epoch{epoch:04d}-step{step:08d}", **contents)
+        name = f"ckpt-{number:06d}-epoch{epoch:04d}-step{step:08d}" + (FINAL_SUFFIX if final else "")
+        folder = write_checkpoint(self.folders / name, **contents)
         self._point(LATEST_LINK, folder)
-        if best:
+        if best and self._beats_best(meta.get("evaluation")):
             self._point(BEST_LINK, folder)
         self._prune()
         return folder
+
+    def _beats_best(self, evaluation: Optional[dict]) -> bool:
+        if not evaluation or "test_accuracy" not in evaluation:
+            return False
+        current = self.linked(BEST_LINK)
+        try:
+            previous = json.loads((current / META_FILE).read_text()).get("evaluation") if current else None
+        except (OSError, ValueError):
+            previous = None  # an unreadable best is no best
+        if not previous or "test_accuracy" not in previous:
+            return True
+        return previous.get("split") == evaluation.get("split") and evaluation["test_accuracy"] > previous["test_accuracy"]
 
     def _point(self, link: str, target: Path) -> None:
         path = self.root / link
@@ -235,7 +320,7 @@ class RunFolder:
         kept = {p.resolve() for _, p in self._numbered()[-self.keep :]}
         kept |= {p for p in (self.linked(LATEST_LINK), self.linked(BEST_LINK)) if p is not None}
         for _, folder in self._numbered():
-            if folder.resolve() not in kept:
+            if folder.resolve() not in kept and not folder.name.endswith(FINAL_SUFFIX):
                 trash = self.folders / f".trash-{folder.name}"
                 os.rename(folder, trash)  # one atomic step out of sight, then the slow delete
                 shutil.rmtree(trash, ignore_errors=True)

@@ -4,6 +4,10 @@ creatable path, an available device), so a bad value ends with one line and exit
 ``--resume PATH`` alone continues a run: every training option comes from the checkpoint; given
 again, an option that would change the run's course (model, data, schedule, seed, ...) must match
 it, while those that do not (``--epochs`` up, ``--out``, ``--device``, checkpointing, ...) may change.
+
+A run folder that holds a run is never trained into afresh: that needs ``--resume`` (continue it),
+``--overwrite`` (replace it, on purpose) or another ``--out``. The backend is checked here too, so
+that every mistake ends before any work is done.
 """
 
 from __future__ import annotations
@@ -12,23 +16,27 @@ import argparse
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 import vit_kernels as vk
-from vit import distributed
+from vit import cli, distributed
 from vit.data import DATASETS
 from vit.model import list_models
 
 # Options a resumed run may change; every other one is part of the run's course.
 CHANGEABLE_ON_RESUME = {
     "epochs", "out", "resume", "device", "backend", "no_progress", "debug", "checkpoint_every", "keep",
-    "stop_at_step", "eval_every", "distributed", "dist_timeout", "data_path",
+    "stop_at_step", "eval_every", "distributed", "dist_timeout", "data_path", "threads", "overwrite", "resume_fallback",
 }
 # Options that describe this launch, not the run: never taken from the checkpoint.
-LAUNCH_OPTIONS = {"resume", "stop_at_step", "out", "device", "distributed", "debug", "no_progress"}
+LAUNCH_OPTIONS = {
+    "resume", "stop_at_step", "out", "device", "distributed", "debug", "no_progress", "threads", "overwrite",
+    "resume_fallback",
+}
 _INTERVAL = re.compile(r"^(\d+)\s*(steps?|epochs?)?$")
 
 
@@ -102,36 +110,33 @@ def checkpoint_path(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """Errors as one line (``prog: error: ...``, exit code 2), without the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser(description: str) -> argparse.ArgumentParser:
-    parser = OneLineErrors(prog="python -m vit.train", description=description)
+    parser = cli.OneLineErrors(prog="python -m vit.train", description=description)
     add = parser.add_argument
     add("--model", default="vit_digits", choices=list_models(), help="preset name")
     add("--num-classes", type=_number(int, 1, 1_000_000), default=None, help="classifier size (default: the dataset's class count)")
-    add("--img-size", type=_number(int, 1, 8192), default=None, help="image side (default: the preset's); images are resized to it")
-    add("--dataset", default="digits", choices=DATASETS)
+    add("--img-size", type=_number(int, 1, 8192), default=None,
+        help="the model's image side (default: the preset's); the data set's images are resized to it")
+    add("--dataset", default="digits", choices=DATASETS, help="where the images come from")
     add("--data-path", type=existing_path, default=None, help="folder of the dataset (mnist, cifar10, folder)")
-    add("--epochs", type=_number(int, 1, 1_000_000), default=60)
+    add("--epochs", type=_number(int, 1, 1_000_000), default=60, help="passes over the training split")
     add("--batch-size", type=_number(int, 1, 1 << 24), default=64, help="global batch (split over processes)")
     add("--lr", type=_number(float, 0.0, 10.0, low_open=True), default=2e-3, help="peak learning rate")
     add("--min-lr", type=_number(float, 0.0, 10.0), default=1e-5, help="learning rate at the end of the cosine (<= --lr)")
-    add("--weight-decay", type=_number(float, 0.0, 10.0), default=0.05)
+    add("--weight-decay", type=_number(float, 0.0, 10.0), default=0.05, help="AdamW decay of the weight matrices")
     add("--warmup-epochs", type=_number(float, 0.0, 1_000_000.0), default=3.0, help="linear warm-up")
     add("--label-smoothing", type=_number(float, 0.0, 0.999), default=0.1)
     add("--shift", type=_number(int, 0, 8192), default=1, help="random translation in pixels, below the image size (0 disables)")
     add("--no-augment", action="store_true", help="no shift and no flip")
     add("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="auto = bf16 on CUDA only; fp16 uses a gradient scaler")
     add("--device", type=device, default="auto", help="auto | cpu | cuda | cuda:N")
-    add("--backend", default="auto", choices=vk.backend.CHOICES)
-    add("--seed", type=_number(int, 0, 2**62), default=0)
+    add("--backend", default="auto", choices=vk.backend.CHOICES, help="vit_kernels backend for every op")
+    add("--seed", type=_number(int, 0, 2**62), default=0, help="fixes initialisation, order, augmentation and dropout")
     add("--out", type=creatable_folder, default=None, help="run folder for metrics and checkpoints (default runs/<model>-<dataset>)")
     add("--resume", type=checkpoint_path, default=None, help="checkpoint (or run folder) to continue from; its options are the defaults")
+    add("--resume-fallback", action="store_true",
+        help="with --resume of a run folder whose latest checkpoint is damaged: continue from its newest intact one")
+    add("--overwrite", action="store_true", help="replace the run --out already holds (its checkpoints and metrics)")
     add("--eval-every", type=_number(int, 1, 1_000_000), default=1, help="evaluate every N epochs (and after the last)")
     add("--checkpoint-every", type=interval, action="append", default=None, metavar="N[epochs|steps]",
         help="save a checkpoint every N epochs and/or steps (repeat for both; default 1epochs); also at the end, "
@@ -142,7 +147,51 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add("--dist-timeout", type=_number(float, 1.0, 86_400.0), default=300.0, help="seconds before a stalled collective fails")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    cli.add_threads_option(parser)
     return parser
+
+
+def run_folder(args: argparse.Namespace) -> Path:
+    """Where the run's metrics and checkpoints go: --out, else the resumed checkpoint's run folder,
+    else runs/<model>-<dataset>."""
+    if args.out:
+        return Path(args.out)
+    if args.resume:
+        from vit.checkpoint import FOLDERS
+
+        folder = Path(args.resume)
+        return folder.parent.parent if folder.parent.name == FOLDERS else folder.parent
+    return Path(f"runs/{args.model}-{args.dataset}")
+
+
+def _resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The metadata of the checkpoint to resume (its files verified); with --resume-fallback, that of
+    the newest intact checkpoint of its run when the one named is damaged."""
+    from vit.checkpoint import FOLDERS, CheckpointError, RunFolder, read_meta
+
+    try:
+        return read_meta(args.resume)
+    except CheckpointError as error:
+        folder = Path(args.resume)
+        if not args.resume_fallback:
+            parser.error(f"--resume {args.resume}: {error}; --resume-fallback continues from the newest intact "
+                         "checkpoint of its run instead (or name an older checkpoint folder)")
+        intact = RunFolder(folder.parent.parent if folder.parent.name == FOLDERS else folder.parent).newest_intact()
+        if intact is None:
+            parser.error(f"--resume {args.resume}: {error}, and its run holds no intact checkpoint to fall back to")
+        print(f"python -m vit.train: {error}; falling back to {intact}", file=sys.stderr, flush=True)
+        args.resume = str(intact)
+        return read_meta(intact)
+
+
+def backend_problem(args: argparse.Namespace) -> Optional[str]:
+    if args.backend == "auto":
+        return None
+    reason = vk.backend.backend_unavailable_reason(args.backend)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if reason is None and args.backend == "triton" and on_cpu and not vk.backend.TRITON_INTERPRET:
+        reason = "Triton kernels run on CUDA devices (or on the CPU under TRITON_INTERPRET=1); the device is the CPU"
+    return None if reason is None else f"--backend {args.backend} cannot run here: {reason}"
 
 
 def _explicit(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> set[str]:
@@ -158,13 +207,18 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
     """Parse and validate; with ``--resume``, the checkpoint's options fill in what is not given."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
+    problem = backend_problem(args)
+    if problem:
+        parser.error(problem)
+    if args.resume_fallback and not args.resume:
+        parser.error("--resume-fallback goes with --resume")
+    if args.overwrite and args.resume:
+        parser.error("--overwrite replaces a run and --resume continues one: give one of them")
     if args.resume:
-        from vit.checkpoint import CheckpointError, read_meta
-
         try:
-            saved = read_meta(args.resume)["progress"]["args"]
-        except (CheckpointError, KeyError) as error:
-            parser.error(f"--resume {args.resume}: {error}")
+            saved = _resumable(parser, args)["progress"]["args"]
+        except (KeyError, TypeError) as error:
+            parser.error(f"--resume {args.resume}: the checkpoint records no training options ({error})")
         explicit = _explicit(parser, argv)
         for name in sorted(explicit - CHANGEABLE_ON_RESUME):
             if name in saved and getattr(args, name) != saved[name]:
@@ -182,4 +236,23 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
         parser.error(f"--dataset {args.dataset} needs --data-path")
     if args.distributed == "fsdp" and args.amp == "fp16":
         parser.error("--amp fp16 is not supported with --distributed fsdp (use bf16)")
+    _refuse_to_replace_a_run(parser, args)
     return args
+
+
+def _refuse_to_replace_a_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from vit.checkpoint import FOLDERS, RunFolder
+
+    out = run_folder(args)
+    store = RunFolder(out)
+    if args.overwrite or not store.holds_run():
+        return
+    if args.resume:
+        resumed = Path(args.resume)
+        own = resumed.parent.parent if resumed.parent.name == FOLDERS else resumed.parent
+        if own.resolve() == out.resolve():
+            return
+        parser.error(f"--out {out} already holds another run; resuming {args.resume} there would mix the two runs "
+                     "(choose a new --out)")
+    parser.error(f"{out} already holds a run; continue it with --resume {out}, replace it with --overwrite, "
+                 "or choose a new --out")

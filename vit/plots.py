@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from vit import checkpoint
+from vit import checkpoint, cli, options
 from vit.data import load_dataset, normalise_with, read_image
 from vit.model import ViT
 
@@ -56,14 +56,33 @@ def plot_attention(image: torch.Tensor, maps: torch.Tensor, out: str | Path, tit
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vit.plots", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--image", default=None, help="an image file; default: a test image of the checkpoint's dataset")
+    parser = cli.OneLineErrors(prog="python -m vit.plots", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=options.checkpoint_path,
+                        help="checkpoint folder written by python -m vit.train (or its run folder)")
+    parser.add_argument("--image", type=options.existing_path, default=None,
+                        help="an image file; default: a test image of the checkpoint's dataset")
     parser.add_argument("--index", type=int, default=0, help="which test image")
-    parser.add_argument("--data-path", default=None)
-    parser.add_argument("--out", default="attention.png")
+    parser.add_argument("--data-path", type=options.existing_path, default=None,
+                        help="the data set's folder (default: the one it was trained on)")
+    parser.add_argument("--out", type=_png_path, default="attention.png", help="the PNG to write")
+    parser.add_argument("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    cli.add_threads_option(parser)
     args = parser.parse_args(argv)
+    cli.set_threads(args.threads)
+    result = cli.run("python -m vit.plots", lambda: _plot(parser, args), args.debug)
+    print(json.dumps(result), flush=True)
 
+
+def _png_path(text: str) -> str:
+    path = Path(text).expanduser()
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"expected a .png file name, got {text!r}")
+    if not path.parent.expanduser().resolve().is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(path.parent)!r} does not exist")
+    return str(path)
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     model, meta = checkpoint.load_model(args.checkpoint)
     model.eval()
     config, stats = model.config, meta["dataset"]
@@ -81,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     shown = images[0] * torch.tensor(stats["std"]).view(-1, 1, 1) + torch.tensor(stats["mean"]).view(-1, 1, 1)
     maps = class_token_maps(model, images)[0]
     path = plot_attention(shown, maps, args.out, title)
-    print(json.dumps({"plot": str(path), "blocks": maps.shape[0], "grid": list(maps.shape[1:])}), flush=True)
+    return {"plot": str(path), "blocks": maps.shape[0], "grid": list(maps.shape[1:])}
 
 
 if __name__ == "__main__":

@@ -16,20 +16,28 @@ from typing import Optional
 import torch
 
 import vit_kernels as vk
-from vit import checkpoint
+from vit import checkpoint, cli, options
 from vit.data import DATASETS, check_labels, load_dataset, normalise_with, read_image, resize
 from vit.train import evaluate, pick_device
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint folder written by python -m vit.train (or its run folder)")
+    parser = cli.OneLineErrors(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=options.checkpoint_path,
+                        help="checkpoint folder written by python -m vit.train (or its run folder)")
     parser.add_argument("--dataset", default=None, choices=DATASETS, help="default: the one it was trained on")
-    parser.add_argument("--data-path", default=None)
-    parser.add_argument("--image", default=None, help="classify this image file instead")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--backend", default="auto", choices=vk.backend.CHOICES)
-    return parser.parse_args(argv)
+    parser.add_argument("--data-path", type=options.existing_path, default=None,
+                        help="the data set's folder (default: the one it was trained on)")
+    parser.add_argument("--image", type=options.existing_path, default=None, help="classify this image file instead")
+    parser.add_argument("--device", type=options.device, default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--backend", default="auto", choices=vk.backend.CHOICES, help="vit_kernels backend for every op")
+    parser.add_argument("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    cli.add_threads_option(parser)
+    args = parser.parse_args(argv)
+    problem = options.backend_problem(args)
+    if problem:
+        parser.error(problem)
+    return args
 
 
 @torch.no_grad()
@@ -53,6 +61,8 @@ def predict(args: argparse.Namespace) -> dict:
     if args.image is not None:
         return classify_image(model, meta, args.image, device)
     name = args.dataset or meta["dataset"]["name"]
+    if name in ("mnist", "cifar10", "folder") and args.data_path is None and name != meta["dataset"]["name"]:
+        raise cli.UsageError(f"--dataset {name} needs --data-path")
     path = args.data_path or (meta["dataset"].get("path") if name == meta["dataset"]["name"] else None)
     config = model.config
     _, test = load_dataset(
@@ -60,13 +70,18 @@ def predict(args: argparse.Namespace) -> dict:
         seed=meta["progress"]["args"].get("seed", 0),
     )
     test = resize(test, config.img_size)
+    shape, expected = tuple(test.images.shape[1:]), (config.in_chans, config.img_size, config.img_size)
+    if shape != expected:
+        raise cli.UsageError(f"--dataset {name} gives images {shape}, but the model expects {expected}")
     check_labels(test, config.num_classes)
     result = evaluate(model, test, device, "auto")
     return {"checkpoint": args.checkpoint, "dataset": name, "images": len(test), "accuracy": result.accuracy, "loss": result.loss}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    print(json.dumps(predict(parse_args(argv))), flush=True)
+    args = parse_args(argv)
+    cli.set_threads(args.threads)
+    print(json.dumps(cli.run("python -m vit.predict", lambda: predict(args), args.debug)), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -36,15 +37,12 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
-from vit import checkpoint, distributed, options
+from vit import checkpoint, cli, distributed, options
+from vit.cli import UsageError
 from vit.data import ImageData, augment, check_labels, load_dataset, resize
 from vit.model import ViT, ViTConfig, get_config
 
 DESCRIPTION = __doc__.split("\n\n")[0]
-
-
-class UsageError(ValueError):
-    """Options that are each valid but do not fit together or with the data (exit code 2)."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -168,13 +166,23 @@ def _log(message: str, context: distributed.Context) -> None:
         print(f"vit.train: {message}", file=sys.stderr, flush=True)
 
 
-def _run_folder(args: argparse.Namespace) -> Path:
-    if args.out:
-        return Path(args.out)
-    if args.resume:  # continue in the run folder the checkpoint lives in
-        folder = Path(args.resume)
-        return folder.parent.parent if folder.parent.name == checkpoint.FOLDERS else folder.parent
-    return Path(f"runs/{args.model}-{args.dataset}")
+def split_fingerprint(data: ImageData) -> str:
+    """sha256 of a split's images and labels: test accuracies compare only on the same split."""
+    digest = hashlib.sha256()
+    for tensor in (data.images, data.labels):
+        digest.update(tensor.contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _first_non_finite(bad_step: torch.Tensor, context: distributed.Context, device: torch.device) -> None:
+    """Stop (exit 2 through UsageError) once any process saw a non-finite training loss; ``bad_step``
+    holds the first such step (or -1). Nothing is saved after it, so every link keeps pointing at
+    a checkpoint with finite metrics."""
+    first = int(bad_step.item())
+    if distributed.any_true(first >= 0, context, device):
+        at = f"step {first}" if first >= 0 else "a step of another process"
+        raise UsageError(f"the training loss is not finite at {at}; nothing after it was saved "
+                         "(lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)")
 
 
 def _model_config(args: argparse.Namespace, meta: Optional[dict], train_classes: int) -> ViTConfig:
@@ -250,9 +258,14 @@ def train(args: argparse.Namespace) -> dict:
 def _train(args: argparse.Namespace, context: distributed.Context, device: torch.device) -> dict:
     torch.manual_seed(args.seed)
     vk.set_backend(args.backend)
-    out = _run_folder(args)
+    out = options.run_folder(args)
     meta = checkpoint.read_meta(args.resume) if args.resume else None
     train_data, test_data, config = _load_data(args, meta)
+    test_split = split_fingerprint(test_data)
+    recorded_split = meta["dataset"].get("test_split") if meta else None
+    if recorded_split not in (None, test_split):
+        raise UsageError(f"the test split of --dataset {args.dataset} differs from the one {args.resume} was evaluated "
+                         "on (other files behind --data-path?): its accuracies would not compare")
     model = ViT(config).to(device)
     progress = meta["progress"] if meta else {"step": 0, "history": [], "best_accuracy": None}
 
@@ -285,6 +298,8 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     if context.is_main:
         out.mkdir(parents=True, exist_ok=True)
         store.clean_leftovers()
+        if args.overwrite and not args.resume:
+            store.erase()
     distributed.barrier(context)
     warmup_steps = int(args.warmup_epochs * steps_per_epoch)
     train_images, train_labels = train_data.images.to(device), train_data.labels.to(device)
@@ -294,15 +309,18 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     every = {unit: count for count, unit in args.checkpoint_every}
     dataset_info = {
         "name": args.dataset, "path": args.data_path, "classes": train_data.classes,
-        "mean": train_data.mean, "std": train_data.std,
+        "mean": train_data.mean, "std": train_data.std, "test_split": test_split,
     }
     saved_args = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_at_step")}
     best_accuracy = progress.get("best_accuracy")
     partial = progress.get("partial_epoch") or {"loss_sum": 0.0, "correct": 0.0, "seconds": 0.0}
     last_saved = start_step if meta else -1
+    bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # the first step with a non-finite loss
+    check_every_step = device.type == "cpu"  # reading it costs a device sync elsewhere
 
-    def save(step: int, sums: torch.Tensor, seconds: float, best: bool) -> None:
+    def save(step: int, sums: torch.Tensor, seconds: float, best: bool, evaluation: Optional[Evaluation] = None) -> None:
         nonlocal last_saved
+        _first_non_finite(bad_step, context, device)
         model_state, optimizer_state = distributed.full_state(trained, optimizer, context)
         sums = distributed.all_sum(sums, context)
         if context.is_main:
@@ -312,10 +330,12 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
                 "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                 "partial_epoch": {"loss_sum": sums[0].item(), "correct": sums[1].item(), "seconds": seconds},
             }
+            meta = {"model": args.model, "config": dataclasses.asdict(config), "dataset": dataset_info, "progress": state}
+            if evaluation is not None:
+                meta["evaluation"] = {"test_accuracy": evaluation.accuracy, "test_loss": evaluation.loss, "split": test_split}
             written = store.save(
-                epoch=step // steps_per_epoch, step=step, best=best, model_state=model_state, optimizer_state=optimizer_state,
-                state_tensors=_rng_state(device),
-                meta={"model": args.model, "config": dataclasses.asdict(config), "dataset": dataset_info, "progress": state},
+                epoch=step // steps_per_epoch, step=step, best=best, final=step == total_steps, model_state=model_state,
+                optimizer_state=optimizer_state, state_tensors=_rng_state(device), meta=meta,
             )
             _log(f"checkpoint saved: {written} (epoch {step / steps_per_epoch:g}, step {step})", context)
         distributed.barrier(context)
@@ -349,6 +369,9 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
                 scaler.step(optimizer)
                 scaler.update()
                 sums += torch.stack([loss_sum.detach().double(), (logits.argmax(dim=1) == labels).sum().double()])
+                bad_step.masked_fill_((bad_step < 0) & ~torch.isfinite(loss_sum.detach()), step + 1)  # steps counted from 1
+                if check_every_step:
+                    _first_non_finite(bad_step, context, device)
                 step += 1
                 bar.update(1)
                 stopping = distributed.any_true(stop_signal.received is not None or step == args.stop_at_step, context, device)
@@ -365,13 +388,17 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
             train_seconds += seconds
             epoch_seconds += seconds
             images_seen += (steps_per_epoch - first) * args.batch_size
+            _first_non_finite(bad_step, context, device)
             sums = distributed.all_sum(sums, context)
             train_loss, train_acc = sums[0].item() / len(train_data), sums[1].item() / len(train_data)
             bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{train_acc:.3f}", img_s=f"{len(train_data) / epoch_seconds:.0f}")
             last = epoch + 1 == args.epochs
-            best = False
+            best, test = False, None
             if last or (epoch + 1) % args.eval_every == 0:
                 test = evaluate(trained, test_data, device, args.amp)
+                if not math.isfinite(test.loss):
+                    raise UsageError(f"the test loss is not finite after epoch {epoch + 1} (step {step}); nothing after "
+                                     "it was saved (lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)")
                 best = best_accuracy is None or test.accuracy > best_accuracy
                 best_accuracy = max(test.accuracy, best_accuracy or 0.0)
                 log.append({
@@ -381,7 +408,7 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
                 })
             due = last or best or stopping or ("epochs" in every and (epoch + 1) % every["epochs"] == 0)
             if due and step != last_saved:
-                save(step, torch.zeros(2, dtype=torch.float64, device=device), 0.0, best=best)
+                save(step, torch.zeros(2, dtype=torch.float64, device=device), 0.0, best=best, evaluation=test)
             if stopping and not last:
                 return _stopped(bar, stop_signal, step, store, context)
     bar.close()
@@ -417,14 +444,9 @@ def _stopped(bar, stop_signal: StopSignal, step: int, store: checkpoint.RunFolde
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    cli.set_threads(args.threads)
     try:
-        summary = train(args)
-    except (UsageError, checkpoint.CheckpointError, FileNotFoundError, ValueError) as error:
-        if args.debug:
-            traceback.print_exc()
-        hint = "" if args.debug else " (--debug shows the traceback)"
-        print(f"python -m vit.train: error: {error}{hint}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        summary = cli.run("python -m vit.train", lambda: train(args), args.debug)
     except distributed.PeerLost as error:
         if args.debug:
             traceback.print_exc()
