@@ -51,7 +51,7 @@ Tensor linear_residual(const Tensor& x, const Tensor& weight, const OptionalTens
 
 // cuBLASLt's GELU_BIAS epilogue (at::_addmm_activation) computes the GEMM, the bias and the GELU in one
 // kernel: on an H100, ViT-B/16's fc1 in bf16 took 0.206 ms against 0.295 for the GEMM and a separate
-// bias + GELU pass (shared/gpu/h100-2026-11-22.md). Its GELU is the tanh form (on CUDA; the CPU
+// bias + GELU pass (benchmarks/results/h100-2026-11-22.md). Its GELU is the tanh form (on CUDA; the CPU
 // implementation applies the erf form) and it has no derivative: taken for the tanh form on CUDA,
 // with a bias, when no gradient is needed, and K > 0 (with K = 0 CUDA's addmm returns the bias
 // before any activation).

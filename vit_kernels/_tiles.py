@@ -68,7 +68,7 @@ def reference_dtype(dtype: torch.dtype) -> torch.dtype:
 # The relative error (of the largest magnitude) below which any result passes, per dtype: about two
 # units of its rounding (float16 2^-11 = 4.9e-4, bfloat16 2^-8 = 3.9e-3), so that an output rounded
 # once to the dtype always passes. Low enough to reject what the H100 found: a dK off by 1.3e-2 to
-# 8.4e-2 where PyTorch's own error was 5e-4 (float16) and 4e-3 (bfloat16) (shared/gpu/h100-2026-11-22.md).
+# 8.4e-2 where PyTorch's own error was 5e-4 (float16) and 4e-3 (bfloat16) (benchmarks/results/h100-2026-11-22.md).
 FLOORS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-12}
 
 

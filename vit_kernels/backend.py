@@ -24,7 +24,7 @@ tensors) or with measuring off (``VIT_KERNELS_AUTOTUNE=0``, ``set_autotune(False
 cached decision, else the static default decides. Static defaults rest on measurements: the
 extension's ``patch_embed`` on CPU float32 (3.5x faster backward, benchmarks/results/cpu-*.md); on
 CUDA in 16 bits Triton's ``patch_embed`` (4x PyTorch's forward + backward) and, without gradients,
-the extension's ``layer_norm`` (1.7x forward), both from shared/gpu/h100-2026-11-22.md; the
+the extension's ``layer_norm`` (1.7x forward), both from benchmarks/results/h100-2026-11-22.md; the
 reference everywhere else.
 """
 

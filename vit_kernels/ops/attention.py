@@ -484,7 +484,7 @@ def _attention_probs_kernel(
 # loop) with narrower query blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in
 # registers without tensor cores: smaller tiles. Every entry is compiled for sm_80 and sm_90 by
 # `make check-gpu`, which fails on spills, and run against float64 by the GPU tests (tests/test_tiles.py):
-# compiling is not correctness. On an H100 (triton 3.6, shared/gpu/h100-2026-11-22.md) the 16-bit
+# compiling is not correctness. On an H100 (triton 3.6, benchmarks/results/h100-2026-11-22.md) the 16-bit
 # head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at head dims 80-128,
 # while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1) were right: only right ones are listed.
 # At head dim 64 the best of 25 backward pairs tried there was dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2),
@@ -934,7 +934,7 @@ def _without_dropout(args: tuple) -> tuple:
 # The implementations of vk.attention: backend -> function, support by device / dtype, shape limits.
 EXTENSION_CUDA_REASON = (
     "the extension's attention materialises the (B, H, L, L) scores: 4-15x slower than SDPA on an H100 "
-    "(shared/gpu measurements); use triton or torch on CUDA"
+    "(benchmarks/results/h100-2026-11-22.md); use triton or torch on CUDA"
 )
 
 

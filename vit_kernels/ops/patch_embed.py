@@ -405,7 +405,7 @@ def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> 
 
 def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
     """Static default on CUDA in 16 bits: Triton. On an H100 (ViT-B/16, B=128, bf16;
-    shared/gpu/h100-2026-11-22.md) it took 0.124 ms forward against conv2d's 1.303 and 0.759 ms
+    benchmarks/results/h100-2026-11-22.md) it took 0.124 ms forward against conv2d's 1.303 and 0.759 ms
     forward + backward against 3.213 (the extension 0.372 / 0.760)."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
