@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ab, cases, compare, e2e, environment, ops_bench, peaks, report
+from benchmarks import ab, cases, compare, e2e, environment, noise, ops_bench, peaks, report
 from vit_kernels import backend
 
 # (model, batch) pairs for the per-op shapes and the end-to-end runs.
@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     meta = environment.describe(device)
     print(f"benchmarks on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_sha']})",
           file=sys.stderr)
+    probes = [noise.probe(device)]
+    print(f"noise: a fixed workload's times spread by {probes[0]['spread']:.1%}; 1-minute load "
+          f"{probes[0]['load_1min'] if probes[0]['load_1min'] is None else round(probes[0]['load_1min'], 2)} on "
+          f"{probes[0]['cpu_count']} CPUs; {probes[0]['threads']} threads", file=sys.stderr)
     measured = peaks.measure_peaks(device, dtypes, args.quick)
     print("peaks: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()), file=sys.stderr)
     rows: list[dict[str, object]] = []
@@ -102,10 +106,15 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 rows += new
                 print(f"  {model:25s} B={batch:<4d} {str(dtype):15s} {len(new):2d} rows "
                       f"{time.perf_counter() - started:6.1f} s", file=sys.stderr)
-    table = report.markdown(rows, measured, meta)
+    probes.append(noise.probe(device))  # load that arrived during the run counts too
+    found = noise.assess(probes, rows)
+    table = report.markdown(rows, measured, meta, found)
     print(table)
+    if found["noisy"]:
+        print("benchmarks: too noisy to trust: " + "; ".join(found["reasons"]), file=sys.stderr)
     if args.out:
-        report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick})
+        report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick,
+                                                     "noise": found})
     if args.markdown:
         report.write_atomic(args.markdown, table)
     if args.plots:

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 import vit_kernels as vk
+from benchmarks import noise
 from benchmarks.cases import KERNELS, OpCase, eager_math_attention
 from benchmarks.peaks import fraction_of
 from benchmarks.timing import copies_to_rotate, time_call
@@ -160,11 +161,19 @@ def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iter
 
 def add_speedups(rows: list[dict[str, object]], key_fields: tuple[str, ...]) -> None:
     """For each timed row: ``speedup`` = {other implementation: its median / this median}, over the
-    rows that share ``key_fields`` (measured side by side in this run)."""
+    rows that share ``key_fields`` (measured side by side in this run); ``speedup_interval`` = the
+    bootstrap interval of each ratio from the two rows' samples (None without samples), and
+    ``speedup_untrusted`` = the names whose interval is too wide to report the ratio as a figure."""
     groups: dict[tuple, list[dict[str, object]]] = {}
     for row in rows:
         if "median_ms" in row:
             groups.setdefault(tuple(row[k] for k in key_fields), []).append(row)
     for group in groups.values():
         for row in group:
-            row["speedup"] = {other["backend"]: other["median_ms"] / row["median_ms"] for other in group if other is not row}
+            others = [other for other in group if other is not row]
+            row["speedup"] = {other["backend"]: other["median_ms"] / row["median_ms"] for other in others}
+            row["speedup_interval"] = {other["backend"]: noise.ratio_interval(row.get("samples_ms") or [],
+                                                                              other.get("samples_ms") or [])
+                                       for other in others}
+            row["speedup_untrusted"] = sorted(name for name, interval in row["speedup_interval"].items()
+                                              if not noise.trusted(interval))

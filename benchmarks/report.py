@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
+
+from benchmarks import noise as noise_
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -44,13 +47,33 @@ def _percent(fraction) -> str:
 
 
 def _speedups(row: dict[str, object]) -> str:
-    return ", ".join(f"{name} {ratio:.2f}x" for name, ratio in sorted(row.get("speedup", {}).items()))
+    """``name 1.23x`` per other implementation; a ratio whose interval is too wide to trust (or
+    unknown: a row without samples) as ``name 313x? (12-900)``, its interval in brackets."""
+    parts = []
+    intervals = row.get("speedup_interval", {})
+    for name, ratio in sorted(row.get("speedup", {}).items()):
+        interval = intervals.get(name)
+        if noise_.trusted(interval):
+            parts.append(f"{name} {ratio:.3g}x")
+        elif interval is None:
+            parts.append(f"{name} {ratio:.3g}x? (no interval)")
+        else:
+            parts.append(f"{name} {ratio:.3g}x? ({interval[0]:.3g}-{interval[1]:.3g})")
+    return ", ".join(parts)
 
 
-def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> str:
-    """Tables of the timed rows (ops, then models), and the rows skipped or failing validation."""
-    lines = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_sha']}.",
-             "Peaks measured in this run: " + ", ".join(f"{k} {v:.4g}" for k, v in peaks.items()) + ".", ""]
+def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object],
+             noise: Optional[dict[str, object]] = None) -> str:
+    """Tables of the timed rows (ops, then models), and the rows skipped or failing validation.
+    ``noise`` (``benchmarks.noise.assess``): on a noisy run the first line says so, with its figures;
+    on a quiet one a line gives them after the device."""
+    warning = noise_.headline(noise)
+    lines = [warning] if warning else []
+    lines.append(f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_sha']}.")
+    quiet = None if warning else noise_.summary(noise)
+    if quiet:
+        lines.append(quiet)
+    lines += ["Peaks measured in this run: " + ", ".join(f"{k} {v:.4g}" for k, v in peaks.items()) + ".", ""]
     ops = [r for r in rows if r["kind"] == "op" and "median_ms" in r]
     if ops:
         lines += ["| op | shape | dtype | mode | implementation | median ms (q20-q80) | throughput | of peak | speedup over |",
