@@ -3,7 +3,9 @@
 
 Exit codes: 1 when any metric is a REGRESSION (its whole interval lies above 1 + threshold) or the
 candidate fails a case the baseline passes; 3 when none is but some are inconclusive (the interval
-straddles the threshold: noise too high to tell); 0 when every interval lies within the threshold.
+straddles the threshold: noise too high to tell) or slower by a margin that lies inside the runs'
+own noise (NOISY, from ``--compare``); 0 otherwise. A NOISY speed-up does not change the exit code:
+it is no evidence of a regression either.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from benchmarks.stats import FASTER, INCONCLUSIVE, REGRESSION, WITHIN, Ratio
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 BROKEN = "BROKEN"  # the candidate fails validation (or crashes) where the baseline does not
+NOISY = "too noisy"  # past the threshold by its interval, but inside either run's own spread
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,22 @@ def check_threshold(threshold: float) -> None:
         raise SystemExit(f"--threshold must be a fraction such as 0.05 (5% slower), got {threshold}")
 
 
+def check_confidence(confidence: float) -> None:
+    if not 0.5 <= confidence < 1:
+        raise SystemExit(f"--confidence must be in [0.5, 1), got {confidence}")
+
+
+def _kind(verdict: str) -> str:
+    """The verdict without its detail: ``BROKEN (invalid: ...)`` is BROKEN."""
+    return BROKEN if verdict.startswith(BROKEN) else verdict
+
+
 def exit_code(comparisons: list[Comparison]) -> int:
-    verdicts = {c.verdict for c in comparisons}
+    verdicts = {_kind(c.verdict) for c in comparisons}
     if REGRESSION in verdicts or BROKEN in verdicts:
         return EXIT_REGRESSION
-    return EXIT_INCONCLUSIVE if INCONCLUSIVE in verdicts else EXIT_OK
+    slower_in_noise = any(c.verdict == NOISY and c.ratio is not None and c.ratio.value > 1 for c in comparisons)
+    return EXIT_INCONCLUSIVE if INCONCLUSIVE in verdicts or slower_in_noise else EXIT_OK
 
 
 def _ms(value: Optional[float]) -> str:
@@ -66,11 +80,14 @@ def table(comparisons: list[Comparison], confidence: float) -> str:
 
 
 def summary(comparisons: list[Comparison], threshold: float) -> str:
-    counts = {v: sum(c.verdict == v for c in comparisons) for v in (REGRESSION, BROKEN, INCONCLUSIVE, WITHIN, FASTER)}
+    counts = {v: sum(_kind(c.verdict) == v for c in comparisons)
+              for v in (REGRESSION, BROKEN, INCONCLUSIVE, WITHIN, FASTER, NOISY)}
     other = len(comparisons) - sum(counts.values())
     parts = [f"{counts[REGRESSION]} regression(s) beyond {threshold:.0%}", f"{counts[BROKEN]} broken",
              f"{counts[INCONCLUSIVE]} inconclusive", f"{counts[WITHIN]} within {threshold:.0%}",
              f"{counts[FASTER]} faster by more than {threshold:.0%}"]
+    if counts[NOISY]:  # only --compare judges against the runs' own spread
+        parts.append(f"{counts[NOISY]} too noisy to judge")
     if other:
         parts.append(f"{other} not compared")
     return "; ".join(parts)

@@ -56,6 +56,7 @@ def quiet_results(results, tmp_path):
     for row in data["rows"]:
         if "median_ms" in row:
             row["samples_ms"] = list(row["median_ms"] * rng.uniform(0.99, 1.01, size=20))
+            row["q20_ms"], row["q80_ms"] = np.quantile(row["samples_ms"], [0.2, 0.8]).tolist()
     path = tmp_path / "quiet.json"
     path.write_text(json.dumps(data))
     return path
@@ -83,14 +84,14 @@ def test_compare_says_inconclusive_when_the_samples_cannot_tell(quiet_results, t
     assert "inconclusive: noise too high" in capsys.readouterr().out
 
 
-def test_compare_files_without_samples_use_the_medians(results, tmp_path, capsys):
-    data = json.loads(results.read_text())
+def test_compare_files_without_samples_use_the_medians(quiet_results, tmp_path, capsys):
+    data = json.loads(quiet_results.read_text())
     for row in data["rows"]:
         row.pop("samples_ms", None)
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
     current = tmp_path / "current.json"
-    current.write_text(json.dumps(_slowed(json.loads(results.read_text()), 1.2)))
+    current.write_text(json.dumps(_slowed(json.loads(quiet_results.read_text()), 1.2)))
     assert main(["--compare", str(old), "--results", str(current)]) == 1
     assert "without samples, compared on medians alone" in capsys.readouterr().out
 
