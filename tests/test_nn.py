@@ -63,8 +63,8 @@ def test_attention_module_matches_multihead_attention():
     torch.testing.assert_close(probs, ref_weights)
     residual = torch.randn_like(x)
     torch.testing.assert_close(attn(x, residual=residual), ref + residual)
-    with pytest.raises(ValueError, match="attn_mask=a tensor is not supported"):
-        attn(x, attn_mask=torch.ones(11, 11))
+    mask = torch.randn(11, 11, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, attn_mask=mask), mha(x, x, x, attn_mask=mask)[0])
 
 
 @pytest.mark.parametrize("act,fn", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU("tanh")), ("relu", nn.ReLU())])
@@ -127,3 +127,32 @@ def test_module_arguments_are_validated():
         Mlp(8, act="swish")
     with pytest.raises(ValueError, match="drop must be a float in"):
         Mlp(8, drop=1.5)
+
+
+@pytest.mark.parametrize("return_probs", [False, True])
+def test_attention_with_a_mask_computes_masked_softmax_attention(return_probs):
+    """A masked or causal call (NaFlex ViTs mask padded patches) against the float64 formula."""
+    torch.manual_seed(0)
+    attention = Attention(8, 2, qkv_bias=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    keep = torch.tensor([[True] * 4 + [False], [True] * 5]).view(2, 1, 1, 5)
+    additive = torch.zeros(2, 1, 1, 5, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+
+    def formula(x, mask_add):
+        q, k, v = (x @ attention.qkv.weight.T + attention.qkv.bias).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + mask_add, dim=-1)
+        out = (probs @ v).transpose(1, 2).reshape(2, 5, 8) @ attention.proj.weight.T + attention.proj.bias
+        return out, probs
+
+    causal_add = torch.zeros(5, 5, dtype=torch.float64).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    for kwargs, mask_add in (({"attn_mask": keep}, additive), ({"attn_mask": additive}, additive),
+                             ({"is_causal": True}, causal_add)):
+        result = attention(x, return_probs=return_probs, **kwargs)
+        out, probs = result if return_probs else (result, None)
+        expected, expected_probs = formula(x, mask_add)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+        if return_probs:
+            torch.testing.assert_close(probs, expected_probs, rtol=1e-10, atol=1e-12)
+        grad, = torch.autograd.grad(out.square().sum(), x)
+        expected_grad, = torch.autograd.grad(expected.square().sum(), x)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)

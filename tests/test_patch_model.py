@@ -59,18 +59,31 @@ def test_multihead_self_attention_is_exact(need_weights, average):
         assert weights is None and expected_weights is None
 
 
-def test_masks_and_cross_attention_are_refused_clearly():
-    model = nn.MultiheadAttention(8, 2, batch_first=True)
-    vk.patch_model(model)
-    x, y = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
-    with pytest.raises(ValueError, match="attn_mask"):
-        model(x, x, x, attn_mask=torch.zeros(4, 4))
-    with pytest.raises(ValueError, match="same tensor"):
-        model(x, y, y)
-    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+def test_masks_and_cross_attention_run_as_unpatched():
+    """What the fused ops cannot compute (masks, causal, cross-attention, as in SigLIP's pooling head)
+    runs the layer's own forward: a patched model never raises where the original would not."""
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    model = copy.deepcopy(reference)
+    assert len(vk.patch_model(model).replaced) == 1
+    x, y = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
+    probe = torch.randn(2, 1, 8, dtype=torch.float64)
+    padding = torch.tensor([[False, False, True, False], [False, False, False, True]])
+    calls = [((x, x, x), {"attn_mask": torch.randn(4, 4, dtype=torch.float64)}),
+             ((x, x, x), {"key_padding_mask": padding}),
+             ((x, x, x), {"attn_mask": torch.ones(4, 4, dtype=torch.bool).triu(1), "is_causal": True}),
+             ((x, y, y), {}), ((probe, y, y), {"need_weights": False})]
+    for args, kwargs in calls:
+        out, weights = model(*args, **kwargs)
+        expected, expected_weights = reference(*args, **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        assert (weights is None) == (expected_weights is None)
+    layer_reference = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0).double()
+    layer = copy.deepcopy(layer_reference)
     vk.patch_model(layer)
-    with pytest.raises(ValueError, match="src_key_padding_mask"):
-        layer(x, src_key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+    torch.testing.assert_close(layer(x, src_key_padding_mask=padding), layer_reference(x, src_key_padding_mask=padding),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer(x), layer_reference(x), rtol=1e-12, atol=1e-12)
 
 
 def test_layer_norms_are_swapped_with_their_tensors_and_unknown_layers_reported():

@@ -177,26 +177,45 @@ class Attention(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L).
 
-        ``attn_mask`` and ``is_causal`` are accepted as timm's blocks pass them; only their
-        defaults (no mask, not causal) are supported: ViT attention is unmasked.
+        ``attn_mask`` (boolean, True = attend, or additive, broadcastable to (B, H, L, L)) and
+        ``is_causal`` are accepted as timm's blocks pass them (NaFlex ViTs mask padded patches): the
+        fused kernel is unmasked, so a masked call runs PyTorch's SDPA, exactly as timm would.
         """
-        check_unmasked(attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            return self._masked(x, residual, attn_mask, is_causal, return_probs)
         return self_attention(
             x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
             attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
             residual=residual, return_probs=return_probs,
         )
 
+    def _masked(self, x, residual, attn_mask, is_causal: bool, return_probs: bool):
+        """``forward`` for a masked or causal call, on PyTorch's ops (the fused kernel is unmasked)."""
+        batch, length, dim = x.shape
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).reshape(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        drop = self.attn_drop if self.training else 0.0
+        probs = None
+        if return_probs:
+            probs = _masked_probs(q, k, attn_mask, is_causal)
+            out = F.dropout(probs, drop, training=drop > 0) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal)
+        out = F.linear(out.transpose(1, 2).reshape(batch, length, dim), self.proj.weight, self.proj.bias)
+        out = F.dropout(out, self.proj_drop, training=self.training and self.proj_drop > 0)
+        out = out if residual is None else residual + out
+        return (out, probs) if return_probs else out
 
-def check_unmasked(**masks: object) -> None:
-    """Raise when any of the given masks (tensors) or causal flags (bools) is set: the fused
-    attention computes full, unmasked softmax attention."""
-    for name, value in masks.items():
-        if value is not None and value is not False:
-            raise ValueError(
-                f"{name}={value if isinstance(value, bool) else 'a tensor'} is not supported: the fused attention "
-                f"is unmasked (pass {name}=None{'/False' if isinstance(value, bool) else ''}, or keep the original layer)"
-            )
+
+def _masked_probs(q, k, attn_mask, is_causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh) + mask) (B, H, L, L), with SDPA's mask conventions."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if is_causal:
+        length = q.shape[-2]
+        keep = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(dim=-1)
 
 
 class Mlp(nn.Module):

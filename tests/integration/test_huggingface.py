@@ -46,8 +46,32 @@ def test_attention_left_on_another_implementation_is_reported():
     assert len(attention) == 2 and all("attn_implementation='vit_kernels'" in why for why in attention), reasons
 
 
-def test_a_mask_is_refused_clearly():
+def test_a_mask_or_cross_attention_runs_transformers_own_attention():
+    """What the fused kernel does not compute (a mask, cross-attention) takes transformers' SDPA
+    path: the result of an unpatched model, never an error."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     huggingface.register()
-    q = torch.randn(1, 2, 5, 4)
-    with pytest.raises(ValueError, match="attention_mask"):
-        huggingface.attention_forward(torch.nn.Module(), q, q, q, torch.zeros(1, 1, 5, 5))
+    module = torch.nn.Module()
+    module.is_causal = False
+    q, kv = torch.randn(1, 2, 5, 4, dtype=torch.float64), torch.randn(1, 2, 7, 4, dtype=torch.float64)
+    mask = torch.randn(1, 1, 5, 5, dtype=torch.float64)
+    for args in ((q, q, q, mask), (q, kv, kv, None)):
+        out, _ = huggingface.attention_forward(module, *args)
+        expected, _ = sdpa_attention_forward(module, *args)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_siglip_vision_model_patches_and_stays_exact(record_difference):
+    """SigLIP's pooling head is cross-attention (an nn.MultiheadAttention with a learned probe):
+    patched, it runs as before; the encoder's norms are fused."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    reference = SiglipVisionModel._from_config(config, attn_implementation="sdpa").double()
+    fused, report = patched_copy(reference)
+    assert any(name.endswith("head.attention") for name, _, _ in report.replaced), report
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    record_difference("huggingface SigLIP", *compare(reference, fused, images, output_of=lambda out: out.pooler_output))

@@ -1,6 +1,8 @@
 """patch_model on real timm models (pretrained=False, tiny sizes): outputs and every parameter
 gradient equal to the original in float64, train and eval; BEiT attention is skipped with a reason."""
 
+import inspect
+
 import pytest
 import timm
 import torch
@@ -71,10 +73,21 @@ def test_qk_norm_and_swiglu_are_reported_not_swapped():
     assert any("MLP-like" in why for why in eva_reasons.values()), eva_reasons
 
 
-def test_a_real_mask_is_refused_clearly():
-    model, _ = patched_copy(_timm_vit("vit_tiny_patch16_224", depth=1, patch_size=8))
-    tokens = torch.randn(1, 17, 192, dtype=torch.float64)
-    with pytest.raises(ValueError, match="attn_mask"):
-        model.blocks[0](tokens, attn_mask=torch.zeros(17, 17, dtype=torch.float64))
-    with pytest.raises(ValueError, match="is_causal"):
-        model.blocks[0](tokens, is_causal=True)
+def test_a_mask_runs_masked_attention_exactly():
+    """A patched block given a mask (NaFlex ViTs mask padded patches) or is_causal computes what the
+    unpatched block does, forward and backward."""
+    reference = _timm_vit("vit_tiny_patch16_224", depth=1, patch_size=8)
+    model, _ = patched_copy(reference)
+    tokens = torch.randn(2, 17, 192, dtype=torch.float64)
+    keep = torch.ones(2, 1, 17, 17, dtype=torch.bool)
+    keep[1, ..., 12:] = False  # the second image has 5 padded patches
+    for kwargs in ({"attn_mask": torch.randn(17, 17, dtype=torch.float64)}, {"attn_mask": keep}, {"is_causal": True}):
+        if "is_causal" in kwargs and "is_causal" not in inspect.signature(type(reference.blocks[0]).forward).parameters:
+            continue
+        first = tokens.clone().requires_grad_()
+        second = tokens.clone().requires_grad_()
+        expected, actual = reference.blocks[0](first, **kwargs), model.blocks[0](second, **kwargs)
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+        cotangent = torch.randn_like(expected)
+        torch.testing.assert_close(torch.autograd.grad(actual, second, cotangent)[0],
+                                   torch.autograd.grad(expected, first, cotangent)[0], rtol=1e-10, atol=1e-10)

@@ -107,6 +107,13 @@ def describe_activation(act: object) -> str:
 _FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
 
 
+def unfused_forward(module: nn.Module, *args, **kwargs):
+    """The forward of the class ``with_fused_forward`` gave ``module`` a subclass of: a fused forward
+    calls it for what it cannot compute exactly (a mask, cross-attention, an odd size), so that a
+    patched model never raises where the original would not."""
+    return super(type(module), module).forward(*args, **kwargs)
+
+
 def with_fused_forward(module: nn.Module, forward: Callable, prefix: str = "Fused") -> nn.Module:
     """Give ``module`` a subclass of its class whose ``forward`` is ``forward``; everything else
     (parameters, buffers, attributes, methods, hooks, state-dict keys) is untouched."""

@@ -44,15 +44,16 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query/key/value (B, H, L, Dh) -> (out (B, L, H, Dh), None).
 
-    Self-attention without a mask (ViT's encoder); a mask, causal attention or differing q/k/v
-    shapes (cross-attention, grouped queries) raise ValueError.
+    Self-attention without a mask (ViT's encoder) runs fused; a mask, causal attention or differing
+    q/k/v shapes (cross-attention, grouped queries) run transformers' own SDPA attention, as an
+    unpatched model would.
     """
-    vkn.check_unmasked(attention_mask=attention_mask, is_causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", False))))
-    if key.shape != query.shape or value.shape != query.shape:
-        raise ValueError(
-            f"query, key and value must have one shape (B, H, L, Dh) for the fused self-attention, got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+    if attention_mask is not None or causal or key.shape != query.shape or value.shape != query.shape:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     batch, heads, length, head_dim = query.shape
     qkv = torch.cat([t.transpose(1, 2).reshape(batch, length, heads * head_dim) for t in (query, key, value)], dim=-1)
     out = vkf.attention(qkv, heads, scale=scaling, dropout_p=dropout)

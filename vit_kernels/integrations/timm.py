@@ -23,6 +23,7 @@ from vit_kernels.integrations._common import (
     describe_activation,
     dropout_p,
     is_identity,
+    unfused_forward,
     unknown_forward_args,
     unknown_parts,
     with_fused_forward,
@@ -82,10 +83,9 @@ def patch_embed_forward(self, x):
     """images (N, C, H, W) -> tokens (N, L, D), or the grid (N, H/P, W/P, D) when not flattening."""
     n, _, height, width = x.shape
     patch = self.proj.kernel_size[0]
-    if self.img_size is not None and self.strict_img_size and (height, width) != tuple(self.img_size):
-        raise ValueError(f"images must be {self.img_size[0]}x{self.img_size[1]}, got {height}x{width}")
-    if height % patch or width % patch:
-        raise ValueError(f"image size {height}x{width} must be divisible by the patch size {patch}")
+    strict = self.img_size is not None and self.strict_img_size
+    if (strict and (height, width) != tuple(self.img_size)) or height % patch or width % patch:
+        return unfused_forward(self, x)  # timm's own checks and conv: its error, or the remainder dropped
     tokens = vkf.patch_embed(x, self.proj.weight, self.proj.bias, patch_size=patch)
     return tokens if self.flatten else tokens.reshape(n, height // patch, width // patch, tokens.shape[-1])
 

@@ -8,7 +8,8 @@
   post-norm, batch_first or not, ReLU or GELU, every dropout) with the fused ops, each residual add
   fused into the last GEMM of its branch.
 
-Masks are refused with a ValueError naming the argument: the fused attention is unmasked.
+A call the fused ops cannot compute exactly (a mask, causal attention, cross-attention) runs the
+layer's own PyTorch forward: a patched model never raises where the original would not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vit_kernels.integrations._common import (
     activation_name,
     describe_activation,
     unknown_forward_args,
+    unfused_forward,
     unknown_parts,
     with_fused_forward,
 )
@@ -70,9 +72,9 @@ def mha_forward(self, query, key, value, key_padding_mask=None, need_weights=Tru
                 average_attn_weights=True, is_causal=False):
     """Self-attention as ``nn.MultiheadAttention.forward``: (L, B, D) or batch_first (B, L, D) or
     unbatched (L, D) -> (output, weights or None); weights (B, L, L) averaged over heads, or (B, H, L, L)."""
-    if key is not query or value is not query:
-        raise ValueError("query, key and value must be the same tensor: the fused MultiheadAttention computes self-attention")
-    vkn.check_unmasked(key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)
+    if key is not query or value is not query or key_padding_mask is not None or attn_mask is not None or is_causal:
+        return unfused_forward(self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
     x = _to_batch_first(query, self.batch_first)
     result = _mha_self_attention(self, x, return_probs=need_weights)
     out, probs = result if need_weights else (result, None)
@@ -104,7 +106,8 @@ def swap_multihead_attention(module: nn.Module) -> Swap:
 def encoder_layer_forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
     """``nn.TransformerEncoderLayer.forward`` on the fused ops: src (L, B, D), batch_first (B, L, D)
     or unbatched (L, D) -> same shape."""
-    vkn.check_unmasked(src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+    if src_mask is not None or src_key_padding_mask is not None or is_causal:
+        return unfused_forward(self, src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
     batch_first = self.self_attn.batch_first
     x = _to_batch_first(src, batch_first)
     act = activation_name(self.activation)
