@@ -39,13 +39,85 @@ def test_vit_for_image_classification_is_exact(hidden_act, training, record_diff
     record_difference("huggingface ViT", *compare(reference, fused, images, output_of=lambda out: out.logits))
 
 
-def test_attention_left_on_another_implementation_is_reported():
+def test_sdpa_attention_is_switched_to_the_fused_kernel(record_difference):
     reference, _ = _models()
+    fused, report = patched_copy(reference)
+    assert fused.config._attn_implementation == "vit_kernels" and reference.config._attn_implementation == "sdpa"
+    assert report.skipped == [], report
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    record_difference("huggingface ViT (sdpa switched)", *compare(reference, fused, images, output_of=lambda out: out.logits))
+
+
+def test_attention_on_an_implementation_the_user_chose_is_left_and_reported():
+    reference, _ = _models()
+    for module in reference.modules():
+        if hasattr(module, "config"):
+            module.config._attn_implementation_internal = "flash_attention_2"  # as if loaded so, on a GPU
     reasons = dict(patched_copy(reference)[1].skipped)
     attention = [why for name, why in reasons.items() if name.endswith("attention")]
-    assert len(attention) == 2 and all("attn_implementation='vit_kernels'" in why for why in attention), reasons
+    assert len(attention) == 2 and all("'flash_attention_2' attention" in why for why in attention), reasons
 
 
+VISION_TOWERS = {
+    "clip": ("CLIPVisionConfig", "CLIPVisionModel", {"hidden_act": "gelu"}),
+    "clip_quick_gelu": ("CLIPVisionConfig", "CLIPVisionModel", {"hidden_act": "quick_gelu"}),
+    "siglip": ("SiglipVisionConfig", "SiglipVisionModel", {}),
+    "siglip2": ("Siglip2VisionConfig", "Siglip2VisionModel", {"num_patches": 16}),
+    "dinov2": ("Dinov2Config", "Dinov2Model", {"layerscale_value": 0.5}),
+    "dinov2_registers": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel", {"num_register_tokens": 4}),
+}
+
+
+def _tower_inputs(family, config, batch=2):
+    if family != "siglip2":
+        return (torch.randn(batch, 3, 32, 32, dtype=torch.float64),), {}
+    patches = torch.randn(batch, 16, 3 * 8 * 8, dtype=torch.float64)
+    mask = torch.ones(batch, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # the second image is 12 patches of a 4x3 grid, padded
+    shapes = torch.tensor([[4, 4], [4, 3]])
+    return (patches,), {"pixel_attention_mask": mask, "spatial_shapes": shapes}
+
+
+@pytest.mark.parametrize("family", sorted(VISION_TOWERS))
+@pytest.mark.parametrize("training", [False, True])
+def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, record_difference):
+    import transformers
+
+    config_name, model_name, extra = VISION_TOWERS[family]
+    config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, image_size=32, patch_size=8,
+                                                hidden_dropout_prob=0.0, attention_dropout=0.0, **extra)
+    torch.manual_seed(0)
+    reference = getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double()
+    reference.train(training)
+    fused, report = patched_copy(reference)
+    kinds = [(name, new) for name, _, new in report.replaced]
+    attention = [name for name, new in kinds if "attention interface" in new and not name.endswith("head.attention")]
+    mlps = [name for name, new in kinds if new.endswith(".Mlp") and name.startswith("encoder.")]
+    assert len(attention) == 2, report
+    skipped = dict(report.skipped)
+    if family == "clip_quick_gelu":
+        assert mlps == [] and all("QuickGELUActivation" in why for name, why in skipped.items() if name.endswith("mlp")), report
+    else:
+        assert len(mlps) == 2, report
+    args, kwargs = _tower_inputs(family, config)
+
+    def pooled(out):
+        return out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+
+    if family == "siglip2":  # patches and a padding mask in: the masked calls run transformers' SDPA
+        reference_out = pooled(reference(*args, **kwargs))
+        fused_out = pooled(fused(*args, **kwargs))
+        torch.testing.assert_close(fused_out, reference_out, rtol=1e-10, atol=1e-10)
+        cotangent = torch.randn_like(reference_out)
+        (reference_out * cotangent).sum().backward()
+        (fused_out * cotangent).sum().backward()
+        fused_params = dict(fused.named_parameters())
+        for name, param in reference.named_parameters():
+            if param.grad is not None:
+                torch.testing.assert_close(fused_params[name].grad, param.grad, rtol=1e-10, atol=1e-10, msg=name)
+        return
+    record_difference(f"huggingface {family}", *compare(reference, fused, args[0], output_of=pooled))
 def test_a_mask_or_cross_attention_runs_transformers_own_attention():
     """What the fused kernel does not compute (a mask, cross-attention) takes transformers' SDPA
     path: the result of an unpatched model, never an error."""

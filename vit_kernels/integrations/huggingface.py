@@ -1,11 +1,15 @@
-"""Hugging Face ViT on the fused ops.
+"""Hugging Face vision transformers on the fused ops: ViT, CLIP's and SigLIP(2)'s vision towers,
+DINOv2 (with registers).
 
 Attention runs through transformers' own dispatch: ``register()`` adds ``"vit_kernels"`` to
-``AttentionInterface``, then ``ViTForImageClassification.from_pretrained(..., attn_implementation=
-"vit_kernels")`` (or ``model.set_attn_implementation("vit_kernels")``) computes every attention with
-``vit_kernels.attention``. ``patch_model`` swaps the rest:
+``AttentionInterface``. ``patch_model`` registers it and switches a model whose attention runs
+transformers' ``eager`` or ``sdpa`` implementation (the same mathematics) to it, by the config its
+attention modules read; a model loaded with another implementation (flash, flex) keeps it, and the
+report says so. A call the fused kernel does not compute (a mask, cross-attention) runs
+transformers' SDPA. ``patch_model`` swaps the rest:
 
-* ``ViTMLP``               -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU, GELU(tanh), ReLU;
+* the MLPs (``fc1``, activation, ``fc2``) -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU,
+  GELU(tanh), ReLU;
 * ``ViTPatchEmbeddings``   keeps its class and computes ``forward`` with the fused patch embedding;
 * ``nn.LayerNorm``         as for any PyTorch model.
 """
@@ -65,21 +69,37 @@ def register() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    try:  # masks in SDPA's form (what a masked call is handed on to), not dropped as an unknown kind's
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    except ImportError:  # pragma: no cover - transformers before masking_utils builds masks per model
+        pass
     return ATTN_IMPLEMENTATION
 
 
+# What transformers computes the same way as the fused kernel (softmax attention, exact mathematics).
+SWITCHABLE = ("eager", "sdpa")
+
+
 def attention_dispatch(module: nn.Module) -> Swap:
-    """HF attention modules are not swapped: they call the configured attention function."""
-    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    """HF attention modules are not swapped: they call the configured attention function, which is
+    switched to ours where the model runs eager or SDPA attention."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation in SWITCHABLE:
+        config._attn_implementation = register()  # the config every attention module of the tower reads
+        implementation = ATTN_IMPLEMENTATION
     if implementation == ATTN_IMPLEMENTATION:
         return Swap(module, descend=False)
     return Swap(None, (
-        f"runs transformers' {implementation!r} attention; load the model with attn_implementation="
-        f"'{ATTN_IMPLEMENTATION}' after vit_kernels.integrations.huggingface.register()"
+        f"runs transformers' {implementation!r} attention, chosen when the model was loaded; load it with "
+        f"attn_implementation='eager', 'sdpa' or '{ATTN_IMPLEMENTATION}' to have it fused"
     ), descend=False)
 
 
 def swap_mlp(module: nn.Module) -> Swap:
+    """fc1 -> activation_fn -> fc2, as ViT's, CLIP's, SigLIP's and DINOv2's MLPs compute it."""
     why = unknown_parts(module, ("fc1", "fc2", "activation_fn")) or unknown_forward_args(module, ("hidden_states",))
     if why:
         return Swap.skip(why)
@@ -112,9 +132,17 @@ def swap_patch_embeddings(module: nn.Module) -> Swap:
     return Swap(with_fused_forward(module, patch_embeddings_forward), descend=False)
 
 
-_VIT = "transformers.models.vit.modeling_vit"
+_MODELS = "transformers.models"
 RULES: dict[str, Rule] = {
-    f"{_VIT}.ViTAttention": attention_dispatch,
-    f"{_VIT}.ViTMLP": swap_mlp,
-    f"{_VIT}.ViTPatchEmbeddings": swap_patch_embeddings,
+    f"{_MODELS}.vit.modeling_vit.ViTAttention": attention_dispatch,
+    f"{_MODELS}.vit.modeling_vit.ViTMLP": swap_mlp,
+    f"{_MODELS}.vit.modeling_vit.ViTPatchEmbeddings": swap_patch_embeddings,
+    **{f"{_MODELS}.{module}.{prefix}Attention": attention_dispatch for module, prefix in (
+        ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
+        ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
+    )},
+    **{f"{_MODELS}.{module}.{prefix}MLP": swap_mlp for module, prefix in (
+        ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
+        ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
+    )},
 }
