@@ -158,7 +158,7 @@ def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, a
     X and W1 (fc1 + bias + GELU, saving Z), over the hidden activation and W2^T's W2 (fc2 + bias +
     residual), dY and W2 (dZ = dY W2 * gelu'(Z) with its column sums), dY^T's dY (dW2 with the row
     sums of dY^T, split over K), dZ^T's dZ (dW1, split), dZ and W1 (dX); widths no tile divides."""
-    monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm: (TMA_TILE,))
+    monkeypatch.setattr(linear, "_matmul_tile", lambda gemm: TMA_TILE)
     kernels = spy_kernels(monkeypatch)
     d, hidden, rows = 24, 40, (4, 33)
     assert linear.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
@@ -182,7 +182,7 @@ def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
                   torch.randn(70, 56).half())
     results = []
     for tile in (TMA_TILE, TMA_TILE[:5]):
-        monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm, tile=tile: (tile,))
+        monkeypatch.setattr(linear, "_matmul_tile", lambda gemm, tile=tile: tile)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         with vk.use_backend("triton", strict=True):
             y = vk.linear(*leaves, residual=r)
@@ -202,7 +202,7 @@ def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(
     assert linear.tma_transposed(torch.empty(8, 24)) is None
     assert linear.tma_transposed(torch.empty(8, 48, dtype=torch.half)[:, ::2]) is None
     assert linear.tma_transposed(torch.empty(8 * 24 + 1, dtype=torch.half)[1:].view(8, 24)) is None
-    monkeypatch.setattr(linear, "_matmul_tiles", lambda gemm: (TMA_TILE,))
+    monkeypatch.setattr(linear, "_matmul_tile", lambda gemm: TMA_TILE)
     kernels = spy_kernels(monkeypatch)
     x, w, b = torch.randn(50, 20).half(), (torch.randn(36, 20) / 5).half(), torch.randn(36).half()
     with vk.use_backend("triton", strict=True):

@@ -155,7 +155,7 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
         raise AssertionError("built the trial of a decided key")
 
     key = attention._chooser_key(qkv, 2)
-    assert _tiles.tiles_to_launch(chooser, qkv.device, lambda: key, None, lambda: ["a"], trial) == ("a",)
+    assert _tiles.tile_to_launch(chooser, qkv.device, lambda: key, None, lambda: ["a"], trial) == "a"
 
 
 def test_the_pair_measured_fastest_at_head_dim_64_is_the_default():

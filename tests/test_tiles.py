@@ -50,7 +50,7 @@ def pin(monkeypatch, module, name: str, tile) -> list:
 
     def choose(*args):
         launched.append(tile)
-        return (tile,)
+        return tile
 
     monkeypatch.setattr(module, name, choose)
     return launched
@@ -89,11 +89,11 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
     def pinned(tiles):
         def choose(*args):
             launched.append(tiles)
-            return (tiles,)
+            return tiles
         return choose
 
     fitted = attention._fitted(fwd, LENGTH), tuple(attention._fitted(t, LENGTH) for t in pair)
-    monkeypatch.setattr(attention, "fwd_tiles", pinned(fitted[0]))
+    monkeypatch.setattr(attention, "fwd_tile", pinned(fitted[0]))
     monkeypatch.setattr(attention, "bwd_tiles", pinned(fitted[1]))
     heads = 2
     qkv = torch.randn(2, LENGTH, 3 * heads * head_dim)
@@ -129,7 +129,7 @@ def linear_inputs(n_out: int = N) -> list:
 
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear"))
 def test_linear_tile(monkeypatch, dtype, tile):
-    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
+    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
     assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, "the weight gradient must take the split-K path"
     inputs = linear_inputs() + [torch.randn(*ROWS, N)]
     with vk.use_backend("triton", strict=True):
@@ -140,7 +140,7 @@ def test_linear_tile(monkeypatch, dtype, tile):
 
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear_gelu"))
 def test_linear_gelu_tile(monkeypatch, dtype, tile):
-    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
+    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
     with vk.use_backend("triton", strict=True):
         check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
                               lambda x, w, b: linear_gelu_formula(x, w, b, "tanh"), linear_inputs(), dtype,
@@ -152,7 +152,7 @@ def test_linear_gelu_tile(monkeypatch, dtype, tile):
 def test_mlp_tile(monkeypatch, dtype, tile):
     """Every epilogue: bias + exact GELU saving the pre-activation, bias + residual, GELU' (dZ) and
     the split-K weight gradients."""
-    launched = pin(monkeypatch, linear, "_matmul_tiles", tile)
+    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
     x, w1, b1 = linear_inputs()
     inputs = [x, w1, b1, torch.randn(K, N) / math.sqrt(N), torch.randn(K), torch.randn(*ROWS, K)]
 
@@ -168,7 +168,7 @@ def test_mlp_tile(monkeypatch, dtype, tile):
 @pytest.mark.parametrize("dtype,tile", gemm_cases("patch_embed"))
 def test_patch_embed_tile(monkeypatch, dtype, tile):
     """The forward's tile pinned; the backward's fixed tiles run in every case."""
-    launched = pin(monkeypatch, patch_embed, "fwd_tiles", tile)
+    launched = pin(monkeypatch, patch_embed, "fwd_tile", tile)
     inputs = make_inputs(6, 3, 96, 96, 16, N)
     with vk.use_backend("triton", strict=True):
         check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA,
@@ -230,9 +230,9 @@ def test_layer_norm_tile(monkeypatch, dtype, dim, fwd_tile, bwd_tile):
     def pinned(chooser, *args):
         tile = fwd_tile if chooser is layer_norm.FWD_CHOOSER else bwd_tile
         launched.append(tile)
-        return (tile,)
+        return tile
 
-    monkeypatch.setattr(layer_norm, "_tiles", pinned)
+    monkeypatch.setattr(layer_norm, "_tile", pinned)
     rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
     inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
     with vk.use_backend("triton", strict=True):

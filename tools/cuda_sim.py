@@ -27,6 +27,13 @@ What a GPU would do is intercepted at five points only:
 Nothing else is patched: dispatch, tile choosers, validation and the launchers run unchanged. What
 the runtime cached of a device's answers (``functools`` caches in ``vit_kernels``) is cleared on entry
 and exit, so an sm_80 block after an sm_90 one asks again.
+
+The recorder also clocks the host time spent in PyTorch's own calls (and a simulated tensor's
+``device``) and in the (recorded) launches, and counts those calls, so ``our_seconds`` tells how much
+of a call is this project's Python: the host overhead a GPU user pays above PyTorch's and Triton's
+(``benchmarks.host_overhead``). Simulated tensors make PyTorch's calls much slower than on a GPU,
+but that time is not counted as ours; entering each such call still costs the simulation about
+a microsecond of Python outside the clock, measured once (``call_overhead``) and subtracted per call.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Iterator
@@ -56,6 +64,7 @@ ARCHITECTURES = {
 }
 
 _inside_torch = threading.local()
+_clock = threading.local()  # .depth: inside a clocked call; .recorder: where its seconds go
 _tensor_device = torch._C.TensorBase.device.__get__
 _VALUE_READS = {torch.Tensor.item: 0, torch.Tensor.__bool__: False, torch.Tensor.__float__: 0.0,
                 torch.Tensor.__int__: 0, torch.Tensor.__index__: 0}
@@ -116,7 +125,9 @@ class SimulatedCudaTensor(torch.Tensor):
 
     @property
     def device(self) -> torch.device:
-        return _tensor_device(self) if _depth() else torch.device("cuda", 0)
+        if _depth():
+            return _tensor_device(self)
+        return _clocked(_cuda0)  # PyTorch's own getter on a GPU: not this project's time
 
     @property
     def is_cuda(self) -> bool:
@@ -160,10 +171,34 @@ _MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.new_empty, torch.Tens
           torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_tensor)
 
 
+def _cuda0() -> torch.device:
+    return torch.device("cuda", 0)
+
+
+def _clocked(call):
+    """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them."""
+    recorder = getattr(_clock, "recorder", None)
+    if recorder is None or getattr(_clock, "depth", 0):
+        return call()
+    _clock.depth = 1
+    started = time.perf_counter()
+    try:
+        return call()
+    finally:
+        recorder.not_ours += time.perf_counter() - started
+        recorder.calls += 1
+        _clock.depth = 0
+
+
 class _CudaAsMeta(TorchFunctionMode):
     """Factory calls and moves to ``cuda`` make simulated tensors instead."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _RUNS_OUR_CODE:
+            return func(*args, **(kwargs or {}))
+        return _clocked(lambda: self._moved(func, types, args, kwargs))
+
+    def _moved(self, func, types, args, kwargs):
         kwargs = dict(kwargs or {})
         if func is torch._C._nn._parse_to:  # Module.to's parsing: the device stays as asked, for t.to below
             return func(*args, **kwargs)
@@ -195,11 +230,40 @@ class Launch:
 
 
 class Recorder:
-    """The launches made inside one ``simulated_cuda`` block."""
+    """The launches made inside one ``simulated_cuda`` block, and the host seconds spent in PyTorch's
+    calls and in launches there (``not_ours``)."""
 
     def __init__(self, arch: int):
         self.arch = arch
         self.launches: list[Launch] = []
+        self.not_ours = 0.0
+        self.calls = 0  # clocked calls (PyTorch's, a launch)
+        self._call_overhead: float | None = None
+
+    def mark(self) -> tuple[float, int]:
+        """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
+        return self.not_ours, self.calls
+
+    def our_seconds(self, wall: float, mark: tuple[float, int]) -> float:
+        """Of ``wall`` seconds that began at ``mark``: this project's Python (PyTorch's calls, the
+        launches and the simulation's cost of entering each of them taken out)."""
+        not_ours, calls = self.not_ours - mark[0], self.calls - mark[1]
+        return max(0.0, wall - not_ours - calls * self.call_overhead())
+
+    def call_overhead(self) -> float:
+        """Seconds of unclocked simulation Python per clocked call: the least per-call remainder of
+        reading a simulated tensor's dtype, a call with nothing of ours around it (best of 5)."""
+        if self._call_overhead is None:
+            probe, rounds = torch.empty(1, device="cuda"), 2000
+            best = float("inf")
+            for _ in range(5):
+                not_ours, started = self.not_ours, time.perf_counter()
+                for _ in range(rounds):
+                    probe.dtype  # noqa: B018 - a clocked call, nothing else
+                best = min(best, (time.perf_counter() - started - (self.not_ours - not_ours)) / rounds)
+            self.calls -= 5 * rounds
+            self._call_overhead = max(0.0, best)
+        return self._call_overhead
 
     def kernels(self) -> set[str]:
         return {launch.kernel.fn.__name__ for launch in self.launches}
@@ -269,8 +333,10 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
     props = types.SimpleNamespace(**ARCHITECTURES[arch])
 
     def record(self, *args, grid, warmup, **kwargs):
-        grid = grid(kwargs) if callable(grid) else grid
-        recorder.launches.append(Launch(self, tuple(grid), args, kwargs))
+        def launch():
+            recorder.launches.append(Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs))
+
+        _clocked(launch)
 
     cuda = torch.cuda
     patches = [
@@ -295,6 +361,8 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
         mock.patch.object(backend, "_disk", DiskCache(None)),
+        # a simulated tensor stands for a plain CUDA tensor, which takes dispatch's per-call fast path
+        mock.patch.object(backend, "_TENSOR_TYPES", backend._TENSOR_TYPES + (SimulatedCudaTensor,)),
     ]
     with contextlib.ExitStack() as stack:
         stack.callback(_clear_device_caches)
@@ -302,4 +370,6 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
             stack.enter_context(patch)
         stack.enter_context(_CudaAsMeta())
         _clear_device_caches()
+        _clock.recorder = recorder
+        stack.callback(setattr, _clock, "recorder", None)
         yield recorder

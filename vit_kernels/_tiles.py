@@ -13,7 +13,7 @@ the launcher runs its fixed small tile instead, and while the GPU compile gate r
 every candidate is launched (recorded), so each one is compiled for sm_80 and sm_90.
 
 ``TileChooser.report()`` lists per key every candidate's time or why it was excluded;
-``report_rows`` makes that JSON-able. ``tiles_to_launch`` is the whole decision a launcher makes per
+``report_rows`` makes that JSON-able. ``tile_to_launch`` is the whole decision a launcher makes per
 call (interpreter, compile gate, chosen tile).
 """
 
@@ -179,23 +179,21 @@ class TileChooser:
             chooser.forget()
 
 
-def tiles_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[], tuple], interpreter_tile: Tile,
-                    candidates: Callable[[], Sequence[Tile]],
-                    trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
-    """The tile(s) a launcher launches on tensors of ``device``: the interpreter's fixed tile (CPU
-    tensors); every candidate while the compile gate records launches (so each one is compiled), the
-    first (the default) while a call's launches are counted;
-    else the tile ``chooser`` keeps for ``key()``, choosing it first where there is none
+def tile_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[], tuple],
+                   interpreter_tile: Callable[[], Tile], candidates: Callable[[], Sequence[Tile]],
+                   trial: Callable[[], tuple[Callable, Callable]]) -> Tile:
+    """The tile a launcher launches on tensors of ``device``: the interpreter's fixed tile (CPU
+    tensors), else the tile ``chooser`` keeps for ``key()``, choosing it first where there is none
     (``trial() -> (run, check)`` is built only then: a decided call does no more than the key's
     lookup)."""
     if interpreted(device):
-        return (interpreter_tile,)
+        return interpreter_tile()
     chosen_key = key()
     tile = chooser.chosen(chosen_key)
     if tile is None:
         run, check = trial()
         tile = chooser.choose(chosen_key, device, candidates(), run, check)
-    return (tile,)
+    return tile
 
 
 def _plain(part):

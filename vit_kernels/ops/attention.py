@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, dot_precision, interpreted, launch, tl, triton
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, dot_precision, interpreted, launch, next_power_of_2, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -529,7 +529,7 @@ def tile_report() -> list[dict]:
 
 def _block_d(head_dim: int) -> int:
     """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _tile_key(dtype: torch.dtype, head_dim: int) -> tuple[bool, int]:
@@ -540,7 +540,7 @@ def _fit(tile: int, seq_len: int) -> int:
     """Tiles no longer than the sequence (at least 16 rows, the smallest tl.dot operand). A tile is
     a compile-time constant: under torch.compile with dynamic shapes ``seq_len`` is a SymInt, made
     concrete here (a guard on the length, which the kernel is specialised for anyway)."""
-    return max(16, min(tile, triton.next_power_of_2(int(seq_len))))
+    return max(16, min(tile, next_power_of_2(int(seq_len))))
 
 
 def _fitted(tile: tuple, seq_len: int) -> tuple:
@@ -569,7 +569,7 @@ def _tail_block(block: int, seq_len: int) -> int:
     blocks of a loop over the sequence, L mod ``block`` padded to a power of two (at least 16, the
     smallest tl.dot operand, and at most ``block``), or 0 where ``block`` divides L (no tail)."""
     rest = int(seq_len) % block
-    return 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return 0 if rest == 0 else max(16, next_power_of_2(rest))
 
 
 def _interpreter_tile(seq_len: int) -> tuple:
@@ -579,7 +579,7 @@ def _interpreter_tile(seq_len: int) -> tuple:
 
 def _row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:
     """The flattened grid of ``_block_and_head``: (row blocks x batch * heads,)."""
-    return (triton.cdiv(seq_len, block) * batch_heads,)
+    return (cdiv(seq_len, block) * batch_heads,)
 
 
 def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
@@ -663,8 +663,8 @@ if HAS_TRITON:
         stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         return out, stats
 
-    def fwd_tiles(qkv, num_heads, scale, seed) -> tuple:
-        """The forward tile(s) to launch: see ``_tiles.tiles_to_launch`` (validated without dropout)."""
+    def fwd_tile(qkv, num_heads, scale, seed) -> tuple:
+        """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
@@ -676,7 +676,7 @@ if HAS_TRITON:
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
 
-        return tiles_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads), _interpreter_tile(seq_len),
+        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads), lambda: _interpreter_tile(seq_len),
                                lambda: fwd_candidates(qkv.dtype, head_dim, seq_len), trial)
 
     def _attention_fwd(
@@ -685,8 +685,7 @@ if HAS_TRITON:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
         and 1 / the row sum of the exponentials."""
         out, stats = _fwd_outputs(qkv, num_heads)
-        for tile in fwd_tiles(qkv, num_heads, scale, seed):
-            _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile)
+        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, fwd_tile(qkv, num_heads, scale, seed))
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
@@ -717,7 +716,7 @@ if HAS_TRITON:
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
-        """The backward tile pair(s) to launch: see ``_tiles.tiles_to_launch``."""
+        """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
@@ -728,19 +727,17 @@ if HAS_TRITON:
             return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
                                                qkv, num_heads, scale, grad_out)
 
-        return tiles_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads),
-                               (_interpreter_tile(seq_len),) * 2, lambda: bwd_candidates(qkv.dtype, head_dim, seq_len),
-                               trial)
+        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads),
+                              lambda: (_interpreter_tile(seq_len),) * 2, lambda: bwd_candidates(qkv.dtype, head_dim, seq_len),
+                              trial)
 
     def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
-        dqkv = None
-        for tiles in bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale):
-            dqkv = _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles)
-        return dqkv
+        return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p,
+                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale))
 
     attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
                            _attention_bwd)

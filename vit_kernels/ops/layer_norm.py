@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import HAS_TRITON, as_float32, launch, multiprocessors, tl, triton
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, launch, multiprocessors, next_power_of_2, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
@@ -175,12 +175,12 @@ def tile_report() -> list[dict]:
     return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
 
 
-def _tiles(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
-           trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
-    """The tile(s) to launch (``tiles_to_launch``), the default for no rows (nothing to validate on)."""
+def _tile(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
+          trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+    """The tile to launch (``tile_to_launch``), the default for no rows (nothing to validate on)."""
     if rows == 0:
-        return (candidates[0],)
-    return tiles_to_launch(chooser, device, lambda: key, candidates[0], lambda: candidates, trial)
+        return candidates[0]
+    return tile_to_launch(chooser, device, lambda: key, lambda: candidates[0], lambda: candidates, trial)
 
 
 def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, list]],
@@ -225,14 +225,14 @@ if HAS_TRITON:
         rows, dim = x2.shape
         per_program, warps = tile
         launch(
-            _layer_norm_fwd_kernel, (triton.cdiv(rows, per_program),),
+            _layer_norm_fwd_kernel, (cdiv(rows, per_program),),
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2,
             bias if bias is not None else x2, y, summed, mean, rstd,
             rows, dim,
             x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), dim,
             weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
             eps,
-            ROWS=per_program, BLOCK_D=triton.next_power_of_2(dim), HAS_RESIDUAL=r2 is not None,
+            ROWS=per_program, BLOCK_D=next_power_of_2(dim), HAS_RESIDUAL=r2 is not None,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=warps,
         )
 
@@ -252,7 +252,7 @@ if HAS_TRITON:
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else None
         rows, dim = (int(size) for size in x2.shape)
-        block_d = triton.next_power_of_2(dim)
+        block_d = next_power_of_2(dim)
 
         def trial():
             def run(tile):
@@ -269,8 +269,7 @@ if HAS_TRITON:
         key = (str(x.device), str(x.dtype), block_d, residual is not None, weight is not None, bias is not None,
                _signature.bucket(rows))
         outputs = _fwd_outputs(x2, residual is not None)
-        for tile in _tiles(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial):
-            _launch_fwd(x2, r2, weight, bias, eps, outputs, tile)
+        _launch_fwd(x2, r2, weight, bias, eps, outputs, _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial))
         y, summed, mean, rstd = outputs
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
@@ -285,17 +284,17 @@ if HAS_TRITON:
             _layer_norm_bwd_kernel, (programs,),
             s2, dy2, dsum2 if dsum2 is not None else dy2, weight if weight is not None else s2, mean, rstd, ds,
             partial_w, partial_b,
-            rows, dim, triton.cdiv(triton.cdiv(rows, tile_rows), programs),
+            rows, dim, cdiv(cdiv(rows, tile_rows), programs),
             s2.stride(0), dy2.stride(0), dsum2.stride(0) if dsum2 is not None else 0, ds.stride(0),
             weight.stride(0) if weight is not None else 0,
-            ROWS=tile_rows, BLOCK_D=triton.next_power_of_2(dim),
+            ROWS=tile_rows, BLOCK_D=next_power_of_2(dim),
             HAS_DSUM=dsum2 is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias, num_warps=warps,
         )
 
     def _bwd_programs(s2: torch.Tensor, tile: tuple) -> int:
         """Programs of a backward launch: one per tile of rows, at most ``programs per SM`` x SMs."""
         tile_rows, per_sm, _ = tile
-        return max(1, min(triton.cdiv(s2.shape[0], tile_rows), per_sm * multiprocessors(s2.device)))
+        return max(1, min(cdiv(s2.shape[0], tile_rows), per_sm * multiprocessors(s2.device)))
 
     def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, tile: tuple) -> tuple[torch.Tensor, ...]:
         ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
@@ -323,7 +322,7 @@ if HAS_TRITON:
         s2, dy2 = _rows(summed), _rows(grad_y)
         dsum2 = _rows(grad_sum) if grad_sum is not None else None
         rows, dim = (int(size) for size in s2.shape)
-        block_d = triton.next_power_of_2(dim)
+        block_d = next_power_of_2(dim)
 
         def trial():
             def run(tile):
@@ -340,9 +339,9 @@ if HAS_TRITON:
 
         key = (str(summed.device), str(summed.dtype), block_d, grad_sum is not None, weight is not None,
                needs_weight_bias, _signature.bucket(rows))
-        for tile in _tiles(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial):
-            outputs = _bwd_outputs(s2, needs_weight_bias, tile)
-            _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
+        tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
+        outputs = _bwd_outputs(s2, needs_weight_bias, tile)
+        _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
         ds, partial_w, partial_b = outputs
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 

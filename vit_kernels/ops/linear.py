@@ -21,8 +21,8 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_TANH, NONE, gelu_act
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
-from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, dot_precision, interpreted, launch,
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, cdiv, dot_precision, interpreted, launch,
                                  multiprocessors, tl, triton)
 
 # Epilogues of the GEMM kernel.
@@ -358,8 +358,8 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     else:
         machine = multiprocessors(device)
         min_depth, tile = 1024, 128
-    tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
-    slices = min(triton.cdiv(2 * machine, tiles), k // min_depth, 32)
+    tiles = cdiv(m, tile) * cdiv(n, tile)
+    slices = min(cdiv(2 * machine, tiles), k // min_depth, 32)
     return max(1, slices)
 
 
@@ -378,7 +378,7 @@ def _matmul_and_sums(
     rounding; SUMS_OF_A_ROWS, sum_k A (M,).
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
     EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
-    slices summed in float32. The tile is the one ``_matmul_tiles`` gives (chosen on the GPU per key)."""
+    slices summed in float32. The tile is the one ``_matmul_tile`` gives (chosen on the GPU per key)."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
@@ -390,12 +390,11 @@ def _matmul_and_sums(
         return c, torch.zeros(n, dtype=torch.float32, device=a.device)
     plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
     slices = split_k_slices(m, n, k, a.device) if plain else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
-    slices = triton.cdiv(k, k_per_split) if k > 0 else 1
+    k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+    slices = cdiv(k, k_per_split) if k > 0 else 1
     gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, sums, slices, k_per_split)
     c = gemm.output()
-    for tile in _matmul_tiles(gemm):
-        partial = gemm.launch(tile, c, aux)
+    partial = gemm.launch(_matmul_tile(gemm), c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
 
 
@@ -430,8 +429,8 @@ class _Gemm:
         m, k = a.shape
         n = b.shape[1]
         config = gemm_config(tile)
-        tile_rows = triton.cdiv(m, config["BLOCK_M"])
-        tiles = tile_rows * triton.cdiv(n, config["BLOCK_N"])
+        tile_rows = cdiv(m, config["BLOCK_M"])
+        tiles = tile_rows * cdiv(n, config["BLOCK_N"])
         partial = None
         if self.sums != SUMS_NONE:
             shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
@@ -535,9 +534,9 @@ class _Gemm:
         return run, check
 
 
-def _matmul_tiles(gemm: _Gemm) -> tuple:
-    """The tile(s) ``_matmul`` launches: see ``vit_kernels._tiles.tiles_to_launch``."""
-    return tiles_to_launch(GEMM_CHOOSER, gemm.a.device, gemm.key, GEMM_INTERPRETER_TILE,
+def _matmul_tile(gemm: _Gemm) -> tuple:
+    """The tile ``_matmul`` launches: see ``vit_kernels._tiles.tile_to_launch``."""
+    return tile_to_launch(GEMM_CHOOSER, gemm.a.device, gemm.key, lambda: GEMM_INTERPRETER_TILE,
                            lambda: gemm_candidates(gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]),
                                                    tma_possible(gemm.a, gemm.b)),
                            gemm.trial)
@@ -562,11 +561,11 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_gr
     if dz.numel() == 0:
         return dz, preact.new_zeros(cols, dtype=torch.float32) if bias_grad else None
     block_m, block_n, warps = (16, 16, 1) if interpreted(preact.device) else GELU_BWD_BLOCK
-    strips = triton.cdiv(cols, block_n)
+    strips = cdiv(cols, block_n)
     machine = multiprocessors(preact.device)
-    slices = max(1, min(triton.cdiv(4 * machine, strips), triton.cdiv(rows, block_m), 65535))
-    rows_per_slice = triton.cdiv(triton.cdiv(rows, slices), block_m) * block_m
-    slices = triton.cdiv(rows, rows_per_slice)
+    slices = max(1, min(cdiv(4 * machine, strips), cdiv(rows, block_m), 65535))
+    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
+    slices = cdiv(rows, rows_per_slice)
     partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
     launch(_gelu_bwd_kernel, (strips, slices), grad, preact, dz, partial, rows, cols, rows_per_slice,
            TANH=tanh, BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
@@ -626,12 +625,10 @@ def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dty
     if not bias_grad:
         return _matmul(dy2.t(), x2, dtype), None
     m, n = dy2.shape
-    ways = tiles_to_launch(BIAS_GRAD_CHOOSER, dy2.device,
-                           lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
-                           BIAS_GRAD_WAYS[0], lambda: BIAS_GRAD_WAYS, lambda: _bias_grad_trial(dy2, x2, dtype))
-    for way in ways:
-        dw, db = _weight_and_bias_grads_by(way, dy2, x2, dtype)
-    return dw, db
+    way = tile_to_launch(BIAS_GRAD_CHOOSER, dy2.device,
+                         lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
+                         lambda: BIAS_GRAD_WAYS[0], lambda: BIAS_GRAD_WAYS, lambda: _bias_grad_trial(dy2, x2, dtype))
+    return _weight_and_bias_grads_by(way, dy2, x2, dtype)
 
 
 if HAS_TRITON:

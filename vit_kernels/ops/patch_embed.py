@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._triton import HAS_TRITON, dot_precision, interpreted, launch, tl, triton
+from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tiles_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
 from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
 
 
@@ -214,11 +214,11 @@ if HAS_TRITON:
     def _launch_fwd(args: tuple, flags: dict, tile: tuple) -> None:
         rows, dim = args[6], args[7]
         config = gemm_config(tile)
-        launch(_patch_embed_fwd_kernel, (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(dim, config["BLOCK_N"]),),
+        launch(_patch_embed_fwd_kernel, (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),),
                *args, **flags, **config)
 
-    def fwd_tiles(images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
-        """The forward tile(s) to launch: see ``vit_kernels._tiles.tiles_to_launch``. A candidate is
+    def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
+        """The forward tile to launch: see ``vit_kernels._tiles.tile_to_launch``. A candidate is
         checked on ``validation_images`` against conv2d (+ class token and position embedding) in
         float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
         n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
@@ -256,17 +256,16 @@ if HAS_TRITON:
 
             return run, check
 
-        return tiles_to_launch(FWD_CHOOSER, images.device, key, GEMM_INTERPRETER_TILE,
+        return tile_to_launch(FWD_CHOOSER, images.device, key, lambda: GEMM_INTERPRETER_TILE,
                                lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)), trial)
 
     def _patch_embed_fwd(
         images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
         pos_embed: Optional[torch.Tensor], patch_size: int,
     ) -> torch.Tensor:
-        """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tiles``."""
+        """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
         out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
-        for tile in fwd_tiles(images, weight, bias, cls_token, pos_embed, patch_size):
-            _launch_fwd(args, flags, tile)
+        _launch_fwd(args, flags, fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size))
         return out
 
     torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
@@ -283,12 +282,12 @@ if HAS_TRITON:
         tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
         warps = 1 if interpreted(images.device) else 4
         slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
-        rows_per_split = max(1, triton.cdiv(triton.cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
-        slices = max(1, triton.cdiv(n * num_patches, rows_per_split))
+        rows_per_split = max(1, cdiv(cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
+        slices = max(1, cdiv(n * num_patches, rows_per_split))
         partial = slices > 1
         dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),
                          dtype=torch.float32 if partial else weight.dtype, device=images.device)
-        grid = (triton.cdiv(dim, tile_d), triton.cdiv(k_dim, tile_k), slices)
+        grid = (cdiv(dim, tile_d), cdiv(k_dim, tile_k), slices)
         launch(
             _patch_embed_bwd_weight_kernel, grid,
             images, grad_out, dw, n * num_patches, dim, k_dim, tokens, grid_w, patch_size, rows_per_split,
@@ -301,7 +300,7 @@ if HAS_TRITON:
             return images.new_empty(0), dw.view(weight.shape)
         dimages = torch.empty_like(images)
         w2 = weight.reshape(dim, k_dim)
-        grid = (triton.cdiv(n * num_patches, tile_m), triton.cdiv(k_dim, tile_k))
+        grid = (cdiv(n * num_patches, tile_m), cdiv(k_dim, tile_k))
         launch(
             _patch_embed_bwd_input_kernel, grid,
             grad_out, w2, dimages, n * num_patches, dim, k_dim, tokens, grid_w, patch_size,
