@@ -51,7 +51,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _tiles, backend
+from vit_kernels import _ext, _signature, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
@@ -308,6 +308,15 @@ def _clear_device_caches() -> None:
                     value.cache_clear()
 
 
+_untimeable = _signature.untimeable
+
+
+def _untimeable_unless_simulated(args) -> bool:
+    """``_signature.untimeable`` with each simulated tensor judged as the plain CUDA tensor it stands for."""
+    plain = torch.zeros(())
+    return _untimeable([plain if isinstance(a, SimulatedCudaTensor) else a for a in args])
+
+
 def _backward_on_the_device(apply):
     """A custom Function's backward as the engine calls it, on the simulated device: the gradients
     the engine made in C++ (plain meta tensors) are simulated CUDA tensors, as the inputs were, and
@@ -361,8 +370,10 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
         mock.patch.object(backend, "_disk", DiskCache(None)),
-        # a simulated tensor stands for a plain CUDA tensor, which takes dispatch's per-call fast path
+        # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
+        # and is timed (dispatch never times other tensor subclasses)
         mock.patch.object(backend, "_TENSOR_TYPES", backend._TENSOR_TYPES + (SimulatedCudaTensor,)),
+        mock.patch.object(_signature, "untimeable", _untimeable_unless_simulated),
     ]
     with contextlib.ExitStack() as stack:
         stack.callback(_clear_device_caches)

@@ -13,33 +13,22 @@ os.environ["VIT_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-kernels-cuda-
 os.environ.pop("TRITON_INTERPRET", None)  # launchers must take their GPU paths
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import _signature, _tiles, backend  # noqa: E402
-from tools.cuda_sim import SimulatedCudaTensor, exceptions_caught, simulated_cuda  # noqa: E402
+from vit_kernels import _tiles, backend  # noqa: E402
+from tools.cuda_sim import exceptions_caught, simulated_cuda  # noqa: E402
 
 ARCHS = (90, 80)
 LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the session, per architecture
 
-_untimeable = _signature.untimeable
-
-
-def _untimeable_unless_simulated(args) -> bool:
-    """Dispatch never times tensor subclasses; the simulated device's tensors stand for plain CUDA
-    tensors, so they are timed as those would be (the rest of the rule unchanged)."""
-    plain = torch.zeros(())
-    return _untimeable([plain if isinstance(a, SimulatedCudaTensor) else a for a in args])
-
 
 @pytest.fixture(params=ARCHS, ids=lambda arch: f"sm{arch}")
-def sim(request, monkeypatch):
+def sim(request):
     """A fresh simulated device of the parametrised architecture, measuring from scratch."""
     backend.clear_decisions()
     backend._disk.clear()
     _tiles.TileChooser.forget_all()
     vk.set_autotune(True, cache_dir=False)
-    monkeypatch.setattr(_signature, "untimeable", _untimeable_unless_simulated)
     with warnings.catch_warnings():
         # auto's warning that it dropped an implementation (declared fallbacks only warn)
         warnings.filterwarnings("error", message="vit_kernels: the .* failed validation", category=RuntimeWarning)

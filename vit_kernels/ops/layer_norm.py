@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Union
 
 import torch
@@ -137,6 +138,7 @@ def _per_thread_ok(elements: int, warps: int, low: int, high: int) -> bool:
     return low <= elements // (32 * warps) <= high
 
 
+@functools.cache  # asked on every launch: a decided call looks the tile up, and the list stays
 def fwd_candidates(block_d: int) -> tuple[tuple[int, int], ...]:
     """(rows, warps) forward tiles for rows padded to ``block_d``: the default, then every tile of
     1-8 rows whose threads each hold 8-16 values of a row tile."""
@@ -149,6 +151,7 @@ def fwd_candidates(block_d: int) -> tuple[tuple[int, int], ...]:
     return tuple(tiles)
 
 
+@functools.cache
 def bwd_candidates(block_d: int) -> tuple[tuple[int, int, int], ...]:
     """(rows, programs per SM, warps) backward tiles: the default, then tiles of 1-4 rows whose
     threads each hold 8-16 values of a row tile, each with every BWD_PROGRAMS_PER_SM."""
