@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=None, metavar="CURRENT", help="regression gate: current JSON")
     parser.add_argument("--threshold", type=float, default=0.05, help="regression gate: allowed slowdown (0.05 = 5%%)")
     parser.add_argument("--confidence", type=float, default=0.95, help="regression gate: bootstrap interval level")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op CPU threads (default: the cores this process may use, "
+                        f"{environment.usable_cores()} here)")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be 1 or more, got {args.threads}")
     if (args.compare is None) != (args.results is None):
         parser.error("--compare BASELINE and --results CURRENT go together")
     return args
@@ -71,6 +76,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     dtypes = [DTYPES[d] for d in _choices(args.dtypes or default_dtypes, DTYPES, "dtype")]
     ops = _choices(args.ops, cases.OPS + cases.KERNELS, "op")
     modes = _choices(args.modes, ops_bench.MODES, "mode")
+    threads = environment.set_threads(args.threads)
     meta = environment.describe(device)
     print(f"benchmarks on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_sha']})",
           file=sys.stderr)
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
         print("benchmarks: too noisy to trust: " + "; ".join(found["reasons"]), file=sys.stderr)
     if args.out:
         report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick,
-                                                     "noise": found})
+                                                     "threads": threads, "noise": found})
     if args.markdown:
         report.write_atomic(args.markdown, table)
     if args.plots:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from benchmarks import stats
+from benchmarks.environment import usable_cores
 from benchmarks.timing import time_call
 
 SPREAD_LIMIT = 0.10        # probe (q80 - q20) / median above this: timings move by more than 10% on their own
@@ -33,13 +34,6 @@ UNTRUSTED_LIMIT = 0.25     # more than this fraction of untrusted speed-ups make
 CONFIDENCE = 0.95
 PROBE_SIZE = {"cpu": 256, "cuda": 2048}
 PROBE_MATMULS = 4
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one), else all of them."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def load_average() -> Optional[float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -209,16 +210,37 @@ def header() -> dict:
     }
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. under taskset or a container's
+    cpuset), else all of them: more intra-op threads than that only queue behind each other."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vit_kernels.selftest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="vit-kernels-selftest.json", help="results file (JSON)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
+    parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"torch intra-op CPU threads (default: the cores this process may use, {usable_cores()} here)")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be 1 or more, got {args.threads}")
+    ops = tuple(op for op in args.ops.split(",") if op)
+    unknown = [op for op in ops if op not in backend.OPS]
+    if unknown or not ops:
+        parser.error(f"--ops: expected a comma-separated subset of {', '.join(backend.OPS)}, got {args.ops!r}")
+    threads = args.threads or usable_cores()
+    torch.set_num_threads(threads)
 
-    report = {**header(), "checks": []}
+    report = {**header(), "threads": threads, "checks": []}
     if not report["gpu"]:
         print("selftest: no CUDA GPU found: running the CPU checks only (nothing was run on a GPU)")
     for op, name, dtype, device in cases():
+        if op not in ops:
+            continue
         row = check_op(op, name, dtype, device, timed=name != "torch")
         report["checks"].append(row)
         print(describe_row(row), flush=True)
