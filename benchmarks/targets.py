@@ -2,7 +2,7 @@
 
 Source: the project's performance issues, which set these for ViT-B/16 in bfloat16 on one H100
 (per op: B=128, L=197, D=768, 12 heads, MLP 3072; training: B=128, bf16 autocast, fused AdamW;
-inference: B=256), against the first H100 measurements (``../shared/gpu/h100-2026-11-22.md``).
+inference: B=256), against the first H100 measurements (``benchmarks/results/h100-2026-11-22.md``).
 Op targets are met when some vit_kernels backend (torch, triton, extension, auto) reaches them;
 model targets when some variant of this project's model (eager, or compiled) does.
 """
