@@ -2,7 +2,8 @@
 in a fresh namespace and a temporary working directory. A block that needs a GPU says so on the line
 before it (``<!-- requires: cuda -->``) and is skipped only where CUDA is absent. Every fenced block
 names its language, so a python block cannot go untested by having none, and every file the
-documentation links to or names under benchmarks/results/ is in the repository."""
+documentation links to or names under benchmarks/results/ is in the repository, and the README links
+every page of docs/."""
 
 import os
 import re
@@ -119,16 +120,36 @@ def test_blocks_run_in_fresh_namespaces(scratch):
         run_block(Block(ROOT / "README.md", 1, "python", "leaked\n", None))
 
 
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces as -."""
+    prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+\s+(.*)$", prose, re.M)}
+
+
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_cited_files_are_in_the_repository(path):
     """A clone has what the documentation cites: no path leads out of the repository, every relative
-    link resolves, and every results file named (a glob, where it says cpu-*.md) exists."""
+    link resolves (a #heading too), and every results file named (a glob, where it says cpu-*.md) exists."""
     text = path.read_text()
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    assert "../" not in prose, f"{path.name} cites a path outside the repository"
-    links = [t for t in re.findall(r"\]\(([^)#\s]+)\)", text) if "://" not in t]
+    upward = re.findall(r"(?<![\w.])((?:\.\./)+[\w./*-]*)", prose)  # a docs page may cite ../csrc/README.md
+    outside = [t for t in upward if not (path.parent / t).resolve().is_relative_to(ROOT.resolve())]
+    assert not outside, f"{path.name} cites paths outside the repository: {outside}"
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", text) if "://" not in t]
     missing = [t for t in links if not (path.parent / t).exists()]
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+        page = path.parent / target if target else path
+        if "://" not in target and page.suffix == ".md" and page.exists() and anchor not in heading_anchors(page):
+            missing.append(f"{target}#{anchor}")
     results = [t.rstrip(".") for t in re.findall(r"benchmarks/results/[\w.*-]+", text)]
     missing += [t for t in results if not any(ROOT.glob(t))]
     assert results or path.name != "README.md", "README.md names no results file"
     assert not missing, f"{path.name} cites files that are not in the repository: {missing}"
+
+
+def test_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages, "docs/ holds no pages"
+    unlinked = [p.name for p in pages if f"](docs/{p.name})" not in readme]
+    assert not unlinked, f"README.md does not link these docs pages: {unlinked}"
