@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ab, cases, compare, e2e, environment, noise, ops_bench, peaks, report
+from benchmarks import ab, cases, cli, compare, e2e, environment, noise, ops_bench, peaks, report
 from vit_kernels import backend
 
 # (model, batch) pairs for the per-op shapes and the end-to-end runs.
@@ -31,10 +31,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small shapes and models, for a CPU / CI smoke run")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--device", type=cli.device_name, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--ops", default=",".join(cases.OPS + cases.KERNELS),
                         help="comma-separated ops (and extension kernels) to time ('' for none)")
     parser.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: bfloat16,float16,float32 on "
@@ -42,40 +42,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(ops_bench.MODES), help="per-op modes: forward,backward,full")
     parser.add_argument("--no-models", action="store_true", help="skip the end-to-end model runs")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
-    parser.add_argument("--out", type=Path, default=None, help="write every row to this JSON file")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this markdown file")
-    parser.add_argument("--plots", type=Path, default=None, help="write PNG plots to this folder")
-    parser.add_argument("--compare", type=Path, default=None, metavar="BASELINE", help="regression gate: baseline JSON")
-    parser.add_argument("--results", type=Path, default=None, metavar="CURRENT", help="regression gate: current JSON")
+    parser.add_argument("--out", type=Path, default=None, help="write every row to this JSON file (default: none)")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this markdown file (default: none)")
+    parser.add_argument("--plots", type=Path, default=None, help="write PNG plots to this folder (default: none)")
+    parser.add_argument("--compare", type=Path, default=None, metavar="BASELINE", help="regression gate: baseline JSON (default: none, run the suite)")
+    parser.add_argument("--results", type=Path, default=None, metavar="CURRENT", help="regression gate: current JSON, with --compare (default: none)")
     parser.add_argument("--threshold", type=float, default=0.05, help="regression gate: allowed slowdown (0.05 = 5%%)")
     parser.add_argument("--confidence", type=float, default=0.95, help="regression gate: bootstrap interval level")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
+    parser.add_argument("--threads", type=cli.positive_int, default=None, metavar="N",
                         help="torch intra-op CPU threads (default: the cores this process may use, "
                         f"{environment.usable_cores()} here)")
     args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be 1 or more, got {args.threads}")
     if (args.compare is None) != (args.results is None):
         parser.error("--compare BASELINE and --results CURRENT go together")
     return args
 
 
-def _choices(text: str, valid, what: str) -> list[str]:
-    chosen = [t for t in text.split(",") if t]
+def _choices(text: str, valid, what: str, option: str) -> list[str]:
+    chosen = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in chosen if t not in valid]
     if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(valid)}")
+        raise SystemExit(f"{option}: unknown {what} {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}")
     return chosen
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+    device = cli.check_device("--device", args.device)
     default_dtypes = "bfloat16,float16,float32" if device.type == "cuda" else "float32"
-    dtypes = [DTYPES[d] for d in _choices(args.dtypes or default_dtypes, DTYPES, "dtype")]
-    ops = _choices(args.ops, cases.OPS + cases.KERNELS, "op")
-    modes = _choices(args.modes, ops_bench.MODES, "mode")
+    dtypes = [DTYPES[d] for d in _choices(args.dtypes or default_dtypes, DTYPES, "dtype", "--dtypes")]
+    ops = _choices(args.ops, cases.OPS + cases.KERNELS, "op", "--ops")
+    modes = _choices(args.modes, ops_bench.MODES, "mode", "--modes")
+    if not dtypes:
+        raise SystemExit("--dtypes: expected at least one of " + ", ".join(DTYPES))
+    if ops and not modes:
+        raise SystemExit("--modes: expected at least one of " + ", ".join(ops_bench.MODES))
+    cli.check_output("--out", args.out)
+    cli.check_output("--markdown", args.markdown)
+    cli.check_output("--plots", args.plots, folder=True)
     threads = environment.set_threads(args.threads)
     meta = environment.describe(device)
     print(f"benchmarks on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_sha']})",
@@ -118,22 +121,24 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     print(table)
     if found["noisy"]:
         print("benchmarks: too noisy to trust: " + "; ".join(found["reasons"]), file=sys.stderr)
-    if args.out:
-        report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick,
-                                                     "threads": threads, "noise": found})
-    if args.markdown:
-        report.write_atomic(args.markdown, table)
-    if args.plots:
-        for path in report.plot(rows, args.plots):
-            print(f"wrote {path}", file=sys.stderr)
+    try:
+        if args.out:
+            report.write_json(args.out, rows, measured, {**meta, "command": " ".join(sys.argv), "quick": args.quick,
+                                                         "threads": threads, "noise": found})
+        if args.markdown:
+            report.write_atomic(args.markdown, table)
+        if args.plots:
+            for path in report.plot(rows, args.plots):
+                print(f"wrote {path}", file=sys.stderr)
+    except OSError as error:  # checked before the run; the disk or the folder changed since
+        raise SystemExit(f"cannot write {error.filename or 'the results'}: {error.strerror or error}") from None
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["ab"]:
-        parser = argparse.ArgumentParser(prog="python -m benchmarks ab", description=ab.__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = cli.Parser(prog="python -m benchmarks ab", description=ab.__doc__)
         ab.add_arguments(parser)
         return ab.main(parser.parse_args(argv[1:]))
     args = parse_args(argv)
@@ -144,4 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("python -m benchmarks" + (" ab" if sys.argv[1:2] == ["ab"] else ""), main))

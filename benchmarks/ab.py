@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks import cases, gate, ops_bench, stats, trees
+from benchmarks import cases, cli, gate, ops_bench, stats, trees
 
 BACKENDS_BY_DEVICE = {"cpu": "torch,extension", "cuda": "torch,triton,extension"}
 SHAPES_BY_DEVICE = {"cpu": "vit_digits:8,vit_small_patch16_224:2", "cuda": "vit_base_patch16_224:64"}
@@ -57,11 +57,12 @@ MODEL_MODES = ("train", "inference")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", required=True, metavar="REV", help="git revision to compare against")
+    parser.add_argument("--baseline", required=True, metavar="REV", help="git revision to compare against (required)")
     parser.add_argument("--candidate", default=trees.WORKTREE, metavar="REV",
                         help="git revision, or 'worktree' (default): the working tree as it is, uncommitted changes included")
     parser.add_argument("--repo", type=Path, default=None, help="the git repository (default: the one holding the cwd)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--device", type=cli.device_name, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--ops", default=",".join(cases.OPS + cases.KERNELS), help="comma-separated ops, or 'none'")
     parser.add_argument("--shapes", default=None, metavar="MODEL:BATCH,...",
                         help=f"op shapes (default: {SHAPES_BY_DEVICE['cpu']} on the CPU, {SHAPES_BY_DEVICE['cuda']} on CUDA)")
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the same core; 0: torch's default)")
     parser.add_argument("--confirmations", type=int, default=4,
                         help="fresh pairs of processes that must each find a flagged regression again (at least 1)")
-    parser.add_argument("--out", type=Path, default=None, help="write every case's samples and verdict to this JSON file")
+    parser.add_argument("--out", type=Path, default=None, help="write every case's samples and verdict to this JSON file (default: none)")
 
 
 def _list(text: str) -> list[str]:
@@ -316,13 +317,17 @@ def main(args: argparse.Namespace) -> int:
     if args.min_rounds < 3 or args.max_rounds < args.min_rounds:
         raise SystemExit(f"--min-rounds must be at least 3 and --max-rounds at least --min-rounds, got "
                          f"{args.min_rounds} and {args.max_rounds}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+    for option, value in (("--budget", args.budget), ("--slice-ms", args.slice_ms)):
+        if not 0 < value < float("inf"):
+            raise SystemExit(f"{option} must be a positive number, got {value}")
+    device = cli.check_device("--device", args.device)
     specs = build_cases(args, device)
     threads = (1 if device.type == "cpu" else 0) if args.threads is None else args.threads
     if threads < 0:
         raise SystemExit(f"--threads must be 0 (torch's default) or more, got {threads}")
+    cli.check_output("--out", args.out)
+    if args.repo is not None and not args.repo.is_dir():
+        raise SystemExit(f"--repo {args.repo}: expected the folder of a git repository")
     repo = trees.repo_root(args.repo or Path.cwd())
     with tempfile.TemporaryDirectory(prefix="vit-kernels-ab-") as tmp:
         folder = Path(tmp)

@@ -28,8 +28,10 @@ def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float
 def read_json(path: Path) -> dict[str, object]:
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise SystemExit(f"cannot read benchmark results from {path}: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"cannot read benchmark results from {path}: {error.strerror or error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{path} is not a benchmark results file: not JSON ({error})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise SystemExit(f"{path} is not a benchmark results file (expected a JSON object with a 'rows' list)")
     return data

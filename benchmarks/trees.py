@@ -33,7 +33,8 @@ def _git(repo: Path, *args: str) -> bytes:
     except FileNotFoundError:
         raise SystemExit("git is not installed: python -m benchmarks ab needs it to export revisions") from None
     except subprocess.CalledProcessError as error:
-        raise SystemExit(f"git {' '.join(args)} failed in {repo}: {error.stderr.decode().strip()}") from None
+        said = " ".join(error.stderr.decode(errors="replace").split())  # git's several lines as one
+        raise SystemExit(f"git {' '.join(args)} failed in {repo}: {said}") from None
 
 
 def repo_root(start: Path) -> Path:

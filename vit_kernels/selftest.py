@@ -1,4 +1,4 @@
-"""python -m vit_kernels.selftest [--out FILE] [--no-pytest]: what a user with a GPU runs first.
+"""python -m vit_kernels.selftest: what a user with a GPU runs first.
 
 On each CUDA device it checks every op on every backend that can run there, in float32, float16
 and bfloat16, output and every input gradient against a float64 evaluation of the op's formula,
@@ -9,9 +9,11 @@ compared with the same float64 evaluation, and a backend passes when each of its
 not demand zero error). It times forward + backward of each against the PyTorch reference and, when
 run from a source checkout, runs the CUDA tests (``pytest -m gpu``; exit 5, no tests collected,
 fails). It writes one JSON file (device, versions, pass/fail per op, backend and dtype with both
-errors and their ratio, speed versus the reference) to attach to a bug report. Without a GPU it runs
-the same checks on the CPU for the backends that run there, says clearly that there is no GPU, and
-exits 0 when they pass.
+errors and their ratio, speed versus the reference; ``build/selftest.json`` unless ``--out`` names
+another) to attach to a bug report. Without a GPU it runs the same checks on the CPU for the
+backends that run there, says clearly that there is no GPU, and exits 0 when they pass. torch runs
+on as many intra-op threads as this process has cores, or ``--threads``. A mistake in the options
+ends with one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import os
 import platform
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Optional
 
 import torch
 
@@ -218,20 +221,79 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vit_kernels.selftest", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="vit-kernels-selftest.json", help="results file (JSON)")
+PROG = "python -m vit_kernels.selftest"
+DEFAULT_OUT = Path("build") / "selftest.json"
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's default in ``--help``, unless its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the options as one line (``prog: error: ...``) and exit code 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
+    return value
+
+
+def _writable_file(text: str) -> Path:
+    """A results file that can be written: not a folder, under a folder that exists (or can be made
+    there) and is writable. Checked before the checks run, not after."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, expected a file name")
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder} is not writable")
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    parser.add_argument("--out", type=_writable_file, default=DEFAULT_OUT, help="results file (JSON)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
     parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help=f"torch intra-op CPU threads (default: the cores this process may use, {usable_cores()} here)")
     args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be 1 or more, got {args.threads}")
-    ops = tuple(op for op in args.ops.split(",") if op)
-    unknown = [op for op in ops if op not in backend.OPS]
-    if unknown or not ops:
-        parser.error(f"--ops: expected a comma-separated subset of {', '.join(backend.OPS)}, got {args.ops!r}")
+    args.ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
+    unknown = [op for op in args.ops if op not in backend.OPS]
+    if unknown or not args.ops:
+        parser.error(f"argument --ops: expected a comma-separated subset of {', '.join(backend.OPS)}, got "
+                     f"{', '.join(map(repr, unknown)) or 'none'}")
+    return args
+
+
+def _write(path: Path, report: dict) -> None:
+    """The JSON, written beside ``path`` and renamed over it: a kill never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=1))
+    os.replace(partial, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
 
@@ -239,15 +301,18 @@ def main(argv=None) -> int:
     if not report["gpu"]:
         print("selftest: no CUDA GPU found: running the CPU checks only (nothing was run on a GPU)")
     for op, name, dtype, device in cases():
-        if op not in ops:
+        if op not in args.ops:
             continue
         row = check_op(op, name, dtype, device, timed=name != "torch")
         report["checks"].append(row)
         print(describe_row(row), flush=True)
     if report["gpu"] and not args.no_pytest:
         report["pytest_gpu"] = _gpu_tests.run_gpu_tests()
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    try:
+        _write(args.out, report)
+    except OSError as error:  # the folder changed during the run: say so in one line, keep the printed rows
+        print(f"{PROG}: error: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
+        return 2
     failed = [r for r in report["checks"] if not r["passed"]]
     pytest_failed = "pytest_gpu" in report and not report["pytest_gpu"].get("passed", True)
     print(f"selftest: {len(report['checks']) - len(failed)} passed, {len(failed)} failed"
