@@ -107,7 +107,7 @@ def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
     assert code == gate.EXIT_REGRESSION
     regressed = {case for case, verdict in verdicts.items() if verdict.startswith(stats.REGRESSION)}
     assert regressed == {"layer_norm torch", "layer_norm extension"}, verdicts
-    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed by 2 fresh pairs)" for case in regressed), verdicts
+    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed by 4 fresh pairs)" for case in regressed), verdicts
 
 
 class _NoisyWorker:
@@ -148,9 +148,10 @@ class _SteadyWorker:
 
 
 @pytest.mark.parametrize("candidate_ms, expected, pairs", [
-    ((1.0, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 1", 1),
-    ((1.3, 1.0), f"{stats.WITHIN}: regression not confirmed by fresh pair 2", 2),
-    ((1.3, 1.3), f"{stats.REGRESSION}: confirmed by 2 fresh pairs", 2)])
+    ((1.0, 1.3, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 1", 1),
+    ((1.3, 1.0, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 2", 2),
+    ((1.3, 1.3, 1.3, 1.0), f"{stats.WITHIN}: regression not confirmed by fresh pair 4", 4),
+    ((1.3, 1.3, 1.3, 1.3), f"{stats.REGRESSION}: confirmed by 4 fresh pairs", 4)])
 def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it(monkeypatch, candidate_ms,
                                                                                expected, pairs):
     """The first run flagged case 0; each confirming pair's fresh processes (stand-ins here) time the
