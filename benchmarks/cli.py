@@ -16,31 +16,14 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
+
+from vit_kernels._cli import DefaultsHelp, OneLineErrors, positive_int  # noqa: F401 - the suite's options use it
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 
 
-class Help(argparse.RawDescriptionHelpFormatter):
-    """The description as written (it holds example commands), and every option's default, unless
-    its help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class Parser(argparse.ArgumentParser):
-    """Errors as one line (``prog: error: ...``, exit code 2), without the usage block."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", Help)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}\n")
+Help, Parser = DefaultsHelp, OneLineErrors
 
 
 def one_line(message: str) -> str:
@@ -62,16 +45,6 @@ def run(prog: str, main: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
-    return value
 
 
 def device_name(text: str) -> str:

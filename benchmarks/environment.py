@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 import torch
+
+from vit_kernels._cli import set_threads, usable_cores  # noqa: F401 - where the suite reads them
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, e.g. under taskset or a container's
-    cpuset), else all of them: more intra-op threads than that only queue behind each other."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def set_threads(count: Optional[int] = None) -> int:
-    """Set torch's intra-op threads to ``count`` (None: the usable cores); returns the count."""
-    count = count or usable_cores()
-    torch.set_num_threads(count)
-    return count
 
 
 def git_sha() -> str:

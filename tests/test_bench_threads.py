@@ -26,10 +26,10 @@ def restore_threads():
 
 
 def test_usable_cores_is_the_affinity_mask(monkeypatch):
-    monkeypatch.setattr(environment.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     assert environment.usable_cores() == 3
-    monkeypatch.delattr(environment.os, "sched_getaffinity")
-    monkeypatch.setattr(environment.os, "cpu_count", lambda: 7)
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
     assert environment.usable_cores() == 7
 
 

@@ -9,12 +9,11 @@ adds the traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from typing import Callable, NoReturn, TypeVar
 
-import torch
+from vit_kernels._cli import OneLineErrors, positive_int, set_threads  # noqa: F401 - re-exported for the CLIs
 
 T = TypeVar("T")
 
@@ -25,27 +24,6 @@ class UsageError(ValueError):
 
 # Exceptions that describe the user's input or files, never a bug of ours: one line, exit 2.
 ORDINARY = (UsageError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-
-class DefaultsHelp(argparse.HelpFormatter):
-    """``--help`` names every option's default, unless its help already says what it is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """Errors as one line (``prog: error: ...``, exit code 2), without the usage block."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelp)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def fail(prog: str, message: str, debug: bool = False) -> NoReturn:
@@ -63,34 +41,9 @@ def run(prog: str, work: Callable[[], T], debug: bool = False) -> T:
         fail(prog, str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__, debug)
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, e.g. under taskset or a container's
-    cpuset), not the machine's count: more threads than that only queue behind each other."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--threads", type=threads_count, default=None, metavar="N",
+        "--threads", type=positive_int, default=None, metavar="N",
         help="PyTorch intra-op CPU threads (default: the cores this process may use; 1 is fastest for small "
              "models on a busy machine)",
     )
-
-
-def threads_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
-    return value
-
-
-def set_threads(count: int | None) -> int:
-    """Set PyTorch's intra-op threads to ``count`` (None: the usable cores); returns the count."""
-    count = count or usable_cores()
-    torch.set_num_threads(count)
-    return count

@@ -25,13 +25,14 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 import vit_kernels as vk
 from vit_kernels import _gpu_tests, backend
 from vit_kernels.op_specs import SPECS, Shape
+from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
 from vit_kernels._tiles import FLOORS
 
 # A backend passes when each of its errors against float64 is at most ERROR_RATIO x PyTorch's own
@@ -213,43 +214,8 @@ def header() -> dict:
     }
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, e.g. under taskset or a container's
-    cpuset), else all of them: more intra-op threads than that only queue behind each other."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
 PROG = "python -m vit_kernels.selftest"
 DEFAULT_OUT = Path("build") / "selftest.json"
-
-
-class _Help(argparse.HelpFormatter):
-    """Every option's default in ``--help``, unless its help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """A mistake in the options as one line (``prog: error: ...``) and exit code 2, no usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
-    return value
 
 
 def _writable_file(text: str) -> Path:
@@ -269,11 +235,11 @@ def _writable_file(text: str) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    parser = OneLineErrors(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=_writable_file, default=DEFAULT_OUT, help="results file (JSON)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
     parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help=f"torch intra-op CPU threads (default: the cores this process may use, {usable_cores()} here)")
     args = parser.parse_args(argv)
     args.ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
@@ -294,8 +260,7 @@ def _write(path: Path, report: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    threads = args.threads or usable_cores()
-    torch.set_num_threads(threads)
+    threads = set_threads(args.threads)
 
     report = {**header(), "threads": threads, "checks": []}
     if not report["gpu"]:
