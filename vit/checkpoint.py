@@ -151,6 +151,13 @@ def save_checkpoint(
     return write_checkpoint(folder, model_state=model.state_dict(), meta=meta, optimizer_state=optimizer_state)
 
 
+def run_folder_of(checkpoint_folder: str | Path) -> Path:
+    """The run folder a checkpoint folder belongs to (``<run>/checkpoints/ckpt-...``, or a checkpoint
+    of the older layout directly inside the run folder)."""
+    folder = Path(checkpoint_folder)
+    return folder.parent.parent if folder.parent.name == FOLDERS else folder.parent
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint folder, given it or a run folder holding a ``checkpoint`` link to one."""
     path = Path(path)

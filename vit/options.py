@@ -157,26 +157,24 @@ def run_folder(args: argparse.Namespace) -> Path:
     if args.out:
         return Path(args.out)
     if args.resume:
-        from vit.checkpoint import FOLDERS
+        from vit.checkpoint import run_folder_of
 
-        folder = Path(args.resume)
-        return folder.parent.parent if folder.parent.name == FOLDERS else folder.parent
+        return run_folder_of(args.resume)
     return Path(f"runs/{args.model}-{args.dataset}")
 
 
 def _resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """The metadata of the checkpoint to resume (its files verified); with --resume-fallback, that of
     the newest intact checkpoint of its run when the one named is damaged."""
-    from vit.checkpoint import FOLDERS, CheckpointError, RunFolder, read_meta
+    from vit.checkpoint import CheckpointError, RunFolder, read_meta, run_folder_of
 
     try:
         return read_meta(args.resume)
     except CheckpointError as error:
-        folder = Path(args.resume)
         if not args.resume_fallback:
             parser.error(f"--resume {args.resume}: {error}; --resume-fallback continues from the newest intact "
                          "checkpoint of its run instead (or name an older checkpoint folder)")
-        intact = RunFolder(folder.parent.parent if folder.parent.name == FOLDERS else folder.parent).newest_intact()
+        intact = RunFolder(run_folder_of(args.resume)).newest_intact()
         if intact is None:
             parser.error(f"--resume {args.resume}: {error}, and its run holds no intact checkpoint to fall back to")
         print(f"python -m vit.train: {error}; falling back to {intact}", file=sys.stderr, flush=True)
@@ -241,16 +239,13 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
 
 
 def _refuse_to_replace_a_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from vit.checkpoint import FOLDERS, RunFolder
+    from vit.checkpoint import RunFolder, run_folder_of
 
     out = run_folder(args)
-    store = RunFolder(out)
-    if args.overwrite or not store.holds_run():
+    if args.overwrite or not RunFolder(out).holds_run():
         return
     if args.resume:
-        resumed = Path(args.resume)
-        own = resumed.parent.parent if resumed.parent.name == FOLDERS else resumed.parent
-        if own.resolve() == out.resolve():
+        if run_folder_of(args.resume).resolve() == out.resolve():
             return
         parser.error(f"--out {out} already holds another run; resuming {args.resume} there would mix the two runs "
                      "(choose a new --out)")

@@ -316,7 +316,7 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     partial = progress.get("partial_epoch") or {"loss_sum": 0.0, "correct": 0.0, "seconds": 0.0}
     last_saved = start_step if meta else -1
     bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # the first step with a non-finite loss
-    check_every_step = device.type == "cpu"  # reading it costs a device sync elsewhere
+    check_every_step = device.type == "cpu" and not context.active  # elsewhere a read costs a sync or a collective
 
     def save(step: int, sums: torch.Tensor, seconds: float, best: bool, evaluation: Optional[Evaluation] = None) -> None:
         nonlocal last_saved
