@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 rows += new
                 print(f"  {model:25s} B={batch:<4d} {str(dtype):15s} {len(new):2d} rows "
                       f"{time.perf_counter() - started:6.1f} s", file=sys.stderr)
-    probes.append(noise.probe(device))  # load that arrived during the run counts too
+    # load that arrived during the run counts too; the suite's own threads (1 on a GPU) do not
+    probes.append(noise.probe(device, own_load=float(threads if device.type == "cpu" else 1)))
     found = noise.assess(probes, rows)
     table = report.markdown(rows, measured, meta, found)
     print(table)

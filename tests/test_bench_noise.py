@@ -99,10 +99,19 @@ def test_the_probe_records_its_samples_load_and_threads():
 
 
 def test_the_suite_records_the_noise_and_leads_with_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(noise, "probe", lambda device, seconds=1.0: _probe(0.4, load=0.0))
+    monkeypatch.setattr(noise, "probe", lambda device, seconds=1.0, own_load=0.0: _probe(0.4, load=0.0))
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert main(["--quick", "--device", "cpu", "--ops", "layer_norm", "--modes", "forward", "--no-models",
                  "--no-compile", "--out", str(out), "--markdown", str(md)]) == 0
     recorded = json.loads(out.read_text())["meta"]["noise"]
     assert recorded["noisy"] and len(recorded["probes"]) == 2, "probed before and after the run"
     assert md.read_text().splitlines()[0].startswith("**Too noisy to trust: a fixed workload's times spread by 40%")
+
+
+def test_the_suites_own_threads_are_not_other_processes_load():
+    """After a CPU run on all cores, the load average counts the suite's own threads: not noise."""
+    after_own_run = {**_probe(0.02, load=8.3, cpus=8), "own_load": 8.0}
+    assert not noise.assess([_probe(0.02), after_own_run], [])["noisy"]
+    busy_too = {**_probe(0.02, load=14.0, cpus=8), "own_load": 8.0}
+    found = noise.assess([_probe(0.02), busy_too], [])
+    assert found["noisy"] and "8 of it this run's" in found["reasons"][0], found

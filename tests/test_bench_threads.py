@@ -37,7 +37,7 @@ def test_usable_cores_is_the_affinity_mask(monkeypatch):
 def test_the_suite_sets_and_records_its_threads(tmp_path, monkeypatch, restore_threads, option, expected):
     seen = []
 
-    def probe(device, seconds=1.0):  # the threads in force while the suite measures
+    def probe(device, seconds=1.0, own_load=0.0):  # the threads in force while the suite measures
         seen.append(torch.get_num_threads())
         return {"workload": "w", "samples": 3, "median_ms": 1.0, "q20_ms": 1.0, "q80_ms": 1.0, "spread": 0.0,
                 "load_1min": 0.0, "cpu_count": 1, "usable_cores": 1, "threads": seen[-1]}
