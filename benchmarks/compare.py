@@ -47,6 +47,9 @@ def _check_row(path: Path, index: int, row) -> Optional[str]:
     missing = [k for k in KEY_FIELDS if k not in row] + ([] if row.get("op") or row.get("model") else ["op or model"])
     if missing:
         return f"{path}: row {index} lacks {', '.join(missing)}"
+    unhashable = [k for k in (*KEY_FIELDS, "op", "model") if isinstance(row.get(k), (list, dict))]
+    if unhashable:
+        return f"{path}: row {index} has {', '.join(unhashable)} that are not plain values"
     if not _positive(row["median_ms"]):
         return f"{path}: row {index} has median_ms {row['median_ms']!r}, expected a positive number"
     samples = row.get("samples_ms")
@@ -103,7 +106,9 @@ def machine_drift(baseline: dict, current: dict) -> Optional[float]:
     probes), when both files recorded the same probe workload; else None."""
     probes = []
     for data in (baseline, current):
-        found = ((data.get("meta") or {}).get("noise") or {}).get("probes") or []
+        meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+        noise = meta.get("noise") if isinstance(meta.get("noise"), dict) else {}
+        found = noise.get("probes") if isinstance(noise.get("probes"), list) else []
         found = [p for p in found if isinstance(p, dict) and _positive(p.get("median_ms"))]
         probes.append(found)
     if not all(probes) or {p.get("workload") for p in probes[0]} != {p.get("workload") for p in probes[1]}:

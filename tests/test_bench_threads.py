@@ -59,3 +59,16 @@ def test_the_selftest_sets_and_records_its_threads(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["threads"] == 1 and {row["op"] for row in report["checks"]} == {"layer_norm"}
+
+
+def test_the_default_threads_honour_omp_num_threads_and_torchrun(monkeypatch):
+    from vit_kernels import _cli
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _cli.default_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node 4
+    assert _cli.default_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _cli.default_threads() == 3

@@ -170,5 +170,18 @@ def test_holds_run_and_erase(tmp_path):
     store.save(epoch=1, step=1, best=True, **contents(1))
     (tmp_path / "run" / "metrics.json").write_text("[]")
     assert store.holds_run()
+    (tmp_path / "run" / "notes.txt").write_text("the user's")
     store.erase()
-    assert not store.holds_run() and not any((tmp_path / "run").iterdir())
+    assert not store.holds_run() and not any((tmp_path / "run" / checkpoint.FOLDERS).iterdir())
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [checkpoint.FOLDERS, "notes.txt"]
+    unrelated = tmp_path / "other"
+    (unrelated / checkpoint.FOLDERS / "mine").mkdir(parents=True)
+    checkpoint.RunFolder(unrelated).erase()
+    assert (unrelated / checkpoint.FOLDERS / "mine").is_dir(), "a folder that holds no run is left as it is"
+
+
+def test_resume_fallback_never_goes_past_the_checkpoint_named(tmp_path):
+    store = checkpoint.RunFolder(tmp_path, keep=3)
+    saved = [store.save(epoch=i, step=i, best=False, **contents(i)) for i in range(1, 4)]
+    assert store.newest_intact(at_most=saved[1]) == saved[1].resolve()
+    assert store.newest_intact(at_most=saved[0]) == saved[0].resolve()

@@ -109,3 +109,18 @@ def test_patch_model_keeps_training_mode_and_rejects_non_modules():
     assert model[0].training
     with pytest.raises(TypeError, match="torch.nn.Module"):
         vk.patch_model("not a model")
+
+
+def test_a_nested_tensor_from_a_padded_batch_runs_the_layers_own_forward():
+    """nn.TransformerEncoder packs a padded batch into a nested tensor in eval mode without grad and
+    calls its layers without the mask: they must not take the fused path on it."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    reference = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+    model = copy.deepcopy(reference)
+    vk.patch_model(model)
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        expected, actual = reference(x, src_key_padding_mask=padding), model(x, src_key_padding_mask=padding)
+    torch.testing.assert_close(actual, expected)

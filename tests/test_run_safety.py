@@ -148,3 +148,18 @@ def test_the_backend_is_checked_before_any_work(tmp_path):
     assert "--backend triton cannot run here" in done.stderr and "TRITON_INTERPRET" in done.stderr
     assert not (tmp_path / "run").exists(), "nothing was started"
     assert time.monotonic() - started < 60
+
+
+def test_a_resumed_runs_own_backend_is_checked_before_any_work(tmp_path, capsys):
+    """The backend a run was trained with comes back with --resume: checked with the options."""
+    out = tmp_path / "run"
+    run_train(capsys, "--epochs", "1", "--out", str(out))
+    meta_file = checkpoint.resolve(out) / checkpoint.META_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["progress"]["args"]["backend"] = "triton"  # as if trained on a GPU
+    meta_file.write_text(json.dumps(meta))
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "vit.train", "--resume", str(out), "--epochs", "2", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--backend triton cannot run here" in done.stderr

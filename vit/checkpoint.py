@@ -247,6 +247,8 @@ class RunFolder:
                 shutil.rmtree(leftover, ignore_errors=True)
         for leftover in self.root.glob(".*.tmp-*"):
             leftover.unlink(missing_ok=True)
+        for leftover in self.root.glob(".trash-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     def _numbered(self) -> list[tuple[int, Path]]:
         if not self.folders.is_dir():
@@ -262,9 +264,13 @@ class RunFolder:
         """Whether a run has saved a checkpoint here (a folder a new run must not write into)."""
         return bool(self._numbered()) or (self.root / LATEST_LINK).exists() or (self.root / LATEST_LINK).is_symlink()
 
-    def newest_intact(self) -> Optional[Path]:
-        """The newest checkpoint whose files all match their recorded sizes and sha256, or None."""
-        for _, folder in reversed(self._numbered()):
+    def newest_intact(self, at_most: Optional[str | Path] = None) -> Optional[Path]:
+        """The newest checkpoint whose files all match their recorded sizes and sha256, or None;
+        with ``at_most`` (a checkpoint folder of this run), none newer than that one."""
+        limit = _FOLDER_NAME.match(Path(at_most).name) if at_most is not None else None
+        for number, folder in reversed(self._numbered()):
+            if limit is not None and number > int(limit.group(1)):
+                continue
             try:
                 read_meta(folder)
                 return folder.resolve()
@@ -273,15 +279,25 @@ class RunFolder:
         return None
 
     def erase(self) -> None:
-        """Delete the run kept here (checkpoints, links, metrics): what ``--overwrite`` asks for."""
+        """Delete the run kept here: its numbered checkpoints, its links and its metrics, and nothing
+        else of the folder (what ``--overwrite`` asks for). A folder that holds no run is left as it is."""
+        if not self.holds_run():
+            return
         for link in (LATEST_LINK, BEST_LINK):
-            (self.root / link).unlink(missing_ok=True)
+            path = self.root / link
+            if path.is_symlink():
+                path.unlink()
+            elif path.is_dir():  # a checkpoint folder of the older layout
+                self._discard(path)
         for name in ("metrics.json", "metrics.csv"):
             (self.root / name).unlink(missing_ok=True)
-        if self.folders.is_dir():
-            trash = self.root / f".trash-{FOLDERS}-{os.getpid()}"
-            os.rename(self.folders, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        for _, folder in self._numbered():
+            self._discard(folder)
+
+    def _discard(self, folder: Path) -> None:
+        trash = folder.parent / f".trash-{folder.name}"
+        os.rename(folder, trash)  # one atomic step out of sight, then the slow delete
+        shutil.rmtree(trash, ignore_errors=True)
 
     def save(self, *, epoch: int, step: int, best: bool, final: bool = False, **contents: Any) -> Path:
         """Write a checkpoint (``contents`` as for :func:`write_checkpoint`), point ``checkpoint``
@@ -328,6 +344,4 @@ class RunFolder:
         kept |= {p for p in (self.linked(LATEST_LINK), self.linked(BEST_LINK)) if p is not None}
         for _, folder in self._numbered():
             if folder.resolve() not in kept and not folder.name.endswith(FINAL_SUFFIX):
-                trash = self.folders / f".trash-{folder.name}"
-                os.rename(folder, trash)  # one atomic step out of sight, then the slow delete
-                shutil.rmtree(trash, ignore_errors=True)
+                self._discard(folder)

@@ -174,7 +174,7 @@ def _resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
         if not args.resume_fallback:
             parser.error(f"--resume {args.resume}: {error}; --resume-fallback continues from the newest intact "
                          "checkpoint of its run instead (or name an older checkpoint folder)")
-        intact = RunFolder(run_folder_of(args.resume)).newest_intact()
+        intact = RunFolder(run_folder_of(args.resume)).newest_intact(at_most=args.resume)
         if intact is None:
             parser.error(f"--resume {args.resume}: {error}, and its run holds no intact checkpoint to fall back to")
         print(f"python -m vit.train: {error}; falling back to {intact}", file=sys.stderr, flush=True)
@@ -205,9 +205,6 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
     """Parse and validate; with ``--resume``, the checkpoint's options fill in what is not given."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
-    problem = backend_problem(args)
-    if problem:
-        parser.error(problem)
     if args.resume_fallback and not args.resume:
         parser.error("--resume-fallback goes with --resume")
     if args.overwrite and args.resume:
@@ -234,6 +231,9 @@ def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
         parser.error(f"--dataset {args.dataset} needs --data-path")
     if args.distributed == "fsdp" and args.amp == "fp16":
         parser.error("--amp fp16 is not supported with --distributed fsdp (use bf16)")
+    problem = backend_problem(args)  # after --resume filled in the run's own backend
+    if problem:
+        parser.error(problem)
     _refuse_to_replace_a_run(parser, args)
     return args
 

@@ -52,8 +52,18 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def default_threads() -> int:
+    """``OMP_NUM_THREADS`` where it is set (by the user, or by torchrun for each process), else the
+    usable cores shared among the processes torchrun started on this machine (``LOCAL_WORLD_SIZE``)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return max(1, usable_cores() // (int(local) if local.isdigit() and int(local) > 0 else 1))
+
+
 def set_threads(count: Optional[int] = None) -> int:
-    """Set PyTorch's intra-op threads to ``count`` (None: the usable cores); returns the count."""
-    count = count or usable_cores()
+    """Set PyTorch's intra-op threads to ``count`` (None: ``default_threads()``); returns the count."""
+    count = count or default_threads()
     torch.set_num_threads(count)
     return count

@@ -236,7 +236,7 @@ def _writable_file(text: str) -> Path:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineErrors(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=_writable_file, default=DEFAULT_OUT, help="results file (JSON)")
+    parser.add_argument("--out", type=_writable_file, default=str(DEFAULT_OUT), help="results file (JSON)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
     parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",

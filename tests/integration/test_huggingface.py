@@ -147,3 +147,13 @@ def test_siglip_vision_model_patches_and_stays_exact(record_difference):
     assert any(name.endswith("head.attention") for name, _, _ in report.replaced), report
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     record_difference("huggingface SigLIP", *compare(reference, fused, images, output_of=lambda out: out.pooler_output))
+
+
+def test_an_image_size_the_patch_does_not_divide_runs_as_unpatched():
+    """ViT with interpolate_pos_encoding on 36x36 images in 8x8 patches: the convolution drops the
+    remainder, and so does the patched model (its patch embedding's own forward runs)."""
+    reference, _ = _models()
+    fused, _ = patched_copy(reference)
+    images = torch.randn(2, 3, 36, 36, dtype=torch.float64)
+    expected = reference(images, interpolate_pos_encoding=True).logits
+    torch.testing.assert_close(fused(images, interpolate_pos_encoding=True).logits, expected, rtol=1e-10, atol=1e-10)

@@ -28,6 +28,7 @@ from vit_kernels.integrations._common import (
     Swap,
     activation_name,
     describe_activation,
+    unfused_forward,
     unknown_forward_args,
     unknown_parts,
     with_fused_forward,
@@ -78,8 +79,9 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
-# What transformers computes the same way as the fused kernel (softmax attention, exact mathematics).
-SWITCHABLE = ("eager", "sdpa")
+# What transformers computes as the fused kernel does, weights not returned: its SDPA attention.
+# ("eager" returns attention weights, which a user who chose it may be reading: left as it is.)
+SWITCHABLE = ("sdpa",)
 
 
 def attention_dispatch(module: nn.Module) -> Swap:
@@ -94,7 +96,7 @@ def attention_dispatch(module: nn.Module) -> Swap:
         return Swap(module, descend=False)
     return Swap(None, (
         f"runs transformers' {implementation!r} attention, chosen when the model was loaded; load it with "
-        f"attn_implementation='eager', 'sdpa' or '{ATTN_IMPLEMENTATION}' to have it fused"
+        f"attn_implementation='sdpa' (the default) or '{ATTN_IMPLEMENTATION}' to have it fused"
     ), descend=False)
 
 
@@ -113,10 +115,12 @@ def swap_mlp(module: nn.Module) -> Swap:
     return Swap(new)
 
 
-def patch_embeddings_forward(self, pixel_values):
+def patch_embeddings_forward(self, pixel_values, *args, **kwargs):
     """pixel_values (N, C, H, W) -> tokens (N, L, D)."""
-    if pixel_values.shape[1] != self.num_channels:
-        raise ValueError(f"pixel_values must have {self.num_channels} channels, got {pixel_values.shape[1]}")
+    patch = self.projection.kernel_size[0]
+    if args or kwargs or pixel_values.shape[1] != self.num_channels or pixel_values.shape[-1] % patch \
+            or pixel_values.shape[-2] % patch:
+        return unfused_forward(self, pixel_values, *args, **kwargs)  # its own checks, or the remainder dropped
     return vkf.patch_embed(pixel_values, self.projection.weight, self.projection.bias, patch_size=self.projection.kernel_size[0])
 
 

@@ -72,7 +72,8 @@ def mha_forward(self, query, key, value, key_padding_mask=None, need_weights=Tru
                 average_attn_weights=True, is_causal=False):
     """Self-attention as ``nn.MultiheadAttention.forward``: (L, B, D) or batch_first (B, L, D) or
     unbatched (L, D) -> (output, weights or None); weights (B, L, L) averaged over heads, or (B, H, L, L)."""
-    if key is not query or value is not query or key_padding_mask is not None or attn_mask is not None or is_causal:
+    if (key is not query or value is not query or key_padding_mask is not None or attn_mask is not None or is_causal
+            or query.is_nested):
         return unfused_forward(self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
     x = _to_batch_first(query, self.batch_first)
@@ -106,7 +107,7 @@ def swap_multihead_attention(module: nn.Module) -> Swap:
 def encoder_layer_forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
     """``nn.TransformerEncoderLayer.forward`` on the fused ops: src (L, B, D), batch_first (B, L, D)
     or unbatched (L, D) -> same shape."""
-    if src_mask is not None or src_key_padding_mask is not None or is_causal:
+    if src_mask is not None or src_key_padding_mask is not None or is_causal or src.is_nested:
         return unfused_forward(self, src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
     batch_first = self.self_attn.batch_first
     x = _to_batch_first(src, batch_first)
