@@ -65,6 +65,7 @@ ARCHITECTURES = {
 
 _inside_torch = threading.local()
 _clock = threading.local()  # .depth: inside a clocked call; .recorder: where its seconds go
+CALL_KINDS = ("torch", "device", "launch")  # a torch-function call, a tensor's device, a Triton launch
 _tensor_device = torch._C.TensorBase.device.__get__
 _VALUE_READS = {torch.Tensor.item: 0, torch.Tensor.__bool__: False, torch.Tensor.__float__: 0.0,
                 torch.Tensor.__int__: 0, torch.Tensor.__index__: 0}
@@ -127,7 +128,7 @@ class SimulatedCudaTensor(torch.Tensor):
     def device(self) -> torch.device:
         if _depth():
             return _tensor_device(self)
-        return _clocked(_cuda0)  # PyTorch's own getter on a GPU: not this project's time
+        return _clocked(_cuda0, "device")  # PyTorch's own getter on a GPU: not this project's time
 
     @property
     def is_cuda(self) -> bool:
@@ -175,8 +176,10 @@ def _cuda0() -> torch.device:
     return torch.device("cuda", 0)
 
 
-def _clocked(call):
-    """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them."""
+def _clocked(call, kind: str = "torch"):
+    """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them.
+    ``kind`` (``CALL_KINDS``): how it was entered, whose cost outside the clock
+    ``Recorder.call_overhead`` takes out."""
     recorder = getattr(_clock, "recorder", None)
     if recorder is None or getattr(_clock, "depth", 0):
         return call()
@@ -186,7 +189,7 @@ def _clocked(call):
         return call()
     finally:
         recorder.not_ours += time.perf_counter() - started
-        recorder.calls += 1
+        recorder.calls[kind] += 1
         _clock.depth = 0
 
 
@@ -237,34 +240,39 @@ class Recorder:
         self.arch = arch
         self.launches: list[Launch] = []
         self.not_ours = 0.0
-        self.calls = 0  # clocked calls (PyTorch's, a launch)
-        self._call_overhead: float | None = None
+        self.calls = {kind: 0 for kind in CALL_KINDS}  # clocked calls by how they were entered
+        self._overheads: dict[str, float] = {}
 
-    def mark(self) -> tuple[float, int]:
+    def mark(self) -> tuple[float, dict[str, int]]:
         """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
-        return self.not_ours, self.calls
+        return self.not_ours, dict(self.calls)
 
-    def our_seconds(self, wall: float, mark: tuple[float, int]) -> float:
+    def our_seconds(self, wall: float, mark: tuple[float, dict[str, int]]) -> float:
         """Of ``wall`` seconds that began at ``mark``: this project's Python (PyTorch's calls, the
         launches and the simulation's cost of entering each of them taken out)."""
-        not_ours, calls = self.not_ours - mark[0], self.calls - mark[1]
-        return max(0.0, wall - not_ours - calls * self.call_overhead())
+        not_ours = self.not_ours - mark[0]
+        entering = sum((self.calls[kind] - mark[1][kind]) * self.call_overhead(kind) for kind in CALL_KINDS)
+        return max(0.0, wall - not_ours - entering)
 
-    def call_overhead(self) -> float:
-        """Seconds of unclocked simulation Python per clocked call: the least per-call remainder of
-        reading a simulated tensor's dtype, a call with nothing of ours around it (best of 5)."""
-        if self._call_overhead is None:
-            before = self.mark()  # the probe's own calls are not counted anywhere
+    def call_overhead(self, kind: str) -> float:
+        """Seconds of unclocked simulation Python per clocked call of ``kind``: the least per-call
+        remainder of a loop of such calls with nothing of ours around them (best of 5): reading a
+        simulated tensor's dtype (``"torch"``, a torch-function call) or its device (``"device"``).
+        A launch's entry is Triton's own Python on a GPU too: 0."""
+        if kind == "launch":
+            return 0.0
+        if kind not in self._overheads:
+            before = self.not_ours, dict(self.calls)  # the probe's own calls are not counted anywhere
             probe, rounds = torch.empty(1, device="cuda"), 2000
             best = float("inf")
             for _ in range(5):
                 not_ours, started = self.not_ours, time.perf_counter()
                 for _ in range(rounds):
-                    probe.dtype  # noqa: B018 - a clocked call, nothing else
+                    probe.dtype if kind == "torch" else probe.device  # noqa: B018 - a clocked call, nothing else
                 best = min(best, (time.perf_counter() - started - (self.not_ours - not_ours)) / rounds)
             self.not_ours, self.calls = before
-            self._call_overhead = max(0.0, best)
-        return self._call_overhead
+            self._overheads[kind] = max(0.0, best)
+        return self._overheads[kind]
 
     def kernels(self) -> set[str]:
         return {launch.kernel.fn.__name__ for launch in self.launches}
@@ -346,7 +354,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         def launch():
             recorder.launches.append(Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs))
 
-        _clocked(launch)
+        _clocked(launch, "launch")
 
     cuda = torch.cuda
     patches = [

@@ -22,6 +22,7 @@ def test_our_seconds_counts_our_python_and_not_pytorchs_calls():
         def only_pytorch():
             for _ in range(20):
                 torch.empty_like(t).add_(t).stride(0)
+                t.device  # noqa: B018 - PyTorch's getter on a GPU
 
         def ours_too():
             only_pytorch()
@@ -35,7 +36,7 @@ def test_our_seconds_counts_our_python_and_not_pytorchs_calls():
                 fn()
                 samples.append(recorder.our_seconds(time.perf_counter() - started, mark))
             best[name] = min(samples)
-    assert best["pytorch"] < 0.5e-3, best  # 60 simulated calls, each tens of microseconds, all theirs
+    assert best["pytorch"] < 0.5e-3, best  # 80 simulated calls, each microseconds to tens of them, all theirs
     assert 1.8e-3 < best["ours"] < 2.6e-3, best
 
 
