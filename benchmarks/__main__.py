@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=0.05, help="regression gate: allowed slowdown (0.05 = 5%%)")
     parser.add_argument("--confidence", type=float, default=0.95, help="regression gate: bootstrap interval level")
     parser.add_argument("--threads", type=cli.positive_int, default=None, metavar="N",
-                        help="torch intra-op CPU threads (default: the cores this process may use, "
-                        f"{environment.usable_cores()} here)")
+                        help="torch intra-op CPU threads (default: OMP_NUM_THREADS if set, else the cores this "
+                        f"process may use, {environment.usable_cores()} here)")
     args = parser.parse_args(argv)
     if (args.compare is None) != (args.results is None):
         parser.error("--compare BASELINE and --results CURRENT go together")

@@ -5,6 +5,7 @@ names the defaults."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -89,9 +90,19 @@ def _id(case) -> str:
     return ("selftest " if command is SELFTEST else "benchmarks ") + " ".join(args)
 
 
-@pytest.mark.parametrize("command,args,expected", BAD_INPUTS, ids=[_id(c) for c in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2(root, command, args, expected):
-    done = _run(command, [a.replace("{root}", str(root)) for a in args])
+@pytest.fixture(scope="module")
+def outcomes(root) -> dict[int, subprocess.CompletedProcess]:
+    """Every bad input's process, run two at a time (each mostly imports torch: one per core)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {index: pool.submit(_run, command, [a.replace("{root}", str(root)) for a in args])
+                   for index, (command, args, _) in enumerate(BAD_INPUTS)}
+        return {index: future.result() for index, future in futures.items()}
+
+
+@pytest.mark.parametrize("index", range(len(BAD_INPUTS)), ids=[_id(c) for c in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(root, outcomes, index):
+    command, _, expected = BAD_INPUTS[index]
+    done = outcomes[index]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr

@@ -240,7 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
     parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help=f"torch intra-op CPU threads (default: the cores this process may use, {usable_cores()} here)")
+                        help=f"torch intra-op CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
+                        f"may use, {usable_cores()} here)")
     args = parser.parse_args(argv)
     args.ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
     unknown = [op for op in args.ops if op not in backend.OPS]
