@@ -3,9 +3,9 @@ DINOv2 (with registers).
 
 Attention runs through transformers' own dispatch: ``register()`` adds ``"vit_kernels"`` to
 ``AttentionInterface``. ``patch_model`` registers it and switches a model whose attention runs
-transformers' ``eager`` or ``sdpa`` implementation (the same mathematics) to it, by the config its
-attention modules read; a model loaded with another implementation (flash, flex) keeps it, and the
-report says so. A call the fused kernel does not compute (a mask, cross-attention) runs
+transformers' ``sdpa`` implementation (its default; the same mathematics) to it, by the config its
+attention modules read; a model loaded with another implementation (eager, which returns attention
+weights, flash, flex) keeps it, and the report says so. A call the fused kernel does not compute (a mask, cross-attention) runs
 transformers' SDPA. ``patch_model`` swaps the rest:
 
 * the MLPs (``fc1``, activation, ``fc2``) -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU,
@@ -86,7 +86,7 @@ SWITCHABLE = ("sdpa",)
 
 def attention_dispatch(module: nn.Module) -> Swap:
     """HF attention modules are not swapped: they call the configured attention function, which is
-    switched to ours where the model runs eager or SDPA attention."""
+    switched to ours where the model runs transformers' SDPA attention."""
     config = getattr(module, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation in SWITCHABLE:
@@ -137,16 +137,15 @@ def swap_patch_embeddings(module: nn.Module) -> Swap:
 
 
 _MODELS = "transformers.models"
+# (module, class prefix) of the vision towers whose attention and MLP are named <prefix>Attention / <prefix>MLP
+_TOWERS = (
+    ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
+    ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
+)
 RULES: dict[str, Rule] = {
     f"{_MODELS}.vit.modeling_vit.ViTAttention": attention_dispatch,
     f"{_MODELS}.vit.modeling_vit.ViTMLP": swap_mlp,
     f"{_MODELS}.vit.modeling_vit.ViTPatchEmbeddings": swap_patch_embeddings,
-    **{f"{_MODELS}.{module}.{prefix}Attention": attention_dispatch for module, prefix in (
-        ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
-        ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
-    )},
-    **{f"{_MODELS}.{module}.{prefix}MLP": swap_mlp for module, prefix in (
-        ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
-        ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
-    )},
+    **{f"{_MODELS}.{module}.{prefix}{layer}": rule for module, prefix in _TOWERS
+       for layer, rule in (("Attention", attention_dispatch), ("MLP", swap_mlp))},
 }
