@@ -146,7 +146,7 @@ def _tiles(result: dict) -> list[str]:
                           "warps; backward: rows, programs per SM, warps)",
                           "device, dtype, padded D, residual / dS, weight, bias / d(w, b), rows bucket")
             + _tile_table(result.get("gemm_tiles") or [], f"GEMM tiles chosen on this device {gemm_tile}",
-                          "device, A dtype, out dtype, bias, epilogue, tanh, aux, residual, M bucket, N, K bucket, "
+                          "device, A dtype, out dtype, bias, epilogue, GELU form, aux, residual, M bucket, N, K bucket, "
                           "K slices, unit strides of A (m, k) and B (k, n)")
             + _tile_table(result.get("patch_embed_tiles") or [], f"patch_embed forward tiles chosen on this device "
                           f"{gemm_tile}", "device, dtype, out dtype, bias, cls, pos, rows bucket, D, C*P*P, P, T, "

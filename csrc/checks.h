@@ -5,6 +5,9 @@
 #include <torch/types.h>
 
 #include <string>
+#include <type_traits>
+
+#include "gelu_forms.h"
 
 namespace vit_kernels {
 
@@ -57,10 +60,20 @@ inline void check_vector(const char* op, const char* name, const at::Tensor& t, 
 // The rows x columns view of a contiguous (..., columns) tensor.
 inline int64_t row_count(const at::Tensor& t) { return t.dim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.size(-1), 1); }
 
-inline bool gelu_is_tanh(const char* op, const std::string& approximate) {
-  TORCH_CHECK(approximate == "none" || approximate == "tanh", op, ": approximate must be 'none' or 'tanh', got '",
-              approximate, "'");
-  return approximate == "tanh";
+inline GeluForm gelu_form(const char* op, const std::string& approximate) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh" || approximate == "quick", op,
+              ": approximate must be 'none', 'tanh' or 'quick', got '", approximate, "'");
+  return approximate == "tanh" ? kGeluTanh : approximate == "quick" ? kGeluQuick : kGeluErf;
+}
+
+// Calls fn(std::integral_constant<int, form>{}) for the runtime `form`: one template instance per form.
+template <typename Fn>
+inline void with_gelu_form(GeluForm form, Fn&& fn) {
+  switch (form) {
+    case kGeluTanh: fn(std::integral_constant<int, kGeluTanh>{}); break;
+    case kGeluQuick: fn(std::integral_constant<int, kGeluQuick>{}); break;
+    default: fn(std::integral_constant<int, kGeluErf>{});
+  }
 }
 
 }  // namespace vit_kernels

@@ -12,6 +12,8 @@
 #include <bit>
 #include <type_traits>
 
+#include "gelu_forms.h"
+
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define VIT_KERNELS_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -97,27 +99,36 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kTanhCubic = 0.044715;
 
-// gelu(z) = z Phi(z) = 0.5 z (1 + erf(z / sqrt 2));  gelu'(z) = Phi(z) + z phi(z).
-// tanh form: gelu(z) = 0.5 z (1 + tanh u), u = sqrt(2/pi) (z + 0.044715 z^3);
-//            gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 z^2).
-template <bool kTanh, typename acc_t>
+// The GELU of form kForm (checks.h GeluForm) and its derivative:
+// erf:   gelu(z) = z Phi(z) = 0.5 z (1 + erf(z / sqrt 2));  gelu'(z) = Phi(z) + z phi(z).
+// tanh:  gelu(z) = 0.5 z (1 + tanh u), u = sqrt(2/pi) (z + 0.044715 z^3);
+//        gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 z^2).
+// quick: gelu(z) = z s, s = sigmoid(1.702 z) = 1 / (1 + exp(-1.702 z));  gelu'(z) = s + 1.702 z s (1 - s).
+template <int kForm, typename acc_t>
 VIT_KERNELS_INLINE acc_t gelu(acc_t z) {
-  if constexpr (kTanh) {
+  if constexpr (kForm == kGeluTanh) {
     const acc_t u = acc_t(kSqrt2OverPi) * (z + acc_t(kTanhCubic) * z * z * z);
     return acc_t(0.5) * z * (acc_t(1) + tanh_of(u));
+  } else if constexpr (kForm == kGeluQuick) {
+    return z / (acc_t(1) + exp_of(acc_t(-kQuickGeluSlope) * z));
+  } else {
+    return acc_t(0.5) * z * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2)));
   }
-  return acc_t(0.5) * z * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2)));
 }
 
-template <bool kTanh, typename acc_t>
+template <int kForm, typename acc_t>
 VIT_KERNELS_INLINE acc_t gelu_grad(acc_t z) {
-  if constexpr (kTanh) {
+  if constexpr (kForm == kGeluTanh) {
     const acc_t u = acc_t(kSqrt2OverPi) * (z + acc_t(kTanhCubic) * z * z * z);
     const acc_t th = tanh_of(u);
     const acc_t du = acc_t(kSqrt2OverPi) * (acc_t(1) + acc_t(3 * kTanhCubic) * z * z);
     return acc_t(0.5) * (acc_t(1) + th) + acc_t(0.5) * z * (acc_t(1) - th * th) * du;
+  } else if constexpr (kForm == kGeluQuick) {
+    const acc_t s = acc_t(1) / (acc_t(1) + exp_of(acc_t(-kQuickGeluSlope) * z));
+    return s + acc_t(kQuickGeluSlope) * z * s * (acc_t(1) - s);
+  } else {
+    return acc_t(0.5) * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2))) + z * acc_t(kInvSqrt2Pi) * exp_of(acc_t(-0.5) * z * z);
   }
-  return acc_t(0.5) * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2))) + z * acc_t(kInvSqrt2Pi) * exp_of(acc_t(-0.5) * z * z);
 }
 
 // Row buffers: scalar_t <-> acc_t. For float rows these are plain copies.

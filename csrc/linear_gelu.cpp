@@ -1,7 +1,7 @@
 // Bias + GELU (vit_kernels::bias_gelu), the epilogue of linear_gelu (and of mlp's fc1) after a GEMM,
 // forward and backward, on the CPU.
 //
-//   z = x + bias (per column),  y = gelu(z)           (erf or tanh form, see cpu_math.h)
+//   z = x + bias (per column),  y = gelu(z)           (erf, tanh or quick form, see cpu_math.h)
 //   backward: dz = dy * gelu'(z),  d bias = sum_rows(dz) (float32; float64 for float64 inputs)
 // z is recomputed in backward from x and bias rather than saved.
 
@@ -19,18 +19,18 @@ namespace {
 constexpr const char* kForward = "vit_kernels::bias_gelu";
 constexpr const char* kBackward = "vit_kernels::bias_gelu_backward";
 
-template <bool kTanh, typename acc_t>
+template <int kForm, typename acc_t>
 VIT_KERNELS_CPU_CLONES void gelu_row(acc_t* __restrict y, const acc_t* __restrict x, const acc_t* __restrict b,
                                      int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = gelu<kTanh>(x[i] + b[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] = gelu<kForm>(x[i] + b[i]);
 }
 
-template <bool kTanh, typename acc_t>
+template <int kForm, typename acc_t>
 VIT_KERNELS_CPU_CLONES void gelu_grad_row(acc_t* __restrict dz, const acc_t* __restrict dy, const acc_t* __restrict x,
                                           const acc_t* __restrict b, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dz[i] = dy[i] * gelu_grad<kTanh>(x[i] + b[i]);
+  for (int64_t i = 0; i < n; ++i) dz[i] = dy[i] * gelu_grad<kForm>(x[i] + b[i]);
 }
 
 void check_input(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
@@ -65,13 +65,13 @@ void for_each_row(const at::Tensor& x, const c10::optional<at::Tensor>& bias, at
 
 at::Tensor bias_gelu_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& bias, c10::string_view approximate) {
   check_input(kForward, x, bias);
-  const bool tanh_form = gelu_is_tanh(kForward, std::string(approximate));
+  const GeluForm form = gelu_form(kForward, std::string(approximate));
   at::Tensor y = at::empty_like(x);
   const int64_t cols = x.size(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_cpu", [&] {
     using acc_t = acc_type<scalar_t>;
     for_each_row<scalar_t>(x, bias, y, [&](acc_t* out, const acc_t* xs, const acc_t* b, acc_t*, int64_t) {
-      tanh_form ? gelu_row<true>(out, xs, b, cols) : gelu_row<false>(out, xs, b, cols);
+      with_gelu_form(form, [&](auto form_tag) { gelu_row<decltype(form_tag)::value>(out, xs, b, cols); });
     });
   });
   return y;
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cpu(const at::Tensor& grad
                                                           c10::string_view approximate, bool bias_grad) {
   check_input(kBackward, x, bias);
   check_like(kBackward, "grad_out", grad_out, x);
-  const bool tanh_form = gelu_is_tanh(kBackward, std::string(approximate));
+  const GeluForm form = gelu_form(kBackward, std::string(approximate));
   at::Tensor dz = at::empty_like(x);
   const int64_t cols = x.size(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_backward_cpu", [&] {
@@ -90,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cpu(const at::Tensor& grad
     const scalar_t* dy_ptr = grad_out.data_ptr<scalar_t>();
     for_each_row<scalar_t>(x, bias, dz, [&](acc_t* out, const acc_t* xs, const acc_t* b, acc_t* dy, int64_t row) {
       load_row(dy_ptr + row * cols, dy, cols);
-      tanh_form ? gelu_grad_row<true>(out, dy, xs, b, cols) : gelu_grad_row<false>(out, dy, xs, b, cols);
+      with_gelu_form(form, [&](auto form_tag) { gelu_grad_row<decltype(form_tag)::value>(out, dy, xs, b, cols); });
     });
   });
   const auto reduced = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

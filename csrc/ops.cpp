@@ -23,7 +23,7 @@ TORCH_LIBRARY(vit_kernels, m) {
   // Returns (d s, d weight, d bias); d s already includes grad_summed (the gradient reaching s directly).
   m.def("fused_layer_norm_backward(Tensor grad_out, Tensor? grad_summed, Tensor summed, Tensor? weight,"
         " Tensor mean, Tensor rstd, bool weight_bias_grad) -> (Tensor, Tensor, Tensor)");
-  // y = gelu(x + bias), approximate 'none' (erf) or 'tanh'.
+  // y = gelu(x + bias), approximate 'none' (erf), 'tanh' or 'quick' (z * sigmoid(1.702 z)).
   m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
   // Returns (d z, d bias) for z = x + bias: d z = grad_out * gelu'(z) and, when bias_grad, d bias =
   // sum_rows d z in float32 (C,) (else an empty tensor), reduced in the pass that writes d z.

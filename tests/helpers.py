@@ -4,6 +4,7 @@ parametrization every op test file shares (CPU cases, and CUDA cases marked ``gp
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
@@ -15,6 +16,19 @@ from vit_kernels import _ext, backend
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HAS_CUDA = torch.cuda.is_available()
 GPU_MARKS = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))
+
+
+# The GELU forms of vk.linear_gelu / vk.mlp (``approximate``), written out for float64 references.
+GELU_APPROXIMATIONS = ["none", "tanh", "quick"]
+
+
+def gelu_formula(z: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(z): z Phi(z) ("none"), its tanh approximation ("tanh") or QuickGELU z sigmoid(1.702 z) ("quick")."""
+    if approximate == "tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    if approximate == "quick":
+        return z / (1 + torch.exp(-1.702 * z))
+    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
 
 
 def requires_cuda(test):

@@ -80,7 +80,8 @@ class MathGelu(torch.autograd.Function):
     on AVX-512 it returns NaN for +inf, where the formula (and PyTorch on AVX2) gives +inf.
         none: gelu(u) = u Phi(u),  gelu'(u) = Phi(u) + u phi(u)
         tanh: gelu(u) = u (1 + tanh(t)) / 2,  t = c (u + 0.044715 u^3),  c = sqrt(2 / pi)
-              gelu'(u) = (1 + tanh(t)) / 2 + u (1 - tanh(t)^2) c (1 + 3 * 0.044715 u^2) / 2"""
+              gelu'(u) = (1 + tanh(t)) / 2 + u (1 - tanh(t)^2) c (1 + 3 * 0.044715 u^2) / 2
+        quick: gelu(u) = u s,  s = 1 / (1 + exp(-1.702 u)),  gelu'(u) = s + 1.702 u s (1 - s)"""
 
     @staticmethod
     def forward(ctx, u, approximate):
@@ -102,6 +103,9 @@ class MathGelu(torch.autograd.Function):
                 if derivative:
                     return (1 + th) / 2 + x * (1 - th * th) * c * (1 + 3 * 0.044715 * x * x) / 2
                 return x * (1 + th) / 2
+            if approximate == "quick":
+                s = 1 / (1 + math.exp(-1.702 * x)) if x > -400 else 0.0  # exp overflows past -417
+                return s + 1.702 * x * s * (1 - s) if derivative else x * s
             cdf = (1 + math.erf(x / math.sqrt(2))) / 2
             return cdf + x * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if derivative else x * cdf
 
@@ -136,6 +140,10 @@ NON_FINITE_CASES = [
      [x8, w5, poke(b5, (1,), INF)]),
     ("linear_gelu -inf tanh", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
      lambda x, w, b: math_gelu(F.linear(x, w, b), "tanh"), [x8, w5, poke(b5, (1,), -INF)]),
+    ("linear_gelu +inf quick", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
+     lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"), [x8, w5, poke(b5, (1,), INF)]),
+    ("linear_gelu -inf quick", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
+     lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"), [x8, w5, poke(b5, (3,), -INF)]),
     ("linear_gelu nan", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: math_gelu(F.linear(x, w, b)),
      [poke(x8, (2, 0), NAN), w5, b5]),
     ("mlp nan", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), lambda x, w1, w2: F.linear(math_gelu(F.linear(x, w1)), w2),

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import CUDA_DTYPES, DTYPE_NAMES, TOLERANCES, check_against_formula, cuda_param, requires_cuda
+from tests.helpers import (CUDA_DTYPES, DTYPE_NAMES, GELU_APPROXIMATIONS, TOLERANCES, check_against_formula, cuda_param,
+                           gelu_formula, requires_cuda)
 from vit_kernels import _ext
 
 BUILT = _ext.extension_unavailable_reason() is None
@@ -33,7 +34,7 @@ def layer_norm_formula(x, residual, weight, bias, eps):
 
 
 def bias_gelu_formula(x, bias, approximate):
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+    return gelu_formula(x if bias is None else x + bias, approximate)
 
 
 def patchify_formula(images, patch_size):
@@ -76,7 +77,7 @@ def test_fused_layer_norm_statistics():
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 17, 96), (5, 1536)])
 def test_bias_gelu(dtype, approximate, shape):
     x = torch.randn(shape) * 3  # covers the tails, where erf and tanh saturate
@@ -213,7 +214,7 @@ def test_bias_gelu_gradients_of_every_argument_subset(with_bias, needs):
 def bias_gelu_backward_formula(grad_out, x, bias, approximate):
     """(d z, d bias) of y = gelu(z), z = x + bias, in float64: d z = grad_out * gelu'(z), d bias = sum_rows d z."""
     z = (x if bias is None else x + bias).double().requires_grad_(True)
-    (dz,) = torch.autograd.grad(F.gelu(z, approximate=approximate), z, grad_out.double())
+    (dz,) = torch.autograd.grad(gelu_formula(z, approximate), z, grad_out.double())
     return dz, dz.reshape(-1, dz.shape[-1]).sum(0)
 
 
@@ -229,7 +230,7 @@ BIAS_GELU_BACKWARD_CASES = [
 
 
 @pytest.mark.parametrize("device,dtype,shape", BIAS_GELU_BACKWARD_CASES)
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 def test_bias_gelu_backward_reduces_the_bias_gradient(device, dtype, shape, approximate):
     """d z in the input's dtype and d bias in float32 (float64 for float64) from one call, against
     float64; the bias gradient only when asked for (else an empty tensor), deterministic (a second call
@@ -303,7 +304,7 @@ BAD_INPUTS = [
     (lambda: ops.fused_layer_norm_backward(torch.randn(3, 4), None, torch.randn(3, 4), None, torch.randn(2), torch.randn(3), True),
      r"mean must be a contiguous \(3,\)"),
     (lambda: ops.bias_gelu(torch.randn(3, 4), torch.randn(3), "none"), r"bias must have shape \(4,\)"),
-    (lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"), "approximate must be 'none' or 'tanh'"),
+    (lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"), "approximate must be 'none', 'tanh' or 'quick'"),
     (lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none", True), "grad_out must have the input's shape"),
     (lambda: ops.softmax(torch.randn(4, 6)[:, ::2]), "x must be contiguous"),
     (lambda: ops.softmax_backward(torch.randn(4, 6), torch.randn(4, 6).half()), "grad_out has dtype"),
@@ -385,7 +386,7 @@ def test_cuda_layer_norm_param_grads(dtype, shape):
 @requires_cuda
 @needs_cuda_kernels
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072), (2, 197, 1000), (8192, 96)])
 def test_cuda_bias_gelu(dtype, approximate, shape):
     inputs = [torch.randn(shape) * 3, torch.randn(shape[-1])]

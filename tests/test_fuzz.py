@@ -29,8 +29,10 @@ from hypothesis import strategies as st
 
 import vit_kernels as vk
 from vit_kernels import backend
+from vit_kernels.activations import gelu
 from tests.helpers import (
-    CPU_BACKENDS, CUDA, CUDA_BACKENDS, assert_within_pytorch_error, cuda_kernel_dtypes, cuda_param, device_reason,
+    CPU_BACKENDS, CUDA, CUDA_BACKENDS, GELU_APPROXIMATIONS, assert_within_pytorch_error, cuda_kernel_dtypes, cuda_param,
+    device_reason, gelu_formula,
 )
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
@@ -181,13 +183,6 @@ sizes = st.integers
 # ----------------------------------------------------------------------------- linear family
 
 
-def gelu64(z: torch.Tensor, approximate: str) -> torch.Tensor:
-    """gelu(z) = z Phi(z) = 0.5 z (1 + erf(z / sqrt 2)); tanh: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))."""
-    if approximate == "tanh":
-        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
-    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
-
-
 @st.composite
 def linear_cases(draw) -> dict:
     return dict(
@@ -203,7 +198,7 @@ def linear_cases(draw) -> dict:
         bias2=draw(st.sampled_from((None,) + LAYOUTS_1D)),
         residual=draw(st.sampled_from((None,) + RESIDUAL_LAYOUTS)),
         scale=draw(st.sampled_from([0.1, 1.0, 4.0, 30.0])),
-        approximate=draw(st.sampled_from(["none", "tanh"])),
+        approximate=draw(st.sampled_from(GELU_APPROXIMATIONS)),
         seed=draw(sizes(0, 2**31 - 1)),
     )
 
@@ -248,8 +243,8 @@ def check_linear_gelu(case: dict, backend_name: str) -> None:
     check_case(
         "linear_gelu", backend_name,
         lambda x, w, b: vk.linear_gelu(x, w, b, approximate=approximate),
-        lambda x, w, b: gelu64(x @ w.T + (0 if b is None else b), approximate),
-        lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate),
+        lambda x, w, b: gelu_formula(x @ w.T + (0 if b is None else b), approximate),
+        lambda x, w, b: gelu(F.linear(x, w, b), approximate),
         inputs[:3], case["dtype"], ["x", "weight", "bias"], case["seed"],
     )
 
@@ -259,14 +254,14 @@ def check_mlp(case: dict, backend_name: str) -> None:
     approximate = case["approximate"]
 
     def formula(x, w1, b1, w2, b2, r):
-        h = gelu64(x @ w1.T + (0 if b1 is None else b1), approximate)
+        h = gelu_formula(x @ w1.T + (0 if b1 is None else b1), approximate)
         return h @ w2.T + (0 if b2 is None else b2) + (0 if r is None else r)
 
     check_case(
         "mlp", backend_name,
         lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r),
         formula,
-        lambda x, w1, b1, w2, b2, r: F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
+        lambda x, w1, b1, w2, b2, r: F.linear(gelu(F.linear(x, w1, b1), approximate), w2, b2)
         + (0 if r is None else r),
         inputs, case["dtype"], ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], case["seed"],
     )

@@ -332,4 +332,4 @@ def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
         vk.linear(torch.randn(6, 16), torch.randn(8, 16), residual=torch.randn(6, 8))
     text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": linear.tile_report()}))
     assert "## GEMM tiles chosen on this device" in text
-    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, False, False, True, 0, 8, 8, 16, 1," in text
+    assert "| gemm | cpu, torch.float32, torch.float32, False, 0, 0, False, True, 0, 8, 8, 16, 1," in text

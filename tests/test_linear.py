@@ -6,16 +6,12 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import (CPU_BACKENDS, assert_within_pytorch_error, backend_dtypes, check_against_formula,
-                           device_backend_dtypes)
+from vit_kernels.activations import GELU_FORMS, gelu_act
+from tests.helpers import (CPU_BACKENDS, GELU_APPROXIMATIONS, assert_within_pytorch_error, backend_dtypes,
+                           check_against_formula, device_backend_dtypes, gelu_formula)
 
 CPU_PAIRS = backend_dtypes([torch.float32, torch.float16])
 
-
-def gelu_formula(z, approximate):
-    if approximate == "tanh":
-        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
-    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
 
 
 def linear_formula(x, weight, bias, residual):
@@ -56,7 +52,7 @@ def test_linear(device, backend_name, dtype, x_shape, k, n, with_bias, with_resi
 
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear_gelu", CPU_PAIRS))
 def test_linear_gelu(device, backend_name, dtype, x_shape, k, n, approximate, with_bias):
@@ -68,7 +64,7 @@ def test_linear_gelu(device, backend_name, dtype, x_shape, k, n, approximate, wi
         )
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear_gelu", CPU_PAIRS))
 def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate):
     """Inference may take other paths (on CUDA the extension's tanh form is one cuBLASLt GEMM with its
@@ -86,7 +82,7 @@ def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate)
 
 
 @pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
 def test_mlp(device, backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
@@ -115,10 +111,10 @@ def test_strided_input_is_read_in_place(on_backend):
 
 
 def test_gelu_saturates_without_nan(on_backend):
-    """Pre-activations of +-1e4: gelu and its gradient stay finite and exact (tanh form included)."""
+    """Pre-activations of +-1e4: gelu and its gradient stay finite and exact (every form)."""
     x = torch.tensor([[1.0], [-1.0], [0.0]], requires_grad=True)
     w = torch.tensor([[1e4]])
-    for approximate in ("none", "tanh"):
+    for approximate in GELU_APPROXIMATIONS:
         y = vk.linear_gelu(x, w, approximate=approximate)
         (g,) = torch.autograd.grad(y.sum(), x)
         torch.testing.assert_close(y, torch.tensor([[1e4], [0.0], [0.0]]))
@@ -172,7 +168,7 @@ def test_deep_weight_gradient_is_split_over_k():
                               torch.float32, ["x", "weight", "bias", "residual"])
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
 def test_mlp_without_gradients(device, backend_name, dtype, approximate, with_residual):
@@ -212,7 +208,7 @@ def test_triton_inference_writes_no_preactivation():
 
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
     """dZ = dY * gelu'(Z) and sum_rows dZ (float32) from the one pass of the linear_gelu backward:
     83 rows (several row slices, the last step partial) by 37 columns (a partial column strip),
@@ -222,12 +218,12 @@ def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
     grad, preact = torch.randn(83, 37), torch.randn(83, 37) * 3
     z = preact.to(dtype).double().requires_grad_(True)
     (want,) = torch.autograd.grad(gelu_formula(z, approximate), z, grad.to(dtype).double())
-    dz, db = linear._gelu_backward(grad.to(dtype), preact.to(dtype), approximate == "tanh", True)
+    dz, db = linear._gelu_backward(grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], True)
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     assert dz.dtype == dtype and db.dtype == torch.float32 and db.shape == (37,)
     torch.testing.assert_close(dz.double(), want, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(db.double(), want.sum(0), atol=tolerance * 10, rtol=tolerance)
-    dz_only, nothing = linear._gelu_backward(grad.to(dtype), preact.to(dtype), approximate == "tanh", False)
+    dz_only, nothing = linear._gelu_backward(grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], False)
     assert torch.equal(dz_only, dz) and nothing is None
 
 

@@ -67,7 +67,8 @@ def test_attention_module_matches_multihead_attention():
     torch.testing.assert_close(attn(x, attn_mask=mask), mha(x, x, x, attn_mask=mask)[0])
 
 
-@pytest.mark.parametrize("act,fn", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU("tanh")), ("relu", nn.ReLU())])
+@pytest.mark.parametrize("act,fn", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU("tanh")),
+                                    ("quick_gelu", lambda z: z * torch.sigmoid(1.702 * z)), ("relu", nn.ReLU())])
 def test_mlp_module(act, fn):
     mlp = Mlp(12, 40, act=act).double()
     x = torch.randn(3, 12, dtype=torch.float64)

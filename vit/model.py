@@ -39,7 +39,7 @@ class ViTConfig:
     mlp_ratio: float = 4.0
     mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio when set
     qkv_bias: bool = True
-    act: str = "gelu"  # one of vit_kernels.activations.ACTIVATIONS: gelu | gelu_tanh | relu
+    act: str = "gelu"  # one of vit_kernels.activations.ACTIVATIONS: gelu | gelu_tanh | quick_gelu | relu
     norm_first: bool = True  # pre-norm (ViT); False = post-norm (nn.TransformerEncoderLayer)
     norm_eps: float = 1e-6
     final_norm: bool = True

@@ -175,7 +175,8 @@ def linear_gelu(
     *,
     approximate: str = "none",
 ) -> torch.Tensor:
-    """gelu(x @ W^T + b), GELU exact (``"none"``) or tanh-approximate (``"tanh"``).
+    """gelu(x @ W^T + b), GELU exact (``"none"``), tanh-approximate (``"tanh"``) or the sigmoid
+    form of CLIP-style models, QuickGELU z * sigmoid(1.702 z) (``"quick"``).
 
     x (..., K), weight (N, K), bias (N,) -> (..., N).
     """
@@ -201,7 +202,7 @@ def mlp(
     approximate: str = "none",
     residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """fc2(gelu(fc1(x))) (+ residual).
+    """fc2(gelu(fc1(x))) (+ residual), the GELU named by ``approximate`` as in ``linear_gelu``.
 
     x (..., D), fc1_weight (Hd, D), fc1_bias (Hd,), fc2_weight (D_out, Hd), fc2_bias (D_out,),
     residual (..., D_out) -> (..., D_out).

@@ -3,8 +3,10 @@
 //
 //   z = x + bias (per column),  y = gelu(z) = 0.5 z (1 + erf(z / sqrt 2))
 //   tanh form: y = 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3)
+//   quick form: y = z s, s = sigmoid(1.702 z)
 //   backward: dz = dy * gelu'(z), gelu'(z) = Phi(z) + z phi(z)
-//             (tanh form: 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2), t = tanh u)
+//             (tanh form: 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2), t = tanh u;
+//              quick form: s + 1.702 z s (1 - s))
 //             d bias = sum_rows dz (float32), reduced in the same pass: the pass that writes dz
 //             reads nothing twice (PyTorch's GELU backward, then a sum over dz, reads dz again)
 // Forward: element-wise over the flat tensor, a 16-byte pack per thread per step (grid-stride loop).
@@ -25,29 +27,35 @@ namespace {
 constexpr const char* kForward = "vit_kernels::bias_gelu";
 constexpr const char* kBackward = "vit_kernels::bias_gelu_backward";
 
-template <bool kTanh>
+template <int kForm>
 __device__ __forceinline__ float gelu(float z) {
-  if constexpr (kTanh) {
+  if constexpr (kForm == kGeluTanh) {
     const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
     return 0.5f * z * (1.0f + tanhf(u));
+  } else if constexpr (kForm == kGeluQuick) {
+    return z / (1.0f + __expf(-static_cast<float>(kQuickGeluSlope) * z));
   } else {
     return 0.5f * z * (1.0f + erff(z * 0.7071067811865476f));
   }
 }
 
-template <bool kTanh>
+template <int kForm>
 __device__ __forceinline__ float gelu_grad(float z) {
-  if constexpr (kTanh) {
+  if constexpr (kForm == kGeluTanh) {
     const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
     const float t = tanhf(u);
     return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * z * z);
+  } else if constexpr (kForm == kGeluQuick) {
+    constexpr float kSlope = static_cast<float>(kQuickGeluSlope);
+    const float s = 1.0f / (1.0f + __expf(-kSlope * z));
+    return s + kSlope * z * s * (1.0f - s);
   } else {
     return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * __expf(-0.5f * z * z);
   }
 }
 
 // Forward: out = gelu(x + b), a 16-byte pack per thread per grid-stride step.
-template <typename scalar_t, int kVec, bool kTanh>
+template <typename scalar_t, int kVec, int kForm>
 __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
                                  scalar_t* __restrict__ out, int64_t numel, int64_t cols) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVec;
@@ -66,7 +74,7 @@ __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x, const scalar_t*
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const float z = static_cast<float>(xs.v[k]) + (bias != nullptr ? static_cast<float>(bs.v[k]) : 0.0f);
-      result.v[k] = static_cast<scalar_t>(gelu<kTanh>(z));
+      result.v[k] = static_cast<scalar_t>(gelu<kForm>(z));
     }
     if constexpr (kVec > 1) {
       *reinterpret_cast<Pack<scalar_t>*>(out + start) = result;
@@ -83,7 +91,7 @@ __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x, const scalar_t*
 // partial[slices, cols], summed over the slices by the caller (a small, deterministic reduction).
 constexpr int kRowThreads = 8;
 
-template <typename scalar_t, int kVec, bool kTanh, bool kBiasGrad>
+template <typename scalar_t, int kVec, int kForm, bool kBiasGrad>
 __global__ void __launch_bounds__(32 * kRowThreads)
     bias_gelu_backward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ bias,
                               const scalar_t* __restrict__ grad_out, scalar_t* __restrict__ dz,
@@ -117,7 +125,7 @@ __global__ void __launch_bounds__(32 * kRowThreads)
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float value = static_cast<float>(dys.v[k]) * gelu_grad<kTanh>(static_cast<float>(xs.v[k]) + b[k]);
+        const float value = static_cast<float>(dys.v[k]) * gelu_grad<kForm>(static_cast<float>(xs.v[k]) + b[k]);
         result.v[k] = static_cast<scalar_t>(value);
         if constexpr (kBiasGrad) sums[k] += value;
       }
@@ -153,21 +161,21 @@ inline int64_t backward_row_slices(int64_t rows, int64_t column_tiles, int devic
   return std::max<int64_t>(1, std::min<int64_t>({wanted, most, 65535}));
 }
 
-// Checks x (..., C) and bias (C,); -> whether the GELU is the tanh form.
-bool check_inputs(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+// Checks x (..., C) and bias (C,); -> the GELU form.
+GeluForm check_inputs(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                   c10::string_view approximate) {
   check_cuda_input(op, "x", x);
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape (..., C), got a 0-dim tensor");
   check_contiguous(op, "x", x);
   if (bias.has_value()) check_vector(op, "bias", *bias, x, x.size(-1));
-  return gelu_is_tanh(op, std::string(approximate));
+  return gelu_form(op, std::string(approximate));
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_launch(const at::Tensor& grad_out, const at::Tensor& x,
                                                              const c10::optional<at::Tensor>& bias,
                                                              c10::string_view approximate, bool bias_grad) {
   const char* op = kBackward;
-  const bool tanh_form = check_inputs(op, x, bias, approximate);
+  const GeluForm form = check_inputs(op, x, bias, approximate);
   check_like(op, "grad_out", grad_out, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dz = at::empty_like(x);
@@ -197,13 +205,11 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_launch(const at::Tensor& g
     };
     auto launch_for = [&](auto vec_tag) {
       constexpr int kVec = decltype(vec_tag)::value;
-      if (tanh_form) {
-        bias_grad ? launch(bias_gelu_backward_kernel<scalar_t, kVec, true, true>)
-                  : launch(bias_gelu_backward_kernel<scalar_t, kVec, true, false>);
-      } else {
-        bias_grad ? launch(bias_gelu_backward_kernel<scalar_t, kVec, false, true>)
-                  : launch(bias_gelu_backward_kernel<scalar_t, kVec, false, false>);
-      }
+      with_gelu_form(form, [&](auto form_tag) {
+        constexpr int kForm = decltype(form_tag)::value;
+        bias_grad ? launch(bias_gelu_backward_kernel<scalar_t, kVec, kForm, true>)
+                  : launch(bias_gelu_backward_kernel<scalar_t, kVec, kForm, false>);
+      });
     };
     vectorised ? launch_for(std::integral_constant<int, kPack>{}) : launch_for(std::integral_constant<int, 1>{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -213,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_launch(const at::Tensor& g
 }
 
 at::Tensor bias_gelu_launch(const at::Tensor& x, const c10::optional<at::Tensor>& bias, c10::string_view approximate) {
-  const bool tanh_form = check_inputs(kForward, x, bias, approximate);
+  const GeluForm form = check_inputs(kForward, x, bias, approximate);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
   const int64_t numel = x.numel(), cols = x.size(-1);
@@ -230,11 +236,10 @@ at::Tensor bias_gelu_launch(const at::Tensor& x, const c10::optional<at::Tensor>
     auto launch = [&](auto kernel) {
       kernel<<<blocks, threads, 0, stream>>>(x.data_ptr<scalar_t>(), b, out.data_ptr<scalar_t>(), numel, cols);
     };
-    if (vectorised) {
-      tanh_form ? launch(bias_gelu_kernel<scalar_t, kPack, true>) : launch(bias_gelu_kernel<scalar_t, kPack, false>);
-    } else {
-      tanh_form ? launch(bias_gelu_kernel<scalar_t, 1, true>) : launch(bias_gelu_kernel<scalar_t, 1, false>);
-    }
+    with_gelu_form(form, [&](auto form_tag) {
+      constexpr int kForm = decltype(form_tag)::value;
+      vectorised ? launch(bias_gelu_kernel<scalar_t, kPack, kForm>) : launch(bias_gelu_kernel<scalar_t, 1, kForm>);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

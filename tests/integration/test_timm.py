@@ -19,6 +19,7 @@ FAMILIES = {
     "avg_pool_no_class_token": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "class_token": False, "global_pool": "avg"}),
     "registers_layer_scale": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "reg_tokens": 4, "init_values": 0.1}),
     "reg4_gap": ("vit_base_patch16_reg4_gap_256", {"depth": 1, "embed_dim": 64, "num_heads": 4}),
+    "clip_quick_gelu": ("vit_base_patch16_clip_quickgelu_224", {"depth": 1, "embed_dim": 64, "num_heads": 4}),
 }
 
 

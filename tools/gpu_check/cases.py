@@ -16,7 +16,7 @@ import torch
 
 from tools.cuda_sim import Launch, simulated_cuda
 from vit_kernels import _tiles
-from vit_kernels.activations import GELU, GELU_TANH, NONE
+from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -102,8 +102,8 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 linear.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
 
             yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
-        gelu_flags = list(itertools.product((True, False), (GELU, GELU_TANH))) if sweep.all_flags else [
-            (True, GELU), (True, GELU_TANH), (False, GELU)]
+        gelu_flags = list(itertools.product((True, False), (GELU, GELU_TANH, QUICK_GELU))) if sweep.all_flags else [
+            (True, GELU), (True, GELU_TANH), (True, QUICK_GELU), (False, GELU)]
         for has_bias, activation in gelu_flags:
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
@@ -113,9 +113,10 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 linear.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
-        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH),
+        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH, QUICK_GELU),
                                            (True, False))) if sweep.all_flags else [
-            ((True, True), GELU, True), ((True, True), GELU_TANH, True), ((False, False), GELU, False)]
+            ((True, True), GELU, True), ((True, True), GELU_TANH, True), ((True, True), QUICK_GELU, True),
+            ((False, False), GELU, False)]
         for (bias1, bias2), activation, has_residual in mlp_flags:
             def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
                         has_residual=has_residual):

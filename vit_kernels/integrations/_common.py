@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional
 import torch.nn.functional as F
 from torch import nn
 
-from vit_kernels.activations import GELU, GELU_TANH, RELU, gelu_act
+from vit_kernels.activations import GELU, GELU_TANH, QUICK_GELU, RELU, gelu_act
 
 
 def qualified_name(cls: type) -> str:
@@ -82,12 +82,15 @@ _ACTIVATION_CLASSES = {
     "transformers.activations.PytorchGELUTanh": GELU_TANH,
     "transformers.activations.GELUTanh": GELU_TANH,
     "transformers.activations.NewGELUActivation": GELU_TANH,
+    "timm.layers.activations.QuickGELU": QUICK_GELU,
+    "transformers.activations.QuickGELUActivation": QUICK_GELU,
+    "open_clip.transformer.QuickGELU": QUICK_GELU,
 }
 
 
 def activation_name(act: object) -> Optional[str]:
-    """The name in ``vit_kernels.activations.ACTIVATIONS`` ('gelu', 'gelu_tanh' or 'relu') of an
-    activation module or function computing exactly that, else None."""
+    """The name in ``vit_kernels.activations.ACTIVATIONS`` ('gelu', 'gelu_tanh', 'quick_gelu' or 'relu')
+    of an activation module or function computing exactly that, else None."""
     if type(act) is nn.GELU:
         return gelu_act(act.approximate)
     if type(act) is nn.ReLU:

@@ -9,7 +9,7 @@ weights, flash, flex) keeps it, and the report says so. A call the fused kernel 
 transformers' SDPA. ``patch_model`` swaps the rest:
 
 * the MLPs (``fc1``, activation, ``fc2``) -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU,
-  GELU(tanh), ReLU;
+  GELU(tanh), QuickGELU, ReLU;
 * ``ViTPatchEmbeddings``   keeps its class and computes ``forward`` with the fused patch embedding;
 * ``nn.LayerNorm``         as for any PyTorch model.
 """
@@ -107,7 +107,7 @@ def swap_mlp(module: nn.Module) -> Swap:
         return Swap.skip(why)
     act = activation_name(module.activation_fn)
     if act is None:
-        return Swap.skip(f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), ReLU")
+        return Swap.skip(f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), QuickGELU, ReLU")
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
         return Swap.skip("fc1/fc2 are not nn.Linear")
     new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act)

@@ -3,7 +3,7 @@
 * ``timm.layers.attention.Attention``  -> ``vit_kernels.nn.Attention`` (same ``qkv``/``proj``)
   when it has no q/k norm, no scale norm, no gate, and attn_dim equals the input width;
 * ``timm.layers.mlp.Mlp``              -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``)
-  for GELU, GELU(tanh) or ReLU, no hidden norm, one dropout rate, Linear projections;
+  for GELU, GELU(tanh), QuickGELU or ReLU, no hidden norm, one dropout rate, Linear projections;
 * ``timm.layers.patch_embed.PatchEmbed`` keeps its class's methods (``set_input_size``,
   ``dynamic_feat_size``, ...) and computes ``forward`` with the fused patch embedding, for square
   patches, stride == kernel, no padding, no token norm, tokens (NLC) or an NHWC grid (dynamic size);
@@ -66,7 +66,7 @@ def swap_mlp(module: nn.Module) -> Swap:
         return Swap.skip(why)
     act = activation_name(module.act)
     if act is None:
-        return Swap.skip(f"activation {describe_activation(module.act)} is not one of GELU, GELU(tanh), ReLU")
+        return Swap.skip(f"activation {describe_activation(module.act)} is not one of GELU, GELU(tanh), QuickGELU, ReLU")
     if not is_identity(module.norm):
         return Swap.skip("normalizes inside the MLP")
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:

@@ -2,8 +2,9 @@
 
     linear:      Y = X @ W^T + b (+ R)
     linear_gelu: Y = gelu(X @ W^T + b)
-        gelu(z)      = z * Phi(z)                                   ("none", exact erf)
-        gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))   ("tanh")
+        gelu(z)       = z * Phi(z)                                   ("none", exact erf)
+        gelu_tanh(z)  = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))   ("tanh")
+        quick_gelu(z) = z * sigmoid(1.702 z)                         ("quick")
     mlp:         Y = linear(linear_gelu(X, W1, b1), W2, b2, R)
 """
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, backend
 from vit_kernels._ext import ExtensionOps
-from vit_kernels.activations import GELU_TANH, NONE, gelu_act
+from vit_kernels.activations import GELU_APPROXIMATIONS, GELU_FORMS, NONE, gelu, gelu_act, gelu_backward
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
@@ -35,6 +36,7 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 GELU_TANH_C = tl.constexpr(0.044715)
+QUICK_GELU_SLOPE = tl.constexpr(1.702)
 
 
 @triton.jit
@@ -44,19 +46,28 @@ def _tanh(u):
     return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
 
 
+# The GELU of form GELU_FORM (vit_kernels.activations.GELU_FORMS) and its derivative:
+#   0 exact:  gelu(z) = z Phi(z);                     gelu'(z) = Phi(z) + z phi(z)
+#   1 tanh:   gelu(z) = 0.5 z (1 + t), t = tanh(sqrt(2/pi) (z + c z^3));
+#             gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2)
+#   2 quick:  gelu(z) = z s, s = sigmoid(1.702 z);   gelu'(z) = s + 1.702 z s (1 - s)
 @triton.jit
-def _gelu(z, TANH: tl.constexpr):
-    if TANH:
+def _gelu(z, GELU_FORM: tl.constexpr):
+    if GELU_FORM == 1:
         return 0.5 * z * (1.0 + _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z)))
+    if GELU_FORM == 2:
+        return z / (1.0 + tl.exp(z * -QUICK_GELU_SLOPE))
     return 0.5 * z * (1.0 + tl.math.erf(z * INV_SQRT_2))
 
 
 @triton.jit
-def _gelu_grad(z, TANH: tl.constexpr):
-    # exact: Phi(z) + z phi(z);  tanh: 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2)
-    if TANH:
+def _gelu_grad(z, GELU_FORM: tl.constexpr):
+    if GELU_FORM == 1:
         t = _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z))
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_C * z * z)
+    if GELU_FORM == 2:
+        s = 1.0 / (1.0 + tl.exp(z * -QUICK_GELU_SLOPE))
+        return s + z * QUICK_GELU_SLOPE * s * (1.0 - s)
     return 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
 
 
@@ -98,7 +109,7 @@ def _linear_kernel(
     M, N, K, k_per_split,
     stride_am, stride_ak, stride_bk, stride_bn, stride_c_split, stride_cm, stride_bias,
     stride_aux_m, stride_res_m, stride_res_n,
-    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -133,13 +144,13 @@ def _linear_kernel(
             tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=mask_m)
     _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
                    stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                   HAS_BIAS, EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, SUMS)
+                   HAS_BIAS, EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, SUMS)
 
 
 @triton.jit
 def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
                    stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                   HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr,
                    SAVE_PREACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr):
     """The GEMM kernels' epilogue on one (BLOCK_M x BLOCK_N) fp32 tile ``acc`` of C (see
     ``_linear_kernel``): bias, GELU or GELU', residual, the column sums, the one store of C."""
@@ -153,10 +164,10 @@ def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residu
     if EPILOGUE == 1:
         if SAVE_PREACT:
             tl.store(Aux + rows * stride_aux_m + cols, acc.to(Aux.dtype.element_ty), mask=mask)
-        acc = _gelu(acc, TANH)
+        acc = _gelu(acc, GELU_FORM)
     if EPILOGUE == 2:
         z = tl.load(Aux + rows * stride_aux_m + cols, mask=mask, other=0.0).to(tl.float32)
-        acc = acc * _gelu_grad(z, TANH)
+        acc = acc * _gelu_grad(z, GELU_FORM)
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(tl.float32)
     if SUMS == 1:
@@ -177,7 +188,7 @@ def _linear_tma_kernel(
     A_desc, B_desc, C, Bias, Aux, Residual, Sums,
     M, N, K, k_per_split, slices,
     stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, TANH: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr,
     B_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -212,7 +223,7 @@ def _linear_tma_kernel(
                 tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=offs_m < M)
         _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
                        stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                       HAS_BIAS, EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, SUMS)
+                       HAS_BIAS, EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, SUMS)
 
 
 _linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible): the compile gate skips sm_80
@@ -226,7 +237,7 @@ _linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible):
 @triton.jit
 def _gelu_bwd_kernel(
     DY, Z, DZ, Partial, rows, cols, rows_per_slice,
-    TANH: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GELU_FORM: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < cols
@@ -239,7 +250,7 @@ def _gelu_bwd_kernel(
         offs = offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :]
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
-        dz = dy * _gelu_grad(z, TANH)
+        dz = dy * _gelu_grad(z, GELU_FORM)
         tl.store(DZ + offs, dz.to(DZ.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
             sums += tl.sum(dz, 0)  # masked elements are 0 * gelu'(0) = 0
@@ -334,7 +345,7 @@ def _hopper_or_newer(device: torch.device) -> bool:
 
 def tile_report() -> list[dict]:
     """Every GEMM tile choice made in this process: key (device, operand and output dtypes, HAS_BIAS,
-    EPILOGUE, TANH, SAVE_PREACT, HAS_RESIDUAL, M bucket, N, K bucket, K slices, unit strides of A's
+    EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, M bucket, N, K bucket, K slices, unit strides of A's
     and B's two dimensions), the tile chosen and each candidate's time in ms or why it was excluded."""
     return report_rows("gemm", GEMM_CHOOSER)
 
@@ -370,7 +381,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, **epilogue
 
 def _matmul_and_sums(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None,
-    epilogue: int = EPILOGUE_NONE, tanh: bool = False, aux: Optional[torch.Tensor] = None,
+    epilogue: int = EPILOGUE_NONE, gelu_form: int = 0, aux: Optional[torch.Tensor] = None,
     residual: Optional[torch.Tensor] = None, sums: int = SUMS_NONE,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (C (M, N) contiguous, all read by strides;
@@ -392,7 +403,7 @@ def _matmul_and_sums(
     slices = split_k_slices(m, n, k, a.device) if plain else 1
     k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
     slices = cdiv(k, k_per_split) if k > 0 else 1
-    gemm = _Gemm(a, b, out_dtype, bias, epilogue, tanh, aux, residual, sums, slices, k_per_split)
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
     c = gemm.output()
     partial = gemm.launch(_matmul_tile(gemm), c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
@@ -402,11 +413,12 @@ class _Gemm:
     """One call of the GEMM kernel: its operands and split, launched with a given tile into given
     outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
 
-    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "tanh", "aux", "residual", "sums", "slices",
+    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "gelu_form", "aux", "residual", "sums", "slices",
                  "k_per_split")
 
-    def __init__(self, a, b, out_dtype, bias, epilogue, tanh, aux, residual, sums, slices, k_per_split):
-        self.a, self.b, self.out_dtype, self.bias, self.epilogue, self.tanh = a, b, out_dtype, bias, epilogue, tanh
+    def __init__(self, a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split):
+        self.a, self.b, self.out_dtype, self.bias, self.epilogue = a, b, out_dtype, bias, epilogue
+        self.gelu_form = gelu_form
         self.aux, self.residual, self.sums = aux, residual, int(sums)
         self.slices, self.k_per_split = slices, k_per_split
 
@@ -441,7 +453,7 @@ class _Gemm:
         strides = (m * n if self.slices > 1 else 0, n, bias.stride(0) if bias is not None else 0,
                    aux.stride(0) if aux is not None else 0,
                    *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)))
-        flags = dict(HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, TANH=self.tanh, SAVE_PREACT=aux is not None,
+        flags = dict(HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, GELU_FORM=self.gelu_form, SAVE_PREACT=aux is not None,
                      HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype))
         if tile[5:] == (TMA,) and tma_possible(a, b):
             a_t, b_t = tma_transposed(a), tma_transposed(b)
@@ -463,7 +475,7 @@ class _Gemm:
         have unit stride (W^T and dY^T are read transposed). Plain ints (SymInts made concrete)."""
         a, b = self.a, self.b
         (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
-        return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.tanh,
+        return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.gelu_form,
                 self.aux is not None, self.residual is not None, self.sums, bucket(int(m)), int(n), bucket(int(k)), self.slices,
                 bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
 
@@ -476,18 +488,18 @@ class _Gemm:
             t = t if rows is None else t.index_select(0, rows)
             return t if dtype is None else t.to(dtype)
 
-        approximate = "tanh" if self.tanh else "none"
+        approximate = GELU_APPROXIMATIONS[self.gelu_form]
         z = torch.matmul(pick(self.a), self.b if dtype is None else self.b.to(dtype))
         if self.bias is not None:
             z = z + (self.bias if dtype is None else self.bias.to(dtype))
         outputs = []
         y = z
         if self.epilogue == EPILOGUE_GELU:
-            y = F.gelu(z, approximate=approximate)
+            y = gelu(z, approximate)
             if self.aux is not None:
                 outputs.append(z)
         elif self.epilogue == EPILOGUE_GELU_GRAD:
-            y = torch.ops.aten.gelu_backward(z, pick(self.aux), approximate=approximate)
+            y = gelu_backward(z, pick(self.aux), approximate)
         if self.residual is not None:
             y = y + pick(self.residual)
         return [y.to(self.out_dtype) if dtype is None else y] + outputs
@@ -551,7 +563,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread
 
 
-def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_grad: bool):
+def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bias_grad: bool):
     """dZ = grad * gelu'(preact) (M, N) and, when ``bias_grad``, its column sums (N,) in float32
     (else None), from one pass. Row slices: about four programs per multiprocessor in all, each
     slice a whole number of steps."""
@@ -568,7 +580,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, tanh: bool, bias_gr
     slices = cdiv(rows, rows_per_slice)
     partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
     launch(_gelu_bwd_kernel, (strips, slices), grad, preact, dz, partial, rows, cols, rows_per_slice,
-           TANH=tanh, BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+           GELU_FORM=gelu_form, BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return dz, partial.sum(0) if bias_grad else None
 
 
@@ -640,15 +652,15 @@ if HAS_TRITON:
         x2 = _rows(x)
         n = weight.shape[0]
         out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
-        gelu = activation != NONE
-        preact = torch.empty((x2.shape[0], n) if gelu else (0,), dtype=x.dtype, device=x.device)
+        has_gelu = activation != NONE
+        preact = torch.empty((x2.shape[0], n) if has_gelu else (0,), dtype=x.dtype, device=x.device)
         out = _matmul(
-            x2, weight.t(), out_dtype, bias=bias, epilogue=EPILOGUE_GELU if gelu else EPILOGUE_NONE,
-            tanh=activation == GELU_TANH, aux=preact if gelu else None,
+            x2, weight.t(), out_dtype, bias=bias, epilogue=EPILOGUE_GELU if has_gelu else EPILOGUE_NONE,
+            gelu_form=GELU_FORMS.get(activation, 0), aux=preact if has_gelu else None,
             residual=_rows(residual) if residual is not None else None,
         )
         shape = (*x.shape[:-1], n)
-        return out.view(shape), preact.view(shape) if gelu else preact
+        return out.view(shape), preact.view(shape) if has_gelu else preact
 
     torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())(_linear_fwd)
 
@@ -659,7 +671,7 @@ if HAS_TRITON:
         """-> dx (..., K), dW (N, K), db (N,) (empty when there is no bias)."""
         dy2 = _rows(grad_out).to(x.dtype)
         if activation != NONE:  # dZ and its column sums (the bias gradient) from one pass
-            dy2, db = _gelu_backward(dy2, _rows(preact), activation == GELU_TANH, needs_bias)
+            dy2, db = _gelu_backward(dy2, _rows(preact), GELU_FORMS[activation], needs_bias)
             dx, dw, _ = _input_and_weight_grads(dy2, _rows(x), weight, False)
         else:  # the bias gradient from the dW GEMM
             dx, dw, db = _input_and_weight_grads(dy2, _rows(x), weight, needs_bias)
@@ -686,7 +698,7 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """gelu(x @ W^T + b) (..., N) where no gradient will be asked for: the GEMM with its bias +
         GELU epilogue, without writing the pre-activation (M x N) that only backward reads."""
-        out = _matmul(_rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, tanh=activation == GELU_TANH)
+        out = _matmul(_rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, gelu_form=GELU_FORMS[activation])
         return out.view(*x.shape[:-1], weight.shape[0])
 
     linear_gelu_infer = direct(
@@ -706,7 +718,7 @@ if HAS_TRITON:
         """(out (M, D_out), hidden (M, Hd)) of rows x2 (M, D): fc1 with its bias + GELU epilogue (also
         writing the pre-activation into ``preact`` unless it is None), then fc2 (+ residual)."""
         hidden = _matmul(x2, fc1_weight.t(), x2.dtype, bias=fc1_bias, epilogue=EPILOGUE_GELU,
-                         tanh=activation == GELU_TANH, aux=preact)
+                         gelu_form=GELU_FORMS[activation], aux=preact)
         out_dtype = torch.result_type(x2, residual) if residual is not None else x2.dtype
         out = _matmul(hidden, fc2_weight.t(), out_dtype, bias=fc2_bias,
                       residual=_rows(residual) if residual is not None else None)
@@ -735,7 +747,7 @@ if HAS_TRITON:
         dW GEMM or a sum of dY (``_weight_and_bias_grads``)."""
         dy2 = _rows(grad_out).to(x.dtype)
         dw2, db2 = _weight_and_bias_grads(dy2, hidden, fc2_weight.dtype, needs_bias2)
-        dz, db1 = _matmul_and_sums(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, tanh=activation == GELU_TANH,
+        dz, db1 = _matmul_and_sums(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, gelu_form=GELU_FORMS[activation],
                                    aux=preact, sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE)
         dx, dw1, _ = _input_and_weight_grads(dz, _rows(x), fc1_weight, False)
         empty = dy2.new_empty(0)
@@ -825,8 +837,8 @@ def linear_gelu_ref(
     bias: Optional[torch.Tensor] = None,
     approximate: str = "none",
 ) -> torch.Tensor:
-    """x (..., K), weight (N, K), bias (N,) -> gelu(x @ W^T + b) (..., N)."""
-    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+    """x (..., K), weight (N, K), bias (N,) -> gelu(x @ W^T + b) (..., N), the GELU of ``approximate``."""
+    return gelu(F.linear(x, weight, bias), approximate)
 
 
 def mlp_ref(
