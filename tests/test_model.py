@@ -1,5 +1,7 @@
 """ViT presets: parameter counts, timm key names and shapes, post-norm semantics, config checks."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,8 @@ TIMM_COUNTS = {
     "vit_small_patch16_224": 22_050_664,
     "vit_base_patch16_224": 86_567_656,
     "vit_large_patch16_224": 304_326_632,
+    "vit_base_patch16_siglip_224": 93_653_224,  # timm 1.0.31, num_classes=1000
+    "vit_so400m_patch14_siglip_224": 428_833_704,
 }
 
 
@@ -46,6 +50,14 @@ def test_timm_presets_have_timm_keys_and_counts(name, dim, depth):
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == timm_vit_keys(dim, depth)
     assert model.config.norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_siglip_224", "vit_so400m_patch14_siglip_224"])
+def test_siglip_presets_have_timm_counts(name):
+    with torch.device("meta"):
+        model = vit.create_model(name)
+    assert sum(p.numel() for p in model.parameters()) == TIMM_COUNTS[name]
+    assert model.cls_token is None and model.attn_pool is not None and model.config.norm_eps == 1e-6
 
 
 # Loading real timm state dicts is checked in tests/integration (the environment with timm).
@@ -200,3 +212,36 @@ def test_whole_vit_compiles_fullgraph_and_matches_eager_on_cuda(dtype):
         compiled.float().sum().backward()
     torch.testing.assert_close(compiled.float(), eager.float(), atol=5e-2, rtol=5e-2)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_attention_pooling_matches_its_formula():
+    """SigLIP's MAP head against the formula in float64: one latent query attends over the tokens
+    (no class token), then projection, and a residual MLP on its LayerNorm."""
+    model = vit.create_model("vit_base_patch16_siglip_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                             num_heads=4, num_classes=3).double().eval()
+    pool = model.attn_pool
+    for p in pool.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    tokens = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    q = (pool.latent[0, 0] @ pool.q.weight.T + pool.q.bias).reshape(4, 8)               # (heads, Dh)
+    kv = tokens @ pool.kv.weight.T + pool.kv.bias                                       # (N, T, 2D)
+    k, v = kv[..., :32].reshape(2, 16, 4, 8), kv[..., 32:].reshape(2, 16, 4, 8)
+    weights = torch.softmax(torch.einsum("hd,nthd->nht", q, k) / math.sqrt(8), dim=-1)
+    pooled = torch.einsum("nht,nthd->nhd", weights, v).reshape(2, 32) @ pool.proj.weight.T + pool.proj.bias
+    normed = torch.nn.functional.layer_norm(pooled, (32,), pool.norm.weight, pool.norm.bias, 1e-6)
+    hidden = torch.nn.functional.gelu(normed @ pool.mlp.fc1.weight.T + pool.mlp.fc1.bias)
+    expected = pooled + hidden @ pool.mlp.fc2.weight.T + pool.mlp.fc2.bias
+    actual = pool(tokens)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    cotangent = torch.randn_like(expected)
+    grads = torch.autograd.grad((actual * cotangent).sum(), [tokens, pool.latent, pool.kv.weight])
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), [tokens, pool.latent, pool.kv.weight])
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(model(images), model.head(pool(model.forward_features(images))))
+    assert model.cls_token is None and model.forward_features(images).shape == (2, 16, 32)
+    with pytest.raises(ValueError, match="global_pool cannot change from 'map' to 'avg'"):
+        model.reset_classifier(5, global_pool="avg")
+    model.reset_classifier(5)
+    assert model(images).shape == (2, 5)

@@ -45,6 +45,7 @@ def images(model: vit.ViT, batch: int = 2) -> torch.Tensor:
     ("vit_mnist_postnorm", {"depth": 1}),
     ("vit_mnist_sincos", {}),
     ("vit_digits", {"depth": 1}),
+    ("vit_base_patch16_siglip_224", {**TINY, "num_heads": 2}),
 ])
 def test_own_state_dict_round_trips(tmp_path, name, overrides):
     source = vit.create_model(name, **overrides).eval()
@@ -227,6 +228,17 @@ def test_another_architecture_is_refused_naming_the_fields(tmp_path, overrides, 
 
 
 # ---- timm's model API -------------------------------------------------------------------------
+
+
+def test_a_siglip_checkpoint_into_a_model_without_attention_pooling_is_refused(tmp_path):
+    siglip = vit.create_model("vit_base_patch16_siglip_224", **TINY)
+    with pytest.raises(ValueError, match=r"global_pool: checkpoint 'map', model 'avg'"):
+        vit.create_model("vit_tiny_patch16_224", checkpoint_path=saved(tmp_path, siglip.state_dict()),
+                         **{**TINY, "class_token": False, "global_pool": "avg"})
+    plain = vit.create_model("vit_tiny_patch16_224", **{**TINY, "class_token": False, "global_pool": "avg"})
+    with pytest.raises(ValueError, match=r"does not fit the model; missing \(13\): attn_pool.latent, attn_pool.q"):
+        vit.create_model("vit_base_patch16_siglip_224", checkpoint_path=saved(tmp_path, plain.state_dict(), "plain.st"),
+                         **TINY)
 
 
 def test_get_and_reset_classifier():

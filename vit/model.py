@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vit.pooling import AttentionPool
 from vit.weights import load_pretrained
 from vit_kernels.activations import ACTIVATIONS
 from vit_kernels.nn import Block, LayerNorm, PatchEmbed
 
 POS_EMBED_KINDS = ("learned", "sincos")
-POOLS = ("token", "avg")
+POOLS = ("token", "avg", "map")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class ViTConfig:
     final_norm: bool = True
     class_token: bool = True
     pos_embed: str = "learned"  # learned | sincos (a fixed buffer)
-    global_pool: str = "token"  # token | avg
+    global_pool: str = "token"  # token | avg | map (attention pooling, SigLIP: vit.pooling.AttentionPool)
     drop_rate: float = 0.0  # after attention projection and in the MLP
     attn_drop_rate: float = 0.0  # on attention probabilities
     pos_drop_rate: float = 0.0  # on the embedded tokens
@@ -158,6 +159,9 @@ class ViT(nn.Module):
             for rate in config.drop_path_rates()
         )
         self.norm = norm_layer(dim, eps=config.norm_eps) if config.final_norm else nn.Identity()
+        self.attn_pool = None
+        if config.global_pool == "map":
+            self.attn_pool = AttentionPool(dim, config.num_heads, config.mlp_hidden_features, config.act, config.norm_eps)
         self.head = self._new_head(config.num_classes)
         self.grad_checkpointing = False
         self.reset_parameters()
@@ -182,6 +186,8 @@ class ViT(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 self._init_linear(module)
+        if self.attn_pool is not None:
+            self.attn_pool.reset_parameters()
         patch_weight = self.patch_embed.proj.weight
         nn.init.trunc_normal_(patch_weight, std=math.sqrt(1.0 / patch_weight[0].numel()))
 
@@ -213,7 +219,12 @@ class ViT(nn.Module):
     def forward_head(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (N, T, D) -> logits (N, num_classes)."""
         prefix = int(self.config.class_token)
-        pooled = tokens[:, 0] if self.config.global_pool == "token" else tokens[:, prefix:].mean(dim=1)
+        if self.attn_pool is not None:
+            pooled = self.attn_pool(tokens)
+        elif self.config.global_pool == "token":
+            pooled = tokens[:, 0]
+        else:
+            pooled = tokens[:, prefix:].mean(dim=1)
         return self.head(pooled)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -230,9 +241,14 @@ class ViT(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """Replace the head with a freshly initialised one for ``num_classes`` (0: no head, forward
         returns the pooled features (N, embed_dim)), on the model's device and dtype;
-        ``global_pool`` ("token" | "avg"), when given, changes the pooling. ``config`` follows."""
+        ``global_pool`` ("token" | "avg"), when given, changes the pooling; attention pooling ("map")
+        has weights of its own, so it is chosen when the model is created, not here. ``config`` follows."""
         changes: dict[str, object] = {"num_classes": num_classes}
         if global_pool is not None:
+            if "map" in (global_pool, self.config.global_pool) and global_pool != self.config.global_pool:
+                raise ValueError(
+                    f"global_pool cannot change from {self.config.global_pool!r} to {global_pool!r}: attention "
+                    "pooling ('map') has weights of its own; create the model with the pooling it needs")
             changes["global_pool"] = global_pool
         self.config = dataclasses.replace(self.config, **changes)  # validates both
         reference = self.patch_embed.proj.weight
@@ -260,6 +276,11 @@ PRESETS: dict[str, ViTConfig] = {
     "vit_small_patch16_224": _timm(384, 12, 6),
     "vit_base_patch16_224": _timm(768, 12, 12),
     "vit_large_patch16_224": _timm(1024, 24, 16),
+    # SigLIP image towers as timm builds them: no class token, attention pooling (MAP), exact GELU
+    "vit_base_patch16_siglip_224": ViTConfig(embed_dim=768, depth=12, num_heads=12, class_token=False,
+                                             global_pool="map"),
+    "vit_so400m_patch14_siglip_224": ViTConfig(patch_size=14, embed_dim=1152, depth=27, num_heads=16,
+                                               mlp_hidden_dim=4304, class_token=False, global_pool="map"),
     # Post-norm blocks computed exactly as nn.TransformerEncoderLayer(norm_first=False, activation="relu").
     "vit_mnist_postnorm": ViTConfig(
         img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=8,

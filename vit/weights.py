@@ -190,7 +190,8 @@ def _pack_qkv(state: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
 
 def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
     """The ViTConfig fields the weights (in our names) determine: depth, embed_dim, in_chans,
-    patch_size, mlp_hidden_features, class_token, qkv_bias, final_norm."""
+    patch_size, mlp_hidden_features, class_token, qkv_bias, final_norm, and global_pool when it is
+    attention pooling ("map")."""
     implied: dict[str, object] = {}
     blocks = {int(m.group(1)) for key in state if (m := re.match(r"^blocks\.(\d+)\.", key))}
     implied["depth"] = max(blocks) + 1 if blocks else 0
@@ -204,6 +205,8 @@ def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
     implied["class_token"] = "cls_token" in state
     implied["qkv_bias"] = "blocks.0.attn.qkv.bias" in state
     implied["final_norm"] = "norm.weight" in state
+    if "attn_pool.latent" in state:  # the other poolings have no weights to tell them apart
+        implied["global_pool"] = "map"
     return implied
 
 

@@ -70,15 +70,21 @@ def _images(size: int = 32) -> torch.Tensor:
 # ---- each library's file, loaded exactly --------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("vit_tiny_patch16_224", {}),
-    ("vit_small_patch16_224", {"depth": 1, "qkv_bias": False, "mlp_ratio": 2.0}),
+@pytest.mark.parametrize("name,overrides,ours_only", [
+    ("vit_tiny_patch16_224", {}, {}),
+    ("vit_small_patch16_224", {"depth": 1, "qkv_bias": False, "mlp_ratio": 2.0}, {}),
+    # SigLIP: no class token, attention pooling (MAP head: latent query, q/kv/proj, norm, MLP)
+    ("vit_base_patch16_siglip_224", {"embed_dim": 64, "num_heads": 4}, {}),
+    # SigLIP so400m's head dim 72 and an MLP width that is not 4x (timm's ratio, our width), at a
+    # width the CPU runs
+    ("vit_so400m_patch14_siglip_224", {"img_size": 28, "patch_size": 14, "embed_dim": 144, "num_heads": 2,
+                                       "mlp_ratio": 200 / 144}, {"mlp_hidden_dim": 200}),
 ])
-def test_timm_checkpoint_loads_exactly(tmp_path, name, overrides, record_difference):
+def test_timm_checkpoint_loads_exactly(tmp_path, name, overrides, ours_only, record_difference):
     reference = _randomized(timm.create_model(name, pretrained=False, **{**TIMM, **overrides}))
     path = _save(tmp_path, reference.state_dict())
-    ours = vit.create_model(name, checkpoint_path=path, **{**TIMM, **overrides}).eval()
-    record_difference("weights: timm", *_assert_same(reference, ours, _images()))
+    ours = vit.create_model(name, checkpoint_path=path, **{**TIMM, **overrides, **ours_only}).eval()
+    record_difference(f"weights: timm {name}", *_assert_same(reference, ours, _images(overrides.get("img_size", 32))))
 
 
 def test_huggingface_files_load_exactly(tmp_path, record_difference):
