@@ -22,7 +22,8 @@ from vit_kernels import backend
 
 # (model, batch) pairs for the per-op shapes and the end-to-end runs.
 FULL_OP_SHAPES = [("vit_tiny_patch16_224", 256), ("vit_small_patch16_224", 256), ("vit_base_patch16_224", 256),
-                  ("vit_large_patch16_224", 256), ("vit_cifar10_small", 256), ("vit_digits", 256)]
+                  ("vit_large_patch16_224", 256), ("vit_base_patch16_siglip_224", 256),
+                  ("vit_so400m_patch14_siglip_224", 64), ("vit_cifar10_small", 256), ("vit_digits", 256)]
 FULL_MODELS = FULL_OP_SHAPES
 # On a CPU: ViT shapes at small batches, the smallest preset for interpreted Triton.
 QUICK_OP_SHAPES = [("vit_digits", 8), ("vit_small_patch16_224", 8), ("vit_base_patch16_224", 4)]

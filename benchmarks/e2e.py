@@ -22,19 +22,22 @@ from benchmarks.peaks import fraction_of
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 
-TIMM_NAMES = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"}
+TIMM_NAMES = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224",
+              "vit_base_patch16_siglip_224", "vit_so400m_patch14_siglip_224"}
 
 
 def forward_flops(model: str, batch: int) -> float:
     """Matmul FLOPs of one forward pass: patch projection, per block qkv, attention (q k^T and P v),
-    projection and MLP, and the head."""
+    projection and MLP, attention pooling (SigLIP's MAP head: k and v of every token, one query's
+    attention, its q, projection and MLP), and the head."""
     c = get_config(model)
     patches = (c.img_size // c.patch_size) ** 2
     tokens = patches + int(c.class_token)
     hidden = c.mlp_hidden_dim or int(c.embed_dim * c.mlp_ratio)
     d = c.embed_dim
     block = 2 * tokens * (3 * d * d + d * d + 2 * d * hidden) + 4 * tokens * tokens * d
-    return batch * (2 * patches * d * c.in_chans * c.patch_size**2 + c.depth * block + 2 * d * c.num_classes)
+    pool = 2 * tokens * 2 * d * d + 4 * tokens * d + 2 * (2 * d * d + 2 * d * hidden) if c.global_pool == "map" else 0
+    return batch * (2 * patches * d * c.in_chans * c.patch_size**2 + c.depth * block + pool + 2 * d * c.num_classes)
 
 
 def _timm_model(model: str) -> Optional[torch.nn.Module]:

@@ -17,9 +17,10 @@ from vit_kernels import _gpu_tests, selftest
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
-# Per-op shapes, ViT-B/16 first (the targets are set there): ViT-Ti/S/B/L/16 at batch 256/256/128/64.
+# Per-op shapes, ViT-B/16 first (the targets are set there): ViT-B/L/S/Ti/16 at batch 128/64/256/256, then
+# SigLIP so400m/14 (head dim 72, width 1152, MLP 4304) at 64.
 OP_SHAPES = [("vit_base_patch16_224", 128), ("vit_large_patch16_224", 64), ("vit_small_patch16_224", 256),
-             ("vit_tiny_patch16_224", 256)]
+             ("vit_tiny_patch16_224", 256), ("vit_so400m_patch14_siglip_224", 64)]
 OP_MODES = ("forward", "full")
 # End to end: (model, training batch, inference batch).
 MODELS = [("vit_base_patch16_224", 128, 256), ("vit_large_patch16_224", 64, 128)]

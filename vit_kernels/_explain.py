@@ -81,9 +81,6 @@ class Journal:
         self._records: dict[tuple, Record] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: tuple) -> Optional[Record]:
-        return self._records.get(key)
-
     def add(self, key: tuple, record: Record) -> Record:
         """Store ``record`` under ``key`` (a newer decision replaces an older one; calls carry over)."""
         with self._lock:
