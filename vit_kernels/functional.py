@@ -36,6 +36,7 @@ from vit_kernels.ops import attention as _attention  # noqa: F401  (registers im
 from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401
 from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
+from vit_kernels.ops.rope import check_rope
 
 
 def patch_embed(
@@ -90,6 +91,8 @@ def attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     return_probs: bool = False,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    rope_layout: str = "interleaved",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention from packed projections.
 
@@ -97,11 +100,27 @@ def attention(
     ``num_heads`` heads of Dh = D / num_heads. ``scale`` defaults to Dh ** -0.5. ``dropout_p`` drops
     attention probabilities (pass 0 in eval mode). Returns out (B, L, D), and with
     ``return_probs`` also the softmax probabilities (B, H, L, L), taken before dropout.
+
+    ``rope = (cos, sin)``: rotary position embedding of q and k (v is left as it is), each table
+    broadcastable to (B, H, L_r, Dh) with L_r <= L (e.g. (L_r, Dh)); the last L_r tokens are rotated,
+    the first L - L_r (class and register tokens) are not: x' = x * cos + rot(x) * sin, rot pairing
+    the columns (2i, 2i+1) (``rope_layout="interleaved"``, EVA02) or (i, i + Dh/2) (``"half"``,
+    DINOv3). Dh must be even; the tables keep their dtype (also under autocast) and the rotation is
+    computed in float32. See ``vit_kernels.ops.rope``.
     """
-    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs), _prepare_attention)
+    cos, sin = (None, None) if rope is None else _rope_pair(rope)
+    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout),
+                        _prepare_attention)
 
 
-def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs):
+def _rope_pair(rope: object) -> tuple:
+    """(cos, sin) out of ``rope``, checked to be a pair (the tables themselves: ``check_rope``)."""
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError(f"rope must be None or a pair (cos, sin) of tensors, got {type(rope).__name__}")
+    return rope[0], rope[1]
+
+
+def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None, sin=None, rope_layout="interleaved"):
     check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
     num_heads = check_positive_int("num_heads", num_heads)
     batch, length, three_d = qkv.shape
@@ -116,7 +135,10 @@ def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs):
     dropout_p = check_probability("dropout_p", dropout_p)
     if not isinstance(return_probs, bool):
         raise TypeError(f"return_probs must be a bool, got {type(return_probs).__name__}")
-    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs)
+    if (cos is None) != (sin is None):
+        raise TypeError("rope must be a pair (cos, sin) of tensors, got None for one of them")
+    check_rope(None if cos is None else (cos, sin), rope_layout, qkv, num_heads)
+    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout)
 
 
 def _check_linear_args(

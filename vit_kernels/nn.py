@@ -58,16 +58,20 @@ def self_attention(
     training: bool = False,
     residual: Optional[torch.Tensor] = None,
     return_probs: bool = False,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    rope_layout: str = "interleaved",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Packed-projection self-attention on the fused ops, shared by every attention layer.
 
     x (B, L, D); qkv_weight (3*D', D) as one ``Linear(D, 3*D')``; proj_weight (D_out, D').
     Returns (B, L, D_out) [+ residual] and, with ``return_probs``, the probabilities (B, H, L, L).
     Dropout acts only when ``training``; the residual add is fused into the projection when no
-    dropout follows it.
+    dropout follows it. ``rope = (cos, sin)``, ``rope_layout``: rotary position embedding of q and
+    k, as ``vk.attention`` takes them.
     """
     qkv = vkf.linear(x, qkv_weight, qkv_bias)
-    result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs)
+    result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs,
+                           rope=rope, rope_layout=rope_layout)
     out, probs = result if return_probs else (result, None)
     if training and proj_drop > 0:
         out = _add_dropped(vkf.linear(out, proj_weight, proj_bias), proj_drop, True, residual)
@@ -174,19 +178,25 @@ class Attention(nn.Module):
         return_probs: bool = False,
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rope_layout: str = "interleaved",
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L).
 
         ``attn_mask`` (boolean, True = attend, or additive, broadcastable to (B, H, L, L)) and
         ``is_causal`` are accepted as timm's blocks pass them (NaFlex ViTs mask padded patches): the
         fused kernel is unmasked, so a masked call runs PyTorch's SDPA, exactly as timm would.
+        ``rope = (cos, sin)`` (each broadcastable to (B, H, L_r, Dh)) rotates q and k of the last L_r
+        tokens, pairs as ``rope_layout`` says: see ``vk.attention``.
         """
         if attn_mask is not None or is_causal:
+            if rope is not None:
+                raise ValueError("Attention takes rope or a mask (attn_mask, is_causal), not both")
             return self._masked(x, residual, attn_mask, is_causal, return_probs)
         return self_attention(
             x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
             attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
-            residual=residual, return_probs=return_probs,
+            residual=residual, return_probs=return_probs, rope=rope, rope_layout=rope_layout,
         )
 
     def _masked(self, x, residual, attn_mask, is_causal: bool, return_probs: bool):

@@ -37,6 +37,14 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
             return (lambda: vk.attention(qkv, heads, return_probs=True)), [qkv]
         if variant == "dropout":
             return (lambda: vk.attention(qkv, heads, dropout_p=0.1)), [qkv]
+        if variant.startswith("rope"):  # float32 tables of the patch tokens (the class token is not rotated)
+            cos, sin = (torch.randn(L - 1, head_dim, device="cuda") for _ in range(2))
+            if variant == "rope":
+                return (lambda: vk.attention(qkv, heads, rope=(cos, sin))), [qkv]
+            # the half layout, per-head tables, dropout and the probabilities (PyTorch's, of the rotated q, k)
+            cos, sin = (t.expand(heads, L - 1, head_dim) for t in (cos, sin))
+            return (lambda: vk.attention(qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin),
+                                         rope_layout="half")), [qkv]
         return (lambda: vk.attention(qkv, heads)), [qkv]
     if op == "linear":
         if variant == "tall":  # more rows than a GEMM candidate is validated on
@@ -68,7 +76,8 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
 
 
 CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention", "dh64"), ("attention", "dh80"),
-         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"), ("linear", "tall"), ("layer_norm", "wide"),
+         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"),
+         ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
          ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"),
          ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("mlp", "plain"), ("mlp", "residual"),
          ("layer_norm", "plain"), ("layer_norm", "residual")]

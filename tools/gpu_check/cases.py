@@ -134,6 +134,13 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                        run_mlp)
 
 
+# (dropout_p, return_probs, rope layout): without rope, dropout and the probabilities; with rope (its
+# kernel variants: ROPE = 1, 2), each layout with and without dropout (the probabilities of a
+# rotating call are PyTorch's, no kernel of their own).
+_ATTENTION_FLAGS = ((0.0, False, None), (0.1, False, None), (0.0, True, None), (0.0, False, "interleaved"),
+                    (0.1, False, "interleaved"), (0.0, False, "half"), (0.1, False, "half"))
+
+
 def _attention_cases(sweep: Sweep) -> Iterator[Case]:
     shapes = [(model, heads, dim // heads) for model, (dim, heads) in MODELS.items()]
     shapes += [(f"head_dim={d}", 4, d) for d in HEAD_DIMS]
@@ -142,26 +149,32 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
         dt, _ = PRECISIONS[precision]
         if precision.endswith("autocast"):
             continue  # attention takes the 16-bit qkv of the autocast GEMM: the plain 16-bit variants
-        for dropout_p, return_probs in ((0.0, False), (0.1, False), (0.0, True)):
+        for dropout_p, return_probs, rope in _ATTENTION_FLAGS:
+            if rope is not None and head_dim % 2:
+                continue  # rope rotates pairs of columns: even head dims only
+
             def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
-                    return_probs=return_probs):
+                    return_probs=return_probs, rope=rope):
                 qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
                 seed = torch.empty(1, dtype=torch.int64, device="cuda")
                 scale = head_dim**-0.5
-                out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed)
+                # rope: float32 tables (timm's buffers) of the patch tokens, the class token left unrotated
+                rope_args = () if rope is None else (_t(F32, seq_len - 1, head_dim), _t(F32, seq_len - 1, head_dim), rope)
+                out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *rope_args)
                 if return_probs:
                     attention.attention_probs(qkv, lse, heads, scale)
-                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p)
+                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *rope_args)
                 if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
-                    key = attention._chooser_key(qkv, heads)
-                    for tile in attention.fwd_candidates(dt, head_dim, seq_len):
+                    key = attention._chooser_key(qkv, heads, None if rope is None else rope_args)
+                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, rope is not None):
                         attention.FWD_CHOOSER.pin(key, tile)
-                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed)
-                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len):
+                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *rope_args)
+                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, rope is not None):
                         attention.BWD_CHOOSER.pin(key, tiles)
-                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p)
+                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p,
+                                                *rope_args)
 
-            flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}"
+            flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}" + ("" if rope is None else f" rope={rope}")
             yield Case("attention", precision, shape, flags, batch, run)
 
 

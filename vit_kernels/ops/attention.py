@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
+from vit_kernels.ops.rope import apply_rope, tables_4d
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
 from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, dot_precision, interpreted, launch, next_power_of_2, tl, triton
 
@@ -70,20 +71,101 @@ def _load_tile(ptrs, rows, seq_len, mask_d, MASK_ROWS: tl.constexpr, EVEN_D: tl.
     return tile
 
 
+# Rotary position embedding (ROPE = 1: layout "interleaved", 2: "half"; 0: none, the kernels as
+# without it), applied to q and k as their tiles are loaded (vit_kernels/ops/rope.py):
+#   x' = x cos + rot(x) sin,  rot(x) = (-x1, x0, -x3, x2, ...) on the pairs of the layout,
+#   computed in float32; rows before rope_start = L - L_r (class, register tokens) are not rotated
+#   (cos = 1, sin = 0), row i >= rope_start takes table row i - rope_start.
+# Scores are invariant to one permutation of the head-dim columns of both q and k, so a rotated
+# tile's column c holds the qkv column _rope_cols(c): c for "interleaved", and for "half" the
+# pairs (i, i + Dh/2) made adjacent (columns 0, Dh/2, 1, Dh/2 + 1, ...): both layouts are then the
+# pairs (2i, 2i + 1) of the tile. The tables are read in that same column order, dq and dk are
+# stored back through it; v, dO, out and dv keep their plain order.
+# The partner of tile column c is c ^ 1, read by a second load (the same cache lines), so that a
+# rotated tile is computed from loads alone, in either orientation: k' enters q' k'^T loaded as a
+# (Dh, keys) tile (q' in the dK/dV kernel's k' q'^T as (Dh, queries)), and no computed tile is
+# transposed into a dot (triton-lang/triton#6124, see the dK/dV kernel's query block).
+# Derivative: rot is a signed swap, rot^T = -rot, so the gradient g of x' gives
+# dx = g cos - rot(g sin), the swap of a register tile done by reshape / split / join (into a
+# store, never into a dot).
+@triton.jit
+def _rope_cols(tcols, head_dim, ROPE: tl.constexpr):
+    """The qkv column (within a head) that tile column ``tcols`` holds (see above)."""
+    if ROPE == 2:
+        return tl.where(tcols < head_dim, tcols // 2 + (tcols % 2) * (head_dim // 2), tcols)
+    else:
+        return tcols
+
+
+@triton.jit
+def _rope_tables(cos_base, sin_base, rows, tcols, seq_len, head_dim, rope_start, stride_cos_l, stride_cos_d,
+                 stride_sin_l, stride_sin_d, ROPE: tl.constexpr):
+    """float32 cos and sin of sequence rows ``rows`` and tile columns ``tcols``, index tensors that
+    broadcast to the tile ((R, 1) and (1, D) for a row-major tile, (1, R) and (D, 1) for a
+    transposed one); 1 and 0 (no rotation) for prefix rows and outside the sequence or head dim."""
+    cols = _rope_cols(tcols, head_dim, ROPE)
+    on = (rows >= rope_start) & (rows < seq_len) & (tcols < head_dim)
+    table_rows = rows - rope_start
+    cos = tl.load(cos_base + table_rows * stride_cos_l + cols * stride_cos_d, mask=on, other=1.0)
+    sin = tl.load(sin_base + table_rows * stride_sin_l + cols * stride_sin_d, mask=on, other=0.0)
+    return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
+def _load_rotated(base, rows, tcols, seq_len, head_dim, stride_l, stride_c, cos_base, sin_base, rope_start,
+                  stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE: tl.constexpr, VOLATILE: tl.constexpr):
+    """x' = x cos + rot(x) sin of the q or k tile at ``base`` (one head of one image), in tile column
+    order, for index tensors ``rows``, ``tcols`` as in ``_rope_tables``; 0 outside the sequence and
+    head dim. Returned in the dtype of qkv (a dot operand)."""
+    mask = (rows < seq_len) & (tcols < head_dim)
+    row_offsets = rows * stride_l
+    x = tl.load(base + row_offsets + _rope_cols(tcols, head_dim, ROPE) * stride_c, mask=mask, other=0.0,
+                volatile=VOLATILE)
+    partner = tl.load(base + row_offsets + _rope_cols(tcols ^ 1, head_dim, ROPE) * stride_c, mask=mask, other=0.0,
+                      volatile=VOLATILE)
+    cos, sin = _rope_tables(cos_base, sin_base, rows, tcols, seq_len, head_dim, rope_start, stride_cos_l,
+                            stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+    sign = tl.where(tcols % 2 == 0, -1.0, 1.0)
+    return (x.to(tl.float32) * cos + partner.to(tl.float32) * sign * sin).to(x.dtype)
+
+
+@triton.jit
+def _rotated_pair(base, rows, offs_d, seq_len, head_dim, stride_l, stride_c, cos_base, sin_base, rope_start,
+                  stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE: tl.constexpr):
+    """The rotated tile of sequence rows ``rows`` as (rows, Dh) and as (Dh, rows), both from loads."""
+    x = _load_rotated(base, rows[:, None], offs_d[None, :], seq_len, head_dim, stride_l, stride_c, cos_base, sin_base,
+                      rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
+    xt = _load_rotated(base, rows[None, :], offs_d[:, None], seq_len, head_dim, stride_l, stride_c, cos_base, sin_base,
+                       rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
+    return x, xt
+
+
+@triton.jit
+def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dx = g cos - rot(g sin) of a float32 (ROWS, BLOCK_D) gradient tile in tile column order."""
+    even, odd = tl.split(tl.reshape(g * sin, (ROWS, BLOCK_D // 2, 2)))
+    return g * cos - tl.reshape(tl.join(-odd, even), (ROWS, BLOCK_D))
+
+
 # One key block of the forward (keys start_n + offs_n) for the query tile q, with c = scale * log2(e):
 #   s_ij = q_i . k_j   (-inf for keys past the sequence: only in the masked tail block, MASK_N)
+#   (with ROPE, q and k rotated: q' . k'_j, k' given as the loaded and rotated (Dh, keys) tile kt)
 #   m_new = max(m_i, max_j s_ij),  alpha = 2^((m_i - m_new) c),  p_ij = 2^((s_ij - m_new) c)
 #   l_i <- alpha l_i + sum_j p_ij,  acc_i <- alpha acc_i + sum_j z_ij / (1 - p) p_ij v_j    -> (acc, l, m_new)
 @triton.jit
 def _attention_fwd_key_block(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_n, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2,
+    acc, l_i, m_i, q, kt, k_ptrs, v_ptrs, start_n, offs_n, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2,
     dropout_p, keep_scale,
-    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     rows_n = start_n + offs_n
-    k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    if ROPE == 0:
+        k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
     v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if ROPE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, kt, input_precision=PRECISION)
     if MASK_N:
         s = tl.where((rows_n < seq_len)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,16 +194,19 @@ def _attention_fwd_key_block(
 # then (when BLOCK_N does not divide L) one tail block of BLOCK_TAIL keys (L mod BLOCK_N padded to a
 # power of two, at least 16: 16 keys rather than 64 at L = 197), the only one masked on the key
 # length. q is loaded once; rows past the sequence are masked on their loads and stores only
-# (their q reads 0). Shapes: qkv (B, L, 3D), out (B, L, D), row statistics (B*H, L).
+# (their q reads 0). With ROPE, q and each k block are rotated as loaded (see _rope_cols), k as a
+# (Dh, keys) tile. Shapes: qkv (B, L, 3D), out (B, L, D), row statistics (B*H, L); with ROPE the
+# tables Cos, Sin (B, H, L_r, Dh) by strides (0 where broadcast), rope_start = L - L_r.
 @triton.jit
 def _attention_fwd_kernel(
-    QKV, Out, RowMax, RowInvSum, Seed,
-    seq_len, num_heads, head_dim, model_dim,
+    QKV, Out, RowMax, RowInvSum, Seed, Cos, Sin,
+    seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_out_b, stride_out_l,
+    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
     scale_log2, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
@@ -134,7 +219,15 @@ def _attention_fwd_kernel(
     k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols
-    q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D)
+    if ROPE == 0:
+        q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True,
+                       EVEN_D)
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
+                          False)
     seed = 0
     keep_scale = 1.0
     if DROPOUT:
@@ -149,17 +242,28 @@ def _attention_fwd_kernel(
     full_end = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        kt = 0
+        if ROPE != 0:
+            kt = _load_rotated(k_base, (start_n + offs_n)[None, :], offs_d[:, None], seq_len, head_dim, stride_qkv_l,
+                               stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
+                               stride_sin_d, ROPE, False)
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc, l_i, m_i, q, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_n, offs_m,
-            mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, False, EVEN_D, DROPOUT, PRECISION)
+            acc, l_i, m_i, q, kt, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_n,
+            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, False, EVEN_D, DROPOUT,
+            PRECISION, ROPE)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_tile = offs_t[:, None] * stride_qkv_l + cols
         row_offset = tl.cast(full_end, tl.int64) * stride_qkv_l
+        kt_tail = 0
+        if ROPE != 0:
+            kt_tail = _load_rotated(k_base, (full_end + offs_t)[None, :], offs_d[:, None], seq_len, head_dim,
+                                    stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l,
+                                    stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc, l_i, m_i, q, k_base + row_offset + tail_tile, v_base + row_offset + tail_tile, full_end, offs_t,
-            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, True, EVEN_D, DROPOUT,
-            PRECISION)
+            acc, l_i, m_i, q, kt_tail, k_base + row_offset + tail_tile, v_base + row_offset + tail_tile, full_end,
+            offs_t, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, True, EVEN_D, DROPOUT,
+            PRECISION, ROPE)
 
     inv_sum = 1.0 / l_i
     acc = acc * inv_sum[:, None]
@@ -186,10 +290,13 @@ def _attention_fwd_kernel(
 # the rounding difference between two ways of computing dO . v_j.
 @triton.jit
 def _attention_bwd_p_dp(
-    q, k, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
-    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    q, k, kt, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
+    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if ROPE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:  # q and k rotated, k' as the (Dh, keys) tile kt (see _rope_cols)
+        s = tl.dot(q, kt, input_precision=PRECISION)
     p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
     if MASK_N:
         p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
@@ -218,12 +325,15 @@ def _attention_bwd_p_dp(
 # the kernel discards their rows of dK and dV at its store, which are all they reach.
 @triton.jit
 def _attention_bwd_dkdv_query_block(
-    dk, dv, k, v, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len,
-    pid_bh, seed, scale_log2, dropout_p,
-    MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    dk, dv, k, v, q_rot, qt_rot, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d,
+    seq_len, pid_bh, seed, scale_log2, dropout_p,
+    MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     rows_m = start_m + offs_m
-    q = _load_tile(q_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    if ROPE == 0:
+        q = _load_tile(q_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    else:  # the rotated q' as (queries, Dh) and as (Dh, queries): no computed tile is transposed
+        q = q_rot
     do = _load_tile(do_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
     if MASK_M:
         mask_m = rows_m < seq_len
@@ -234,7 +344,10 @@ def _attention_bwd_dkdv_query_block(
         row_max = tl.load(RowMax + stats_ptrs)
         inv_sum = tl.load(RowInvSum + stats_ptrs)
         delta = tl.load(Delta + stats_ptrs)
-    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    if ROPE == 0:
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    else:
+        s_t = tl.dot(k, qt_rot, input_precision=PRECISION)
     p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
@@ -264,18 +377,22 @@ def _attention_bwd_dkdv_query_block(
 # computed tile is transposed (see the query block). The BLOCK_M query blocks inside the sequence
 # load without masks; the tail (BLOCK_TAIL rows, L mod BLOCK_M padded to a power of two, when
 # BLOCK_M does not divide L) is the only block masked. K and V are loaded once (and again for the
-# tail); the key rows past the sequence are masked on those loads and the stores only. Shapes: qkv
-# and dqkv (B, L, 3D), dO (B, L, D), row statistics and delta (B*H, L).
+# tail); the key rows past the sequence are masked on those loads and the stores only. With ROPE
+# (see _rope_cols) K is rotated as loaded, each query block's Q twice (as (queries, Dh) for dK and
+# (Dh, queries) for S^T), and dK, the gradient of the rotated k', is taken back through the rotation:
+# dk = dK' cos - rot(dK' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D), row statistics and
+# delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
-    seq_len, num_heads, head_dim, model_dim,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin,
+    seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
+    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
     scale, scale_log2, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
@@ -287,7 +404,14 @@ def _attention_bwd_dkdv_kernel(
     q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
     k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     kv_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_qkv_l + (tl.arange(0, BLOCK_N)[:, None] * stride_qkv_l + cols)
-    k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
+    if ROPE == 0:
+        k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
+                          False)
     v = _load_tile(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D)
     do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
     do_cols = offs_d[None, :] * stride_do_c
@@ -303,11 +427,14 @@ def _attention_bwd_dkdv_kernel(
     do_tile = offs_m[:, None] * stride_do_l + do_cols
     full_end = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, full_end, BLOCK_M):
+        q_rot, qt_rot = _rotated_pair(q_base, start_m + offs_m, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                                      cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
+                                      stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk, dv, k, v, q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
+            dk, dv, k, v, q_rot, qt_rot, q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
             do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile, row_stats + start_m + offs_m, Delta, RowMax,
             RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p,
-            False, EVEN_D, DROPOUT, PRECISION)
+            False, EVEN_D, DROPOUT, PRECISION, ROPE)
     if BLOCK_TAIL > 0:
         # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
         # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
@@ -317,14 +444,23 @@ def _attention_bwd_dkdv_kernel(
             kv_mask = (offs_n < seq_len)[:, None]
         else:
             kv_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
+        if ROPE == 0:
+            k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
+        else:
+            k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                              cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d,
+                              ROPE, True)
         v = tl.load(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, mask=kv_mask, other=0.0, volatile=True)
         offs_t = tl.arange(0, BLOCK_TAIL)
+        q_rot_tail, qt_rot_tail = _rotated_pair(
+            q_base, full_end + offs_t, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c, cos_base, sin_base,
+            rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk, dv, k, v, q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
+            dk, dv, k, v, q_rot_tail, qt_rot_tail,
+            q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
             do_base + tl.cast(full_end, tl.int64) * stride_do_l + (offs_t[:, None] * stride_do_l + do_cols),
             row_stats + full_end + offs_t, Delta, RowMax, RowInvSum, full_end, offs_t, offs_n, mask_d, seq_len,
-            pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
+            pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION, ROPE)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l + head * head_dim \
         + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + offs_d[None, :])
@@ -332,22 +468,36 @@ def _attention_bwd_dkdv_kernel(
         out_mask = (offs_n < seq_len)[:, None]
     else:
         out_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
-    tl.store(out_ptrs + model_dim, (dk * scale).to(DQKV.dtype.element_ty), mask=out_mask)
+    if ROPE == 0:
+        tl.store(out_ptrs + model_dim, (dk * scale).to(DQKV.dtype.element_ty), mask=out_mask)
+    else:
+        cos, sin = _rope_tables(cos_base, sin_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, rope_start,
+                                stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+        dk = _rope_grad(dk * scale, cos, sin, BLOCK_N, BLOCK_D)
+        dk_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l \
+            + head * head_dim + model_dim \
+            + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        tl.store(dk_ptrs, dk.to(DQKV.dtype.element_ty), mask=out_mask)
     tl.store(out_ptrs + 2 * model_dim, dv.to(DQKV.dtype.element_ty), mask=out_mask)
 
 
 # One key block of the dQ kernel's two passes: k and the recomputed (P, dP) of its query rows,
-# masked on the key length only in the tail block (MASK_N).
+# masked on the key length only in the tail block (MASK_N). With ROPE, k is the rotated k' given as
+# k_rot (keys, Dh) and kt_rot (Dh, keys), loaded by the caller.
 @triton.jit
 def _attention_bwd_dq_key_block(
-    q, do, row_max, inv_sum, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2,
-    dropout_p, MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    q, do, row_max, inv_sum, k_rot, kt_rot, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed,
+    scale_log2, dropout_p,
+    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     rows_n = start_n + offs_n
-    k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    if ROPE == 0:
+        k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    else:
+        k = k_rot
     v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
-    p, _, dp = _attention_bwd_p_dp(q, k, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                   scale_log2, dropout_p, MASK_N, DROPOUT, PRECISION)
+    p, _, dp = _attention_bwd_p_dp(q, k, kt_rot, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
+                                   scale_log2, dropout_p, MASK_N, DROPOUT, PRECISION, ROPE)
     return k, p, dp
 
 
@@ -360,18 +510,22 @@ def _attention_bwd_dq_key_block(
 # (the derivative of S = scale Q K^T through the softmax with respect to Q). dS is recomputed in both
 # kernels rather than shared through atomics: a deterministic result. Each pass runs the BLOCK_N
 # key blocks inside the sequence without masks, then the one tail block of BLOCK_TAIL keys (when
-# BLOCK_N does not divide L), the only one masked on the key length. Shapes: qkv and dqkv (B, L, 3D),
-# dO (B, L, D), row statistics and delta (B*H, L).
+# BLOCK_N does not divide L), the only one masked on the key length. With ROPE (see _rope_cols), q
+# is rotated as loaded, each key block's K as (Dh, keys) for S (both passes) and as (keys, Dh) for dQ
+# (the second), and dQ, the gradient of the rotated q', is taken back through the rotation:
+# dq = dQ' cos - rot(dQ' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D), row statistics and
+# delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dq_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV,
-    seq_len, num_heads, head_dim, model_dim,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin,
+    seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
+    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
     scale, scale_log2, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
@@ -384,8 +538,15 @@ def _attention_bwd_dq_kernel(
     q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
     k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
-    q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols),
-                   offs_m, seq_len, mask_d, True, EVEN_D)
+    if ROPE == 0:
+        q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l
+                       + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols), offs_m, seq_len, mask_d, True, EVEN_D)
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
+                          False)
     do = _load_tile(DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
                     + tl.cast(start_m, tl.int64) * stride_do_l
                     + (tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c),
@@ -404,17 +565,25 @@ def _attention_bwd_dq_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        kt_first = _load_rotated(k_base, (start_n + offs_n)[None, :], offs_d[:, None], seq_len, head_dim,
+                                 stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d,
+                                 stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p, dp = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_m,
-            offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION)
+            q, do, row_max, inv_sum, 0, kt_first, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n,
+            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION,
+            ROPE)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        kt_first_tail = _load_rotated(k_base, (full_end + offs_t)[None, :], offs_d[:, None], seq_len, head_dim,
+                                      stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l,
+                                      stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p_tail, dp_tail = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
+            q, do, row_max, inv_sum, 0, kt_first_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION,
+            ROPE)
         weighted += tl.sum(p_tail * dp_tail, 1)
         row_sum += tl.sum(p_tail, 1)
     delta = weighted / tl.where(mask_m, row_sum, 1.0)
@@ -423,24 +592,41 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        k_rot, kt_rot = _rotated_pair(k_base, start_n + offs_n, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c,
+                                      cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
+                                      stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k, p, dp = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_m,
-            offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION)
+            q, do, row_max, inv_sum, k_rot, kt_rot, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile,
+            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT,
+            PRECISION, ROPE)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        k_rot_tail, kt_rot_tail = _rotated_pair(
+            k_base, full_end + offs_t, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c, cos_base, sin_base,
+            rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION)
+            q, do, row_max, inv_sum, k_rot_tail, kt_rot_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION,
+            ROPE)
         dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
 
-    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l + head * head_dim \
-        + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
-    if EVEN_D:
-        tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=mask_m[:, None])
+    if ROPE == 0:
+        out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l \
+            + head * head_dim + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
+        dq = dq * scale
     else:
-        tl.store(out_ptrs, (dq * scale).to(DQKV.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l \
+            + head * head_dim + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l
+                                 + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        cos, sin = _rope_tables(cos_base, sin_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, rope_start,
+                                stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+        dq = _rope_grad(dq * scale, cos, sin, BLOCK_M, BLOCK_D)
+    if EVEN_D:
+        tl.store(out_ptrs, dq.to(DQKV.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(out_ptrs, dq.to(DQKV.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 # Probabilities for return_probs: P_ij = 2^((s_ij - m_i) c) / l_i, recomputed from the saved row statistics,
@@ -514,6 +700,10 @@ ATTENTION_BWD_TILES = {
     (True, 128): (((16, 32, 4, 1), (16, 32, 8, 1)),),
     (True, 256): (((16, 16, 4, 1), (16, 16, 8, 1)),),
 }
+# A rotating call's kernels load per block two more q or k tiles (the partner columns) and the
+# cos and sin tiles, each buffered once per pipeline stage: at 3 stages the 16-bit head-dim-64
+# tiles pass sm_80's 163 KB of shared memory per block (`make check-gpu`), so they run at most 2.
+ROPE_MAX_STAGES = 2
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
 VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
@@ -543,24 +733,25 @@ def _fit(tile: int, seq_len: int) -> int:
     return max(16, min(tile, next_power_of_2(int(seq_len))))
 
 
-def _fitted(tile: tuple, seq_len: int) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence."""
+def _fitted(tile: tuple, seq_len: int, rope: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence; for a rotating call
+    at most ROPE_MAX_STAGES stages."""
     bm, bn, warps, stages = tile
-    return _fit(bm, seq_len), _fit(bn, seq_len), warps, stages
+    return _fit(bm, seq_len), _fit(bn, seq_len), warps, min(stages, ROPE_MAX_STAGES) if rope else stages
 
 
 def _unique(tiles) -> tuple:
     return tuple(dict.fromkeys(tiles))
 
 
-def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int) -> tuple:
+def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False) -> tuple:
     """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped)."""
-    return _unique(_fitted(t, seq_len) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
+    return _unique(_fitted(t, seq_len, rope) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
 
 
-def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int) -> tuple:
+def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False) -> tuple:
     """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence."""
-    return _unique((_fitted(dq, seq_len), _fitted(dkdv, seq_len))
+    return _unique((_fitted(dq, seq_len, rope), _fitted(dkdv, seq_len, rope))
                    for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)])
 
 
@@ -588,11 +779,32 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
     return batch, seq_len, model_dim, model_dim // num_heads
 
 
-def _chooser_key(qkv: torch.Tensor, num_heads: int) -> tuple:
+def _chooser_key(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None) -> tuple:
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
-    as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete)."""
+    as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), and
+    the rope layout of a rotating call (its own kernel variant)."""
     batch, seq_len, _, head_dim = (int(size) for size in _shape(qkv, num_heads))
-    return str(qkv.device), str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads)
+    key = (str(qkv.device), str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads))
+    return key if rope is None else key + (f"rope={rope[2]}",)
+
+
+ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
+
+
+def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], rope_layout: str) -> Optional[tuple]:
+    """The launchers' rope argument: None, or (cos, sin, layout)."""
+    return None if cos is None else (cos, sin, rope_layout)
+
+
+def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) -> tuple[tuple, int]:
+    """((Cos, Sin, rope_start, the 8 table strides), ROPE) for the kernels: the tables as (B, H, L_r, Dh)
+    views (stride 0 where broadcast) and rope_start = L - L_r; without rope, qkv as placeholder
+    pointers (never read) and ROPE = 0."""
+    if rope is None:
+        return (qkv, qkv, 0, (0,) * 8), 0
+    cos, sin, layout = rope
+    cos, sin = tables_4d(qkv, num_heads, cos, sin)
+    return (cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())), ROPE_CODES[layout]
 
 
 def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
@@ -604,12 +816,16 @@ def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
 
 
 def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_out: Optional[torch.Tensor],
-                         dtype: torch.dtype) -> list[torch.Tensor]:
+                         dtype: torch.dtype, rope: Optional[tuple] = None) -> list[torch.Tensor]:
     """SDPA on the first ``_validation_images`` images of qkv computed in ``dtype``: [out] or, given
-    grad_out, [dq, dk, dv] each (n, L, D)."""
+    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k."""
     n = _validation_images(qkv, num_heads)
     leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
-    q, k, v = (sdpa_aligned(t) for t in split_qkv(leaf, num_heads))
+    q, k, v = split_qkv(leaf, num_heads)
+    if rope is not None:
+        cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope[0], rope[1]))
+        q, k = apply_rope(q, cos, sin, rope[2]), apply_rope(k, cos, sin, rope[2])
+    q, k, v = (sdpa_aligned(t) for t in (q, k, v))
     out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
     if grad_out is None:
         return [out.detach()]
@@ -619,18 +835,19 @@ def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_o
 
 def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[torch.Tensor]], list],
                            qkv: torch.Tensor, num_heads: int, scale: float,
-                           grad_out: Optional[torch.Tensor] = None) -> Callable:
+                           grad_out: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> Callable:
     """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
     within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
-    inputs) or float32 (16-bit inputs). The references are computed once, on first use."""
+    inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` where given. The references
+    are computed once, on first use."""
     wide = reference_dtype(qkv.dtype)
     references: list = []
 
     def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
         if not references:
             with torch.enable_grad():
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide))
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype))
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope))
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope))
         for name, actual, exact, own in zip(names, parts_of(outputs), *references):
             problem = within_pytorch_error(name, actual, own, exact, FLOORS[qkv.dtype])
             if problem is not None:
@@ -642,19 +859,21 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
 
 if HAS_TRITON:
 
-    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile) -> None:
+    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None) -> None:
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         bm, bn, warps, stages = tile
+        (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         launch(
             _attention_fwd_kernel, _row_blocks(bm, seq_len, batch * num_heads),
-            qkv, out, stats[0], stats[1], seed,
-            seq_len, num_heads, head_dim, model_dim,
+            qkv, out, stats[0], stats[1], seed, cos, sin,
+            seq_len, num_heads, head_dim, model_dim, rope_start,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             out.stride(0), out.stride(1),
+            *table_strides,
             scale * LOG2E, dropout_p,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_TAIL=_tail_block(bn, seq_len), BLOCK_D=_block_d(head_dim),
             EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-            PRECISION=dot_precision(qkv.dtype), num_warps=warps, num_stages=stages,
+            PRECISION=dot_precision(qkv.dtype), ROPE=code, num_warps=warps, num_stages=stages,
         )
 
     def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -663,48 +882,57 @@ if HAS_TRITON:
         stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         return out, stats
 
-    def fwd_tile(qkv, num_heads, scale, seed) -> tuple:
+    def fwd_tile(qkv, num_heads, scale, seed, rope=None) -> tuple:
         """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tile):
                 out, stats = _fwd_outputs(qkv, num_heads)
-                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile)
+                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile, rope)
                 return [out]
 
             n = _validation_images(qkv, num_heads)
-            return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale)
+            return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale,
+                                               rope=rope)
 
-        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads), lambda: _interpreter_tile(seq_len),
-                               lambda: fwd_candidates(qkv.dtype, head_dim, seq_len), trial)
+        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope),
+                              lambda: _interpreter_tile(seq_len),
+                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None),
+                              trial)
 
     def _attention_fwd(
-        qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor
+        qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor,
+        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
-        and 1 / the row sum of the exponentials."""
+        and 1 / the row sum of the exponentials. With tables cos, sin (broadcastable to (B, H, L_r, Dh)),
+        q and k rotated (``rope_layout``) inside the kernel."""
+        rope = _rope(cos, sin, rope_layout)
         out, stats = _fwd_outputs(qkv, num_heads)
-        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, fwd_tile(qkv, num_heads, scale, seed))
+        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, fwd_tile(qkv, num_heads, scale, seed, rope),
+                    rope)
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
-    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles) -> torch.Tensor:
+    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None) -> torch.Tensor:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
+        (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         args = (
-            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv,
-            seq_len, num_heads, head_dim, model_dim,
+            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin,
+            seq_len, num_heads, head_dim, model_dim, rope_start,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             dqkv.stride(0), dqkv.stride(1),
+            *table_strides,
             scale, scale * LOG2E, dropout_p,
         )
         flags = dict(BLOCK_D=_block_d(head_dim), EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-                     PRECISION=dot_precision(qkv.dtype))
+                     PRECISION=dot_precision(qkv.dtype), ROPE=code)
         (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
         # the tails: of the dQ kernel's loop over key blocks, of the dK/dV kernel's over query blocks
         launch(_attention_bwd_dq_kernel, _row_blocks(dq_m, seq_len, batch * num_heads), *args, **flags,
@@ -715,29 +943,32 @@ if HAS_TRITON:
                num_stages=kv_stages)
         return dqkv
 
-    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale) -> tuple:
+    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None) -> tuple:
         """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tiles):
-                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles)]
+                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles, rope)]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
-                                               qkv, num_heads, scale, grad_out)
+                                               qkv, num_heads, scale, grad_out, rope)
 
-        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads),
-                              lambda: (_interpreter_tile(seq_len),) * 2, lambda: bwd_candidates(qkv.dtype, head_dim, seq_len),
-                              trial)
+        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope),
+                              lambda: (_interpreter_tile(seq_len),) * 2,
+                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None), trial)
 
     def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
+        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
     ) -> torch.Tensor:
-        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv."""
+        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
+        q and k; the tables get none)."""
+        rope = _rope(cos, sin, rope_layout)
         return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p,
-                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale))
+                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope), rope)
 
     attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
                            _attention_bwd)
@@ -764,17 +995,20 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())(_attention_probs)
 
     def _fwd_setup_context(ctx, inputs, output):
-        qkv, num_heads, scale, dropout_p, seed = inputs
+        qkv, num_heads, scale, dropout_p, seed, *rope_args = inputs
         out, stats = output
-        ctx.save_for_backward(qkv, stats, seed)
+        ctx.save_for_backward(qkv, stats, seed, *rope_args[:2])
         ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
+        ctx.num_inputs, ctx.rope_layout = len(inputs), rope_args[2] if len(rope_args) > 2 else "interleaved"
 
     def _fwd_backward(ctx, grad_out, grad_stats):
+        nones = (None,) * (ctx.num_inputs - 1)
         if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
-            return None, None, None, None, None
-        qkv, stats, seed = ctx.saved_tensors
-        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p)
-        return dqkv, None, None, None, None
+            return (None, *nones)
+        qkv, stats, seed, *tables = ctx.saved_tensors
+        rope_args = (*tables, ctx.rope_layout) if tables and tables[0] is not None else ()
+        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p, *rope_args)
+        return (dqkv, *nones)
 
     attention_fwd = differentiable("vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd)
 
@@ -801,18 +1035,25 @@ if HAS_TRITON:
 
 
 def attention_triton(
-    qkv: torch.Tensor, num_heads: int, scale: Optional[float], dropout_p: float, return_probs: bool
+    qkv: torch.Tensor, num_heads: int, scale: Optional[float], dropout_p: float, return_probs: bool,
+    cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton implementation of ``vk.attention`` (arguments already validated)."""
+    """The Triton implementation of ``vk.attention`` (arguments already validated). With rope, the
+    probabilities asked for are computed by PyTorch's ops from the rotated q and k."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
     scale = head_dim**-0.5 if scale is None else scale
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
     else:
         seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
-    out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    if cos is None:
+        out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
+    else:
+        out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed, cos, sin, rope_layout)
     if not return_probs:
         return out
+    if cos is not None:
+        return out, rotated_probs(qkv, num_heads, scale, cos, sin, rope_layout)
     return out, attention_probs(qkv, stats, num_heads, scale)
 
 
@@ -857,14 +1098,29 @@ def attention_ref(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     return_probs: bool = False,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    rope_layout: str = "interleaved",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Reference attention: ``F.scaled_dot_product_attention``, or explicit softmax when the
-    probabilities are asked for. ``probs`` (B, H, L, L) are the softmax before dropout."""
+    probabilities are asked for. ``probs`` (B, H, L, L) are the softmax before dropout. With tables
+    cos, sin (broadcastable to (B, H, L_r, Dh)), q and k are rotated first (``rope.apply_rope``):
+    differentiable in the tables too."""
     q, k, v = split_qkv(qkv, num_heads)
+    if cos is not None:
+        q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
     if not return_probs:
         q, k, v = (sdpa_aligned(t) for t in (q, k, v))
         return merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale))
     return explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.softmax(scores, dim=-1))
+
+
+def rotated_probs(qkv: torch.Tensor, num_heads: int, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                  rope_layout: str) -> torch.Tensor:
+    """softmax(scale q' k'^T) (B, H, L, L) of the rotated q and k, by PyTorch's ops (differentiable)."""
+    q, k, _ = split_qkv(qkv, num_heads)
+    q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
+    return torch.softmax((q @ k.transpose(-2, -1)) * scale, dim=-1)
 
 
 def explicit_attention(q, k, v, scale, dropout_p, softmax):
@@ -876,7 +1132,8 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
     return merge_heads(dropped @ v), probs
 
 
-def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False):
+def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
+                        rope_layout="interleaved"):
     """``vk.attention`` for the extension backend, one C++ call (``vit_kernels::attention_explicit``):
     scores by GEMM, the ``vit_kernels::softmax`` kernel, then a GEMM with v. Materialises the
     (B, H, L, L) scores: meant for ``return_probs`` (attention maps), not for speed. 16-bit inputs
@@ -914,18 +1171,28 @@ if _ext.LOADED:
     _ops = ExtensionOps("attention_explicit")
 
 
-def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False) -> Optional[str]:
-    """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory."""
+def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
+                   rope_layout="interleaved") -> Optional[str]:
+    """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory. The
+    kernels rotate q and k but compute no gradient of the rope tables."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
     if head_dim > MAX_HEAD_DIM:
         return f"head dim {head_dim} > {MAX_HEAD_DIM} (a q/k/v tile would not fit on chip)"
+    if cos is not None and torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return "rope tables that require grad (the kernels compute no gradient of cos and sin; torch does)"
     return None
+
+
+def _extension_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
+                      rope_layout="interleaved") -> Optional[str]:
+    """The C++ attention has no rotary position embedding."""
+    return None if cos is None else "rope (the C++ attention does not rotate q and k)"
 
 
 def _without_dropout(args: tuple) -> tuple:
     """The call made deterministic for validation: dropout off."""
-    qkv, num_heads, scale, _, return_probs = args
-    return (qkv, num_heads, scale, 0.0, return_probs)
+    qkv, num_heads, scale, _, return_probs, *rope_args = args
+    return (qkv, num_heads, scale, 0.0, return_probs, *rope_args)
 
 
 # The implementations of vk.attention: backend -> function, support by device / dtype, shape limits.
@@ -949,5 +1216,5 @@ backend.implementations(
     validation_args=_without_dropout,
     torch=backend.Impl(attention_ref),
     triton=backend.Impl(attention_triton, supports=backend.triton_supports_dot, limits=_triton_limits),
-    extension=backend.Impl(attention_extension, supports=_extension_supports),
+    extension=backend.Impl(attention_extension, supports=_extension_supports, limits=_extension_limits),
 )
