@@ -65,3 +65,26 @@ def test_patched_models_in_float32_on_kernel_backends(family, backend_name, reco
     ran = {op for op in KERNEL_OPS if backend_name in vk.explain().ran(op)}
     assert ran == KERNEL_OPS, f"{backend_name} did not run {KERNEL_OPS - ran}:\n{vk.explain()}"
     record_difference(f"{family} float32 on {backend_name}", *differences)
+
+
+ROPE_MODELS = {  # the rotary layouts: interleaved pairs (EVA02) and half-split pairs with register tokens (DINOv3)
+    "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "depth": 1, "ref_feat_shape": (2, 2)}),
+    "dinov3": ("vit_base_patch16_dinov3", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 64, "num_heads": 4}),
+}
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="Triton's interpreter cannot run here")
+@pytest.mark.parametrize("family", sorted(ROPE_MODELS))
+def test_rope_vits_in_float32_on_triton(family, record_difference):
+    """The rotation inside the Triton attention kernels, forward and backward, in a real RoPE ViT."""
+    name, overrides = ROPE_MODELS[family]
+    reference = timm.create_model(name, pretrained=False, num_classes=5, **overrides)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
+    reference = reference.double().eval()
+    patched, _ = patched_copy(reference)
+    size = overrides["img_size"]
+    backend.clear_decisions()
+    differences = compare_in_float32(reference, patched, torch.randn(2, 3, size, size, dtype=torch.float64), "triton")
+    assert "triton" in vk.explain().ran("attention"), vk.explain()
+    record_difference(f"timm {family} float32 on triton", *differences)

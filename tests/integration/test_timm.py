@@ -68,10 +68,76 @@ def test_qk_norm_and_swiglu_are_reported_not_swapped():
     model = _timm_vit("vit_tiny_patch16_224", depth=1, qk_norm=True)
     reasons = dict(patched_copy(model)[1].skipped)
     assert "qk_norm" in reasons["blocks.0.attn"]
-    eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=28, depth=1, num_classes=5)
-    eva_reasons = dict(patched_copy(eva)[1].skipped)
-    assert any("attention-like" in why for why in eva_reasons.values()), eva_reasons
-    assert any("MLP-like" in why for why in eva_reasons.values()), eva_reasons
+    eva = _timm_vit("vit_base_patch16_rope_reg1_gap_256", **ROPE_SMALL, qk_norm=True)
+    assert "qk_norm" in dict(patched_copy(eva)[1].skipped)["blocks.0.attn"]
+    eva02 = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=28, depth=1, num_classes=5)
+    eva_reasons = dict(patched_copy(eva02)[1].skipped)
+    assert "GluMlp" in eva_reasons["blocks.0.mlp"] and "MLP-like" in eva_reasons["blocks.0.mlp"], eva_reasons
+
+
+# timm's RoPE ViTs (timm.models.eva): (model, overrides, the attention class, the rope layout)
+ROPE_SMALL = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 4}
+ROPE_FAMILIES = {
+    "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "depth": 2, "ref_feat_shape": (2, 2)},
+              "EvaAttention", "interleaved"),
+    "rope_reg1_gap": ("vit_base_patch16_rope_reg1_gap_256", ROPE_SMALL, "EvaAttention", "interleaved"),
+    "rope_mixed": ("vit_base_patch16_rope_mixed_224", ROPE_SMALL, "AttentionRope", "interleaved"),
+    "dinov3": ("vit_base_patch16_dinov3", ROPE_SMALL, "EvaAttention", "half"),
+    "pe_core": ("vit_pe_core_base_patch16_224", {**ROPE_SMALL, "ref_feat_shape": (4, 4)}, "AttentionRope", "interleaved"),
+}
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """The (rope layout or None, cos table shape) of every vk.attention call the timm adapter makes."""
+    from vit_kernels.integrations import timm as adapter
+
+    calls, fused = [], adapter.vkf.attention
+
+    def spy(qkv, num_heads, **kwargs):
+        rope = kwargs.get("rope")
+        calls.append(None if rope is None else (kwargs["rope_layout"], tuple(rope[0].shape)))
+        return fused(qkv, num_heads, **kwargs)
+
+    monkeypatch.setattr(adapter.vkf, "attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_FAMILIES))
+@pytest.mark.parametrize("training", [False, True])
+def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(family, training, attention_calls,
+                                                                   record_difference):
+    """EVA02, the RoPE ViTs (axial and mixed), DINOv3 (half layout, class + register tokens) and the
+    Perception Encoder: attention runs the fused op with the rotary tables, exact in float64."""
+    name, overrides, attention_class, layout = ROPE_FAMILIES[family]
+    reference = _timm_vit(name, **overrides)
+    reference.train(training)
+    model, report = patched_copy(reference)
+    fused = [n for n, _, new in report.replaced if new.endswith(f"Fused{attention_class}")]
+    assert len(fused) == overrides["depth"], report
+    if family != "eva02":  # EVA02's SwiGLU MLP (GluMlp) is not fused yet: see the first test above
+        assert sum(new.endswith(".Mlp") for _, _, new in report.replaced) >= overrides["depth"], report
+    images = torch.randn(2, 3, overrides["img_size"], overrides["img_size"], dtype=torch.float64)
+    record_difference(f"timm {family}", *compare(reference, model, images))
+    assert attention_calls and all(call is not None and call[0] == layout for call in attention_calls), attention_calls
+
+
+def test_rope_attention_with_a_mask_runs_timms_own_forward(attention_calls):
+    """A mask (NaFlex) or a table for other tokens than the block has: timm's forward, same result."""
+    reference = _timm_vit("vit_base_patch16_rope_reg1_gap_256", **ROPE_SMALL)
+    model, _ = patched_copy(reference)
+    x = torch.randn(2, 17, 64, dtype=torch.float64)
+    rope = reference.rope.get_embed(shape=(4, 4)).double()
+    mask = torch.rand(2, 1, 17, 17) > 0.3
+    mask[..., 0] = True
+    for kwargs in ({"rope": rope, "attn_mask": mask}, {"rope": rope, "is_causal": True}):
+        torch.testing.assert_close(model.blocks[0].attn(x, **kwargs), reference.blocks[0].attn(x, **kwargs))
+    for attention in (model.blocks[0].attn, reference.blocks[0].attn):  # 8 rows for 16 tokens: timm's error
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            attention(x, rope=rope[:8])
+    assert attention_calls == []
+    model.blocks[0].attn(x, rope=rope)
+    assert attention_calls == [("interleaved", (16, 16))]
 
 
 def test_a_mask_runs_masked_attention_exactly():
@@ -92,3 +158,18 @@ def test_a_mask_runs_masked_attention_exactly():
         cotangent = torch.randn_like(expected)
         torch.testing.assert_close(torch.autograd.grad(actual, second, cotangent)[0],
                                    torch.autograd.grad(expected, first, cotangent)[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["eva02", "dinov3"])
+def test_a_compiled_patched_rope_vit_matches_eager(family):
+    """torch.compile of a patched RoPE ViT: the same output and gradients as the eager patched model."""
+    name, overrides, _, _ = ROPE_FAMILIES[family]
+    model, _ = patched_copy(_timm_vit(name, **{**overrides, "depth": 1}))
+    images = torch.randn(2, 3, overrides["img_size"], overrides["img_size"], dtype=torch.float64)
+    expected = model(images)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), model.patch_embed.proj.weight)
+    compiled = torch.compile(model)
+    actual = compiled(images)
+    (actual_grad,) = torch.autograd.grad(actual.sum(), model.patch_embed.proj.weight)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-10, atol=1e-10)

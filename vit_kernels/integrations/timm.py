@@ -4,6 +4,12 @@
   when it has no q/k norm, no scale norm, no gate, and attn_dim equals the input width;
 * ``timm.layers.mlp.Mlp``              -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``)
   for GELU, GELU(tanh), QuickGELU or ReLU, no hidden norm, one dropout rate, Linear projections;
+* ``timm.models.eva.EvaAttention`` (EVA02, the ``vit_*_rope_*`` ViTs, DINOv3) and
+  ``timm.layers.attention.AttentionRope`` (Perception Encoder, the mixed-RoPE ViTs) keep their class,
+  parameters and methods and compute ``forward`` with the fused attention, rotary embedding inside the
+  kernel (``rope_attention_forward``), when q and k are not normalized and every head has its own k
+  and v (no grouped-query attention); a mask or a rope table of a shape timm itself would not apply
+  runs timm's own forward;
 * ``timm.layers.patch_embed.PatchEmbed`` keeps its class's methods (``set_input_size``,
   ``dynamic_feat_size``, ...) and computes ``forward`` with the fused patch embedding, for square
   patches, stride == kernel, no padding, no token norm, tokens (NLC) or an NHWC grid (dynamic size);
@@ -12,6 +18,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 import vit_kernels.functional as vkf
@@ -31,6 +38,8 @@ from vit_kernels.integrations._common import (
 from vit_kernels.integrations.torch_nn import swap_layer_norm
 
 ATTENTION_CHILDREN = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
+ROPE_ATTENTION_CHILDREN = ATTENTION_CHILDREN + ("q_proj", "k_proj", "v_proj")
+ROPE_ATTENTION_TENSORS = ("q_bias", "k_bias", "v_bias")
 MLP_CHILDREN = ("fc1", "act", "drop1", "norm", "fc2", "drop2")
 PATCH_EMBED_CHILDREN = ("proj", "norm")
 
@@ -79,6 +88,80 @@ def swap_mlp(module: nn.Module) -> Swap:
     return Swap(new)
 
 
+def _packed_qkv(self, x: torch.Tensor) -> torch.Tensor:
+    """x (B, L, D) -> qkv (B, L, 3*D') as the module projects it: one ``qkv`` Linear (EVA's bias
+    being q_bias | k_bias | v_bias), or ``q_proj``/``k_proj``/``v_proj`` as one GEMM over their
+    concatenated weights."""
+    if self.qkv is not None:
+        bias = getattr(self, "q_bias", None)
+        if bias is None:
+            return vkf.linear(x, self.qkv.weight, self.qkv.bias)
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        if getattr(self, "qkv_bias_separate", False):
+            return vkf.linear(x, self.qkv.weight) + bias
+        return vkf.linear(x, self.qkv.weight, bias)
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    weight = torch.cat([p.weight for p in projections])
+    if all(p.bias is None for p in projections):
+        return vkf.linear(x, weight)
+    bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+    return vkf.linear(x, weight, bias)
+
+
+def _rope_tables(self, rope: torch.Tensor, x: torch.Tensor):
+    """timm's rope tensor (..., L_r, 2 * Dh), sin | cos, -> (cos, sin) as ``vk.attention`` takes
+    them, or None where timm's own forward must run: a table that does not broadcast against
+    (B, H, L_r, Dh), or one for more tokens than follow the prefix."""
+    batch, length = x.shape[0], x.shape[1]
+    rows = length - self.num_prefix_tokens
+    if rope.dim() < 2 or rope.dim() > 4 or rope.shape[-1] != 2 * self.head_dim or rope.shape[-2] != rows:
+        return None
+    leading = (1,) * (4 - rope.dim()) + tuple(rope.shape[:-2])
+    if leading[0] not in (1, batch) or leading[1] not in (1, self.num_heads):
+        return None
+    sin, cos = rope.chunk(2, -1)
+    return cos, sin
+
+
+def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False):
+    """timm's EvaAttention / AttentionRope forward, x (B, L, D) -> (B, L, D_out): the packed q, k, v
+    projection, then the fused attention rotating q and k of the tokens after the prefix as its
+    kernels load them; the output norm, gate and projection as timm computes them."""
+    tables = None if rope is None else _rope_tables(self, rope, x)
+    if attn_mask is not None or is_causal or (rope is not None and tables is None):
+        return unfused_forward(self, x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+    gate = self.gate(x).sigmoid() if self.gate is not None else None
+    out = vkf.attention(_packed_qkv(self, x), self.num_heads,
+                        dropout_p=dropout_p(self.attn_drop) if self.training else 0.0, rope=tables,
+                        rope_layout="half" if getattr(self, "rotate_half", False) else "interleaved")
+    out = self.norm(out)
+    if gate is not None:
+        out = out * gate
+    return self.proj_drop(self.proj(out))
+
+
+def swap_rope_attention(module: nn.Module) -> Swap:
+    why = unknown_parts(module, ROPE_ATTENTION_CHILDREN, ROPE_ATTENTION_TENSORS) or unknown_forward_args(
+        module, ("x", "rope", "attn_mask", "is_causal"))
+    if why:
+        return Swap.skip(why)
+    if not (is_identity(module.q_norm) and is_identity(module.k_norm)):
+        return Swap.skip("normalizes q and k (qk_norm)")
+    if getattr(module, "num_kv_groups", 1) != 1:
+        return Swap.skip(f"shares k and v between {module.num_kv_groups} heads (grouped-query attention)")
+    projections = [module.qkv] if module.qkv is not None else [module.q_proj, module.k_proj, module.v_proj]
+    if not all(type(p) is nn.Linear for p in projections + [module.proj]):
+        return Swap.skip("the q/k/v or output projections are not nn.Linear")
+    width = module.num_heads * module.head_dim
+    if sum(p.out_features for p in projections) != 3 * width:
+        return Swap.skip("q, k and v differ in width")
+    if abs(module.scale - module.head_dim ** -0.5) > 1e-12:
+        return Swap.skip(f"uses a non-default scale {module.scale}")
+    if dropout_p(module.attn_drop) is None or dropout_p(module.proj_drop) is None:
+        return Swap.skip("attn_drop/proj_drop are not nn.Dropout")
+    return Swap(with_fused_forward(module, rope_attention_forward), descend=True)
+
+
 def patch_embed_forward(self, x):
     """images (N, C, H, W) -> tokens (N, L, D), or the grid (N, H/P, W/P, D) when not flattening."""
     n, _, height, width = x.shape
@@ -116,6 +199,8 @@ def swap_timm_layer_norm(module: nn.Module) -> Swap:
 
 RULES: dict[str, Rule] = {
     "timm.layers.attention.Attention": swap_attention,
+    "timm.models.eva.EvaAttention": swap_rope_attention,
+    "timm.layers.attention.AttentionRope": swap_rope_attention,
     "timm.layers.mlp.Mlp": swap_mlp,
     "timm.layers.patch_embed.PatchEmbed": swap_patch_embed,
     "timm.layers.norm.LayerNorm": swap_timm_layer_norm,
