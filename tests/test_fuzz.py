@@ -284,6 +284,53 @@ test_linear_gelu_fuzz, test_linear_gelu_fuzz_thorough, test_linear_gelu_fuzz_on_
 test_mlp_fuzz, test_mlp_fuzz_thorough, test_mlp_fuzz_on_cuda = fuzz("mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES)
 
 
+def swiglu_inputs(case: dict) -> list:
+    """x (..., K), W_g (Hd, K), b_g, W_u (Hd, K), b_u, W_d (N, Hd), b_d, residual (..., N)."""
+    x, wg, bg, wd, bd, r = linear_inputs(case, second=True)[0]
+    sample = drawer({**case, "seed": case["seed"] + 1})
+    wu = sample(tuple(wg.shape), case["w2_layout"], 1 / math.sqrt(case["k"]))
+    bu = None if case["bias"] is None else sample((case["hidden"],), case["bias"])
+    return [x, wg, bg, wu, bu, wd, bd, r]
+
+
+def swiglu_formula(x, wg, bg, wu, bu):
+    # silu(g) * u, silu(g) = g / (1 + exp(-g))
+    g = x @ wg.T + (0 if bg is None else bg)
+    return g / (1 + torch.exp(-g)) * (x @ wu.T + (0 if bu is None else bu))
+
+
+def check_swiglu(case: dict, backend_name: str) -> None:
+    inputs = swiglu_inputs(case)
+    check_case(
+        "swiglu", backend_name, vk.swiglu, swiglu_formula,
+        lambda x, wg, bg, wu, bu: F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu),
+        inputs[:5], case["dtype"], ["x", "gate_weight", "gate_bias", "up_weight", "up_bias"], case["seed"],
+    )
+
+
+def check_swiglu_mlp(case: dict, backend_name: str) -> None:
+    inputs = swiglu_inputs(case)
+
+    def formula(x, wg, bg, wu, bu, wd, bd, r):
+        return swiglu_formula(x, wg, bg, wu, bu) @ wd.T + (0 if bd is None else bd) + (0 if r is None else r)
+
+    check_case(
+        "swiglu_mlp", backend_name,
+        lambda x, wg, bg, wu, bu, wd, bd, r: vk.swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual=r),
+        formula,
+        lambda x, wg, bg, wu, bu, wd, bd, r: F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+        + (0 if r is None else r),
+        inputs, case["dtype"],
+        ["x", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias", "residual"], case["seed"],
+    )
+
+
+test_swiglu_fuzz, test_swiglu_fuzz_thorough, test_swiglu_fuzz_on_cuda = fuzz(
+    "swiglu", linear_cases(), check_swiglu, LINEAR_EXAMPLES)
+test_swiglu_mlp_fuzz, test_swiglu_mlp_fuzz_thorough, test_swiglu_mlp_fuzz_on_cuda = fuzz(
+    "swiglu_mlp", linear_cases(), check_swiglu_mlp, LINEAR_EXAMPLES)
+
+
 # ----------------------------------------------------------------------------- layer_norm
 
 

@@ -26,6 +26,14 @@ def cases(device: str = "cpu"):
         "linear_gelu_infer": (lambda: ops.linear_gelu_infer, (x.detach(), torch.randn(8, 12, device=device), None, "gelu")),
         "mlp_infer": (lambda: ops.mlp_infer, (x.detach(), torch.randn(16, 12, device=device), torch.randn(16, device=device),
                                               torch.randn(12, 16, device=device), None, x.detach(), "gelu_tanh")),
+        "swiglu_fwd": (lambda: ops.swiglu_fwd, (x, _grad(16, 12), _grad(16), _grad(16, 12), None)),
+        "swiglu_mlp_fwd": (lambda: ops.swiglu_mlp_fwd, (x, _grad(16, 12), None, _grad(16, 12), _grad(16), _grad(12, 16),
+                                                        _grad(12), _grad(2, 5, 12))),
+        "swiglu_infer": (lambda: ops.swiglu_infer, (x.detach(), torch.randn(16, 12, device=device), None,
+                                                    torch.randn(16, 12, device=device), torch.randn(16, device=device))),
+        "swiglu_mlp_infer": (lambda: ops.swiglu_mlp_infer, (
+            x.detach(), torch.randn(16, 12, device=device), torch.randn(16, device=device),
+            torch.randn(16, 12, device=device), None, torch.randn(12, 16, device=device), None, x.detach())),
         "patch_embed_fwd": (lambda: ops.patch_embed_fwd,
                             (_grad(2, 3, 8, 8), _grad(12, 3, 4, 4), _grad(12), _grad(1, 1, 12), _grad(1, 5, 12), 4)),
     }

@@ -18,7 +18,8 @@ from vit_kernels.backend import (
     set_backend,
     use_backend,
 )
-from vit_kernels.functional import attention, layer_norm, linear, linear_gelu, mlp, patch_embed
+from vit_kernels.functional import (attention, layer_norm, linear, linear_gelu, mlp, patch_embed, swiglu,
+                                    swiglu_mlp)
 
 from vit_kernels import backend as _backend
 
@@ -44,6 +45,8 @@ __all__ = [
     "PatchReport",
     "set_autotune",
     "set_backend",
+    "swiglu",
+    "swiglu_mlp",
     "tune",
     "use_backend",
 ]

@@ -50,7 +50,7 @@ from vit_kernels._tune_cache import DiskCache, default_folder
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
 CHOICES = ("auto",) + BACKENDS
-OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm")
+OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm", "swiglu", "swiglu_mlp")
 
 # Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors;
 # VIT_KERNELS_AUTOTUNE=0 turns measuring off.

@@ -36,6 +36,7 @@ from vit_kernels.ops import attention as _attention  # noqa: F401  (registers im
 from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401
 from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
+from vit_kernels.ops import swiglu as _swiglu  # noqa: F401
 from vit_kernels.ops.rope import check_rope
 
 
@@ -287,3 +288,82 @@ def _prepare_layer_norm(x, weight, bias, eps, residual):
         x, weight, bias, residual = cast_all(torch.float32, x, weight, bias, residual)
     check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
     return x.device, x.dtype, (x, weight, bias, eps, residual)
+
+
+def swiglu(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The gated hidden layer of a SwiGLU MLP: silu(x W_g^T + b_g) * (x W_u^T + b_u), silu(z) = z sigmoid(z).
+
+    x (..., D), gate_weight (Hd, D), gate_bias (Hd,) or None, up_weight (Hd, D), up_bias (Hd,) or
+    None -> (..., Hd). For models with a norm in the hidden layer (EVA02's ``scale_mlp``), which then
+    call ``layer_norm`` and ``linear`` themselves; ``swiglu_mlp`` fuses the whole MLP.
+    """
+    return backend.call("swiglu", (x, gate_weight, gate_bias, up_weight, up_bias), _prepare_swiglu)
+
+
+def _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias) -> int:
+    """Checks x (..., D), gate_weight and up_weight (Hd, D), the biases (Hd,); returns Hd."""
+    hidden = _check_linear_args(x, gate_weight, gate_bias, "gate_weight", "gate_bias")
+    check_float_tensor("up_weight", up_weight, ndim=2, layout="(Hd, D)")
+    check_shape("up_weight", up_weight, tuple(gate_weight.shape), "(Hd, D) like gate_weight")
+    check_optional_shape("up_bias", up_bias, (hidden,), "(Hd,)")
+    return hidden
+
+
+def _prepare_swiglu(x, gate_weight, gate_bias, up_weight, up_bias):
+    _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
+    check_same_device("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias)
+    x, gate_weight, gate_bias, up_weight, up_bias = cast_all(
+        autocast_dtype(x.device), x, gate_weight, gate_bias, up_weight, up_bias)
+    check_same_dtype("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias)
+    return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias)
+
+
+def swiglu_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    down_bias: Optional[torch.Tensor],
+    *,
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A SwiGLU MLP: (silu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d (+ residual), the residual
+    added in the last GEMM's epilogue.
+
+    x (..., D), gate_weight and up_weight (Hd, D), gate_bias and up_bias (Hd,) or None, down_weight
+    (D_out, Hd), down_bias (D_out,) or None, residual (..., D_out) -> (..., D_out).
+    """
+    return backend.call("swiglu_mlp", (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
+                        _prepare_swiglu_mlp)
+
+
+def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual):
+    hidden = _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
+    check_float_tensor("down_weight", down_weight, ndim=2, layout="(D_out, Hd)")
+    if down_weight.shape[1] != hidden:
+        raise ValueError(
+            f"down_weight must have shape (D_out, Hd) with Hd = gate_weight.shape[0] = {hidden}, "
+            f"got {shape_of(down_weight)}"
+        )
+    out_features = down_weight.shape[0]
+    check_optional_shape("down_bias", down_bias, (out_features,), "(D_out,)")
+    _check_residual(residual, (*x.shape[:-1], out_features), "(..., D_out)")
+    weights = dict(gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias,
+                   down_weight=down_weight, down_bias=down_bias)
+    check_same_device("x", x, **weights, residual=residual)
+    amp = autocast_dtype(x.device)
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias = cast_all(
+        amp, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    check_same_dtype("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias,
+                     down_weight=down_weight, down_bias=down_bias)
+    if amp is None:
+        check_same_dtype("x", x, residual=residual)
+    return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual)

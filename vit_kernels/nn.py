@@ -256,6 +256,52 @@ class Mlp(nn.Module):
         )
 
 
+class SwiGLU(nn.Module):
+    """timm's ``SwiGLU`` MLP (EVA02, LLaMA-style ViTs): fc2(norm(silu(fc1_g(x)) * fc1_x(x))), with
+    timm's parameter names (``fc1_g``, ``fc1_x``, ``norm``, ``fc2``), so its state dicts load unchanged.
+
+    ``bias`` and ``drop`` take one value or a (hidden layer, output) pair, as in timm. With
+    ``norm=True`` the hidden layer is normalised by a LayerNorm of ``norm_eps`` (EVA02's
+    ``scale_mlp``): ``vk.swiglu`` -> ``vk.layer_norm`` -> ``vk.linear``; without it, and without
+    dropout in training, the whole MLP is one ``vk.swiglu_mlp`` call with the residual in its last epilogue.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        bias: Union[bool, tuple[bool, bool]] = True,
+        norm: bool = False,
+        drop: Union[float, tuple[float, float]] = 0.0,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        hidden_features = hidden_features or in_features
+        out_features = out_features or in_features
+        hidden_bias, out_bias = bias if isinstance(bias, (tuple, list)) else (bias, bias)
+        drops = drop if isinstance(drop, (tuple, list)) else (drop, drop)
+        self.hidden_drop = check_probability("drop", drops[0])
+        self.out_drop = check_probability("drop", drops[1])
+        self.fc1_g = nn.Linear(in_features, hidden_features, bias=hidden_bias)
+        self.fc1_x = nn.Linear(in_features, hidden_features, bias=hidden_bias)
+        self.norm = LayerNorm(hidden_features, eps=norm_eps) if norm else nn.Identity()
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=out_bias)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (..., D) -> (..., D_out) [+ residual]."""
+        hidden_dropping = self.training and self.hidden_drop > 0
+        out_dropping = self.training and self.out_drop > 0
+        g, u, fc2 = self.fc1_g, self.fc1_x, self.fc2
+        if isinstance(self.norm, nn.Identity) and not hidden_dropping and not out_dropping:
+            return vkf.swiglu_mlp(x, g.weight, g.bias, u.weight, u.bias, fc2.weight, fc2.bias, residual=residual)
+        hidden = F.dropout(vkf.swiglu(x, g.weight, g.bias, u.weight, u.bias), self.hidden_drop, hidden_dropping)
+        hidden = self.norm(hidden)
+        if not out_dropping:
+            return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual)
+        return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias), self.out_drop, True, residual)
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` over the last dimension on the fused op; ``forward(x, residual)`` returns
     ``(LN(x + residual), x + residual)``."""

@@ -25,6 +25,7 @@ from vit_kernels.ops.attention import attention_ref
 from vit_kernels.ops.layer_norm import layer_norm_ref
 from vit_kernels.ops.linear import linear_gelu_ref, linear_ref, mlp_ref
 from vit_kernels.ops.patch_embed import patch_embed_ref
+from vit_kernels.ops.swiglu import swiglu_mlp_ref, swiglu_ref
 
 OPS = backend.OPS
 # Kernels of the extension timed on their own against the eager code they replace.
@@ -214,4 +215,50 @@ SPECS: dict[str, OpSpec] = {
         ),
     )
 }
+# ---- swiglu and swiglu_mlp (the gated MLP of EVA02 and LLaMA-style models; ops/swiglu.py) --------------
+
+
+def _silu(z: torch.Tensor) -> torch.Tensor:
+    """silu(z) = z * sigmoid(z) = z / (1 + exp(-z))."""
+    return z / (1.0 + torch.exp(-z))
+
+
+def _swiglu_inputs(s: Shape, device, dtype):
+    return {
+        "x": _randn(device, dtype, s.rows, s.dim),
+        "gate_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
+        "gate_bias": _randn(device, dtype, s.hidden),
+        "up_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
+        "up_bias": _randn(device, dtype, s.hidden)}
+
+
+def _swiglu_mlp_inputs(s: Shape, device, dtype):
+    return {**_swiglu_inputs(s, device, dtype),
+            "down_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
+            "down_bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)}
+
+
+def _swiglu_formula(s: Shape, x, gate_weight, gate_bias, up_weight, up_bias):
+    # h = silu(x W_g^T + b_g) * (x W_u^T + b_u)
+    return _silu(x @ gate_weight.t() + gate_bias) * (x @ up_weight.t() + up_bias)
+
+
+SPECS["swiglu"] = OpSpec(
+    "swiglu", _swiglu_inputs,
+    run=lambda s, **inputs: vk.swiglu(**inputs),
+    reference=lambda s, **inputs: swiglu_ref(**inputs),
+    formula=_swiglu_formula,
+    flops=lambda s: 4.0 * s.rows * s.dim * s.hidden,
+    bytes_per_element=lambda s: 0,
+)
+SPECS["swiglu_mlp"] = OpSpec(
+    "swiglu_mlp", _swiglu_mlp_inputs,
+    run=lambda s, **inputs: vk.swiglu_mlp(**inputs),
+    reference=lambda s, **inputs: swiglu_mlp_ref(**inputs),
+    formula=lambda s, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual: (
+        _swiglu_formula(s, x, gate_weight, gate_bias, up_weight, up_bias) @ down_weight.t() + down_bias + residual),
+    flops=lambda s: 6.0 * s.rows * s.dim * s.hidden,
+    bytes_per_element=lambda s: 0,
+)
+SPECS = {name: SPECS[name] for name in OPS + KERNELS}  # in the order of backend.OPS, then the kernels
 assert tuple(SPECS) == OPS + KERNELS, "one spec per op of backend.OPS and per kernel of KERNELS"

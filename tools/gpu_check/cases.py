@@ -18,6 +18,7 @@ from tools.cuda_sim import Launch, simulated_cuda
 from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
+from vit_kernels.ops import swiglu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
@@ -198,11 +199,45 @@ def _layer_norm_cases(sweep: Sweep) -> Iterator[Case]:
             yield Case("layer_norm", precision, shape, f"affine={affine} residual={has_residual}", batch, run)
 
 
+def _swiglu_cases(sweep: Sweep) -> Iterator[Case]:
+    """SwiGLU MLPs at EVA02's hidden width (8/3 of D, 2730 for ViT-L: not a multiple of 16): the dual
+    GEMM with and without the pre-activations, the gating backward with and without bias sums, and
+    the engine's GEMMs around them (the down projection with its residual, dH, dX, the weight gradients)."""
+    flags = list(itertools.product((True, False), (True, False))) if sweep.all_flags else [(True, True),
+                                                                                            (False, False)]
+    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+        dt, rdt = PRECISIONS[precision]
+        hidden = dim * 8 // 3
+        for has_bias, has_residual in flags:
+            def run(dt=dt, rdt=rdt, dim=dim, hidden=hidden, batch=batch, has_bias=has_bias, has_residual=has_residual):
+                x, wg, wu = _t(dt, batch, TOKENS, dim), _t(dt, hidden, dim), _t(dt, hidden, dim)
+                wd = _t(dt, dim, hidden)
+                bg, bu, bd = (_t(dt, hidden), _t(dt, hidden), _t(dt, dim)) if has_bias else (None, None, None)
+                residual = _t(rdt, batch, TOKENS, dim) if has_residual else None
+                out, h, g, u = swiglu.swiglu_mlp_fwd(x, wg, bg, wu, bu, wd, bd, residual)
+                swiglu.swiglu_mlp_bwd(torch.empty_like(out), x, wg, wu, wd, h, g, u, has_bias, has_bias, has_bias)
+                swiglu.swiglu_mlp_infer(x, wg, bg, wu, bu, wd, bd, residual)
+                h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu)
+                swiglu.swiglu_bwd(torch.empty_like(h), x, wg, wu, g, u, has_bias, has_bias)
+
+            yield Case("swiglu_mlp", precision, model, f"bias={has_bias} residual={has_residual}", batch, run)
+            if not has_residual:  # swiglu alone (EVA02's scale_mlp: a norm between it and the down projection)
+                def run_swiglu(dt=dt, dim=dim, hidden=hidden, batch=batch, has_bias=has_bias):
+                    x, wg, wu = _t(dt, batch, TOKENS, dim), _t(dt, hidden, dim), _t(dt, hidden, dim)
+                    bg, bu = (_t(dt, hidden), _t(dt, hidden)) if has_bias else (None, None)
+                    h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu)
+                    swiglu.swiglu_bwd(torch.empty_like(h), x, wg, wu, g, u, has_bias, has_bias)
+                    swiglu.swiglu_infer(x, wg, bg, wu, bu)
+
+                yield Case("swiglu", precision, model, f"bias={has_bias}", batch, run_swiglu)
+
+
 def cases(sweep: Sweep) -> Iterator[Case]:
     yield from _patch_embed_cases(sweep)
     yield from _linear_cases(sweep)
     yield from _attention_cases(sweep)
     yield from _layer_norm_cases(sweep)
+    yield from _swiglu_cases(sweep)
 
 
 def record(case: Case) -> list[Launch]:

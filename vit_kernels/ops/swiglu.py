@@ -1,0 +1,476 @@
+"""SwiGLU feed-forward layers (LLaMA, EVA02, timm's ``SwiGLU``).
+
+    swiglu:      H = silu(X W_g^T + b_g) * (X W_u^T + b_u)          silu(z) = z sigmoid(z)
+    swiglu_mlp:  Y = H W_d^T + b_d (+ R)
+
+    with G = X W_g^T + b_g, U = X W_u^T + b_u, s = sigmoid(G):
+        dH = dY W_d;  dG = dH U s (1 + G (1 - s));  dU = dH silu(G)
+        dX = dG W_g + dU W_u;  dW_g = dG^T X;  dW_u = dU^T X;  db_g = sum_rows dG;  db_u = sum_rows dU
+        dW_d = dY^T H;  db_d = sum_rows dY;  dR = dY
+
+The gate and up projections are one launch of a dual-accumulator GEMM (each program reads its X
+tile once for both weights), with the biases and the gating in its epilogue; it writes G and U
+beside H only when a gradient will be asked for. The down projection (+ residual), dH, dX and the
+weight gradients are the GEMM engine of ``vit_kernels.ops.linear``; one elementwise pass makes dG,
+dU and their column sums (the bias gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from vit_kernels import backend
+from vit_kernels._autograd import differentiable, direct
+from vit_kernels._signature import bucket
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors, tl, triton
+from vit_kernels.ops.linear import _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile, validation_rows
+
+
+# H = silu(G) * U with G = A @ Bg + bg, U = A @ Bu + bu (A = X (M, K); Bg = W_g^T, Bu = W_u^T (K, N),
+# read by strides), one program per (BLOCK_M x BLOCK_N) tile of H in grouped_tile order:
+#   acc_g = sum_k A[m, k] Bg[k, n],  acc_u = sum_k A[m, k] Bu[k, n]     (two fp32 accumulators, A loaded once)
+#   G = acc_g + bg[n];  U = acc_u + bu[n]   (both stored when SAVE_PREACT: backward reads them)
+#   H = G / (1 + exp(-G)) * U               (cast once on store)
+@triton.jit
+def _swiglu_fwd_kernel(
+    A, BG, BU, BiasG, BiasU, H, G, U,
+    M, N, K,
+    stride_am, stride_ak, stride_bg_k, stride_bg_n, stride_bu_k, stride_bu_n, stride_bias_g, stride_bias_u,
+    HAS_BIAS_G: tl.constexpr, HAS_BIAS_U: tl.constexpr, SAVE_PREACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+    bg_ptrs = BG + offs_k[:, None].to(tl.int64) * stride_bg_k + offs_n[None, :].to(tl.int64) * stride_bg_n
+    bu_ptrs = BU + offs_k[:, None].to(tl.int64) * stride_bu_k + offs_n[None, :].to(tl.int64) * stride_bu_n
+    step_a = BLOCK_K * tl.cast(stride_ak, tl.int64)  # a unit stride arrives as a constexpr int
+    step_bg = BLOCK_K * tl.cast(stride_bg_k, tl.int64)
+    step_bu = BLOCK_K * tl.cast(stride_bu_k, tl.int64)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start_k in range(0, K, BLOCK_K):
+        mask_k = start_k + offs_k < K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += step_a
+        bg_ptrs += step_bg
+        bu_ptrs += step_bu
+    if HAS_BIAS_G:
+        acc_g += tl.load(BiasG + offs_n.to(tl.int64) * stride_bias_g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS_U:
+        acc_u += tl.load(BiasU + offs_n.to(tl.int64) * stride_bias_u, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :].to(tl.int64)
+    if SAVE_PREACT:
+        tl.store(G + offs, acc_g.to(G.dtype.element_ty), mask=mask)
+        tl.store(U + offs, acc_u.to(U.dtype.element_ty), mask=mask)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+
+
+# The gating's backward over a BLOCK_N-column strip (grid axis 0) of one slice of rows (axis 1), all
+# (M, N) contiguous, with s = sigmoid(G):
+#   dG = dH U s (1 + G (1 - s));  dU = dH silu(G) = dH G s        (in G's dtype)
+#   BIAS_GRAD: PartialG[slice, n] = sum_{m in slice} dG[m, n], PartialU likewise for dU (float32
+#              before the rounding; the host sums the slices): both bias gradients with no second read
+@triton.jit
+def _swiglu_bwd_kernel(
+    DH, G, U, DG, DU, PartialG, PartialU, rows, cols, rows_per_slice,
+    BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < cols
+    row_begin = tl.program_id(1) * rows_per_slice
+    row_end = tl.minimum(row_begin + rows_per_slice, rows)
+    sums_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sums_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(row_begin, row_end, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask = (offs_m < row_end)[:, None] & mask_n[None, :]
+        offs = offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :]
+        dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        du = dh * g * s
+        tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+        if BIAS_GRAD:  # masked elements are 0 (dh = 0 there)
+            sums_g += tl.sum(dg, 0)
+            sums_u += tl.sum(du, 0)
+    if BIAS_GRAD:
+        tl.store(PartialG + tl.program_id(1).to(tl.int64) * cols + offs_n, sums_g, mask=mask_n)
+        tl.store(PartialU + tl.program_id(1).to(tl.int64) * cols + offs_n, sums_u, mask=mask_n)
+
+
+# The dual GEMM's launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages):
+# candidates that the user's GPU validates and times per key (as the GEMM's, ``vit_kernels._tiles``),
+# the first one the default where nothing may be run (tracing, graph capture). Two fp32 accumulators
+# live in registers, so the tiles hold half the elements of the single GEMM's (128 x 128 would spill):
+# 128 x 64 and 64 x 128 with 8 warps for 16 bits (with 4 warps the compile gate found 255 registers
+# and 300-450 bytes of stack per thread on sm_80 and sm_90), 64 x 64 with 4 warps; shared memory per
+# stage is the A tile and two B tiles, 24-40 KB, within sm_80's 164 KB at 3-4 stages. Exact float32
+# (ieee FMA) takes 32-wide tiles (64 x 32 used stack on sm_90). The default 128 x 64 x 64, 8 warps,
+# is the single GEMM's default tile with its columns halved; no GPU has timed these tiles yet. Every
+# entry is compiled for sm_80 and sm_90 by `make check-gpu`.
+SWIGLU_TILES_16BIT = ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3))
+SWIGLU_TILES_FP32 = ((32, 64, 32, 4, 3), (32, 32, 32, 4, 3))
+SWIGLU_INTERPRETER_TILE = (32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
+SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM")
+
+
+def swiglu_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:
+    """The tiles a GPU tries for an (m x n) H with operands of ``dtype``: the dtype's table without
+    tiles much larger than the problem (the table's smallest where none is left)."""
+    tiles = SWIGLU_TILES_FP32 if dtype == torch.float32 else SWIGLU_TILES_16BIT
+    fitting = tuple(t for t in tiles if t[0] <= max(64, m) and t[1] <= max(64, n))
+    return fitting or tiles[-1:]
+
+
+def tile_report() -> list[dict]:
+    """Every dual-GEMM tile choice made in this process (see ``vit_kernels.ops.linear.tile_report``)."""
+    return report_rows("swiglu", SWIGLU_CHOOSER)
+
+
+class _DualGemm:
+    """One call of the dual GEMM: x2 (M, K), the gate and up weights (N, K), their biases; launched
+    with a given tile into given outputs (the call's own, or a candidate's while tiles are tried)."""
+
+    __slots__ = ("x2", "gate_weight", "gate_bias", "up_weight", "up_bias", "save_preact")
+
+    def __init__(self, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool):
+        self.x2, self.gate_weight, self.gate_bias = x2, gate_weight, gate_bias
+        self.up_weight, self.up_bias, self.save_preact = up_weight, up_bias, save_preact
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh (H, G, U) (M, N) in x's dtype; G and U empty (0,) without SAVE_PREACT."""
+        m, n = self.x2.shape[0], self.gate_weight.shape[0]
+        h = torch.empty((m, n), dtype=self.x2.dtype, device=self.x2.device)
+        preact = (m, n) if self.save_preact else (0,)
+        g, u = (torch.empty(preact, dtype=h.dtype, device=h.device) for _ in range(2))
+        return h, g, u
+
+    def launch(self, tile: tuple, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
+        x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
+        m, k = x2.shape
+        n = wg.shape[0]
+        config = gemm_config(tile)
+        grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
+        # W^T (K, N) by strides: B[k, n] = W[n, k]
+        launch(_swiglu_fwd_kernel, grid, x2, wg, wu, bg if bg is not None else h, bu if bu is not None else h,
+               h, g if self.save_preact else h, u if self.save_preact else h, m, n, k,
+               x2.stride(0), x2.stride(1), wg.stride(1), wg.stride(0), wu.stride(1), wu.stride(0),
+               bg.stride(0) if bg is not None else 0, bu.stride(0) if bu is not None else 0,
+               HAS_BIAS_G=bg is not None, HAS_BIAS_U=bu is not None, SAVE_PREACT=self.save_preact,
+               PRECISION=dot_precision(x2.dtype), **config)
+
+    def key(self) -> tuple:
+        """Device, dtype, the bias and SAVE_PREACT flags, M and K bucketed, N exact, and which of x's
+        and the weights' dimensions have unit stride (plain ints)."""
+        x2, wg, wu = self.x2, self.gate_weight, self.up_weight
+        (m, k), n = x2.shape, wg.shape[0]
+        return (x2.device, x2.dtype, self.gate_bias is not None, self.up_bias is not None, self.save_preact,
+                bucket(int(m)), int(n), bucket(int(k)), bool(x2.stride(0) == 1), bool(x2.stride(1) == 1),
+                bool(wg.stride(1) == 1), bool(wu.stride(1) == 1))
+
+    def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+        """[H] (+ [G, U] under SAVE_PREACT) of the rows ``rows`` (all when None) by PyTorch: in ``dtype``
+        when given (the reference), else in the operands' own dtype (as ``swiglu_ref`` computes)."""
+        def cast(t):
+            return t if t is None or dtype is None else t.to(dtype)
+
+        x = self.x2 if rows is None else self.x2.index_select(0, rows)
+        g = F.linear(cast(x), cast(self.gate_weight), cast(self.gate_bias))
+        u = F.linear(cast(x), cast(self.up_weight), cast(self.up_bias))
+        return [F.silu(g) * u] + ([g, u] if self.save_preact else [])
+
+    def trial(self) -> tuple[Callable, Callable]:
+        """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
+        [H] (+ [G, U]); ``check`` compares them on ``validation_rows`` with PyTorch's own result
+        against float64 (float32 operands) or float32 (16-bit ones)."""
+        names = ["H"] + (["G", "U"] if self.save_preact else [])
+
+        def run(tile):
+            h, g, u = self.outputs()
+            self.launch(tile, h, g, u)
+            return [h, g, u][:len(names)]
+
+        wide = reference_dtype(self.x2.dtype)
+        references: list = []
+
+        @torch.no_grad()
+        def check(outputs):
+            if not references:
+                rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
+                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
+            rows, exacts, owns = references
+            for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True):
+                picked = actual if rows is None else actual.index_select(0, rows)
+                problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.x2.dtype])
+                if problem is not None:
+                    return problem
+            return None
+
+        return run, check
+
+
+def _dual_tile(gemm: _DualGemm) -> tuple:
+    """The tile the dual GEMM launches: see ``vit_kernels._tiles.tile_to_launch``."""
+    m, n = int(gemm.x2.shape[0]), int(gemm.gate_weight.shape[0])
+    return tile_to_launch(SWIGLU_CHOOSER, gemm.x2.device, gemm.key, lambda: SWIGLU_INTERPRETER_TILE,
+                          lambda: swiglu_candidates(gemm.x2.dtype, m, n), gemm.trial)
+
+
+def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool):
+    """(H, G, U) (M, Hd) of rows x2 (M, D), from one launch of the dual GEMM; G and U are empty (0,)
+    unless ``save_preact``."""
+    gemm = _DualGemm(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
+    h, g, u = gemm.outputs()
+    if h.numel() > 0:  # an empty K still runs: H = silu(b_g) * b_u
+        gemm.launch(_dual_tile(gemm), h, g, u)
+    return h, g, u
+
+
+# (rows per step, columns per program, warps): 16 elements per thread of each of the five tiles
+# (32 rows took up to 255 registers and stack on sm_80 in the compile gate)
+SWIGLU_BWD_BLOCK = (16, 128, 4)
+
+
+def _swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bias_grad: bool):
+    """dG, dU (M, N) in G's dtype and, when ``bias_grad``, their column sums (N,) float32 (else None),
+    from one pass. Row slices: about four programs per multiprocessor in all."""
+    dh = dh.contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    rows, cols = g.shape
+    if dg.numel() == 0:
+        zeros = g.new_zeros(cols, dtype=torch.float32) if bias_grad else None
+        return dg, du, zeros, None if zeros is None else zeros.clone()
+    block_m, block_n, warps = (16, 16, 1) if interpreted(g.device) else SWIGLU_BWD_BLOCK
+    strips = cdiv(cols, block_n)
+    slices = max(1, min(cdiv(4 * multiprocessors(g.device), strips), cdiv(rows, block_m), 65535))
+    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
+    slices = cdiv(rows, rows_per_slice)
+    if bias_grad:
+        partial_g = torch.empty((slices, cols), dtype=torch.float32, device=g.device)
+        partial_u = torch.empty_like(partial_g)
+    else:
+        partial_g = partial_u = dg
+    launch(_swiglu_bwd_kernel, (strips, slices), dh, g, u, dg, du, partial_g, partial_u, rows, cols, rows_per_slice,
+           BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    if not bias_grad:
+        return dg, du, None, None
+    return dg, du, partial_g.sum(0), partial_u.sum(0)
+
+
+def _gate_and_up_grads(dh2, x2, g, u, gate_weight, up_weight, needs_bias_g: bool, needs_bias_u: bool):
+    """From dH (M, Hd) and the saved G, U: dX (M, D) = dG W_g + dU W_u (the second GEMM adding the
+    first's float32 result in its epilogue), dW_g, dW_u, and db_g, db_u (float32 or None)."""
+    dg, du, dbg, dbu = _swiglu_backward(dh2, g, u, needs_bias_g or needs_bias_u)
+    dx = _matmul(dg, gate_weight, torch.float32)
+    dx = _matmul(du, up_weight, x2.dtype, residual=dx)
+    dwg, _ = _weight_and_bias_grads(dg, x2, gate_weight.dtype, False)
+    dwu, _ = _weight_and_bias_grads(du, x2, up_weight.dtype, False)
+    return dx, dwg, dwu, dbg if needs_bias_g else None, dbu if needs_bias_u else None
+
+
+if HAS_TRITON:
+    def _swiglu_fwd(
+        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """H (..., Hd), and the pre-activations G, U (M, Hd) that backward reads."""
+        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, True)
+        return h.view(*x.shape[:-1], gate_weight.shape[0]), g, u
+
+    torch.library.triton_op("vit_kernels::swiglu_fwd", mutates_args=())(_swiglu_fwd)
+
+    def _swiglu_infer(
+        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """H (..., Hd) where no gradient will be asked for: G and U are not written."""
+        h, _, _ = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, False)
+        return h.view(*x.shape[:-1], gate_weight.shape[0])
+
+    swiglu_infer = direct(torch.library.triton_op("vit_kernels::swiglu_infer", mutates_args=())(_swiglu_infer),
+                          _swiglu_infer)
+
+    def _swiglu_bwd(
+        grad_h: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, g: torch.Tensor,
+        u: torch.Tensor, needs_bias_g: bool, needs_bias_u: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> dx (..., D), dW_g, db_g, dW_u, db_u (the biases' empty when absent)."""
+        dh2 = _rows(grad_h).to(x.dtype)
+        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g,
+                                                    needs_bias_u)
+        empty = dh2.new_empty(0)
+        return (dx.view(x.shape), dwg, dbg.to(gate_weight.dtype) if needs_bias_g else empty, dwu,
+                dbu.to(up_weight.dtype) if needs_bias_u else empty)
+
+    swiglu_bwd = direct(torch.library.triton_op("vit_kernels::swiglu_bwd", mutates_args=())(_swiglu_bwd), _swiglu_bwd)
+
+    def _swiglu_setup_context(ctx, inputs, output):
+        x, gate_weight, gate_bias, up_weight, up_bias = inputs
+        ctx.save_for_backward(x, gate_weight, up_weight, output[1], output[2])
+        ctx.has = (gate_bias is not None, up_bias is not None)
+
+    def _swiglu_backward_op(ctx, grad_h, grad_g, grad_u):
+        if grad_h is None:
+            return (None,) * 5
+        x, gate_weight, up_weight, g, u = ctx.saved_tensors
+        has_bg, has_bu = ctx.has
+        dx, dwg, dbg, dwu, dbu = swiglu_bwd(grad_h, x, gate_weight, up_weight, g, u, has_bg, has_bu)
+        return dx, dwg, dbg if has_bg else None, dwu, dbu if has_bu else None
+
+    swiglu_fwd = differentiable("vit_kernels::swiglu_fwd", _swiglu_backward_op, _swiglu_setup_context, _swiglu_fwd)
+
+    def _down(h2, down_weight, down_bias, residual):
+        """H W_d^T + b_d (+ residual) (M, D_out), the residual added in the GEMM's epilogue."""
+        out_dtype = torch.result_type(h2, residual) if residual is not None else h2.dtype
+        return _matmul(h2, down_weight.t(), out_dtype, bias=down_bias,
+                       residual=_rows(residual) if residual is not None else None)
+
+    def _swiglu_mlp_fwd(
+        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor], down_weight: torch.Tensor, down_bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Y (..., D_out), with H, G, U (M, Hd) that backward reads."""
+        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, True)
+        out = _down(h, down_weight, down_bias, residual)
+        return out.view(*x.shape[:-1], down_weight.shape[0]), h, g, u
+
+    torch.library.triton_op("vit_kernels::swiglu_mlp_fwd", mutates_args=())(_swiglu_mlp_fwd)
+
+    def _swiglu_mlp_infer(
+        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor], down_weight: torch.Tensor, down_bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Y (..., D_out) where no gradient will be asked for: G and U are not written."""
+        h, _, _ = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, False)
+        return _down(h, down_weight, down_bias, residual).view(*x.shape[:-1], down_weight.shape[0])
+
+    swiglu_mlp_infer = direct(
+        torch.library.triton_op("vit_kernels::swiglu_mlp_infer", mutates_args=())(_swiglu_mlp_infer), _swiglu_mlp_infer)
+
+    def _swiglu_mlp_bwd(
+        grad_out: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+        down_weight: torch.Tensor, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor, needs_bias_g: bool,
+        needs_bias_u: bool, needs_bias_d: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (the biases' empty when absent): dW_d, db_d from
+        dY and H (``_weight_and_bias_grads``), dH = dY W_d, then the gate and up gradients."""
+        dy2 = _rows(grad_out).to(x.dtype)
+        dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
+        dh2 = _matmul(dy2, down_weight, x.dtype)
+        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g,
+                                                    needs_bias_u)
+        empty = dy2.new_empty(0)
+        return (dx.view(x.shape), dwg, dbg.to(gate_weight.dtype) if needs_bias_g else empty, dwu,
+                dbu.to(up_weight.dtype) if needs_bias_u else empty, dwd,
+                dbd.to(down_weight.dtype) if needs_bias_d else empty)
+
+    swiglu_mlp_bwd = direct(torch.library.triton_op("vit_kernels::swiglu_mlp_bwd", mutates_args=())(_swiglu_mlp_bwd),
+                            _swiglu_mlp_bwd)
+
+    def _swiglu_mlp_setup_context(ctx, inputs, output):
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual = inputs
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight, output[1], output[2], output[3])
+        ctx.has = (gate_bias is not None, up_bias is not None, down_bias is not None, residual is not None)
+
+    def _swiglu_mlp_backward_op(ctx, grad_out, grad_h, grad_g, grad_u):
+        if grad_out is None:
+            return (None,) * 8
+        x, gate_weight, up_weight, down_weight, h, g, u = ctx.saved_tensors
+        has_bg, has_bu, has_bd, has_residual = ctx.has
+        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_mlp_bwd(grad_out, x, gate_weight, up_weight, down_weight, h, g, u,
+                                                          has_bg, has_bu, has_bd)
+        return (dx, dwg, dbg if has_bg else None, dwu, dbu if has_bu else None, dwd, dbd if has_bd else None,
+                grad_out if has_residual else None)
+
+    swiglu_mlp_fwd = differentiable("vit_kernels::swiglu_mlp_fwd", _swiglu_mlp_backward_op, _swiglu_mlp_setup_context,
+                                    _swiglu_mlp_fwd)
+
+
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will record a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
+    """The Triton implementation of ``vk.swiglu`` (inference skips writing G and U)."""
+    if not _needs_grad(x, gate_weight, gate_bias, up_weight, up_bias):
+        return swiglu_infer(x, gate_weight, gate_bias, up_weight, up_bias)
+    return swiglu_fwd(x, gate_weight, gate_bias, up_weight, up_bias)[0]
+
+
+def swiglu_mlp_triton(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual=None):
+    """The Triton implementation of ``vk.swiglu_mlp`` (inference skips writing G and U)."""
+    args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual)
+    if not _needs_grad(*args):
+        return swiglu_mlp_infer(*args)
+    return swiglu_mlp_fwd(*args)[0]
+
+
+def swiglu_ref(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """x (..., D), gate_weight and up_weight (Hd, D), biases (Hd,) -> silu(x W_g^T + b_g) * (x W_u^T + b_u)."""
+    return F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
+
+
+def swiglu_mlp_ref(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    down_bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x (..., D), down_weight (D_out, Hd), down_bias (D_out,), residual (..., D_out) -> (..., D_out)."""
+    out = F.linear(swiglu_ref(x, gate_weight, gate_bias, up_weight, up_bias), down_weight, down_bias)
+    return out if residual is None else out + residual
+
+
+def _no_extension_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    return ("the extension has no SwiGLU kernel (its GEMMs would be PyTorch's own): "
+            "auto picks the Triton kernels or the reference")
+
+
+def _extension_unsupported(*args):
+    raise NotImplementedError(_no_extension_kernel(torch.device("cpu"), torch.float32))
+
+
+# The implementations of vk.swiglu and vk.swiglu_mlp: backend -> function, support by device / dtype.
+backend.implementations(
+    "swiglu",
+    torch=backend.Impl(swiglu_ref),
+    triton=backend.Impl(swiglu_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(_extension_unsupported, supports=_no_extension_kernel),
+)
+backend.implementations(
+    "swiglu_mlp",
+    torch=backend.Impl(swiglu_mlp_ref),
+    triton=backend.Impl(swiglu_mlp_triton, supports=backend.triton_supports_dot),
+    extension=backend.Impl(_extension_unsupported, supports=_no_extension_kernel),
+)
