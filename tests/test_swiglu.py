@@ -10,8 +10,9 @@ import torch.nn.functional as F
 import vit_kernels as vk
 from vit_kernels import backend
 from vit_kernels.nn import SwiGLU
-from tests.helpers import (CPU_BACKENDS, assert_within_pytorch_error, check_against_formula, cuda_kernel_dtypes,
-                           cuda_param)
+from vit_kernels.ops import swiglu as swiglu_ops
+from tests.helpers import (CPU_BACKENDS, CUDA, DTYPE_NAMES, assert_within_pytorch_error, check_against_formula,
+                           cuda_kernel_dtypes, cuda_param, device_reason)
 
 HAS_TRITON_CPU = "triton" in CPU_BACKENDS
 needs_triton = pytest.mark.skipif(not HAS_TRITON_CPU, reason="the Triton backend needs TRITON_INTERPRET=1 on the CPU")
@@ -296,3 +297,47 @@ def test_empty_batch_and_empty_width(backend_name):
         check_against_formula(swiglu_mlp_call, swiglu_mlp_formula, inputs, torch.float32, NAMES)
         inputs = make_inputs((3, 0), 6, 3, True, False)
         check_against_formula(swiglu_mlp_call, swiglu_mlp_formula, inputs, torch.float32, NAMES)
+
+
+# ---- every entry of the dual GEMM's tile table, run on the GPU (``gpu`` cases, CUDA only) ----------------
+# Compiling is not correctness (``make check-gpu`` only compiles them): each tile is pinned in turn and
+# the output and every gradient stay within twice PyTorch's own error against float64. 12 x 197 rows,
+# widths no tile divides (masked edges everywhere).
+
+CUDA_SKIP = device_reason("triton", CUDA)
+
+
+def dual_tile_cases() -> list:
+    return [cuda_param(dtype, tile, id=f"{DTYPE_NAMES[dtype]}-{'x'.join(map(str, tile))}", skip_reason=CUDA_SKIP)
+            for dtypes, tiles in (((torch.float16, torch.bfloat16), swiglu_ops.SWIGLU_TILES_16BIT),
+                                  ((torch.float32,), swiglu_ops.SWIGLU_TILES_FP32))
+            for dtype in dtypes for tile in tiles]
+
+
+@pytest.mark.parametrize("dtype,tile", dual_tile_cases())
+def test_dual_gemm_tile_on_the_gpu(monkeypatch, dtype, tile):
+    launched: list = []
+    monkeypatch.setattr(swiglu_ops, "_dual_tile", lambda gemm: launched.append(tile) or tile)
+    inputs = make_inputs((12, 197, 200), 304, 200, True, True)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(swiglu_mlp_call, swiglu_mlp_formula, inputs, dtype, NAMES, CUDA)
+    assert launched, "the dual GEMM did not run the pinned tile"
+
+
+@pytest.mark.parametrize("dtype", [cuda_param(torch.bfloat16, id="bf16", skip_reason=CUDA_SKIP),
+                                   cuda_param(torch.float32, id="fp32", skip_reason=CUDA_SKIP)])
+def test_dual_gemm_tile_choice_on_the_gpu(dtype):
+    """As a user's first call makes it: every candidate validated and timed, the fastest right one kept."""
+    swiglu_ops.SWIGLU_CHOOSER.forget()
+    x = torch.randn(24, 197, 768, device=CUDA, dtype=dtype)
+    wg, wu = ((torch.randn(2048, 768, device=CUDA) / math.sqrt(768)).to(dtype) for _ in range(2))
+    b = torch.randn(2048, device=CUDA, dtype=dtype)
+    with vk.use_backend("triton", strict=True), torch.no_grad():
+        h = vk.swiglu(x, wg, b, wu, b)
+    (row,) = swiglu_ops.tile_report()
+    assert set(row["candidates"]) == {repr(t) for t in swiglu_ops.swiglu_candidates(dtype, 24 * 197, 2048)}
+    times = {t: trial for t, trial in row["candidates"].items() if isinstance(trial, float)}
+    assert times and row["chosen"] == min(times, key=times.get), row
+    exact = swiglu_formula(x.double(), wg.double(), b.double(), wu.double(), b.double())
+    own = F.silu(F.linear(x, wg, b)) * F.linear(x, wu, b)
+    assert_within_pytorch_error("H", h, own, exact, dtype, CUDA)
