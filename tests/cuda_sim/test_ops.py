@@ -56,12 +56,21 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         return (lambda: vk.linear(x, w, b, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
     if op == "linear_gelu":
         w, b = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype)
-        return (lambda: vk.linear_gelu(x, w, b, approximate="tanh" if variant == "tanh" else "none")), [x, w, b]
+        approximate = {"erf": "none", "tanh": "tanh", "quick": "quick"}[variant]
+        return (lambda: vk.linear_gelu(x, w, b, approximate=approximate)), [x, w, b]
     if op == "mlp":
         w1, b1, w2, b2 = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(D, HIDDEN, dtype=dtype), _p(D, dtype=dtype)
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
         leaves = [x, w1, b1, w2, b2] + ([residual] if residual is not None else [])
         return (lambda: vk.mlp(x, w1, b1, w2, b2, residual=residual)), leaves
+    if op in ("swiglu", "swiglu_mlp"):
+        wg, bg, wu, bu = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype)
+        if op == "swiglu":
+            return (lambda: vk.swiglu(x, wg, bg, wu, bu)), [x, wg, bg, wu, bu]
+        wd, bd = _p(D, HIDDEN, dtype=dtype), _p(D, dtype=dtype)
+        residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
+        leaves = [x, wg, bg, wu, bu, wd, bd] + ([residual] if residual is not None else [])
+        return (lambda: vk.swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual=residual)), leaves
     if op == "layer_norm":
         if variant == "wide":  # past the CUDA extension's row limit
             x = _p(2, 4, 16384, dtype=dtype)
@@ -79,7 +88,8 @@ CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention"
          ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"),
          ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
          ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"),
-         ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("mlp", "plain"), ("mlp", "residual"),
+         ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("linear_gelu", "quick"), ("mlp", "plain"),
+         ("mlp", "residual"), ("swiglu", "plain"), ("swiglu_mlp", "plain"), ("swiglu_mlp", "residual"),
          ("layer_norm", "plain"), ("layer_norm", "residual")]
 
 
