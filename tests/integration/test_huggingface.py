@@ -65,6 +65,9 @@ VISION_TOWERS = {
     "siglip2": ("Siglip2VisionConfig", "Siglip2VisionModel", {"num_patches": 16}),
     "dinov2": ("Dinov2Config", "Dinov2Model", {"layerscale_value": 0.5}),
     "dinov2_registers": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel", {"num_register_tokens": 4}),
+    "dinov2_swiglu": ("Dinov2Config", "Dinov2Model", {"use_swiglu_ffn": True}),
+    "dinov2_registers_swiglu": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel",
+                                {"num_register_tokens": 4, "use_swiglu_ffn": True}),
 }
 
 
@@ -93,7 +96,7 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
     fused, report = patched_copy(reference)
     kinds = [(name, new) for name, _, new in report.replaced]
     attention = [name for name, new in kinds if "attention interface" in new and not name.endswith("head.attention")]
-    mlps = [name for name, new in kinds if new.endswith(".Mlp") and name.startswith("encoder.")]
+    mlps = [name for name, new in kinds if (new.endswith(".Mlp") or "SwiGLUFFN" in new) and name.startswith("encoder.")]
     assert len(attention) == 2, report
     assert len(mlps) == 2, report
     args, kwargs = _tower_inputs(family, config)

@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Optional
 import torch.nn.functional as F
 from torch import nn
 
+import vit_kernels.functional as vkf
+
 from vit_kernels.activations import GELU, GELU_TANH, QUICK_GELU, RELU, gelu_act
 
 
@@ -101,6 +103,27 @@ def activation_name(act: object) -> Optional[str]:
     if name == "transformers.activations.GELUActivation":
         return GELU if getattr(act, "act", None) is F.gelu else None
     return _ACTIVATION_CLASSES.get(name)
+
+
+def is_silu(act: object) -> bool:
+    """Whether an activation module or function computes silu(z) = z * sigmoid(z)."""
+    return type(act) is nn.SiLU or act is F.silu or qualified_name(type(act)) == "transformers.activations.SiLUActivation"
+
+
+def swiglu_forward(module: nn.Module, x, gate: tuple, up: tuple, norm: Optional[nn.Module],
+                   drop1: Optional[nn.Module], down: nn.Linear, drop2: Optional[nn.Module]):
+    """down(drop2 . norm . drop1 (silu(x W_g^T + b_g) * (x W_u^T + b_u))) on the fused ops, each
+    optional part the module's own (its dropout draws the same masks): one ``vk.swiglu_mlp`` call
+    where no norm and no active dropout sit between the gating and the down projection.
+    ``gate``, ``up``: (weight (Hd, D), bias (Hd,) or None); x (..., D) -> (..., D_out)."""
+    dropping = module.training and any(dropout_p(d) != 0.0 for d in (drop1, drop2))
+    if is_identity(norm) and not dropping:
+        return vkf.swiglu_mlp(x, *gate, *up, down.weight, down.bias)
+    hidden = vkf.swiglu(x, *gate, *up)
+    for part in (drop1, norm):
+        hidden = hidden if part is None else part(hidden)
+    out = vkf.linear(hidden, down.weight, down.bias)
+    return out if drop2 is None else drop2(out)
 
 
 def describe_activation(act: object) -> str:

@@ -10,6 +10,8 @@ transformers' SDPA. ``patch_model`` swaps the rest:
 
 * the MLPs (``fc1``, activation, ``fc2``) -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU,
   GELU(tanh), QuickGELU, ReLU;
+* DINOv2's SwiGLU feed-forward (``use_swiglu_ffn``) keeps its class and computes ``forward`` with
+  ``vk.swiglu_mlp``;
 * ``ViTPatchEmbeddings``   keeps its class and computes ``forward`` with the fused patch embedding;
 * ``nn.LayerNorm``         as for any PyTorch model.
 """
@@ -28,6 +30,8 @@ from vit_kernels.integrations._common import (
     Swap,
     activation_name,
     describe_activation,
+    is_silu,
+    swiglu_forward as fused_swiglu,
     unfused_forward,
     unknown_forward_args,
     unknown_parts,
@@ -115,6 +119,23 @@ def swap_mlp(module: nn.Module) -> Swap:
     return Swap(new)
 
 
+def swiglu_ffn_forward(self, x):
+    """DINOv2's SwiGLU feed-forward, x (..., D) -> (..., D): down(silu(gate(x)) * up(x)), one fused call."""
+    gate, up = (self.gate_proj.weight, self.gate_proj.bias), (self.up_proj.weight, self.up_proj.bias)
+    return fused_swiglu(self, x, gate, up, None, None, self.down_proj, None)
+
+
+def swap_swiglu_ffn(module: nn.Module) -> Swap:
+    why = unknown_parts(module, ("gate_proj", "up_proj", "down_proj", "act_fn")) or unknown_forward_args(module, ("x",))
+    if why:
+        return Swap.skip(why)
+    if not is_silu(module.act_fn):
+        return Swap.skip(f"gates with {describe_activation(module.act_fn)}, not SiLU")
+    if not all(type(getattr(module, name)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
+        return Swap.skip("its projections are not nn.Linear")
+    return Swap(with_fused_forward(module, swiglu_ffn_forward), descend=False)
+
+
 def patch_embeddings_forward(self, pixel_values, *args, **kwargs):
     """pixel_values (N, C, H, W) -> tokens (N, L, D)."""
     patch = self.projection.kernel_size[0]
@@ -148,4 +169,6 @@ RULES: dict[str, Rule] = {
     f"{_MODELS}.vit.modeling_vit.ViTPatchEmbeddings": swap_patch_embeddings,
     **{f"{_MODELS}.{module}.{prefix}{layer}": rule for module, prefix in _TOWERS
        for layer, rule in (("Attention", attention_dispatch), ("MLP", swap_mlp))},
+    f"{_MODELS}.dinov2.modeling_dinov2.Dinov2SwiGLUFFN": swap_swiglu_ffn,
+    f"{_MODELS}.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersSwiGLUFFN": swap_swiglu_ffn,
 }

@@ -10,6 +10,9 @@
   kernel (``rope_attention_forward``), when q and k are not normalized and every head has its own k
   and v (no grouped-query attention); a mask or a rope table of a shape timm itself would not apply
   runs timm's own forward;
+* ``timm.layers.mlp.SwiGLU`` and ``GluMlp`` with SiLU (EVA02's SwiGLU, packed or not) keep their class
+  and parameters and compute ``forward`` with ``vk.swiglu_mlp`` (or ``vk.swiglu``, their hidden norm
+  and ``vk.linear`` where a norm or dropout sits between), for Linear projections;
 * ``timm.layers.patch_embed.PatchEmbed`` keeps its class's methods (``set_input_size``,
   ``dynamic_feat_size``, ...) and computes ``forward`` with the fused patch embedding, for square
   patches, stride == kernel, no padding, no token norm, tokens (NLC) or an NHWC grid (dynamic size);
@@ -29,7 +32,9 @@ from vit_kernels.integrations._common import (
     activation_name,
     describe_activation,
     dropout_p,
+    swiglu_forward as fused_swiglu,
     is_identity,
+    is_silu,
     unfused_forward,
     unknown_forward_args,
     unknown_parts,
@@ -162,6 +167,43 @@ def swap_rope_attention(module: nn.Module) -> Swap:
     return Swap(with_fused_forward(module, rope_attention_forward), descend=True)
 
 
+def swiglu_forward(self, x):
+    """timm's SwiGLU, x (..., D) -> (..., D_out): gate fc1_g, up fc1_x."""
+    gate, up = (self.fc1_g.weight, self.fc1_g.bias), (self.fc1_x.weight, self.fc1_x.bias)
+    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2)
+
+
+def glu_mlp_forward(self, x):
+    """timm's GluMlp with SiLU, x (..., D) -> (..., D_out): fc1's two halves are the gate and the up
+    projection (the gate second when ``gate_last``), read as views."""
+    half = self.fc1.out_features // 2
+    weight, bias = self.fc1.weight, self.fc1.bias
+    first = (weight[:half], None if bias is None else bias[:half])
+    second = (weight[half:], None if bias is None else bias[half:])
+    gate, up = (second, first) if self.gate_last else (first, second)
+    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2)
+
+
+def _swap_gated_mlp(module: nn.Module, projections: tuple[str, ...], forward) -> Swap:
+    why = unknown_parts(module, projections + ("act", "drop1", "norm", "fc2", "drop2")) or unknown_forward_args(
+        module, ("x",))
+    if why:
+        return Swap.skip(why)
+    if not is_silu(module.act):
+        return Swap.skip(f"gates with {describe_activation(module.act)}, not SiLU")
+    if not all(type(getattr(module, name)) is nn.Linear for name in projections + ("fc2",)):
+        return Swap.skip("its projections are not nn.Linear (use_conv)")
+    return Swap(with_fused_forward(module, forward), descend=True)
+
+
+def swap_swiglu(module: nn.Module) -> Swap:
+    return _swap_gated_mlp(module, ("fc1_g", "fc1_x"), swiglu_forward)
+
+
+def swap_glu_mlp(module: nn.Module) -> Swap:
+    return _swap_gated_mlp(module, ("fc1",), glu_mlp_forward)
+
+
 def patch_embed_forward(self, x):
     """images (N, C, H, W) -> tokens (N, L, D), or the grid (N, H/P, W/P, D) when not flattening."""
     n, _, height, width = x.shape
@@ -202,6 +244,8 @@ RULES: dict[str, Rule] = {
     "timm.models.eva.EvaAttention": swap_rope_attention,
     "timm.layers.attention.AttentionRope": swap_rope_attention,
     "timm.layers.mlp.Mlp": swap_mlp,
+    "timm.layers.mlp.SwiGLU": swap_swiglu,
+    "timm.layers.mlp.GluMlp": swap_glu_mlp,
     "timm.layers.patch_embed.PatchEmbed": swap_patch_embed,
     "timm.layers.norm.LayerNorm": swap_timm_layer_norm,
 }
