@@ -136,10 +136,12 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
 
 
 # (dropout_p, return_probs, rope layout): without rope, dropout and the probabilities; with rope (its
-# kernel variants: ROPE = 1, 2), each layout with and without dropout (the probabilities of a
-# rotating call are PyTorch's, no kernel of their own).
+# kernel variants: ROPE = 1, 2), each layout with and without dropout in the full sweep, each layout
+# once (one of them with dropout) in the quick one (the probabilities of a rotating call are
+# PyTorch's, no kernel of their own).
 _ATTENTION_FLAGS = ((0.0, False, None), (0.1, False, None), (0.0, True, None), (0.0, False, "interleaved"),
-                    (0.1, False, "interleaved"), (0.0, False, "half"), (0.1, False, "half"))
+                    (0.1, False, "half"))
+_ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + ((0.1, False, "interleaved"), (0.0, False, "half"))
 
 
 def _attention_cases(sweep: Sweep) -> Iterator[Case]:
@@ -150,7 +152,7 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
         dt, _ = PRECISIONS[precision]
         if precision.endswith("autocast"):
             continue  # attention takes the 16-bit qkv of the autocast GEMM: the plain 16-bit variants
-        for dropout_p, return_probs, rope in _ATTENTION_FLAGS:
+        for dropout_p, return_probs, rope in _ATTENTION_FLAGS_ALL if sweep.all_flags else _ATTENTION_FLAGS:
             if rope is not None and head_dim % 2:
                 continue  # rope rotates pairs of columns: even head dims only
 
