@@ -235,15 +235,7 @@ def mlp(
 
 def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual):
     hidden = _check_linear_args(x, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias")
-    check_float_tensor("fc2_weight", fc2_weight, ndim=2, layout="(D_out, Hd)")
-    if fc2_weight.shape[1] != hidden:
-        raise ValueError(
-            f"fc2_weight must have shape (D_out, Hd) with Hd = fc1_weight.shape[0] = {hidden}, "
-            f"got {shape_of(fc2_weight)}"
-        )
-    out_features = fc2_weight.shape[0]
-    check_optional_shape("fc2_bias", fc2_bias, (out_features,), "(D_out,)")
-    _check_residual(residual, (*x.shape[:-1], out_features), "(..., D_out)")
+    _check_output_projection(x, fc2_weight, fc2_bias, residual, hidden, ("fc2_weight", "fc2_bias", "fc1_weight"))
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
     check_same_device(
         "x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias, residual=residual
@@ -254,6 +246,20 @@ def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, res
     if amp is None:
         check_same_dtype("x", x, residual=residual)
     return x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
+
+
+def _check_output_projection(x, weight, bias, residual, hidden: int, names: tuple[str, str, str]) -> None:
+    """The last projection of an MLP: weight (D_out, Hd) taking the hidden width ``hidden``, bias
+    (D_out,) or None, residual (..., D_out) or None. ``names``: (weight, bias, the hidden layer's weight)."""
+    weight_name, bias_name, hidden_name = names
+    check_float_tensor(weight_name, weight, ndim=2, layout="(D_out, Hd)")
+    if weight.shape[1] != hidden:
+        raise ValueError(
+            f"{weight_name} must have shape (D_out, Hd) with Hd = {hidden_name}.shape[0] = {hidden}, "
+            f"got {shape_of(weight)}"
+        )
+    check_optional_shape(bias_name, bias, (weight.shape[0],), "(D_out,)")
+    _check_residual(residual, (*x.shape[:-1], weight.shape[0]), "(..., D_out)")
 
 
 def layer_norm(
@@ -347,15 +353,7 @@ def swiglu_mlp(
 
 def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual):
     hidden = _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
-    check_float_tensor("down_weight", down_weight, ndim=2, layout="(D_out, Hd)")
-    if down_weight.shape[1] != hidden:
-        raise ValueError(
-            f"down_weight must have shape (D_out, Hd) with Hd = gate_weight.shape[0] = {hidden}, "
-            f"got {shape_of(down_weight)}"
-        )
-    out_features = down_weight.shape[0]
-    check_optional_shape("down_bias", down_bias, (out_features,), "(D_out,)")
-    _check_residual(residual, (*x.shape[:-1], out_features), "(..., D_out)")
+    _check_output_projection(x, down_weight, down_bias, residual, hidden, ("down_weight", "down_bias", "gate_weight"))
     weights = dict(gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias,
                    down_weight=down_weight, down_bias=down_bias)
     check_same_device("x", x, **weights, residual=residual)
