@@ -245,8 +245,16 @@ def test_attention_layer_passes_rope_through():
     expected = torch.nn.functional.linear(formula_out(qkv, 2, rope=(cos, sin), rope_layout="half"),
                                           layer.proj.weight.double(), layer.proj.bias.double())
     torch.testing.assert_close(out.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="rope or a mask"):
-        layer(x, rope=(cos, sin), is_causal=True)
+    with vk.use_backend("torch"):  # rope and a causal mask together: the mask applies to the rotated scores
+        causal = layer(x, rope=(cos, sin), rope_layout="half", is_causal=True)
+    keep = torch.ones(10, 10, dtype=torch.bool).tril()
+    scores = rope_formula(qkv, 2, (cos, sin), "half")[1].log().masked_fill(~keep, float("-inf"))
+    heads_out = torch.softmax(scores, -1) @ qkv[..., 48:].unflatten(-1, (2, 12)).transpose(1, 2)
+    expected = torch.nn.functional.linear(heads_out.transpose(1, 2).reshape(2, 10, 24), layer.proj.weight.double(),
+                                          layer.proj.bias.double())
+    torch.testing.assert_close(causal.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attn_mask or is_causal=True, not both"):
+        layer(x, attn_mask=keep, is_causal=True)
 
 
 def test_chooser_key_and_launches_tell_rope_calls_apart():

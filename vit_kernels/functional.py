@@ -37,6 +37,7 @@ from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401
 from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
 from vit_kernels.ops import swiglu as _swiglu  # noqa: F401
+from vit_kernels.ops.attention import check_attention_mask
 from vit_kernels.ops.rope import check_rope
 
 
@@ -94,6 +95,7 @@ def attention(
     return_probs: bool = False,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     rope_layout: str = "interleaved",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention from packed projections.
 
@@ -108,10 +110,16 @@ def attention(
     the columns (2i, 2i+1) (``rope_layout="interleaved"``, EVA02) or (i, i + Dh/2) (``"half"``,
     DINOv3). Dh must be even; the tables keep their dtype (also under autocast) and the rotation is
     computed in float32. See ``vit_kernels.ops.rope``.
+
+    ``attn_mask``: as SDPA's, broadcastable to (B, H, L, L): boolean (True = attend) or additive (any
+    float dtype, kept also under autocast), e.g. a key-padding mask ``valid[:, None, None, :]`` of
+    valid tokens ``valid`` (B, L) for a padded (NaFlex) batch. A query row whose every key is masked
+    (-inf) gets zero output, probabilities and gradient, as SDPA's; finite masks such as
+    ``finfo.min`` (timm's, transformers') stay finite. The mask gets no gradient on the Triton backend.
     """
     cos, sin = (None, None) if rope is None else _rope_pair(rope)
-    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout),
-                        _prepare_attention)
+    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout,
+                                      attn_mask), _prepare_attention)
 
 
 def _rope_pair(rope: object) -> tuple:
@@ -121,7 +129,8 @@ def _rope_pair(rope: object) -> tuple:
     return rope[0], rope[1]
 
 
-def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None, sin=None, rope_layout="interleaved"):
+def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None, sin=None, rope_layout="interleaved",
+                       attn_mask=None):
     check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
     num_heads = check_positive_int("num_heads", num_heads)
     batch, length, three_d = qkv.shape
@@ -139,7 +148,8 @@ def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None,
     if (cos is None) != (sin is None):
         raise TypeError("rope must be a pair (cos, sin) of tensors, got None for one of them")
     check_rope(None if cos is None else (cos, sin), rope_layout, qkv, num_heads)
-    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout)
+    check_attention_mask(attn_mask, qkv, num_heads)
+    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask)
 
 
 def _check_linear_args(

@@ -60,6 +60,7 @@ def self_attention(
     return_probs: bool = False,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     rope_layout: str = "interleaved",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Packed-projection self-attention on the fused ops, shared by every attention layer.
 
@@ -67,11 +68,11 @@ def self_attention(
     Returns (B, L, D_out) [+ residual] and, with ``return_probs``, the probabilities (B, H, L, L).
     Dropout acts only when ``training``; the residual add is fused into the projection when no
     dropout follows it. ``rope = (cos, sin)``, ``rope_layout``: rotary position embedding of q and
-    k, as ``vk.attention`` takes them.
+    k; ``attn_mask``: SDPA's mask; both as ``vk.attention`` takes them.
     """
     qkv = vkf.linear(x, qkv_weight, qkv_bias)
     result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs,
-                           rope=rope, rope_layout=rope_layout)
+                           rope=rope, rope_layout=rope_layout, attn_mask=attn_mask)
     out, probs = result if return_probs else (result, None)
     if training and proj_drop > 0:
         out = _add_dropped(vkf.linear(out, proj_weight, proj_bias), proj_drop, True, residual)
@@ -183,49 +184,22 @@ class Attention(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L).
 
-        ``attn_mask`` (boolean, True = attend, or additive, broadcastable to (B, H, L, L)) and
-        ``is_causal`` are accepted as timm's blocks pass them (NaFlex ViTs mask padded patches): the
-        fused kernel is unmasked, so a masked call runs PyTorch's SDPA, exactly as timm would.
+        ``attn_mask`` (boolean, True = attend, or additive, broadcastable to (B, H, L, L), as SDPA's)
+        masks the scores inside the fused kernel (NaFlex ViTs mask padded patches); ``is_causal``
+        masks with the lower triangle, as SDPA (which takes one or the other) does.
         ``rope = (cos, sin)`` (each broadcastable to (B, H, L_r, Dh)) rotates q and k of the last L_r
         tokens, pairs as ``rope_layout`` says: see ``vk.attention``.
         """
-        if attn_mask is not None or is_causal:
-            if rope is not None:
-                raise ValueError("Attention takes rope or a mask (attn_mask, is_causal), not both")
-            return self._masked(x, residual, attn_mask, is_causal, return_probs)
+        if is_causal:
+            if attn_mask is not None:
+                raise ValueError("Attention takes attn_mask or is_causal=True, not both (as SDPA)")
+            length = x.shape[-2]
+            attn_mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         return self_attention(
             x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
             attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
-            residual=residual, return_probs=return_probs, rope=rope, rope_layout=rope_layout,
+            residual=residual, return_probs=return_probs, rope=rope, rope_layout=rope_layout, attn_mask=attn_mask,
         )
-
-    def _masked(self, x, residual, attn_mask, is_causal: bool, return_probs: bool):
-        """``forward`` for a masked or causal call, on PyTorch's ops (the fused kernel is unmasked)."""
-        batch, length, dim = x.shape
-        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).reshape(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        drop = self.attn_drop if self.training else 0.0
-        probs = None
-        if return_probs:
-            probs = _masked_probs(q, k, attn_mask, is_causal)
-            out = F.dropout(probs, drop, training=drop > 0) @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal)
-        out = F.linear(out.transpose(1, 2).reshape(batch, length, dim), self.proj.weight, self.proj.bias)
-        out = F.dropout(out, self.proj_drop, training=self.training and self.proj_drop > 0)
-        out = out if residual is None else residual + out
-        return (out, probs) if return_probs else out
-
-
-def _masked_probs(q, k, attn_mask, is_causal: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(Dh) + mask) (B, H, L, L), with SDPA's mask conventions."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if is_causal:
-        length = q.shape[-2]
-        keep = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    return scores.softmax(dim=-1)
 
 
 class Mlp(nn.Module):

@@ -45,6 +45,14 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
             cos, sin = (t.expand(heads, L - 1, head_dim) for t in (cos, sin))
             return (lambda: vk.attention(qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin),
                                          rope_layout="half")), [qkv]
+        if variant == "key_padding":  # a boolean (B, 1, 1, L) key-padding mask (a NaFlex batch)
+            mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device="cuda")
+            return (lambda: vk.attention(qkv, heads, attn_mask=mask)), [qkv]
+        if variant == "additive_mask_rope_dropout_probs":  # timm's float (B, 1, L, L) mask with rope, dropout
+            mask = torch.zeros(B, 1, L, L, device="cuda")
+            cos, sin = (torch.randn(L - 1, head_dim, device="cuda") for _ in range(2))
+            return (lambda: vk.attention(qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin),
+                                         attn_mask=mask)), [qkv]
         return (lambda: vk.attention(qkv, heads)), [qkv]
     if op == "linear":
         if variant == "tall":  # more rows than a GEMM candidate is validated on
@@ -86,7 +94,8 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
 
 CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention", "dh64"), ("attention", "dh80"),
          ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"),
-         ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
+         ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("attention", "key_padding"),
+         ("attention", "additive_mask_rope_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
          ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"),
          ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("linear_gelu", "quick"), ("mlp", "plain"),
          ("mlp", "residual"), ("swiglu", "plain"), ("swiglu_mlp", "plain"), ("swiglu_mlp", "residual"),

@@ -104,7 +104,7 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
     def pooled(out):
         return out.pooler_output if out.pooler_output is not None else out.last_hidden_state
 
-    if family == "siglip2":  # patches and a padding mask in: the masked calls run transformers' SDPA
+    if family == "siglip2":  # patches and a padding mask in: the masked calls run fused with the mask
         reference_out = pooled(reference(*args, **kwargs))
         fused_out = pooled(fused(*args, **kwargs))
         torch.testing.assert_close(fused_out, reference_out, rtol=1e-10, atol=1e-10)
@@ -117,20 +117,25 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
                 torch.testing.assert_close(fused_params[name].grad, param.grad, rtol=1e-10, atol=1e-10, msg=name)
         return
     record_difference(f"huggingface {family}", *compare(reference, fused, args[0], output_of=pooled))
-def test_a_mask_or_cross_attention_runs_transformers_own_attention():
-    """What the fused kernel does not compute (a mask, cross-attention) takes transformers' SDPA
-    path: the result of an unpatched model, never an error."""
+def test_masks_run_fused_and_cross_attention_runs_transformers_own(monkeypatch):
+    """A self-attention mask (additive or boolean, SDPA's form) runs the fused op with it;
+    cross-attention takes transformers' SDPA path: the result of an unpatched model either way."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     huggingface.register()
     module = torch.nn.Module()
     module.is_causal = False
     q, kv = torch.randn(1, 2, 5, 4, dtype=torch.float64), torch.randn(1, 2, 7, 4, dtype=torch.float64)
-    mask = torch.randn(1, 1, 5, 5, dtype=torch.float64)
-    for args in ((q, q, q, mask), (q, kv, kv, None)):
+    additive = torch.randn(1, 1, 5, 5, dtype=torch.float64)
+    keep = torch.rand(1, 1, 5, 5) > 0.4
+    keep[..., 0] = True
+    fused_calls, fused = [], huggingface.vkf.attention
+    monkeypatch.setattr(huggingface.vkf, "attention", lambda *a, **k: fused_calls.append(k) or fused(*a, **k))
+    for args in ((q, q, q, additive), (q, q, q, keep), (q, kv, kv, None), (q, q, q, None)):
         out, _ = huggingface.attention_forward(module, *args)
         expected, _ = sdpa_attention_forward(module, *args)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert [call["attn_mask"] is None for call in fused_calls] == [False, False, True]  # not the cross-attention
 
 
 def test_siglip_vision_model_patches_and_stays_exact(record_difference):

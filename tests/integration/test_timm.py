@@ -125,22 +125,68 @@ def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(family, train
     assert attention_calls and all(call is not None and call[0] == layout for call in attention_calls), attention_calls
 
 
-def test_rope_attention_with_a_mask_runs_timms_own_forward(attention_calls):
-    """A mask (NaFlex) or a table for other tokens than the block has: timm's forward, same result."""
+def test_rope_attention_with_a_mask_is_fused_and_a_causal_call_runs_timms_own(attention_calls):
+    """A mask (NaFlex) runs fused with the rotation; a causal call or a table for other tokens than
+    the block has runs timm's forward: the same result either way."""
     reference = _timm_vit("vit_base_patch16_rope_reg1_gap_256", **ROPE_SMALL)
     model, _ = patched_copy(reference)
     x = torch.randn(2, 17, 64, dtype=torch.float64)
     rope = reference.rope.get_embed(shape=(4, 4)).double()
     mask = torch.rand(2, 1, 17, 17) > 0.3
     mask[..., 0] = True
-    for kwargs in ({"rope": rope, "attn_mask": mask}, {"rope": rope, "is_causal": True}):
+    additive = torch.zeros(2, 1, 17, 17, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    for kwargs in ({"rope": rope, "attn_mask": mask}, {"rope": rope, "attn_mask": additive}):
         torch.testing.assert_close(model.blocks[0].attn(x, **kwargs), reference.blocks[0].attn(x, **kwargs))
+    assert attention_calls == [("interleaved", (16, 16))] * 2
+    torch.testing.assert_close(model.blocks[0].attn(x, rope=rope, is_causal=True),
+                               reference.blocks[0].attn(x, rope=rope, is_causal=True))
     for attention in (model.blocks[0].attn, reference.blocks[0].attn):  # 8 rows for 16 tokens: timm's error
         with pytest.raises(RuntimeError, match="size of tensor"):
             attention(x, rope=rope[:8])
-    assert attention_calls == []
-    model.blocks[0].attn(x, rope=rope)
-    assert attention_calls == [("interleaved", (16, 16))]
+    assert len(attention_calls) == 2
+
+
+NAFLEX_SMALL = {"depth": 2, "embed_dim": 64, "num_heads": 4, "num_classes": 5}
+
+
+def _naflex_batch(batch_valid=(16, 11), grid=(4, 4), patch=16):
+    """A NaFlex collator's dict: patches (B, N, P*P*3) float64, their (row, column) coordinates and
+    which are valid, the second image a 11-patch one padded to N = 16."""
+    rows, cols = grid
+    coords = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+    count = rows * cols
+    valid = torch.arange(count)[None, :] < torch.tensor(batch_valid)[:, None]
+    patches = torch.randn(len(batch_valid), count, patch * patch * 3, dtype=torch.float64)
+    return {"patches": patches, "patch_coord": coords.expand(len(batch_valid), count, 2).clone(),
+            "patch_valid": valid}
+
+
+@pytest.mark.parametrize("rope_type", ["", "axial"])
+@pytest.mark.parametrize("training", [False, True])
+def test_naflex_padded_batch_runs_masked_attention_fused(rope_type, training, monkeypatch, record_difference):
+    """A NaFlex ViT on a padded batch: every block's attention runs the fused op with timm's padding
+    mask (learned position embedding, or axial RoPE), exact in float64, forward and every gradient."""
+    from vit_kernels import functional as vkf
+
+    reference = timm.create_model("naflexvit_base_patch16_gap", pretrained=False, rope_type=rope_type,
+                                  **NAFLEX_SMALL).double()
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
+    reference.train(training)
+    model, report = patched_copy(reference)
+    attentions = [n for n, _, _ in report.replaced if n.endswith(".attn")]
+    assert len(attentions) == NAFLEX_SMALL["depth"], report
+    masks, fused = [], vkf.attention
+
+    def spy(qkv, num_heads, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return fused(qkv, num_heads, **kwargs)
+
+    monkeypatch.setattr(vkf, "attention", spy)  # the module every layer and adapter calls through
+    record_difference(f"timm naflex rope={rope_type or 'none'}", *compare(reference, model, _naflex_batch()))
+    tokens = 16 + reference.num_prefix_tokens
+    assert len(masks) >= NAFLEX_SMALL["depth"] and all(m is not None and m.shape[-1] == tokens for m in masks), [
+        None if m is None else tuple(m.shape) for m in masks]
 
 
 def test_a_mask_runs_masked_attention_exactly():

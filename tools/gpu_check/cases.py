@@ -135,16 +135,31 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                        run_mlp)
 
 
-# (dropout_p, return_probs, rope layout): without rope, dropout and the probabilities; with rope (its
-# kernel variants: ROPE = 1, 2), each layout with and without dropout in the full sweep, each layout
-# once (one of them with dropout) in the quick one (the probabilities of a rotating call are
-# PyTorch's, no kernel of their own).
-_ATTENTION_FLAGS = ((0.0, False, None), (0.1, False, None), (0.0, True, None), (0.0, False, "interleaved"),
-                    (0.1, False, "half"))
-_ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + ((0.1, False, "interleaved"), (0.0, False, "half"))
-# The head dims whose rope variants the quick sweep compiles (every even one in the full sweep): the
-# ViTs' 64, and 80 and 128 (other BLOCK_D, a padded and an exact one); each costs about 2 s of compile.
+# (dropout_p, return_probs, rope layout, mask kind): without rope or mask, dropout and the
+# probabilities; with rope (its kernel variants: ROPE = 1, 2), each layout with and without dropout
+# in the full sweep, each layout once (one of them with dropout) in the quick one; with a mask (MASK =
+# 1 additive: timm's float (B, 1, L, L); 2 boolean: a (B, 1, 1, L) key-padding mask), each kind alone
+# and with rope and dropout (the probabilities of a rotating or masked call are PyTorch's, no kernel
+# of their own).
+_ATTENTION_FLAGS = ((0.0, False, None, None), (0.1, False, None, None), (0.0, True, None, None),
+                    (0.0, False, "interleaved", None), (0.1, False, "half", None), (0.0, False, None, "boolean"),
+                    (0.1, False, "interleaved", "additive"))
+_ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + ((0.1, False, "interleaved", None), (0.0, False, "half", None),
+                                           (0.0, False, None, "additive"), (0.1, False, "half", "boolean"))
+# The head dims whose rope and mask variants the quick sweep compiles (every even one in the full
+# sweep): the ViTs' 64, and 80 and 128 (other BLOCK_D, a padded and an exact one); each costs about
+# 2 s of compile.
 ROPE_QUICK_HEAD_DIMS = (64, 80, 128)
+
+
+def _mask(kind, batch: int, seq_len: int):
+    """The mask of a gate case: None, a boolean (B, 1, 1, L) key-padding mask or timm's float32
+    (B, 1, L, L) one."""
+    if kind is None:
+        return None
+    if kind == "boolean":
+        return torch.ones(batch, 1, 1, seq_len, dtype=torch.bool, device="cuda")
+    return _t(F32, batch, 1, seq_len, seq_len)
 
 
 def _attention_cases(sweep: Sweep) -> Iterator[Case]:
@@ -155,34 +170,37 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
         dt, _ = PRECISIONS[precision]
         if precision.endswith("autocast"):
             continue  # attention takes the 16-bit qkv of the autocast GEMM: the plain 16-bit variants
-        for dropout_p, return_probs, rope in _ATTENTION_FLAGS_ALL if sweep.all_flags else _ATTENTION_FLAGS:
+        for dropout_p, return_probs, rope, mask_kind in _ATTENTION_FLAGS_ALL if sweep.all_flags else _ATTENTION_FLAGS:
             if rope is not None and head_dim % 2:
                 continue  # rope rotates pairs of columns: even head dims only
-            if rope is not None and not sweep.all_flags and head_dim not in ROPE_QUICK_HEAD_DIMS:
+            extra = rope is not None or mask_kind is not None
+            if extra and not sweep.all_flags and head_dim not in ROPE_QUICK_HEAD_DIMS:
                 continue
 
             def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
-                    return_probs=return_probs, rope=rope):
+                    return_probs=return_probs, rope=rope, mask_kind=mask_kind, extra=extra):
                 qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
                 seed = torch.empty(1, dtype=torch.int64, device="cuda")
                 scale = head_dim**-0.5
                 # rope: float32 tables (timm's buffers) of the patch tokens, the class token left unrotated
-                rope_args = () if rope is None else (_t(F32, seq_len - 1, head_dim), _t(F32, seq_len - 1, head_dim), rope)
-                out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *rope_args)
+                tables = (None, None) if rope is None else (_t(F32, seq_len - 1, head_dim), _t(F32, seq_len - 1, head_dim))
+                mask = _mask(mask_kind, batch, seq_len)
+                more = (*tables, rope or "interleaved", mask) if extra else ()
+                out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
                 if return_probs:
                     attention.attention_probs(qkv, lse, heads, scale)
-                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *rope_args)
+                attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
                 if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
-                    key = attention._chooser_key(qkv, heads, None if rope is None else rope_args)
-                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, rope is not None):
+                    key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
+                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, extra):
                         attention.FWD_CHOOSER.pin(key, tile)
-                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *rope_args)
-                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, rope is not None):
+                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
+                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, extra):
                         attention.BWD_CHOOSER.pin(key, tiles)
-                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p,
-                                                *rope_args)
+                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
 
-            flags = f"L={seq_len} dropout={dropout_p} probs={return_probs}" + ("" if rope is None else f" rope={rope}")
+            flags = (f"L={seq_len} dropout={dropout_p} probs={return_probs}" + ("" if rope is None else f" rope={rope}")
+                     + ("" if mask_kind is None else f" mask={mask_kind}"))
             yield Case("attention", precision, shape, flags, batch, run)
 
 

@@ -8,6 +8,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,6 +72,19 @@ def dropout_p(module: Optional[nn.Module]) -> Optional[float]:
     if type(module) is nn.Dropout:
         return float(module.p)
     return None
+
+
+def fusable_mask(mask: object, device: torch.device, batch: int, num_heads: int, length: int) -> bool:
+    """Whether ``vk.attention`` takes ``mask`` (None, or SDPA's boolean or additive mask) for a
+    self-attention of ``batch`` x ``num_heads`` x ``length`` tokens on ``device``: a tensor there that
+    broadcasts to (B, H, L, L). Anything else runs the layer's own forward."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return False
+    target = (batch, num_heads, length, length)
+    fits = 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
+    return fits and mask.device == device
 
 
 def is_identity(module: object) -> bool:

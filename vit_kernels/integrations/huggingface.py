@@ -5,8 +5,9 @@ Attention runs through transformers' own dispatch: ``register()`` adds ``"vit_ke
 ``AttentionInterface``. ``patch_model`` registers it and switches a model whose attention runs
 transformers' ``sdpa`` implementation (its default; the same mathematics) to it, by the config its
 attention modules read; a model loaded with another implementation (eager, which returns attention
-weights, flash, flex) keeps it, and the report says so. A call the fused kernel does not compute (a mask, cross-attention) runs
-transformers' SDPA. ``patch_model`` swaps the rest:
+weights, flash, flex) keeps it, and the report says so. Self-attention runs fused, masked too (SigLIP2's
+padding mask); a call the fused kernel does not compute (cross-attention, causal) runs transformers'
+SDPA. ``patch_model`` swaps the rest:
 
 * the MLPs (``fc1``, activation, ``fc2``) -> ``vit_kernels.nn.Mlp`` (same ``fc1``/``fc2``) for GELU,
   GELU(tanh), QuickGELU, ReLU;
@@ -30,6 +31,7 @@ from vit_kernels.integrations._common import (
     Swap,
     activation_name,
     describe_activation,
+    fusable_mask,
     is_silu,
     swiglu_forward as fused_swiglu,
     unfused_forward,
@@ -53,19 +55,22 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query/key/value (B, H, L, Dh) -> (out (B, L, H, Dh), None).
 
-    Self-attention without a mask (ViT's encoder) runs fused; a mask, causal attention or differing
-    q/k/v shapes (cross-attention, grouped queries) run transformers' own SDPA attention, as an
-    unpatched model would.
+    Self-attention runs fused, with its mask (SDPA's form, as ``register`` has transformers build it:
+    boolean or additive, broadcastable to (B, H, L, L)); causal attention, differing q/k/v shapes
+    (cross-attention, grouped queries) or a mask of another shape run transformers' own SDPA
+    attention, as an unpatched model would.
     """
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
-    if attention_mask is not None or causal or key.shape != query.shape or value.shape != query.shape:
+    batch, heads, length, head_dim = query.shape
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, :length]  # as transformers' SDPA attention slices it
+    if causal or key.shape != query.shape or value.shape != query.shape or not fusable_mask(attention_mask, query.device, batch, heads, length):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    batch, heads, length, head_dim = query.shape
     qkv = torch.cat([t.transpose(1, 2).reshape(batch, length, heads * head_dim) for t in (query, key, value)], dim=-1)
-    out = vkf.attention(qkv, heads, scale=scaling, dropout_p=dropout)
+    out = vkf.attention(qkv, heads, scale=scaling, dropout_p=dropout, attn_mask=attention_mask)
     return out.view(batch, length, heads, head_dim), None
 
 

@@ -7,9 +7,9 @@
 * ``timm.models.eva.EvaAttention`` (EVA02, the ``vit_*_rope_*`` ViTs, DINOv3) and
   ``timm.layers.attention.AttentionRope`` (Perception Encoder, the mixed-RoPE ViTs) keep their class,
   parameters and methods and compute ``forward`` with the fused attention, rotary embedding inside the
-  kernel (``rope_attention_forward``), when q and k are not normalized and every head has its own k
-  and v (no grouped-query attention); a mask or a rope table of a shape timm itself would not apply
-  runs timm's own forward;
+  kernel (``rope_attention_forward``), masked too (NaFlex's padding), when q and k are not normalized
+  and every head has its own k and v (no grouped-query attention); a causal call, or a mask or rope
+  table of a shape timm itself would not apply, runs timm's own forward;
 * ``timm.layers.mlp.SwiGLU`` and ``GluMlp`` with SiLU (EVA02's SwiGLU, packed or not) keep their class
   and parameters and compute ``forward`` with ``vk.swiglu_mlp`` (or ``vk.swiglu``, their hidden norm
   and ``vk.linear`` where a norm or dropout sits between), for Linear projections;
@@ -32,6 +32,7 @@ from vit_kernels.integrations._common import (
     activation_name,
     describe_activation,
     dropout_p,
+    fusable_mask,
     swiglu_forward as fused_swiglu,
     is_identity,
     is_silu,
@@ -131,14 +132,16 @@ def _rope_tables(self, rope: torch.Tensor, x: torch.Tensor):
 def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False):
     """timm's EvaAttention / AttentionRope forward, x (B, L, D) -> (B, L, D_out): the packed q, k, v
     projection, then the fused attention rotating q and k of the tokens after the prefix as its
-    kernels load them; the output norm, gate and projection as timm computes them."""
+    kernels load them, masked by ``attn_mask`` (SDPA's); the output norm, gate and projection as timm
+    computes them."""
     tables = None if rope is None else _rope_tables(self, rope, x)
-    if attn_mask is not None or is_causal or (rope is not None and tables is None):
+    if is_causal or (rope is not None and tables is None) or not fusable_mask(attn_mask, x.device, x.shape[0], self.num_heads, x.shape[1]):
         return unfused_forward(self, x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
     gate = self.gate(x).sigmoid() if self.gate is not None else None
     out = vkf.attention(_packed_qkv(self, x), self.num_heads,
                         dropout_p=dropout_p(self.attn_drop) if self.training else 0.0, rope=tables,
-                        rope_layout="half" if getattr(self, "rotate_half", False) else "interleaved")
+                        rope_layout="half" if getattr(self, "rotate_half", False) else "interleaved",
+                        attn_mask=attn_mask)
     out = self.norm(out)
     if gate is not None:
         out = out * gate

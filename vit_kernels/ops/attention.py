@@ -147,6 +147,34 @@ def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     return g * cos - tl.reshape(tl.join(-odd, even), (ROWS, BLOCK_D))
 
 
+# An attention mask (MASK = 1: additive, any float dtype; 2: boolean, True = attend; 0: none, the
+# kernels as without it), broadcast to (B, H, L, L) by its strides (0 along broadcast dims), enters
+# the kernels' unscaled scores s_ij = q_i . k_j as
+#   s_ij + b_ij / scale,   b_ij = mask_ij (additive) or 0 / -inf (boolean),
+# so that scale (s_ij + b_ij / scale) = scale q_i . k_j + b_ij, SDPA's scores. Finite b_ij are
+# clamped to +-limit = +-FLT_MAX * min(scale, 1) first, so that b / scale stays finite: a mask of
+# finfo(float32).min (timm's, transformers') then keeps a row whose every key it masks finite and
+# uniform, as SDPA computes it, where b / scale would overflow to -inf. -inf (and boolean False)
+# removes the key; a row with every key at -inf gets P = 0 (out = 0, no gradient), as SDPA's.
+# The tile is addressed by its (query, key) index tensors rows_m, rows_n broadcasting to it, so the
+# dK/dV kernel's (key, query) tiles load it transposed; outside the sequence it reads b = 0.
+# The mask has no gradient (the kernels decline a mask that requires one).
+@triton.jit
+def _mask_term(mask_base, rows_m, rows_n, seq_len, stride_mask_m, stride_mask_n, inv_scale, limit, MASK: tl.constexpr):
+    """b / scale (float32) of the (query rows_m, key rows_n) tile of one head of one image."""
+    inside = (rows_m < seq_len) & (rows_n < seq_len)
+    ptrs = mask_base + rows_m.to(tl.int64) * stride_mask_m + rows_n.to(tl.int64) * stride_mask_n
+    if MASK == 2:
+        keep = tl.load(ptrs, mask=inside, other=1)
+        term = tl.where(keep != 0, 0.0, float("-inf"))
+    else:
+        b = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        b = tl.where((b < -limit) & (b > float("-inf")), -limit, b)
+        b = tl.where((b > limit) & (b < float("inf")), limit, b)
+        term = b * inv_scale
+    return term
+
+
 # One key block of the forward (keys start_n + offs_n) for the query tile q, with c = scale * log2(e):
 #   s_ij = q_i . k_j   (-inf for keys past the sequence: only in the masked tail block, MASK_N)
 #   (with ROPE, q and k rotated: q' . k'_j, k' given as the loaded and rotated (Dh, keys) tile kt)
@@ -155,8 +183,9 @@ def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def _attention_fwd_key_block(
     acc, l_i, m_i, q, kt, k_ptrs, v_ptrs, start_n, offs_n, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2,
-    dropout_p, keep_scale,
+    dropout_p, keep_scale, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
     MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     rows_n = start_n + offs_n
     if ROPE == 0:
@@ -168,9 +197,17 @@ def _attention_fwd_key_block(
         s = tl.dot(q, kt, input_precision=PRECISION)
     if MASK_N:
         s = tl.where((rows_n < seq_len)[None, :], s, float("-inf"))
+    if MASK != 0:
+        s = s + _mask_term(mask_base, offs_m[:, None], rows_n[None, :], seq_len, stride_mask_m, stride_mask_n,
+                           inv_scale, mask_limit, MASK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2((m_i - m_new) * scale_log2)
-    p = tl.exp2((s - m_new[:, None]) * scale_log2)
+    if MASK == 0:
+        alpha = tl.exp2((m_i - m_new) * scale_log2)
+        p = tl.exp2((s - m_new[:, None]) * scale_log2)
+    else:  # a row masked so far has m = -inf: its exponents are taken against 0 (all 2^-inf = 0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - m_safe) * scale_log2)
+        p = tl.exp2((s - m_safe[:, None]) * scale_log2)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_dropout_keep(seed, pid_bh, offs_m[:, None], rows_n[None, :], seq_len, dropout_p), p * keep_scale,
@@ -199,17 +236,20 @@ def _attention_fwd_key_block(
 # tables Cos, Sin (B, H, L_r, Dh) by strides (0 where broadcast), rope_start = L - L_r.
 @triton.jit
 def _attention_fwd_kernel(
-    QKV, Out, RowMax, RowInvSum, Seed, Cos, Sin,
+    QKV, Out, RowMax, RowInvSum, Seed, Cos, Sin, Mask,
     seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_out_b, stride_out_l,
     stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    scale_log2, dropout_p,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    scale_log2, dropout_p, inv_scale, mask_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
 ):
     scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -249,8 +289,8 @@ def _attention_fwd_kernel(
                                stride_sin_d, ROPE, False)
         acc, l_i, m_i = _attention_fwd_key_block(
             acc, l_i, m_i, q, kt, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_n,
-            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, False, EVEN_D, DROPOUT,
-            PRECISION, ROPE)
+            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, mask_base, stride_mask_m,
+            stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_tile = offs_t[:, None] * stride_qkv_l + cols
@@ -262,10 +302,14 @@ def _attention_fwd_kernel(
                                     stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
         acc, l_i, m_i = _attention_fwd_key_block(
             acc, l_i, m_i, q, kt_tail, k_base + row_offset + tail_tile, v_base + row_offset + tail_tile, full_end,
-            offs_t, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, True, EVEN_D, DROPOUT,
-            PRECISION, ROPE)
+            offs_t, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, mask_base, stride_mask_m,
+            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
 
-    inv_sum = 1.0 / l_i
+    if MASK == 0:
+        inv_sum = 1.0 / l_i
+    else:  # a row with every key masked: P = 0 (l = 0, m = -inf saved as 0)
+        inv_sum = tl.where(l_i == 0.0, 0.0, 1.0 / l_i)
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
     acc = acc * inv_sum[:, None]
     mask_m = offs_m < seq_len
     out_ptrs = Out + batch.to(tl.int64) * stride_out_b + tl.cast(start_m, tl.int64) * stride_out_l + head * head_dim \
@@ -291,12 +335,16 @@ def _attention_fwd_kernel(
 @triton.jit
 def _attention_bwd_p_dp(
     q, k, kt, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
-    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
+    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
 ):
     if ROPE == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:  # q and k rotated, k' as the (Dh, keys) tile kt (see _rope_cols)
         s = tl.dot(q, kt, input_precision=PRECISION)
+    if MASK != 0:
+        s = s + _mask_term(mask_base, rows_m[:, None], rows_n[None, :], seq_len, stride_mask_m, stride_mask_n,
+                           inv_scale, mask_limit, MASK)
     p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
     if MASK_N:
         p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
@@ -326,8 +374,9 @@ def _attention_bwd_p_dp(
 @triton.jit
 def _attention_bwd_dkdv_query_block(
     dk, dv, k, v, q_rot, qt_rot, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d,
-    seq_len, pid_bh, seed, scale_log2, dropout_p,
+    seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
     MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     rows_m = start_m + offs_m
     if ROPE == 0:
@@ -348,6 +397,9 @@ def _attention_bwd_dkdv_query_block(
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     else:
         s_t = tl.dot(k, qt_rot, input_precision=PRECISION)
+    if MASK != 0:  # the (key, query) tile of the mask, loaded transposed
+        s_t = s_t + _mask_term(mask_base, rows_m[None, :], offs_n[:, None], seq_len, stride_mask_m, stride_mask_n,
+                               inv_scale, mask_limit, MASK)
     p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
@@ -384,18 +436,21 @@ def _attention_bwd_dkdv_query_block(
 # delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin, Mask,
     seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
     stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    scale, scale_log2, dropout_p,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    scale, scale_log2, dropout_p, inv_scale, mask_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
     pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -433,8 +488,8 @@ def _attention_bwd_dkdv_kernel(
         dk, dv = _attention_bwd_dkdv_query_block(
             dk, dv, k, v, q_rot, qt_rot, q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
             do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile, row_stats + start_m + offs_m, Delta, RowMax,
-            RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p,
-            False, EVEN_D, DROPOUT, PRECISION, ROPE)
+            RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base,
+            stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
     if BLOCK_TAIL > 0:
         # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
         # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
@@ -460,7 +515,8 @@ def _attention_bwd_dkdv_kernel(
             q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
             do_base + tl.cast(full_end, tl.int64) * stride_do_l + (offs_t[:, None] * stride_do_l + do_cols),
             row_stats + full_end + offs_t, Delta, RowMax, RowInvSum, full_end, offs_t, offs_n, mask_d, seq_len,
-            pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION, ROPE)
+            pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True,
+            EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
 
     out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l + head * head_dim \
         + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + offs_d[None, :])
@@ -487,8 +543,9 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_key_block(
     q, do, row_max, inv_sum, k_rot, kt_rot, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed,
-    scale_log2, dropout_p,
+    scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
     MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     rows_n = start_n + offs_n
     if ROPE == 0:
@@ -497,7 +554,8 @@ def _attention_bwd_dq_key_block(
         k = k_rot
     v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
     p, _, dp = _attention_bwd_p_dp(q, k, kt_rot, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                   scale_log2, dropout_p, MASK_N, DROPOUT, PRECISION, ROPE)
+                                   scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale,
+                                   mask_limit, MASK_N, DROPOUT, PRECISION, ROPE, MASK)
     return k, p, dp
 
 
@@ -517,18 +575,21 @@ def _attention_bwd_dq_key_block(
 # delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dq_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin,
+    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin, Mask,
     seq_len, num_heads, head_dim, model_dim, rope_start,
     stride_qkv_b, stride_qkv_l, stride_qkv_c,
     stride_do_b, stride_do_l, stride_do_c,
     stride_dqkv_b, stride_dqkv_l,
     stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    scale, scale_log2, dropout_p,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    scale, scale_log2, dropout_p, inv_scale, mask_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -570,8 +631,8 @@ def _attention_bwd_dq_kernel(
                                  stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p, dp = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, 0, kt_first, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n,
-            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT, PRECISION,
-            ROPE)
+            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D,
+            DROPOUT, PRECISION, ROPE, MASK)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
     if BLOCK_TAIL > 0:
@@ -582,11 +643,11 @@ def _attention_bwd_dq_kernel(
                                       stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, 0, kt_first_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION,
-            ROPE)
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True, EVEN_D,
+            DROPOUT, PRECISION, ROPE, MASK)
         weighted += tl.sum(p_tail * dp_tail, 1)
         row_sum += tl.sum(p_tail, 1)
-    delta = weighted / tl.where(mask_m, row_sum, 1.0)
+    delta = weighted / tl.where(mask_m & (row_sum != 0.0), row_sum, 1.0)  # 0 / 1 where every key is masked
     tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -597,8 +658,8 @@ def _attention_bwd_dq_kernel(
                                       stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k, p, dp = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_rot, kt_rot, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile,
-            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, False, EVEN_D, DROPOUT,
-            PRECISION, ROPE)
+            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, False,
+            EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
@@ -608,8 +669,8 @@ def _attention_bwd_dq_kernel(
             rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_rot_tail, kt_rot_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, True, EVEN_D, DROPOUT, PRECISION,
-            ROPE)
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True, EVEN_D,
+            DROPOUT, PRECISION, ROPE, MASK)
         dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
 
     if ROPE == 0:
@@ -702,8 +763,9 @@ ATTENTION_BWD_TILES = {
 }
 # A rotating call's kernels load per block two more q or k tiles (the partner columns) and the
 # cos and sin tiles, each buffered once per pipeline stage: at 3 stages the 16-bit head-dim-64
-# tiles pass sm_80's 163 KB of shared memory per block (`make check-gpu`), so they run at most 2.
-ROPE_MAX_STAGES = 2
+# tiles pass sm_80's 163 KB of shared memory per block (`make check-gpu`), so they run at most 2;
+# so does a masked call, whose kernels load a (BLOCK_M, BLOCK_N) mask tile per block beside them.
+EXTRA_LOADS_MAX_STAGES = 2
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
 VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
@@ -733,25 +795,25 @@ def _fit(tile: int, seq_len: int) -> int:
     return max(16, min(tile, next_power_of_2(int(seq_len))))
 
 
-def _fitted(tile: tuple, seq_len: int, rope: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence; for a rotating call
-    at most ROPE_MAX_STAGES stages."""
+def _fitted(tile: tuple, seq_len: int, extra_loads: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence; for a rotating or
+    masked call (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages."""
     bm, bn, warps, stages = tile
-    return _fit(bm, seq_len), _fit(bn, seq_len), warps, min(stages, ROPE_MAX_STAGES) if rope else stages
+    return _fit(bm, seq_len), _fit(bn, seq_len), warps, min(stages, EXTRA_LOADS_MAX_STAGES) if extra_loads else stages
 
 
 def _unique(tiles) -> tuple:
     return tuple(dict.fromkeys(tiles))
 
 
-def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False) -> tuple:
+def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False) -> tuple:
     """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped)."""
-    return _unique(_fitted(t, seq_len, rope) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
+    return _unique(_fitted(t, seq_len, extra_loads) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
 
 
-def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False) -> tuple:
+def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False) -> tuple:
     """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence."""
-    return _unique((_fitted(dq, seq_len, rope), _fitted(dkdv, seq_len, rope))
+    return _unique((_fitted(dq, seq_len, extra_loads), _fitted(dkdv, seq_len, extra_loads))
                    for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)])
 
 
@@ -779,13 +841,16 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
     return batch, seq_len, model_dim, model_dim // num_heads
 
 
-def _chooser_key(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None) -> tuple:
+def _chooser_key(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None,
+                 mask: Optional[torch.Tensor] = None) -> tuple:
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
-    as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), and
-    the rope layout of a rotating call (its own kernel variant)."""
+    as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
+    rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
     batch, seq_len, _, head_dim = (int(size) for size in _shape(qkv, num_heads))
     key = (str(qkv.device), str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads))
-    return key if rope is None else key + (f"rope={rope[2]}",)
+    if rope is not None:
+        key += (f"rope={rope[2]}",)
+    return key if mask is None else key + (f"mask={MASK_KINDS[_mask_code(mask)]}",)
 
 
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
@@ -807,6 +872,54 @@ def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) 
     return (cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())), ROPE_CODES[layout]
 
 
+MASK_KINDS = {1: "additive", 2: "boolean"}  # the kernels' MASK (0: no mask)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _mask_code(mask: torch.Tensor) -> int:
+    return 2 if mask.dtype == torch.bool else 1
+
+
+def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float
+                      ) -> tuple[tuple, int]:
+    """((Mask, its 4 strides, 1 / scale, limit), MASK) for the kernels: the mask as a (B, H, L, L)
+    view (stride 0 where broadcast) and the clamp limit of its finite values (see ``_mask_term``);
+    without a mask, qkv as a placeholder pointer (never read) and MASK = 0."""
+    if mask is None:
+        return (qkv, (0,) * 4, 1.0, FLOAT32_MAX), 0
+    batch, seq_len = qkv.shape[0], qkv.shape[1]
+    full = mask.expand(batch, num_heads, seq_len, seq_len)
+    # FLT_MAX * scale, a little below it so that limit / scale rounds to at most FLT_MAX
+    limit = FLOAT32_MAX * min(scale, 1.0) * (1 - 2**-20)
+    return (full, full.stride(), 1.0 / scale, limit), _mask_code(mask)
+
+
+def mask_for_sdpa(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """An attention mask as SDPA takes it for queries of ``dtype`` (on every device): boolean, or
+    float32 or ``dtype``; another float dtype is cast to ``dtype``."""
+    if mask is None or mask.dtype in (torch.bool, torch.float32, dtype):
+        return mask
+    return mask.to(dtype)
+
+
+def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> None:
+    """Raises unless ``mask`` is None or a boolean or floating-point tensor on qkv's device that
+    broadcasts to (B, H, L, L) (SDPA's rule)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be boolean (True = attend) or floating-point (added), got {mask.dtype}")
+    batch, length = qkv.shape[0], qkv.shape[1]
+    target = (batch, num_heads, length, length)
+    fits = 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
+    if not fits:
+        raise ValueError(f"attn_mask must broadcast to (B, H, L, L) = {target}, got shape {tuple(mask.shape)}")
+    if mask.device != qkv.device:
+        raise ValueError(f"attn_mask is on {mask.device} but qkv is on {qkv.device}: move them to one device")
+
+
 def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
     """How many images of the call candidates are checked on: up to VALIDATION_BATCH, fewer where the
     reference's materialised (H, L, L) scores would pass VALIDATION_BYTES (at least one)."""
@@ -816,17 +929,22 @@ def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
 
 
 def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_out: Optional[torch.Tensor],
-                         dtype: torch.dtype, rope: Optional[tuple] = None) -> list[torch.Tensor]:
+                         dtype: torch.dtype, rope: Optional[tuple] = None,
+                         mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """SDPA on the first ``_validation_images`` images of qkv computed in ``dtype``: [out] or, given
-    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k."""
+    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k; with
+    an attention mask, masked."""
     n = _validation_images(qkv, num_heads)
+    if mask is not None:
+        batch, seq_len = qkv.shape[0], qkv.shape[1]
+        mask = mask_for_sdpa(mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach(), dtype)
     leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
     q, k, v = split_qkv(leaf, num_heads)
     if rope is not None:
         cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope[0], rope[1]))
         q, k = apply_rope(q, cos, sin, rope[2]), apply_rope(k, cos, sin, rope[2])
     q, k, v = (sdpa_aligned(t) for t in (q, k, v))
-    out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
+    out = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
     if grad_out is None:
         return [out.detach()]
     (grad,) = torch.autograd.grad(out, leaf, grad_out[:n].to(dtype))
@@ -835,19 +953,20 @@ def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_o
 
 def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[torch.Tensor]], list],
                            qkv: torch.Tensor, num_heads: int, scale: float,
-                           grad_out: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> Callable:
+                           grad_out: Optional[torch.Tensor] = None, rope: Optional[tuple] = None,
+                           mask: Optional[torch.Tensor] = None) -> Callable:
     """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
     within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
-    inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` where given. The references
-    are computed once, on first use."""
+    inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` and with ``mask`` where given.
+    The references are computed once, on first use."""
     wide = reference_dtype(qkv.dtype)
     references: list = []
 
     def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
         if not references:
             with torch.enable_grad():
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope))
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope))
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope, mask))
+                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope, mask))
         for name, actual, exact, own in zip(names, parts_of(outputs), *references):
             problem = within_pytorch_error(name, actual, own, exact, FLOORS[qkv.dtype])
             if problem is not None:
@@ -859,21 +978,22 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
 
 if HAS_TRITON:
 
-    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None) -> None:
+    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None, mask=None) -> None:
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         bm, bn, warps, stages = tile
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
+        (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         launch(
             _attention_fwd_kernel, _row_blocks(bm, seq_len, batch * num_heads),
-            qkv, out, stats[0], stats[1], seed, cos, sin,
+            qkv, out, stats[0], stats[1], seed, cos, sin, mask,
             seq_len, num_heads, head_dim, model_dim, rope_start,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             out.stride(0), out.stride(1),
-            *table_strides,
-            scale * LOG2E, dropout_p,
+            *table_strides, *mask_strides,
+            scale * LOG2E, dropout_p, inv_scale, limit,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_TAIL=_tail_block(bn, seq_len), BLOCK_D=_block_d(head_dim),
             EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-            PRECISION=dot_precision(qkv.dtype), ROPE=code, num_warps=warps, num_stages=stages,
+            PRECISION=dot_precision(qkv.dtype), ROPE=code, MASK=mask_code, num_warps=warps, num_stages=stages,
         )
 
     def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -882,57 +1002,61 @@ if HAS_TRITON:
         stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         return out, stats
 
-    def fwd_tile(qkv, num_heads, scale, seed, rope=None) -> tuple:
+    def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
         """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tile):
                 out, stats = _fwd_outputs(qkv, num_heads)
-                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile, rope)
+                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile, rope, mask)
                 return [out]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale,
-                                               rope=rope)
+                                               rope=rope, mask=mask)
 
-        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope),
+        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: _interpreter_tile(seq_len),
-                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None),
+                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None),
                               trial)
 
     def _attention_fwd(
         qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor,
         cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+        mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
         and 1 / the row sum of the exponentials. With tables cos, sin (broadcastable to (B, H, L_r, Dh)),
-        q and k rotated (``rope_layout``) inside the kernel."""
+        q and k rotated (``rope_layout``) inside the kernel; with a mask (boolean or additive,
+        broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
         rope = _rope(cos, sin, rope_layout)
         out, stats = _fwd_outputs(qkv, num_heads)
-        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, fwd_tile(qkv, num_heads, scale, seed, rope),
-                    rope)
+        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p,
+                    fwd_tile(qkv, num_heads, scale, seed, rope, mask), rope, mask)
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
-    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None) -> torch.Tensor:
+    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
+                    ) -> torch.Tensor:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
+        (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         args = (
-            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin,
+            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin, mask,
             seq_len, num_heads, head_dim, model_dim, rope_start,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             dqkv.stride(0), dqkv.stride(1),
-            *table_strides,
-            scale, scale * LOG2E, dropout_p,
+            *table_strides, *mask_strides,
+            scale, scale * LOG2E, dropout_p, inv_scale, limit,
         )
         flags = dict(BLOCK_D=_block_d(head_dim), EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-                     PRECISION=dot_precision(qkv.dtype), ROPE=code)
+                     PRECISION=dot_precision(qkv.dtype), ROPE=code, MASK=mask_code)
         (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
         # the tails: of the dQ kernel's loop over key blocks, of the dK/dV kernel's over query blocks
         launch(_attention_bwd_dq_kernel, _row_blocks(dq_m, seq_len, batch * num_heads), *args, **flags,
@@ -943,32 +1067,34 @@ if HAS_TRITON:
                num_stages=kv_stages)
         return dqkv
 
-    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None) -> tuple:
+    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
         """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
         _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tiles):
-                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles, rope)]
+                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles, rope, mask)]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
-                                               qkv, num_heads, scale, grad_out, rope)
+                                               qkv, num_heads, scale, grad_out, rope, mask)
 
-        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope),
+        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: (_interpreter_tile(seq_len),) * 2,
-                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None), trial)
+                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None),
+                              trial)
 
     def _attention_bwd(
         grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
         num_heads: int, scale: float, dropout_p: float,
         cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
-        q and k; the tables get none)."""
+        q and k; the tables and the mask get none)."""
         rope = _rope(cos, sin, rope_layout)
         return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p,
-                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope), rope)
+                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask), rope, mask)
 
     attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
                            _attention_bwd)
@@ -995,19 +1121,20 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())(_attention_probs)
 
     def _fwd_setup_context(ctx, inputs, output):
-        qkv, num_heads, scale, dropout_p, seed, *rope_args = inputs
+        qkv, num_heads, scale, dropout_p, seed, *extra = inputs
+        cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra):])
         out, stats = output
-        ctx.save_for_backward(qkv, stats, seed, *rope_args[:2])
+        ctx.save_for_backward(qkv, stats, seed, cos, sin, mask)
         ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
-        ctx.num_inputs, ctx.rope_layout = len(inputs), rope_args[2] if len(rope_args) > 2 else "interleaved"
+        ctx.num_inputs, ctx.rope_layout = len(inputs), rope_layout
 
     def _fwd_backward(ctx, grad_out, grad_stats):
         nones = (None,) * (ctx.num_inputs - 1)
         if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
             return (None, *nones)
-        qkv, stats, seed, *tables = ctx.saved_tensors
-        rope_args = (*tables, ctx.rope_layout) if tables and tables[0] is not None else ()
-        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p, *rope_args)
+        qkv, stats, seed, cos, sin, mask = ctx.saved_tensors
+        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p, cos, sin,
+                             ctx.rope_layout, mask)
         return (dqkv, *nones)
 
     attention_fwd = differentiable("vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd)
@@ -1037,23 +1164,24 @@ if HAS_TRITON:
 def attention_triton(
     qkv: torch.Tensor, num_heads: int, scale: Optional[float], dropout_p: float, return_probs: bool,
     cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton implementation of ``vk.attention`` (arguments already validated). With rope, the
-    probabilities asked for are computed by PyTorch's ops from the rotated q and k."""
+    """The Triton implementation of ``vk.attention`` (arguments already validated). With rope or a
+    mask, the probabilities asked for are computed by PyTorch's ops (``probs_by_torch``)."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
     scale = head_dim**-0.5 if scale is None else scale
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
     else:
         seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
-    if cos is None:
+    if cos is None and attn_mask is None:
         out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
     else:
-        out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed, cos, sin, rope_layout)
+        out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed, cos, sin, rope_layout, attn_mask)
     if not return_probs:
         return out
-    if cos is not None:
-        return out, rotated_probs(qkv, num_heads, scale, cos, sin, rope_layout)
+    if cos is not None or attn_mask is not None:
+        return out, probs_by_torch(qkv, num_heads, scale, cos, sin, rope_layout, attn_mask)
     return out, attention_probs(qkv, stats, num_heads, scale)
 
 
@@ -1101,26 +1229,45 @@ def attention_ref(
     cos: Optional[torch.Tensor] = None,
     sin: Optional[torch.Tensor] = None,
     rope_layout: str = "interleaved",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Reference attention: ``F.scaled_dot_product_attention``, or explicit softmax when the
     probabilities are asked for. ``probs`` (B, H, L, L) are the softmax before dropout. With tables
     cos, sin (broadcastable to (B, H, L_r, Dh)), q and k are rotated first (``rope.apply_rope``):
-    differentiable in the tables too."""
+    differentiable in the tables too. ``attn_mask`` as SDPA's (a row with every key masked: P = 0)."""
     q, k, v = split_qkv(qkv, num_heads)
     if cos is not None:
         q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
     if not return_probs:
         q, k, v = (sdpa_aligned(t) for t in (q, k, v))
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale))
-    return explicit_attention(q, k, v, scale, dropout_p, lambda scores: torch.softmax(scores, dim=-1))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask_for_sdpa(attn_mask, q.dtype),
+                                                          dropout_p=dropout_p, scale=scale))
+    return explicit_attention(q, k, v, scale, dropout_p, lambda scores: masked_softmax(scores, attn_mask))
 
 
-def rotated_probs(qkv: torch.Tensor, num_heads: int, scale: float, cos: torch.Tensor, sin: torch.Tensor,
-                  rope_layout: str) -> torch.Tensor:
-    """softmax(scale q' k'^T) (B, H, L, L) of the rotated q and k, by PyTorch's ops (differentiable)."""
+def masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax(scores + mask) over the last dimension with SDPA's conventions: a boolean mask keeps
+    the True keys, a float one is added (in the wider of the two dtypes: a float32 finfo.min stays
+    finite beside 16-bit scores); a row whose every score is -inf gets P = 0 (no gradient).
+    Returned in the dtype of ``scores``."""
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    if mask.dtype == torch.bool:
+        masked = scores.masked_fill(~mask, float("-inf"))
+    else:
+        masked = scores + mask
+    dead = (masked == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.softmax(masked.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0).to(scores.dtype)
+
+
+def probs_by_torch(qkv: torch.Tensor, num_heads: int, scale: float, cos: Optional[torch.Tensor],
+                   sin: Optional[torch.Tensor], rope_layout: str, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax(scale q' k'^T + mask) (B, H, L, L), q' and k' rotated where tables are given, by
+    PyTorch's ops (differentiable)."""
     q, k, _ = split_qkv(qkv, num_heads)
-    q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
-    return torch.softmax((q @ k.transpose(-2, -1)) * scale, dim=-1)
+    if cos is not None:
+        q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
+    return masked_softmax((q @ k.transpose(-2, -1)) * scale, mask)
 
 
 def explicit_attention(q, k, v, scale, dropout_p, softmax):
@@ -1133,7 +1280,7 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
 
 
 def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                        rope_layout="interleaved"):
+                        rope_layout="interleaved", attn_mask=None):
     """``vk.attention`` for the extension backend, one C++ call (``vit_kernels::attention_explicit``):
     scores by GEMM, the ``vit_kernels::softmax`` kernel, then a GEMM with v. Materialises the
     (B, H, L, L) scores: meant for ``return_probs`` (attention maps), not for speed. 16-bit inputs
@@ -1172,27 +1319,31 @@ if _ext.LOADED:
 
 
 def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                   rope_layout="interleaved") -> Optional[str]:
+                   rope_layout="interleaved", attn_mask=None) -> Optional[str]:
     """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory. The
-    kernels rotate q and k but compute no gradient of the rope tables."""
+    kernels rotate q and k and add the mask but compute no gradient of the rope tables or the mask."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
     if head_dim > MAX_HEAD_DIM:
         return f"head dim {head_dim} > {MAX_HEAD_DIM} (a q/k/v tile would not fit on chip)"
     if cos is not None and torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "rope tables that require grad (the kernels compute no gradient of cos and sin; torch does)"
+    if attn_mask is not None and torch.is_grad_enabled() and attn_mask.requires_grad:
+        return "an attn_mask that requires grad (the kernels compute no gradient of the mask; torch does)"
     return None
 
 
 def _extension_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                      rope_layout="interleaved") -> Optional[str]:
-    """The C++ attention has no rotary position embedding."""
-    return None if cos is None else "rope (the C++ attention does not rotate q and k)"
+                      rope_layout="interleaved", attn_mask=None) -> Optional[str]:
+    """The C++ attention has no rotary position embedding and no mask."""
+    if cos is not None:
+        return "rope (the C++ attention does not rotate q and k)"
+    return None if attn_mask is None else "attn_mask (the C++ attention takes no mask)"
 
 
 def _without_dropout(args: tuple) -> tuple:
     """The call made deterministic for validation: dropout off."""
-    qkv, num_heads, scale, _, return_probs, *rope_args = args
-    return (qkv, num_heads, scale, 0.0, return_probs, *rope_args)
+    qkv, num_heads, scale, _, return_probs, *rope_and_mask = args
+    return (qkv, num_heads, scale, 0.0, return_probs, *rope_and_mask)
 
 
 # The implementations of vk.attention: backend -> function, support by device / dtype, shape limits.
