@@ -284,3 +284,19 @@ def test_bad_masks_raise(kwargs, error, message):
     qkv = torch.randn(2, 9, 3 * 16)
     with pytest.raises(error, match=message):
         vk.attention(qkv, 2, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_masked_candidates_fit_the_mask_tile(dtype, head_dim):
+    """A masked call's candidates: tiles of at most MASK_MAX_TILE elements at most
+    EXTRA_LOADS_MAX_STAGES stages (a 128 x 128 float32 mask tile passes sm_80's shared memory), the
+    same first (default) tile as an unmasked call where that one fits."""
+    for candidates in (attention.fwd_candidates(dtype, head_dim, 197, True, True),
+                       [t for pair in attention.bwd_candidates(dtype, head_dim, 197, True, True) for t in pair]):
+        assert candidates
+        assert all(bm * bn <= attention.MASK_MAX_TILE and stages <= attention.EXTRA_LOADS_MAX_STAGES
+                   for bm, bn, _, stages in candidates)
+    plain = attention.fwd_candidates(dtype, head_dim, 197)[0]
+    if plain[0] * plain[1] <= attention.MASK_MAX_TILE:
+        assert attention.fwd_candidates(dtype, head_dim, 197, True, True)[0][:3] == plain[:3]

@@ -403,26 +403,33 @@ test_layer_norm_fuzz, test_layer_norm_fuzz_thorough, test_layer_norm_fuzz_on_cud
 # ----------------------------------------------------------------------------- attention
 
 
-def attention64(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-    """Per head h: softmax(scale q_h k_h^T) v_h, heads concatenated; qkv (B, L, 3D) -> (B, L, D)."""
+def attention64(qkv: torch.Tensor, heads: int, scale: float, mask=None) -> torch.Tensor:
+    """Per head h: softmax(scale q_h k_h^T + mask) v_h, heads concatenated; qkv (B, L, 3D) -> (B, L, D).
+    A boolean mask keeps its True keys, a float one is added (the drawn masks never empty a row)."""
     b, length, three_d = qkv.shape
     dim = three_d // 3
     q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
     scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
     probs = probs / probs.sum(-1, keepdim=True)
     return (probs @ v).transpose(1, 2).reshape(b, length, dim), probs
 
 
-def attention_pytorch(qkv: torch.Tensor, heads: int, scale: float, return_probs: bool):
+def attention_pytorch(qkv: torch.Tensor, heads: int, scale: float, return_probs: bool, mask=None):
     """PyTorch's own attention in the input's dtype: ``F.scaled_dot_product_attention``, or, for the
-    probabilities (which it does not return), softmax(scale q k^T) and its product with v."""
+    probabilities (which it does not return), softmax(scale q k^T + mask) and its product with v."""
     b, length, three_d = qkv.shape
     dim = three_d // 3
     q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
     if not return_probs:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(b, length, dim)
-    probs = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2).reshape(b, length,
+                                                                                                             dim)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(qkv.dtype)
     return (probs @ v).transpose(1, 2).reshape(b, length, dim), probs
 
 
@@ -439,7 +446,28 @@ def attention_cases(draw) -> dict:
         scale=draw(st.sampled_from([None, 0.05, 1.0])),
         return_probs=draw(st.booleans()),
         seed=draw(sizes(0, 2**31 - 1)),
+        mask=draw(st.sampled_from([None, None, "key_padding", "boolean", "additive"])),
     )
+
+
+def attention_mask(case: dict):
+    """The case's attention mask, drawn from its seed: None; a boolean key-padding mask (B, 1, 1, L)
+    whose images keep 1..L tokens; a boolean (L, L) pattern; an additive float32 (B, H, L, L) one.
+    Key 0 is always kept, so that no row is empty."""
+    kind = case.get("mask")
+    if kind is None:
+        return None
+    b, heads, length = case["batch"], case["heads"], case["length"]
+    generator = torch.Generator().manual_seed(case["seed"])
+    device = case.get("device", "cpu")
+    if kind == "key_padding":
+        counts = torch.randint(1, length + 1, (b,), generator=generator)
+        return (torch.arange(length)[None, :] < counts[:, None])[:, None, None, :].to(device)
+    if kind == "boolean":
+        keep = torch.rand(length, length, generator=generator) < 0.5
+        keep[:, 0] = True
+        return keep.to(device)
+    return (3 * torch.randn(b, heads, length, length, generator=generator)).to(device)
 
 
 def attention_qkv(case: dict) -> torch.Tensor:
@@ -459,11 +487,12 @@ def check_attention(case: dict, backend_name: str) -> None:
     heads, head_dim = case["heads"], case["head_dim"]
     scale = head_dim**-0.5 if case["scale"] is None else case["scale"]
     probs = case["return_probs"]
+    mask = attention_mask(case)
     check_case(
         "attention", backend_name,
-        lambda qkv: vk.attention(qkv, heads, scale=case["scale"], return_probs=probs),
-        lambda qkv: attention64(qkv, heads, scale) if probs else attention64(qkv, heads, scale)[0],
-        lambda qkv: attention_pytorch(qkv, heads, scale, probs),
+        lambda qkv: vk.attention(qkv, heads, scale=case["scale"], return_probs=probs, attn_mask=mask),
+        lambda qkv: attention64(qkv, heads, scale, mask) if probs else attention64(qkv, heads, scale, mask)[0],
+        lambda qkv: attention_pytorch(qkv, heads, scale, probs, mask),
         [attention_qkv(case)], case["dtype"], ["qkv"], case["seed"],
     )
 
@@ -475,6 +504,8 @@ ATTENTION_EXAMPLES = [  # saturated softmax (logits ~1e4), L = 1 (dq = dk = 0), 
     {**ATTENTION_BASE, "magnitude": 30.0, "head_dim": 64, "length": 5, "return_probs": True},
     {**ATTENTION_BASE, "length": 1},
     {**ATTENTION_BASE, "layout": "sliced", "dtype": torch.float16, "head_dim": 5},
+    {**ATTENTION_BASE, "mask": "key_padding", "length": 50, "magnitude": 10.0},
+    {**ATTENTION_BASE, "mask": "additive", "dtype": torch.float16, "return_probs": True},
 ]
 
 test_attention_fuzz, test_attention_fuzz_thorough, test_attention_fuzz_on_cuda = fuzz(

@@ -138,18 +138,21 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
 # (dropout_p, return_probs, rope layout, mask kind): without rope or mask, dropout and the
 # probabilities; with rope (its kernel variants: ROPE = 1, 2), each layout with and without dropout
 # in the full sweep, each layout once (one of them with dropout) in the quick one; with a mask (MASK =
-# 1 additive: timm's float (B, 1, L, L); 2 boolean: a (B, 1, 1, L) key-padding mask), each kind alone
-# and with rope and dropout (the probabilities of a rotating or masked call are PyTorch's, no kernel
-# of their own).
+# 1 additive: timm's float (B, 1, L, L); 2 boolean: a (B, 1, 1, L) key-padding mask), each kind alone,
+# with rope and with dropout in the full sweep, the boolean one alone and the additive one with rope
+# in the quick one (the probabilities of a rotating or masked call are PyTorch's, no kernel of their own).
 _ATTENTION_FLAGS = ((0.0, False, None, None), (0.1, False, None, None), (0.0, True, None, None),
                     (0.0, False, "interleaved", None), (0.1, False, "half", None), (0.0, False, None, "boolean"),
-                    (0.1, False, "interleaved", "additive"))
+                    (0.0, False, "interleaved", "additive"))
 _ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + ((0.1, False, "interleaved", None), (0.0, False, "half", None),
-                                           (0.0, False, None, "additive"), (0.1, False, "half", "boolean"))
-# The head dims whose rope and mask variants the quick sweep compiles (every even one in the full
-# sweep): the ViTs' 64, and 80 and 128 (other BLOCK_D, a padded and an exact one); each costs about
-# 2 s of compile.
+                                           (0.0, False, None, "additive"), (0.1, False, "half", "boolean"),
+                                           (0.1, False, "interleaved", "additive"))
+# The head dims whose rope variants the quick sweep compiles (every even one in the full sweep): the
+# ViTs' 64, and 80 and 128 (other BLOCK_D, a padded and an exact one); each costs about 2 s of
+# compile. Its mask variants: at head dim 64 only (the mask's loads do not depend on the head dim;
+# the rope variants cover the others).
 ROPE_QUICK_HEAD_DIMS = (64, 80, 128)
+MASK_QUICK_HEAD_DIMS = (64,)
 
 
 def _mask(kind, batch: int, seq_len: int):
@@ -174,7 +177,8 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
             if rope is not None and head_dim % 2:
                 continue  # rope rotates pairs of columns: even head dims only
             extra = rope is not None or mask_kind is not None
-            if extra and not sweep.all_flags and head_dim not in ROPE_QUICK_HEAD_DIMS:
+            quick_dims = ROPE_QUICK_HEAD_DIMS if mask_kind is None else MASK_QUICK_HEAD_DIMS
+            if extra and not sweep.all_flags and head_dim not in quick_dims:
                 continue
 
             def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
@@ -192,10 +196,10 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
                 if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
                     key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
-                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, extra):
+                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, extra, mask is not None):
                         attention.FWD_CHOOSER.pin(key, tile)
                         attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
-                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, extra):
+                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, extra, mask is not None):
                         attention.BWD_CHOOSER.pin(key, tiles)
                         attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
 

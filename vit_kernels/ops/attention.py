@@ -764,8 +764,11 @@ ATTENTION_BWD_TILES = {
 # A rotating call's kernels load per block two more q or k tiles (the partner columns) and the
 # cos and sin tiles, each buffered once per pipeline stage: at 3 stages the 16-bit head-dim-64
 # tiles pass sm_80's 163 KB of shared memory per block (`make check-gpu`), so they run at most 2;
-# so does a masked call, whose kernels load a (BLOCK_M, BLOCK_N) mask tile per block beside them.
+# so does a masked call, whose kernels load a (BLOCK_M, BLOCK_N) mask tile per block beside them,
+# and which takes only tiles of at most MASK_MAX_TILE elements: a float32 128 x 128 mask tile (64 KB
+# per stage) takes the forward to 180 KB of shared memory at 2 stages, over sm_80's 163 KB.
 EXTRA_LOADS_MAX_STAGES = 2
+MASK_MAX_TILE = 64 * 128
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
 VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
@@ -806,15 +809,26 @@ def _unique(tiles) -> tuple:
     return tuple(dict.fromkeys(tiles))
 
 
-def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False) -> tuple:
-    """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped)."""
-    return _unique(_fitted(t, seq_len, extra_loads) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)])
+def _mask_fits(tile: tuple) -> bool:
+    return tile[0] * tile[1] <= MASK_MAX_TILE
 
 
-def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False) -> tuple:
-    """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence."""
+def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False,
+                   masked: bool = False) -> tuple:
+    """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped); for a
+    rotating or masked call (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages, for a masked
+    one only tiles of at most MASK_MAX_TILE elements."""
+    return _unique(_fitted(t, seq_len, extra_loads) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)]
+                   if not masked or _mask_fits(t))
+
+
+def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False,
+                   masked: bool = False) -> tuple:
+    """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence (as
+    ``fwd_candidates``)."""
     return _unique((_fitted(dq, seq_len, extra_loads), _fitted(dkdv, seq_len, extra_loads))
-                   for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)])
+                   for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)]
+                   if not masked or (_mask_fits(dq) and _mask_fits(dkdv)))
 
 
 def _tail_block(block: int, seq_len: int) -> int:
@@ -1018,7 +1032,8 @@ if HAS_TRITON:
 
         return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: _interpreter_tile(seq_len),
-                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None),
+                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None,
+                                                     mask is not None),
                               trial)
 
     def _attention_fwd(
@@ -1081,7 +1096,8 @@ if HAS_TRITON:
 
         return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: (_interpreter_tile(seq_len),) * 2,
-                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None),
+                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None,
+                                                     mask is not None),
                               trial)
 
     def _attention_bwd(
