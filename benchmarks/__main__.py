@@ -20,13 +20,17 @@ import torch
 from benchmarks import ab, cases, cli, compare, e2e, environment, noise, ops_bench, peaks, report
 from vit_kernels import backend
 
-# (model, batch) pairs for the per-op shapes and the end-to-end runs.
-FULL_OP_SHAPES = [("vit_tiny_patch16_224", 256), ("vit_small_patch16_224", 256), ("vit_base_patch16_224", 256),
-                  ("vit_large_patch16_224", 256), ("vit_base_patch16_siglip_224", 256),
-                  ("vit_so400m_patch14_siglip_224", 64), ("vit_cifar10_small", 256), ("vit_digits", 256)]
-FULL_MODELS = FULL_OP_SHAPES
-# On a CPU: ViT shapes at small batches, the smallest preset for interpreted Triton.
-QUICK_OP_SHAPES = [("vit_digits", 8), ("vit_small_patch16_224", 8), ("vit_base_patch16_224", 4)]
+# (model, batch) pairs for the end-to-end runs, and for the per-op shapes with EVA02-B/14 (RoPE,
+# SwiGLU), DINOv3-B (half RoPE) and a padded NaFlex batch (key-padding mask) beside them.
+FULL_MODELS = [("vit_tiny_patch16_224", 256), ("vit_small_patch16_224", 256), ("vit_base_patch16_224", 256),
+               ("vit_large_patch16_224", 256), ("vit_base_patch16_siglip_224", 256),
+               ("vit_so400m_patch14_siglip_224", 64), ("vit_cifar10_small", 256), ("vit_digits", 256)]
+FULL_OP_SHAPES = FULL_MODELS + [("eva02_base_patch14_224", 256), ("vit_base_patch16_dinov3", 256),
+                                ("naflexvit_base_patch16_gap", 256)]
+# On a CPU: ViT shapes at small batches, the smallest preset for interpreted Triton; the rotating and
+# the masked attention at ViT-B widths.
+QUICK_OP_SHAPES = [("vit_digits", 8), ("vit_small_patch16_224", 8), ("vit_base_patch16_224", 4),
+                   ("vit_base_patch16_dinov3", 2), ("naflexvit_base_patch16_gap", 2)]
 QUICK_MODELS = [("vit_digits", 64), ("vit_tiny_patch16_224", 8)]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,6 +101,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
         shape = cases.shape_of(model, batch)
         tiny = shape.rows * shape.dim <= 8 * 5 * 64  # the interpreter runs a kernel per program, slowly
         for op in ops:
+            if args.quick and shape.attention and op != "attention":
+                continue  # the quick run times the variant shapes' attention only
             for dtype in dtypes:
                 started = time.perf_counter()
                 new = ops_bench.run_case(

@@ -21,8 +21,22 @@ from vit_kernels.ops.attention import explicit_attention, split_qkv
 __all__ = ["KERNELS", "OPS", "OpCase", "Shape", "build_case", "eager_math_attention", "shape_of"]
 
 
+# Op shapes of models that are not presets of vit: (tokens, width, heads, MLP hidden, image, patch,
+# attention variant). EVA02-B/14 (SwiGLU hidden 2048, interleaved RoPE, a class token), DINOv3-B
+# (half-layout RoPE, a class token and 4 registers), a padded NaFlex ViT-B/16 batch (4 registers,
+# key-padding mask).
+OTHER_MODELS = {
+    "eva02_base_patch14_224": (257, 768, 12, 2048, 224, 14, "rope_interleaved"),
+    "vit_base_patch16_dinov3": (201, 768, 12, 3072, 224, 16, "rope_half"),
+    "naflexvit_base_patch16_gap": (260, 768, 12, 3072, 256, 16, "key_padding"),
+}
+
+
 def shape_of(model: str, batch: int) -> Shape:
-    """The op shapes of model preset ``model`` at batch size ``batch``."""
+    """The op shapes of model preset ``model`` (or of one of OTHER_MODELS) at batch size ``batch``."""
+    if model in OTHER_MODELS:
+        tokens, dim, heads, hidden, image, patch, attention = OTHER_MODELS[model]
+        return Shape(model, batch, tokens, dim, heads, hidden, 3, image, patch, attention)
     config = get_config(model)
     patches = (config.img_size // config.patch_size) ** 2
     hidden = config.mlp_hidden_dim or int(config.embed_dim * config.mlp_ratio)

@@ -18,9 +18,11 @@ from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
 # Per-op shapes, ViT-B/16 first (the targets are set there): ViT-B/L/S/Ti/16 at batch 128/64/256/256, then
-# SigLIP so400m/14 (head dim 72, width 1152, MLP 4304) at 64.
+# SigLIP so400m/14 (head dim 72, width 1152, MLP 4304) at 64, EVA02-B/14 (RoPE, SwiGLU), DINOv3-B (half
+# RoPE) and a padded NaFlex ViT-B/16 batch (key-padding mask) at 128.
 OP_SHAPES = [("vit_base_patch16_224", 128), ("vit_large_patch16_224", 64), ("vit_small_patch16_224", 256),
-             ("vit_tiny_patch16_224", 256), ("vit_so400m_patch14_siglip_224", 64)]
+             ("vit_tiny_patch16_224", 256), ("vit_so400m_patch14_siglip_224", 64), ("eva02_base_patch14_224", 128),
+             ("vit_base_patch16_dinov3", 128), ("naflexvit_base_patch16_gap", 128)]
 OP_MODES = ("forward", "full")
 # End to end: (model, training batch, inference batch).
 MODELS = [("vit_base_patch16_224", 128, 256), ("vit_large_patch16_224", 64, 128)]

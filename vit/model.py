@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from vit.pooling import AttentionPool
 from vit.weights import load_pretrained
 from vit_kernels.activations import ACTIVATIONS
-from vit_kernels.nn import Block, LayerNorm, PatchEmbed
+from vit_kernels.nn import Block, LayerNorm, LayerScale, PatchEmbed
 
 POS_EMBED_KINDS = ("learned", "sincos")
 POOLS = ("token", "avg", "map")
@@ -51,6 +51,7 @@ class ViTConfig:
     attn_drop_rate: float = 0.0  # on attention probabilities
     pos_drop_rate: float = 0.0  # on the embedded tokens
     drop_path_rate: float = 0.0  # stochastic depth of the last block; rising linearly from 0 at the first
+    init_values: Optional[float] = None  # LayerScale (CaiT, DINOv2; timm's ls1/ls2.gamma) initialised to this
     init_std: Optional[float] = 0.02  # Linear weights ~ N(0, init_std); None keeps PyTorch's fan-in
     # default, which trains tiny models much faster than timm's 0.02
 
@@ -67,6 +68,9 @@ class ViTConfig:
             0.0 <= self.drop_path_rate < 1.0
         ):
             raise ValueError(f"ViTConfig.drop_path_rate must be a float in [0, 1), got {self.drop_path_rate!r}")
+        if self.init_values is not None and (isinstance(self.init_values, bool) or not isinstance(
+                self.init_values, (int, float)) or not math.isfinite(self.init_values) or self.init_values <= 0):
+            raise ValueError(f"ViTConfig.init_values must be None or a positive float, got {self.init_values!r}")
         if self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be >= 0 (0 = no head), got {self.num_classes}")
         if self.act not in ACTIVATIONS:
@@ -155,6 +159,7 @@ class ViT(nn.Module):
                 drop=config.drop_rate,
                 attn_drop=config.attn_drop_rate,
                 drop_path=rate,
+                **({"init_values": config.init_values} if config.init_values is not None else {}),
             )
             for rate in config.drop_path_rates()
         )
@@ -186,6 +191,8 @@ class ViT(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 self._init_linear(module)
+            elif isinstance(module, LayerScale):
+                module.reset_parameters()
         if self.attn_pool is not None:
             self.attn_pool.reset_parameters()
         patch_weight = self.patch_embed.proj.weight

@@ -181,12 +181,33 @@ def linear(
     bias: Optional[torch.Tensor] = None,
     *,
     residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """x @ W^T + b (+ residual), the add fused into the GEMM epilogue.
+    """x @ W^T + b (+ residual), the add fused into the GEMM epilogue; with ``layer_scale`` gamma (N,)
+    (LayerScale, CaiT / DINOv2), residual + gamma * (x @ W^T + b) (see ``fold_layer_scale``).
 
     x (..., K), weight (N, K), bias (N,), residual (..., N) -> (..., N).
     """
+    if layer_scale is not None:
+        weight, bias = fold_layer_scale(layer_scale, weight, bias, "weight")
     return backend.call("linear", (x, weight, bias, residual), _prepare_linear)
+
+
+def fold_layer_scale(layer_scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     weight_name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """LayerScale folded into the last projection of a branch: gamma * (h W^T + b) = h (gamma W)^T +
+    gamma b, so that the GEMM with the scaled weight (N, K) and bias (N,) computes
+    residual + gamma * (h W^T + b) in its epilogue, on every backend. The scaling is weight-sized
+    work (N x K), where scaling the output would read and write the (M, N) activations once more;
+    autograd takes the gradients back through it: dgamma_n = sum_k dW'_nk W_nk + b_n db'_n,
+    dW = gamma dW', db = gamma db'. layer_scale (N,), weight (N, K), bias (N,) or None."""
+    check_float_tensor("layer_scale", layer_scale, ndim=1, layout="(N,)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return weight, bias  # the op's own checks name what is wrong with the weight
+    check_shape("layer_scale", layer_scale, (weight.shape[0],), f"(N,) with N = {weight_name}.shape[0]")
+    check_same_device("layer_scale", layer_scale, **{weight_name: weight})
+    check_same_dtype("layer_scale", layer_scale, **{weight_name: weight})
+    return layer_scale[:, None] * weight, None if bias is None else layer_scale * bias
 
 
 def _prepare_linear(x, weight, bias, residual):
@@ -234,12 +255,16 @@ def mlp(
     *,
     approximate: str = "none",
     residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """fc2(gelu(fc1(x))) (+ residual), the GELU named by ``approximate`` as in ``linear_gelu``.
+    """fc2(gelu(fc1(x))) (+ residual), the GELU named by ``approximate`` as in ``linear_gelu``; with
+    ``layer_scale`` gamma (D_out,), residual + gamma * fc2(...) (``fold_layer_scale``).
 
     x (..., D), fc1_weight (Hd, D), fc1_bias (Hd,), fc2_weight (D_out, Hd), fc2_bias (D_out,),
     residual (..., D_out) -> (..., D_out).
     """
+    if layer_scale is not None:
+        fc2_weight, fc2_bias = fold_layer_scale(layer_scale, fc2_weight, fc2_bias, "fc2_weight")
     return backend.call("mlp", (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual), _prepare_mlp)
 
 
@@ -350,13 +375,17 @@ def swiglu_mlp(
     down_bias: Optional[torch.Tensor],
     *,
     residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A SwiGLU MLP: (silu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d (+ residual), the residual
-    added in the last GEMM's epilogue.
+    added in the last GEMM's epilogue; with ``layer_scale`` gamma (D_out,), residual + gamma * (...)
+    (``fold_layer_scale``).
 
     x (..., D), gate_weight and up_weight (Hd, D), gate_bias and up_bias (Hd,) or None, down_weight
     (D_out, Hd), down_bias (D_out,) or None, residual (..., D_out) -> (..., D_out).
     """
+    if layer_scale is not None:
+        down_weight, down_bias = fold_layer_scale(layer_scale, down_weight, down_bias, "down_weight")
     return backend.call("swiglu_mlp", (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
                         _prepare_swiglu_mlp)
 

@@ -61,6 +61,7 @@ def self_attention(
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     rope_layout: str = "interleaved",
     attn_mask: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Packed-projection self-attention on the fused ops, shared by every attention layer.
 
@@ -68,16 +69,18 @@ def self_attention(
     Returns (B, L, D_out) [+ residual] and, with ``return_probs``, the probabilities (B, H, L, L).
     Dropout acts only when ``training``; the residual add is fused into the projection when no
     dropout follows it. ``rope = (cos, sin)``, ``rope_layout``: rotary position embedding of q and
-    k; ``attn_mask``: SDPA's mask; both as ``vk.attention`` takes them.
+    k; ``attn_mask``: SDPA's mask; both as ``vk.attention`` takes them. ``layer_scale`` gamma
+    (D_out,) scales the projection's output before the residual add (LayerScale), in its GEMM.
     """
     qkv = vkf.linear(x, qkv_weight, qkv_bias)
     result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs,
                            rope=rope, rope_layout=rope_layout, attn_mask=attn_mask)
     out, probs = result if return_probs else (result, None)
     if training and proj_drop > 0:
-        out = _add_dropped(vkf.linear(out, proj_weight, proj_bias), proj_drop, True, residual)
+        out = _add_dropped(vkf.linear(out, proj_weight, proj_bias, layer_scale=layer_scale), proj_drop, True,
+                           residual)
     else:
-        out = vkf.linear(out, proj_weight, proj_bias, residual=residual)
+        out = vkf.linear(out, proj_weight, proj_bias, residual=residual, layer_scale=layer_scale)
     return (out, probs) if return_probs else out
 
 
@@ -91,22 +94,25 @@ def feed_forward(
     out_drop: float = 0.0,
     training: bool = False,
     residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """fc1 -> act -> dropout(hidden_drop) -> fc2 -> dropout(out_drop) [+ residual], fused where
-    dropout allows. x (..., D_in) -> (..., D_out)."""
+    dropout allows; ``layer_scale`` gamma (D_out,) scales fc2's output before the add, in its GEMM.
+    x (..., D_in) -> (..., D_out)."""
     hidden_dropping = training and hidden_drop > 0
     out_dropping = training and out_drop > 0
     approximate = gelu_approximate(act)
     if approximate is not None and not hidden_dropping and not out_dropping:
-        return vkf.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate=approximate, residual=residual)
+        return vkf.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate=approximate, residual=residual,
+                       layer_scale=layer_scale)
     if approximate is not None:
         hidden = vkf.linear_gelu(x, fc1.weight, fc1.bias, approximate=approximate)
     else:
         hidden = torch.relu(vkf.linear(x, fc1.weight, fc1.bias))
     hidden = F.dropout(hidden, hidden_drop, hidden_dropping)
     if not out_dropping:
-        return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual)
-    return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias), out_drop, True, residual)
+        return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
+    return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), out_drop, True, residual)
 
 
 class PatchEmbed(nn.Module):
@@ -181,8 +187,10 @@ class Attention(nn.Module):
         is_causal: bool = False,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         rope_layout: str = "interleaved",
+        layer_scale: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L).
+        """x (B, L, D) -> (B, L, D) [+ residual]; with ``return_probs`` also (B, H, L, L);
+        ``layer_scale`` gamma (D,): residual + gamma * proj(...) (LayerScale), in the proj GEMM.
 
         ``attn_mask`` (boolean, True = attend, or additive, broadcastable to (B, H, L, L), as SDPA's)
         masks the scores inside the fused kernel (NaFlex ViTs mask padded patches); ``is_causal``
@@ -199,6 +207,7 @@ class Attention(nn.Module):
             x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
             attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
             residual=residual, return_probs=return_probs, rope=rope, rope_layout=rope_layout, attn_mask=attn_mask,
+            layer_scale=layer_scale,
         )
 
 
@@ -222,11 +231,12 @@ class Mlp(nn.Module):
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (..., D) -> (..., D_out) [+ residual]."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (..., D) -> (..., D_out) [+ residual]; ``layer_scale`` gamma (D_out,) scales fc2's output."""
         return feed_forward(
             x, self.fc1, self.fc2, self.act, hidden_drop=self.drop, out_drop=self.drop,
-            training=self.training, residual=residual,
+            training=self.training, residual=residual, layer_scale=layer_scale,
         )
 
 
@@ -262,18 +272,21 @@ class SwiGLU(nn.Module):
         self.norm = LayerNorm(hidden_features, eps=norm_eps) if norm else nn.Identity()
         self.fc2 = nn.Linear(hidden_features, out_features, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (..., D) -> (..., D_out) [+ residual]."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (..., D) -> (..., D_out) [+ residual]; ``layer_scale`` gamma (D_out,) scales fc2's output."""
         hidden_dropping = self.training and self.hidden_drop > 0
         out_dropping = self.training and self.out_drop > 0
         g, u, fc2 = self.fc1_g, self.fc1_x, self.fc2
         if isinstance(self.norm, nn.Identity) and not hidden_dropping and not out_dropping:
-            return vkf.swiglu_mlp(x, g.weight, g.bias, u.weight, u.bias, fc2.weight, fc2.bias, residual=residual)
+            return vkf.swiglu_mlp(x, g.weight, g.bias, u.weight, u.bias, fc2.weight, fc2.bias, residual=residual,
+                                  layer_scale=layer_scale)
         hidden = F.dropout(vkf.swiglu(x, g.weight, g.bias, u.weight, u.bias), self.hidden_drop, hidden_dropping)
         hidden = self.norm(hidden)
         if not out_dropping:
-            return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual)
-        return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias), self.out_drop, True, residual)
+            return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
+        return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), self.out_drop, True,
+                            residual)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -291,14 +304,32 @@ class LayerNorm(nn.LayerNorm):
         return vkf.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
 
+class LayerScale(nn.Module):
+    """x * gamma over the last dimension (CaiT, DINOv2), timm's parameter name ``gamma`` (D,). A block
+    does not call it: it hands ``gamma`` to the branch's last GEMM (``layer_scale=``), which scales
+    and adds the residual in its epilogue."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
+        super().__init__()
+        self.init_values = float(init_values)
+        self.gamma = nn.Parameter(torch.full((check_positive_int("dim", dim),), self.init_values))
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.gamma, self.init_values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
     """A transformer encoder block.
 
     pre-norm (``norm_first=True``, ViT/timm):   x = x + attn(norm1(x));  x = x + mlp(norm2(x))
     post-norm (``nn.TransformerEncoderLayer``): x = norm1(x + attn(x));  x = norm2(x + mlp(x))
-    Each residual add is fused into the last GEMM of its branch. ``drop_path`` (stochastic depth, as
-    timm's blocks) drops each branch per sample in training; it scales the branch before the add,
-    so while it is active the add runs unfused.
+    Each residual add is fused into the last GEMM of its branch. With ``init_values`` each branch is
+    scaled by a LayerScale (``ls1``, ``ls2``: x + gamma * attn(...)), folded into that same GEMM.
+    ``drop_path`` (stochastic depth, as timm's blocks) drops each branch per sample in training; it
+    scales the branch before the add, so while it is active the add runs unfused.
     """
 
     def __init__(
@@ -314,35 +345,41 @@ class Block(nn.Module):
         drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
+        init_values: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
         self.drop_path = check_probability("drop_path", drop_path)
         self.norm1 = LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, mlp_hidden_dim or int(dim * mlp_ratio), act=act, drop=drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(
         self, x: torch.Tensor, return_probs: bool = False
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L)."""
         attn_input = self.norm1(x) if self.norm_first else x
-        result = self._residual_branch(self.attn, attn_input, x, return_probs=return_probs)
+        result = self._residual_branch(self.attn, self.ls1, attn_input, x, return_probs=return_probs)
         x, probs = result if return_probs else (result, None)
         if self.norm_first:
-            x = self._residual_branch(self.mlp, self.norm2(x), x)
+            x = self._residual_branch(self.mlp, self.ls2, self.norm2(x), x)
         else:
             x = self.norm1(x)
-            x = self.norm2(self._residual_branch(self.mlp, x, x))
+            x = self.norm2(self._residual_branch(self.mlp, self.ls2, x, x))
         return (x, probs) if return_probs else x
 
     def _residual_branch(
-        self, branch: nn.Module, inputs: torch.Tensor, x: torch.Tensor, return_probs: bool = False
+        self, branch: nn.Module, scale: nn.Module, inputs: torch.Tensor, x: torch.Tensor, return_probs: bool = False
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x + drop_path(branch(inputs)), the add fused into the branch's last GEMM unless drop path
-        is active; with ``return_probs`` (attention only) the probabilities come back beside it."""
+        """x + drop_path(scale(branch(inputs))), the LayerScale and the add fused into the branch's
+        last GEMM (the add unless drop path is active); with ``return_probs`` (attention only) the
+        probabilities come back beside it."""
         extra = {"return_probs": True} if return_probs else {}
+        if isinstance(scale, LayerScale):
+            extra["layer_scale"] = scale.gamma
         if not (self.training and self.drop_path > 0):
             return branch(inputs, residual=x, **extra)
         result = branch(inputs, **extra)

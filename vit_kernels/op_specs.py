@@ -47,6 +47,10 @@ class Shape:
     channels: int
     image: int  # square images of image x image pixels
     patch: int
+    # what the model's attention computes beside softmax(q k^T) v: "" nothing; "rope_interleaved" or
+    # "rope_half" rotary embedding of the patch tokens (EVA02, DINOv3); "key_padding" a boolean
+    # key-padding mask, a quarter of every other image's tokens padding (a NaFlex batch)
+    attention: str = ""
 
     @property
     def label(self) -> str:
@@ -111,8 +115,45 @@ def _patch_embed_formula(s: Shape, images, weight, bias, cls_token, pos_embed):
 # ---- attention ---------------------------------------------------------------------------------------
 
 
+_EXTRAS: dict[tuple, dict] = {}
+
+
+def attention_extras(s: Shape, device: torch.device) -> dict:
+    """``vk.attention``'s keyword arguments for the shape's ``attention`` variant (made once per
+    shape and device, outside any timed call): real RoPE tables (L_r, Dh) float32 of the patch
+    tokens (theta 100, the prefix tokens unrotated), or a boolean (B, 1, 1, L) key-padding mask."""
+    key = (s, str(device))
+    if key not in _EXTRAS:
+        head_dim = s.dim // s.heads
+        if s.attention.startswith("rope_"):
+            layout = s.attention[len("rope_"):]
+            freqs = 100.0 ** (-torch.arange(head_dim // 2, dtype=torch.float64) / (head_dim // 2))
+            angles = torch.arange(s.patches, dtype=torch.float64)[:, None] * freqs[None, :]
+            angles = angles.repeat_interleave(2, -1) if layout == "interleaved" else torch.cat([angles, angles], -1)
+            _EXTRAS[key] = {"rope": (angles.cos().float().to(device), angles.sin().float().to(device)),
+                            "rope_layout": layout}
+        elif s.attention == "key_padding":
+            counts = torch.tensor([s.tokens - (s.tokens // 4) * (i % 2) for i in range(s.batch)])
+            valid = torch.arange(s.tokens)[None, :] < counts[:, None]
+            _EXTRAS[key] = {"attn_mask": valid[:, None, None, :].to(device)}
+        else:
+            _EXTRAS[key] = {}
+    return _EXTRAS[key]
+
+
+def _attention_reference(s: Shape, qkv):
+    extras = attention_extras(s, qkv.device)
+    cos, sin = extras.get("rope", (None, None))
+    return attention_ref(qkv, s.heads, cos=cos, sin=sin, rope_layout=extras.get("rope_layout", "interleaved"),
+                         attn_mask=extras.get("attn_mask"))
+
+
 def _attention_formula(s: Shape, qkv):
     # qkv (B, L, 3D) = [q | k | v], each (B, L, H, Dh); out = softmax(q k^T / sqrt(Dh)) v, heads concatenated
+    # (the plain variant: rope and masks have formulas of their own in tests/test_attention_rope.py and
+    # tests/test_attention_mask.py)
+    if s.attention:
+        raise ValueError(f"the attention formula is the plain variant's, not {s.attention!r}")
     b, length, three_d = qkv.shape
     head_dim = three_d // 3 // s.heads
     q, k, v = qkv.reshape(b, length, 3, s.heads, head_dim).permute(2, 0, 3, 1, 4)
@@ -149,8 +190,8 @@ SPECS: dict[str, OpSpec] = {
         OpSpec(
             "attention",
             lambda s, device, dtype: {"qkv": _randn(device, dtype, s.batch, s.tokens, 3 * s.dim)},
-            run=lambda s, qkv: vk.attention(qkv, s.heads),
-            reference=lambda s, qkv: attention_ref(qkv, s.heads),
+            run=lambda s, qkv: vk.attention(qkv, s.heads, **attention_extras(s, qkv.device)),
+            reference=lambda s, qkv: _attention_reference(s, qkv),
             formula=_attention_formula,
             flops=lambda s: 4.0 * s.batch * s.tokens**2 * s.dim,
             bytes_per_element=lambda s: 0,

@@ -60,6 +60,9 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         if variant == "empty":  # no rows: nothing to launch or validate
             x = _p(0, D, dtype=dtype)
         w, b = _p(D, D, dtype=dtype), _p(D, dtype=dtype)
+        if variant == "layer_scale":  # gamma folded into the GEMM's weight and bias, the residual in its epilogue
+            residual, gamma = _p(B, L, D, dtype=dtype), _p(D, dtype=dtype)
+            return (lambda: vk.linear(x, w, b, residual=residual, layer_scale=gamma)), [x, w, b, residual, gamma]
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
         return (lambda: vk.linear(x, w, b, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
     if op == "linear_gelu":
@@ -68,9 +71,10 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         return (lambda: vk.linear_gelu(x, w, b, approximate=approximate)), [x, w, b]
     if op == "mlp":
         w1, b1, w2, b2 = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(D, HIDDEN, dtype=dtype), _p(D, dtype=dtype)
-        residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
-        leaves = [x, w1, b1, w2, b2] + ([residual] if residual is not None else [])
-        return (lambda: vk.mlp(x, w1, b1, w2, b2, residual=residual)), leaves
+        residual = _p(B, L, D, dtype=dtype) if variant in ("residual", "layer_scale") else None
+        gamma = _p(D, dtype=dtype) if variant == "layer_scale" else None
+        leaves = [x, w1, b1, w2, b2] + ([residual] if residual is not None else []) + ([gamma] if gamma is not None else [])
+        return (lambda: vk.mlp(x, w1, b1, w2, b2, residual=residual, layer_scale=gamma)), leaves
     if op in ("swiglu", "swiglu_mlp"):
         wg, bg, wu, bu = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype)
         if op == "swiglu":
@@ -96,9 +100,9 @@ CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention"
          ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"),
          ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("attention", "key_padding"),
          ("attention", "additive_mask_rope_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
-         ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"),
+         ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"), ("linear", "layer_scale"),
          ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("linear_gelu", "quick"), ("mlp", "plain"),
-         ("mlp", "residual"), ("swiglu", "plain"), ("swiglu_mlp", "plain"), ("swiglu_mlp", "residual"),
+         ("mlp", "residual"), ("mlp", "layer_scale"), ("swiglu", "plain"), ("swiglu_mlp", "plain"), ("swiglu_mlp", "residual"),
          ("layer_norm", "plain"), ("layer_norm", "residual")]
 
 

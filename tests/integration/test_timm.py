@@ -40,10 +40,37 @@ def test_plain_timm_vits_are_exact(family, training, record_difference):
     depth = overrides["depth"]
     kinds = [new.rsplit(".", 1)[-1] for _, _, new in report.replaced]
     assert kinds.count("Attention") == depth and kinds.count("Mlp") == depth and kinds.count("FusedPatchEmbed") == 1
+    assert kinds.count("FusedBlock") == depth  # the residual adds (and LayerScale) in the branches' GEMMs
     assert isinstance(model.blocks[0].attn, vkn.Attention) and isinstance(model.blocks[0].mlp, vkn.Mlp)
     assert model.state_dict().keys() == reference.state_dict().keys()
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     record_difference(f"timm {family}", *compare(reference, model, images))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_block_residual_adds_and_layer_scale_run_in_the_last_gemms(training, monkeypatch, record_difference):
+    """A timm block with LayerScale (DINOv2-style): both branches hand their residual and gamma to the
+    last GEMM (the attention projection, the MLP); where drop path drops (training, the second block:
+    rates rise from 0 at the first) the add runs as timm's, exact either way."""
+    from vit_kernels import functional as vkf
+
+    reference = _timm_vit("vit_tiny_patch16_224", depth=2, patch_size=8, init_values=0.1,
+                          drop_path_rate=0.5 if training else 0.0).train(training)
+    model, _ = patched_copy(reference)
+    calls = []
+    for name in ("linear", "mlp"):
+        fused = getattr(vkf, name)
+        monkeypatch.setattr(vkf, name, lambda *a, fused=fused, name=name, **k: calls.append(
+            (name, k.get("residual") is not None, k.get("layer_scale") is not None)) or fused(*a, **k))
+    torch.manual_seed(0)
+    expected = reference(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    torch.manual_seed(0)
+    actual = model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    fused_adds = [c for c in calls if c[1] and c[2]]
+    assert len(fused_adds) == (2 if training else 4), calls
+    if not training:
+        record_difference("timm layer scale", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
 
 
 def test_dynamic_image_size_is_exact(record_difference):

@@ -79,6 +79,8 @@ def _images(size: int = 32) -> torch.Tensor:
     # width the CPU runs
     ("vit_so400m_patch14_siglip_224", {"img_size": 28, "patch_size": 14, "embed_dim": 144, "num_heads": 2,
                                        "mlp_ratio": 200 / 144}, {"mlp_hidden_dim": 200}),
+    # LayerScale (DINOv2-style ls1 / ls2.gamma), folded into each branch's last GEMM
+    ("vit_small_patch16_224", {"depth": 2, "init_values": 1e-5}, {}),
 ])
 def test_timm_checkpoint_loads_exactly(tmp_path, name, overrides, ours_only, record_difference):
     reference = _randomized(timm.create_model(name, pretrained=False, **{**TIMM, **overrides}))

@@ -16,7 +16,10 @@
 * ``timm.layers.patch_embed.PatchEmbed`` keeps its class's methods (``set_input_size``,
   ``dynamic_feat_size``, ...) and computes ``forward`` with the fused patch embedding, for square
   patches, stride == kernel, no padding, no token norm, tokens (NLC) or an NHWC grid (dynamic size);
-* ``timm.layers.norm.LayerNorm``        -> ``vit_kernels.nn.LayerNorm`` unless timm's fast norm is on.
+* ``timm.layers.norm.LayerNorm``        -> ``vit_kernels.nn.LayerNorm`` unless timm's fast norm is on;
+* ``timm.models.vision_transformer.Block`` keeps its class and children and computes ``forward`` with
+  each residual add, and its LayerScale (``ls1``, ``ls2``: DINOv2, CaiT-style ViTs), in the last GEMM
+  of the branch, where the branch's layer was swapped for ours and no drop path is dropping.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from vit_kernels.integrations._common import (
     swiglu_forward as fused_swiglu,
     is_identity,
     is_silu,
+    qualified_name,
     unfused_forward,
     unknown_forward_args,
     unknown_parts,
@@ -47,6 +51,7 @@ ATTENTION_CHILDREN = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "p
 ROPE_ATTENTION_CHILDREN = ATTENTION_CHILDREN + ("q_proj", "k_proj", "v_proj")
 ROPE_ATTENTION_TENSORS = ("q_bias", "k_bias", "v_bias")
 MLP_CHILDREN = ("fc1", "act", "drop1", "norm", "fc2", "drop2")
+BLOCK_CHILDREN = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 PATCH_EMBED_CHILDREN = ("proj", "norm")
 
 
@@ -242,7 +247,47 @@ def swap_timm_layer_norm(module: nn.Module) -> Swap:
     return swap_layer_norm(module)
 
 
+def _layer_scale(module: nn.Module):
+    """timm's LayerScale's gamma (D,), None for Identity; False for anything else (not folded)."""
+    if is_identity(module):
+        return None
+    if qualified_name(type(module)) == "timm.layers.layer_scale.LayerScale" and not module.inplace:
+        return module.gamma
+    return False
+
+
+def _drops(module: nn.Module) -> bool:
+    """Whether a block's drop path (Identity, or timm's DropPath) drops now: in training, p > 0."""
+    return not is_identity(module) and module.training and float(getattr(module, "drop_prob", 1.0)) > 0
+
+
+def block_forward(self, x, attn_mask=None, is_causal=False):
+    """timm's ViT block, x (B, L, D) -> (B, L, D): x + drop_path(ls(branch(norm(x)))) for attention,
+    then the MLP, each residual add and LayerScale in the branch's last GEMM (``residual=``,
+    ``layer_scale=``) where the branch runs our layer and its drop path is not dropping; otherwise
+    that branch as timm computes it."""
+    gamma = _layer_scale(self.ls1)
+    if isinstance(self.attn, vkn.Attention) and gamma is not False and not _drops(self.drop_path1):
+        x = self.attn(self.norm1(x), residual=x, attn_mask=attn_mask, is_causal=is_causal, layer_scale=gamma)
+    else:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+    gamma = _layer_scale(self.ls2)
+    if isinstance(self.mlp, vkn.Mlp) and gamma is not False and not _drops(self.drop_path2):
+        return self.mlp(self.norm2(x), residual=x, layer_scale=gamma)
+    return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+def swap_block(module: nn.Module) -> Swap:
+    why = unknown_parts(module, BLOCK_CHILDREN) or unknown_forward_args(module, ("x", "attn_mask", "is_causal"))
+    if why:
+        return Swap.skip(why)
+    if _layer_scale(module.ls1) is False or _layer_scale(module.ls2) is False:
+        return Swap.skip("its layer scale is not timm's LayerScale (or scales in place)")
+    return Swap(with_fused_forward(module, block_forward), descend=True)
+
+
 RULES: dict[str, Rule] = {
+    "timm.models.vision_transformer.Block": swap_block,
     "timm.layers.attention.Attention": swap_attention,
     "timm.models.eva.EvaAttention": swap_rope_attention,
     "timm.layers.attention.AttentionRope": swap_rope_attention,
