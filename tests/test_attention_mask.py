@@ -13,7 +13,7 @@ from vit_kernels import backend
 from vit_kernels.ops import attention
 from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_attention import _dropout_mask
-from tests.test_attention_rope import frequency_tables, rope_formula
+from tests.test_attention_rope import assert_out_probs_and_grad, frequency_tables, rope_formula
 
 MASK_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS
@@ -165,12 +165,7 @@ def test_return_probs_with_mask_and_rope(backend_name):
         out, probs = vk.attention(qkv, heads, return_probs=True, rope=(cos, sin), rope_layout="half", attn_mask=mask)
     wide = qkv.detach().double().requires_grad_(True)
     ref_out, ref_probs = masked_formula(wide, heads, attn_mask=mask, rope=(cos, sin), rope_layout="half")
-    torch.testing.assert_close(probs.detach().double(), ref_probs.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.detach().double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
-    w_out, w_probs = torch.randn_like(out), torch.randn_like(probs)
-    (grad,) = torch.autograd.grad((out * w_out).sum() + (probs * w_probs).sum(), qkv)
-    (ref_grad,) = torch.autograd.grad((ref_out * w_out).sum() + (ref_probs * w_probs).sum(), wide)
-    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
+    assert_out_probs_and_grad(out, probs, qkv, ref_out, ref_probs, wide)
 
 
 @pytest.mark.skipif(not TRITON, reason="the Triton backend does not run here")

@@ -163,6 +163,12 @@ def test_return_probs_with_rope(backend_name):
         out, probs = vk.attention(qkv, heads, return_probs=True, rope=(cos, sin), rope_layout="half")
     wide = qkv.detach().double().requires_grad_(True)
     ref_out, ref_probs = rope_formula(wide, heads, (cos, sin), "half")
+    assert_out_probs_and_grad(out, probs, qkv, ref_out, ref_probs, wide)
+
+
+def assert_out_probs_and_grad(out, probs, qkv, ref_out, ref_probs, wide) -> None:
+    """out and probs of ``qkv`` against the float64 ones of ``wide`` (its float64 copy), and the
+    gradient of a random weighting of both."""
     torch.testing.assert_close(probs.detach().double(), ref_probs.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.detach().double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
     w_out, w_probs = torch.randn_like(out), torch.randn_like(probs)
