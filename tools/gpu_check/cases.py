@@ -187,7 +187,7 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 seed = torch.empty(1, dtype=torch.int64, device="cuda")
                 scale = head_dim**-0.5
                 # rope: float32 tables (timm's buffers) of the patch tokens, the class token left unrotated
-                tables = (None, None) if rope is None else (_t(F32, seq_len - 1, head_dim), _t(F32, seq_len - 1, head_dim))
+                tables = (None, None) if rope is None else tuple(_t(F32, seq_len - 1, head_dim) for _ in range(2))
                 mask = _mask(mask_kind, batch, seq_len)
                 more = (*tables, rope or "interleaved", mask) if extra else ()
                 out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)

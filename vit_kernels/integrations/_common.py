@@ -15,6 +15,7 @@ from torch import nn
 import vit_kernels.functional as vkf
 
 from vit_kernels.activations import GELU, GELU_TANH, QUICK_GELU, RELU, gelu_act
+from vit_kernels.ops.attention import mask_broadcasts
 
 
 def qualified_name(cls: type) -> str:
@@ -82,9 +83,7 @@ def fusable_mask(mask: object, device: torch.device, batch: int, num_heads: int,
         return True
     if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         return False
-    target = (batch, num_heads, length, length)
-    fits = 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
-    return fits and mask.device == device
+    return mask_broadcasts(mask, batch, num_heads, length) and mask.device == device
 
 
 def is_identity(module: object) -> bool:

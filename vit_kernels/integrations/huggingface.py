@@ -64,7 +64,8 @@ def attention_forward(
     batch, heads, length, head_dim = query.shape
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, :length]  # as transformers' SDPA attention slices it
-    if causal or key.shape != query.shape or value.shape != query.shape or not fusable_mask(attention_mask, query.device, batch, heads, length):
+    fusable = fusable_mask(attention_mask, query.device, batch, heads, length)
+    if causal or key.shape != query.shape or value.shape != query.shape or not fusable:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -140,7 +140,8 @@ def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False):
     kernels load them, masked by ``attn_mask`` (SDPA's); the output norm, gate and projection as timm
     computes them."""
     tables = None if rope is None else _rope_tables(self, rope, x)
-    if is_causal or (rope is not None and tables is None) or not fusable_mask(attn_mask, x.device, x.shape[0], self.num_heads, x.shape[1]):
+    fusable = fusable_mask(attn_mask, x.device, x.shape[0], self.num_heads, x.shape[1])
+    if is_causal or (rope is not None and tables is None) or not fusable:
         return unfused_forward(self, x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
     gate = self.gate(x).sigmoid() if self.gate is not None else None
     out = vkf.attention(_packed_qkv(self, x), self.num_heads,

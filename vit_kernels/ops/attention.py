@@ -631,8 +631,8 @@ def _attention_bwd_dq_kernel(
                                  stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p, dp = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, 0, kt_first, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n,
-            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D,
-            DROPOUT, PRECISION, ROPE, MASK)
+            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
+            stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
     if BLOCK_TAIL > 0:
@@ -643,8 +643,8 @@ def _attention_bwd_dq_kernel(
                                       stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
         _, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, 0, kt_first_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True, EVEN_D,
-            DROPOUT, PRECISION, ROPE, MASK)
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
+            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
         weighted += tl.sum(p_tail * dp_tail, 1)
         row_sum += tl.sum(p_tail, 1)
     delta = weighted / tl.where(mask_m & (row_sum != 0.0), row_sum, 1.0)  # 0 / 1 where every key is masked
@@ -658,8 +658,8 @@ def _attention_bwd_dq_kernel(
                                       stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k, p, dp = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_rot, kt_rot, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile,
-            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, False,
-            EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base,
+            stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
@@ -669,8 +669,8 @@ def _attention_bwd_dq_kernel(
             rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
         k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
             q, do, row_max, inv_sum, k_rot_tail, kt_rot_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True, EVEN_D,
-            DROPOUT, PRECISION, ROPE, MASK)
+            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
+            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
         dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
 
     if ROPE == 0:
@@ -916,6 +916,13 @@ def mask_for_sdpa(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[
     return mask.to(dtype)
 
 
+def mask_broadcasts(mask: torch.Tensor, batch: int, num_heads: int, length: int) -> bool:
+    """Whether ``mask`` broadcasts to (B, H, L, L) = (batch, num_heads, length, length), SDPA's rule
+    (1 to 4 dimensions, each 1 or the full size)."""
+    target = (batch, num_heads, length, length)
+    return 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
+
+
 def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> None:
     """Raises unless ``mask`` is None or a boolean or floating-point tensor on qkv's device that
     broadcasts to (B, H, L, L) (SDPA's rule)."""
@@ -926,10 +933,9 @@ def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> Non
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attn_mask must be boolean (True = attend) or floating-point (added), got {mask.dtype}")
     batch, length = qkv.shape[0], qkv.shape[1]
-    target = (batch, num_heads, length, length)
-    fits = 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
-    if not fits:
-        raise ValueError(f"attn_mask must broadcast to (B, H, L, L) = {target}, got shape {tuple(mask.shape)}")
+    if not mask_broadcasts(mask, batch, num_heads, length):
+        raise ValueError(f"attn_mask must broadcast to (B, H, L, L) = {(batch, num_heads, length, length)}, got shape "
+                         f"{tuple(mask.shape)}")
     if mask.device != qkv.device:
         raise ValueError(f"attn_mask is on {mask.device} but qkv is on {qkv.device}: move them to one device")
 
@@ -1032,8 +1038,8 @@ if HAS_TRITON:
 
         return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: _interpreter_tile(seq_len),
-                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None,
-                                                     mask is not None),
+                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, extra_loads=rope is not None
+                                                     or mask is not None, masked=mask is not None),
                               trial)
 
     def _attention_fwd(
@@ -1096,8 +1102,8 @@ if HAS_TRITON:
 
         return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: (_interpreter_tile(seq_len),) * 2,
-                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None or mask is not None,
-                                                     mask is not None),
+                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, extra_loads=rope is not None
+                                                     or mask is not None, masked=mask is not None),
                               trial)
 
     def _attention_bwd(
