@@ -80,7 +80,7 @@ def register() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
-    try:  # masks in SDPA's form (what a masked call is handed on to), not dropped as an unknown kind's
+    try:  # masks in SDPA's form (what the fused attention, and SDPA, take), not dropped as an unknown kind's
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
