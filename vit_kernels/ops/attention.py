@@ -952,19 +952,22 @@ def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_o
                          dtype: torch.dtype, rope: Optional[tuple] = None,
                          mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """SDPA on the first ``_validation_images`` images of qkv computed in ``dtype``: [out] or, given
-    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k; with
-    an attention mask, masked."""
+    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k. With
+    an attention mask, the masked softmax written out (``masked_softmax``): rows whose every key is
+    masked are 0 by that rule on every device, whatever SDPA's kernel for the device does with them."""
     n = _validation_images(qkv, num_heads)
-    if mask is not None:
-        batch, seq_len = qkv.shape[0], qkv.shape[1]
-        mask = mask_for_sdpa(mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach(), dtype)
     leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
     q, k, v = split_qkv(leaf, num_heads)
     if rope is not None:
         cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope[0], rope[1]))
         q, k = apply_rope(q, cos, sin, rope[2]), apply_rope(k, cos, sin, rope[2])
-    q, k, v = (sdpa_aligned(t) for t in (q, k, v))
-    out = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    if mask is not None:
+        batch, seq_len = qkv.shape[0], qkv.shape[1]
+        mask = mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach()
+        out = explicit_attention(q, k, v, scale, 0.0, lambda scores: masked_softmax(scores, mask))[0]
+    else:
+        q, k, v = (sdpa_aligned(t) for t in (q, k, v))
+        out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
     if grad_out is None:
         return [out.detach()]
     (grad,) = torch.autograd.grad(out, leaf, grad_out[:n].to(dtype))
