@@ -129,20 +129,25 @@ def test_rows_with_every_key_masked_are_zero(backend_name):
     assert torch.equal(q_grad, torch.zeros_like(q_grad))
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend_name", MASK_BACKENDS)
-def test_finite_mask_rows_stay_finite(backend_name):
-    """timm's NaFlex mask (finfo(float32).min where a query or key is padding): finite everywhere;
-    the valid tokens' output and the gradient of a loss on them are those of the formula. (The
-    padded queries attend uniformly, at finfo.min: SDPA's float32 CPU kernel differentiates those
-    rows its own way, so only the valid rows are compared on every backend.)"""
+def test_finite_mask_rows_stay_finite(backend_name, mask_dtype):
+    """timm's NaFlex mask (finfo(dtype).min where a query or key is padding, in the mask's own dtype):
+    finite everywhere, a padded query attending uniformly to every key, as SDPA computes it; the valid
+    tokens' output and the gradient of a loss on them are those of the formula. (SDPA's float32 CPU
+    kernel differentiates the padded rows its own way, so only the valid rows' gradient is compared
+    on every backend.)"""
     heads, head_dim, length = 2, 16, 40
     valid = valid_tokens(2, length, [length, 29])
     pair = (valid[:, :, None] & valid[:, None, :])[:, None]
-    mask = torch.zeros(pair.shape).masked_fill(~pair, FLOAT32_MIN)
+    mask = torch.zeros(pair.shape, dtype=mask_dtype).masked_fill(~pair, torch.finfo(mask_dtype).min)
     qkv = torch.randn(2, length, 3 * heads * head_dim, requires_grad=True)
     with vk.use_backend(backend_name, strict=True):
         out = vk.attention(qkv, heads, attn_mask=mask)
     assert torch.isfinite(out).all()
+    v_mean = qkv.detach()[1, :, 2 * heads * head_dim:].mean(0)  # a padded query: uniform over all keys
+    torch.testing.assert_close(out.detach()[1, 35], v_mean, atol=1e-5, rtol=1e-5)
+    mask = mask.float()
     wide = qkv.detach().double().requires_grad_(True)
     ref = formula_out(wide, heads, attn_mask=mask)
     keep = valid[..., None].float()

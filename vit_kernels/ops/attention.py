@@ -902,6 +902,8 @@ def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Te
     if mask is None:
         return (qkv, (0,) * 4, 1.0, FLOAT32_MAX), 0
     batch, seq_len = qkv.shape[0], qkv.shape[1]
+    if mask.dtype == torch.float64:
+        mask = finite_cast(mask, torch.float32)
     full = mask.expand(batch, num_heads, seq_len, seq_len)
     # FLT_MAX * scale, a little below it so that limit / scale rounds to at most FLT_MAX
     limit = FLOAT32_MAX * min(scale, 1.0) * (1 - 2**-20)
@@ -909,11 +911,21 @@ def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Te
 
 
 def mask_for_sdpa(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """An attention mask as SDPA takes it for queries of ``dtype`` (on every device): boolean, or
-    float32 or ``dtype``; another float dtype is cast to ``dtype``."""
+    """An attention mask as SDPA takes it for queries of ``dtype``: boolean, or float32 or ``dtype``;
+    another float dtype is cast to ``dtype`` by ``finite_cast``."""
     if mask is None or mask.dtype in (torch.bool, torch.float32, dtype):
         return mask
-    return mask.to(dtype)
+    return finite_cast(mask, dtype)
+
+
+def finite_cast(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask in ``dtype``, its finite values clamped to that dtype's range first, so that
+    finfo(float64).min stays a finite, uniform row (as in its own dtype) instead of -inf; infinities
+    and NaN are kept."""
+    largest = torch.finfo(dtype).max
+    if largest >= torch.finfo(mask.dtype).max:  # a wider dtype holds every value
+        return mask.to(dtype)
+    return torch.where(mask.isinf(), mask, mask.clamp(-largest, largest)).to(dtype)
 
 
 def mask_broadcasts(mask: torch.Tensor, batch: int, num_heads: int, length: int) -> bool:
