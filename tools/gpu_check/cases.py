@@ -197,10 +197,10 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
                 if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
                     key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
-                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, extra, mask is not None):
+                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, rope is not None, mask is not None):
                         attention.FWD_CHOOSER.pin(key, tile)
                         attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
-                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, extra, mask is not None):
+                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, rope is not None, mask is not None):
                         attention.BWD_CHOOSER.pin(key, tiles)
                         attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
 

@@ -813,20 +813,20 @@ def _mask_fits(tile: tuple) -> bool:
     return tile[0] * tile[1] <= MASK_MAX_TILE
 
 
-def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False,
+def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False,
                    masked: bool = False) -> tuple:
     """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped); for a
-    rotating or masked call (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages, for a masked
-    one only tiles of at most MASK_MAX_TILE elements."""
-    return _unique(_fitted(t, seq_len, extra_loads) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)]
+    rotating or masked call at most EXTRA_LOADS_MAX_STAGES stages, for a masked one only tiles of at
+    most MASK_MAX_TILE elements."""
+    return _unique(_fitted(t, seq_len, rope or masked) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)]
                    if not masked or _mask_fits(t))
 
 
-def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, extra_loads: bool = False,
+def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False,
                    masked: bool = False) -> tuple:
     """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence (as
     ``fwd_candidates``)."""
-    return _unique((_fitted(dq, seq_len, extra_loads), _fitted(dkdv, seq_len, extra_loads))
+    return _unique((_fitted(dq, seq_len, rope or masked), _fitted(dkdv, seq_len, rope or masked))
                    for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)]
                    if not masked or (_mask_fits(dq) and _mask_fits(dkdv)))
 
@@ -1053,8 +1053,7 @@ if HAS_TRITON:
 
         return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: _interpreter_tile(seq_len),
-                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, extra_loads=rope is not None
-                                                     or mask is not None, masked=mask is not None),
+                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
                               trial)
 
     def _attention_fwd(
@@ -1117,8 +1116,7 @@ if HAS_TRITON:
 
         return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
                               lambda: (_interpreter_tile(seq_len),) * 2,
-                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, extra_loads=rope is not None
-                                                     or mask is not None, masked=mask is not None),
+                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
                               trial)
 
     def _attention_bwd(
