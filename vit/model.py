@@ -20,9 +20,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vit.pooling import AttentionPool
+from vit.rope import axial_rope_tables
 from vit.weights import load_pretrained
 from vit_kernels.activations import ACTIVATIONS
-from vit_kernels.nn import Block, LayerNorm, LayerScale, PatchEmbed
+from vit_kernels.nn import MLP_TYPES, Block, LayerNorm, LayerScale, PatchEmbed
 
 POS_EMBED_KINDS = ("learned", "sincos")
 POOLS = ("token", "avg", "map")
@@ -41,12 +42,17 @@ class ViTConfig:
     mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio when set
     qkv_bias: bool = True
     act: str = "gelu"  # one of vit_kernels.activations.ACTIVATIONS: gelu | gelu_tanh | quick_gelu | relu
+    mlp_type: str = "mlp"  # mlp (fc1 -> act -> fc2) | swiglu (timm's SwiGLU, EVA02: act unused)
+    mlp_norm: bool = False  # swiglu only: LayerNorm on the hidden features (EVA02-B/L's scale_mlp)
+    rope: bool = False  # 2-D rotary position embedding of the patch tokens in attention (EVA02; vit/rope.py)
+    rope_ref_grid: Optional[int] = None  # rope positions rescaled to this square grid (EVA02's ref_feat_shape)
     norm_first: bool = True  # pre-norm (ViT); False = post-norm (nn.TransformerEncoderLayer)
     norm_eps: float = 1e-6
     final_norm: bool = True
     class_token: bool = True
     pos_embed: str = "learned"  # learned | sincos (a fixed buffer)
     global_pool: str = "token"  # token | avg | map (attention pooling, SigLIP: vit.pooling.AttentionPool)
+    fc_norm: bool = False  # LayerNorm of the pooled features before the head (timm's fc_norm; EVA02)
     drop_rate: float = 0.0  # after attention projection and in the MLP
     attn_drop_rate: float = 0.0  # on attention probabilities
     pos_drop_rate: float = 0.0  # on the embedded tokens
@@ -83,6 +89,16 @@ class ViTConfig:
             raise ValueError(f"ViTConfig.global_pool must be one of {POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True")
+        if self.mlp_type not in MLP_TYPES:
+            raise ValueError(f"ViTConfig.mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
+        if self.mlp_norm and self.mlp_type != "swiglu":
+            raise ValueError(f"ViTConfig.mlp_norm=True needs mlp_type='swiglu', got {self.mlp_type!r}")
+        if self.rope and (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(f"ViTConfig.rope=True needs a head dim (embed_dim // num_heads) divisible by 4, got "
+                             f"{self.embed_dim // self.num_heads}")
+        if self.rope_ref_grid is not None and (isinstance(self.rope_ref_grid, bool) or not isinstance(
+                self.rope_ref_grid, int) or self.rope_ref_grid <= 0):
+            raise ValueError(f"ViTConfig.rope_ref_grid must be None or a positive int, got {self.rope_ref_grid!r}")
 
     @property
     def num_patches(self) -> int:
@@ -147,6 +163,11 @@ class ViT(nn.Module):
         else:
             self.register_buffer("pos_embed", sincos_pos_embed(grid, dim, config.class_token))
         self.pos_drop = nn.Dropout(config.pos_drop_rate)
+        if config.rope:  # not saved: computed from the config, as timm's non-persistent buffers
+            ref = None if config.rope_ref_grid is None else (config.rope_ref_grid,) * 2
+            cos, sin = axial_rope_tables((grid, grid), dim // config.num_heads, ref_grid=ref)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.blocks = nn.ModuleList(
             block_layer(
                 dim,
@@ -160,6 +181,7 @@ class ViT(nn.Module):
                 attn_drop=config.attn_drop_rate,
                 drop_path=rate,
                 **({"init_values": config.init_values} if config.init_values is not None else {}),
+                **({"mlp_type": config.mlp_type, "mlp_norm": config.mlp_norm} if config.mlp_type != "mlp" else {}),
             )
             for rate in config.drop_path_rates()
         )
@@ -167,6 +189,7 @@ class ViT(nn.Module):
         self.attn_pool = None
         if config.global_pool == "map":
             self.attn_pool = AttentionPool(dim, config.num_heads, config.mlp_hidden_features, config.act, config.norm_eps)
+        self.fc_norm = norm_layer(dim, eps=config.norm_eps) if config.fc_norm else nn.Identity()
         self.head = self._new_head(config.num_classes)
         self.grad_checkpointing = False
         self.reset_parameters()
@@ -204,17 +227,18 @@ class ViT(nn.Module):
         """images (N, C, H, W) -> tokens (N, T, D) [, per-block attention (N, H, T, T)]."""
         x = self.pos_drop(self.patch_embed(images, cls_token=self.cls_token, pos_embed=self.pos_embed))
         maps = []
+        extra = {"rope": (self.rope_cos, self.rope_sin)} if self.config.rope else {}
         for block in self.blocks:
             if return_attention:
-                x, probs = self._run_block(block, x, return_probs=True)
+                x, probs = self._run_block(block, x, return_probs=True, **extra)
                 maps.append(probs)
             else:
-                x = self._run_block(block, x)
+                x = self._run_block(block, x, **extra)
         x = self.norm(x)
         return (x, maps) if return_attention else x
 
     def _run_block(
-        self, block: nn.Module, x: torch.Tensor, **kwargs: bool
+        self, block: nn.Module, x: torch.Tensor, **kwargs: object
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """block(x), recomputed in backward instead of keeping its activations when gradient
         checkpointing is on (training with grad enabled). Non-reentrant checkpointing restores the RNG
@@ -232,7 +256,7 @@ class ViT(nn.Module):
             pooled = tokens[:, 0]
         else:
             pooled = tokens[:, prefix:].mean(dim=1)
-        return self.head(pooled)
+        return self.head(self.fc_norm(pooled))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))
@@ -278,6 +302,12 @@ def _timm(embed_dim: int, depth: int, num_heads: int) -> ViTConfig:
     return ViTConfig(embed_dim=embed_dim, depth=depth, num_heads=num_heads)
 
 
+def _eva02(embed_dim: int, num_heads: int, mlp_norm: bool) -> ViTConfig:
+    return ViTConfig(patch_size=14, embed_dim=embed_dim, depth=12, num_heads=num_heads,
+                     mlp_hidden_dim=int(embed_dim * 4 * 2 / 3), mlp_type="swiglu", mlp_norm=mlp_norm, rope=True,
+                     rope_ref_grid=16, global_pool="avg", fc_norm=True, final_norm=False)
+
+
 PRESETS: dict[str, ViTConfig] = {
     "vit_tiny_patch16_224": _timm(192, 12, 3),
     "vit_small_patch16_224": _timm(384, 12, 6),
@@ -288,6 +318,11 @@ PRESETS: dict[str, ViTConfig] = {
                                              global_pool="map"),
     "vit_so400m_patch14_siglip_224": ViTConfig(patch_size=14, embed_dim=1152, depth=27, num_heads=16,
                                                mlp_hidden_dim=4304, class_token=False, global_pool="map"),
+    # EVA02 as timm builds it: SwiGLU MLP (hidden int(D * 8/3)), 2-D RoPE of the patch tokens in every
+    # block's attention (positions on the 16 x 16 grid of pretraining), mean of the patch tokens -> fc_norm
+    "eva02_tiny_patch14_224": _eva02(192, 3, mlp_norm=False),
+    "eva02_small_patch14_224": _eva02(384, 6, mlp_norm=False),
+    "eva02_base_patch14_224": _eva02(768, 12, mlp_norm=True),
     # Post-norm blocks computed exactly as nn.TransformerEncoderLayer(norm_first=False, activation="relu").
     "vit_mnist_postnorm": ViTConfig(
         img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=8,

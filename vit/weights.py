@@ -4,7 +4,8 @@
 
 1. read     a ``.safetensors`` file only: a pickled checkpoint (``.bin``, ``.pth``) can run code when loaded
 2. detect   the source library from the keys
-3. rename   the keys to ours (timm's names); separate q, k, v projections are packed into one ``qkv``
+3. rename   the keys to ours (timm's names); separate q, k, v projections are packed into one ``qkv``,
+            a gated MLP's packed ``fc1`` is split into its gate and up projections
 4. check    the architecture the weights imply (depth, width, patch, MLP, tokens) against ``model.config``
 5. adapt    resample the position embedding to the model's patch grid (as timm does), and keep the
             model's own head when the checkpoint's is for another number of classes
@@ -71,7 +72,13 @@ _TORCHVISION_RULES = (
     (r"^encoder\.ln" + _P, r"norm.\g<p>"),
     (r"^heads\.head" + _P, r"head.\g<p>"),
 )
-_RULES = {"timm": (), "huggingface": _HUGGINGFACE_RULES, "torchvision": _TORCHVISION_RULES}
+# EVA02 (timm's Eva): a fused qkv weight with separate q and v biases (k has none), or separate
+# q, k, v projections (EVA02-B/L); both are packed into qkv, k's bias zero.
+_TIMM_RULES = (
+    (r"^blocks\.(?P<i>\d+)\.attn\.(?P<n>q|k|v)_proj" + _P, r"blocks.\g<i>.attn.\g<n>.\g<p>"),
+    (r"^blocks\.(?P<i>\d+)\.attn\.(?P<n>q|v)_bias$", r"blocks.\g<i>.attn.\g<n>.bias"),
+)
+_RULES = {"timm": _TIMM_RULES, "huggingface": _HUGGINGFACE_RULES, "torchvision": _TORCHVISION_RULES}
 _UNUSED = {"huggingface": _HUGGINGFACE_UNUSED}
 
 
@@ -166,6 +173,7 @@ def rename_keys(
         ours = _rename(key, _RULES[source])
         state[ours], origin[ours] = value, key
     _pack_qkv(state, origin)
+    _split_glu(state, origin)
     return state, origin, unused
 
 
@@ -179,19 +187,40 @@ def _rename(key: str, rules: tuple[tuple[str, str], ...]) -> str:
 
 def _pack_qkv(state: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
     """Separate ``blocks.N.attn.{q,k,v}.{weight,bias}`` -> ``blocks.N.attn.qkv.*``, concatenated along
-    the output dim: q (D, D), k (D, D), v (D, D) -> (3D, D), the layout of one Linear(D, 3D)."""
+    the output dim: q (D, D), k (D, D), v (D, D) -> (3D, D), the layout of one Linear(D, 3D). A k bias
+    that is absent beside q's and v's (EVA02's) is zero."""
     for key in [k for k in state if re.match(r"^blocks\.\d+\.attn\.q\.(weight|bias)$", k)]:
         parts = [key.replace(".attn.q.", f".attn.{name}.") for name in "qkv"]
+        if key.endswith(".bias") and parts[1] not in state and parts[2] in state:
+            state[parts[1]], origin[parts[1]] = torch.zeros_like(state[key]), "(zero k bias)"
         if all(part in state for part in parts):
             packed = key.replace(".attn.q.", ".attn.qkv.")
             state[packed] = torch.cat([state.pop(part) for part in parts], dim=0)
             origin[packed] = " + ".join(origin.pop(part) for part in parts)
 
 
+def _split_glu(state: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+    """A gated MLP packed in one ``fc1`` (timm's ``GluMlp``, EVA02-Ti/S: fc1 (2H, D) beside fc2 (D, H),
+    the gate first) -> ``fc1_g`` and ``fc1_x``, the names of timm's ``SwiGLU`` and ours. A plain MLP's
+    fc1 has as many rows as fc2 has columns, so the two cannot be confused."""
+    for key in [k for k in state if re.match(r"^blocks\.\d+\.mlp\.fc1\.weight$", k)]:
+        fc2 = state.get(key.replace(".fc1.", ".fc2."))
+        if fc2 is None or fc2.dim() != 2 or state[key].shape[0] != 2 * fc2.shape[1]:
+            continue
+        for param in ("weight", "bias"):
+            packed = key.replace(".weight", f".{param}")
+            if packed in state:
+                gate, up = state.pop(packed).chunk(2, dim=0)
+                name = origin.pop(packed)
+                for part, value in (("fc1_g", gate), ("fc1_x", up)):
+                    ours = packed.replace(".fc1.", f".{part}.")
+                    state[ours], origin[ours] = value, f"{name} ({'first' if part == 'fc1_g' else 'second'} half)"
+
+
 def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
     """The ViTConfig fields the weights (in our names) determine: depth, embed_dim, in_chans,
-    patch_size, mlp_hidden_features, class_token, qkv_bias, final_norm, and global_pool when it is
-    attention pooling ("map")."""
+    patch_size, mlp_hidden_features, mlp_type, mlp_norm, fc_norm, class_token, qkv_bias, final_norm,
+    and global_pool when it is attention pooling ("map"). Not rope: its tables are not saved."""
     implied: dict[str, object] = {}
     blocks = {int(m.group(1)) for key in state if (m := re.match(r"^blocks\.(\d+)\.", key))}
     implied["depth"] = max(blocks) + 1 if blocks else 0
@@ -199,9 +228,12 @@ def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
     if proj is not None and proj.dim() == 4:
         implied["embed_dim"], implied["in_chans"] = proj.shape[0], proj.shape[1]
         implied["patch_size"] = proj.shape[2] if proj.shape[2] == proj.shape[3] else tuple(proj.shape[2:])
-    fc1 = state.get("blocks.0.mlp.fc1.weight")  # (hidden, D)
+    fc1 = state.get("blocks.0.mlp.fc1.weight", state.get("blocks.0.mlp.fc1_g.weight"))  # (hidden, D)
     if fc1 is not None:
         implied["mlp_hidden_features"] = fc1.shape[0]
+    implied["mlp_type"] = "swiglu" if "blocks.0.mlp.fc1_g.weight" in state else "mlp"
+    implied["mlp_norm"] = "blocks.0.mlp.norm.weight" in state
+    implied["fc_norm"] = "fc_norm.weight" in state
     implied["class_token"] = "cls_token" in state
     implied["qkv_bias"] = "blocks.0.attn.qkv.bias" in state
     implied["final_norm"] = "norm.weight" in state

@@ -17,6 +17,8 @@ from vit_kernels import functional as vkf
 from vit_kernels._checks import check_choice, check_positive_int, check_probability
 from vit_kernels.activations import ACTIVATIONS, gelu_approximate
 
+MLP_TYPES = ("mlp", "swiglu")  # Block's MLP: fc1 -> activation -> fc2 (Mlp), or timm's SwiGLU
+
 
 def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
     if isinstance(value, int):
@@ -328,6 +330,9 @@ class Block(nn.Module):
     post-norm (``nn.TransformerEncoderLayer``): x = norm1(x + attn(x));  x = norm2(x + mlp(x))
     Each residual add is fused into the last GEMM of its branch. With ``init_values`` each branch is
     scaled by a LayerScale (``ls1``, ``ls2``: x + gamma * attn(...)), folded into that same GEMM.
+    ``mlp_type="swiglu"`` takes timm's ``SwiGLU`` MLP (EVA02; ``act`` unused), with a LayerNorm on its
+    hidden features when ``mlp_norm`` (EVA02-B/L's ``scale_mlp``); ``forward(x, rope=(cos, sin))``
+    rotates q and k inside attention (see ``vk.attention``).
     ``drop_path`` (stochastic depth, as timm's blocks) drops each branch per sample in training; it
     scales the branch before the add, so while it is active the add runs unfused.
     """
@@ -346,23 +351,36 @@ class Block(nn.Module):
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
         init_values: Optional[float] = None,
+        mlp_type: str = "mlp",
+        mlp_norm: bool = False,
     ) -> None:
         super().__init__()
+        check_choice("mlp_type", mlp_type, MLP_TYPES)
+        if mlp_norm and mlp_type != "swiglu":
+            raise ValueError(f"mlp_norm=True needs mlp_type='swiglu', got mlp_type={mlp_type!r}")
         self.norm_first = norm_first
         self.drop_path = check_probability("drop_path", drop_path)
         self.norm1 = LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, mlp_hidden_dim or int(dim * mlp_ratio), act=act, drop=drop)
+        hidden = mlp_hidden_dim or int(dim * mlp_ratio)
+        if mlp_type == "swiglu":
+            self.mlp = SwiGLU(dim, hidden, norm=mlp_norm, drop=drop, norm_eps=eps)
+        else:
+            self.mlp = Mlp(dim, hidden, act=act, drop=drop)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(
-        self, x: torch.Tensor, return_probs: bool = False
+        self, x: torch.Tensor, return_probs: bool = False, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L)."""
+        """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L); ``rope``
+        (cos, sin), each (L_r, Dh), rotates q and k of the last L_r tokens (interleaved pairs)."""
         attn_input = self.norm1(x) if self.norm_first else x
-        result = self._residual_branch(self.attn, self.ls1, attn_input, x, return_probs=return_probs)
+        attn_args = {"return_probs": True} if return_probs else {}
+        if rope is not None:
+            attn_args["rope"] = rope
+        result = self._residual_branch(self.attn, self.ls1, attn_input, x, **attn_args)
         x, probs = result if return_probs else (result, None)
         if self.norm_first:
             x = self._residual_branch(self.mlp, self.ls2, self.norm2(x), x)
@@ -372,12 +390,12 @@ class Block(nn.Module):
         return (x, probs) if return_probs else x
 
     def _residual_branch(
-        self, branch: nn.Module, scale: nn.Module, inputs: torch.Tensor, x: torch.Tensor, return_probs: bool = False
+        self, branch: nn.Module, scale: nn.Module, inputs: torch.Tensor, x: torch.Tensor, **extra: object
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x + drop_path(scale(branch(inputs))), the LayerScale and the add fused into the branch's
-        last GEMM (the add unless drop path is active); with ``return_probs`` (attention only) the
-        probabilities come back beside it."""
-        extra = {"return_probs": True} if return_probs else {}
+        """x + drop_path(scale(branch(inputs, **extra))), the LayerScale and the add fused into the
+        branch's last GEMM (the add unless drop path is active); with ``return_probs`` (attention only)
+        the probabilities come back beside it."""
+        return_probs = bool(extra.get("return_probs", False))
         if isinstance(scale, LayerScale):
             extra["layer_scale"] = scale.gamma
         if not (self.training and self.drop_path > 0):

@@ -81,6 +81,10 @@ def _images(size: int = 32) -> torch.Tensor:
                                        "mlp_ratio": 200 / 144}, {"mlp_hidden_dim": 200}),
     # LayerScale (DINOv2-style ls1 / ls2.gamma), folded into each branch's last GEMM
     ("vit_small_patch16_224", {"depth": 2, "init_values": 1e-5}, {}),
+    # EVA02: 2-D RoPE (positions on the 16 x 16 pretraining grid), SwiGLU (Ti/S: timm's GluMlp, one
+    # packed fc1; B/L: SwiGLU with its hidden LayerNorm and separate q, k, v projections), fc_norm
+    ("eva02_tiny_patch14_224", {"embed_dim": 64, "num_heads": 2}, {"mlp_hidden_dim": 170}),
+    ("eva02_base_patch14_224", {"embed_dim": 64, "num_heads": 2}, {"mlp_hidden_dim": 170}),
 ])
 def test_timm_checkpoint_loads_exactly(tmp_path, name, overrides, ours_only, record_difference):
     reference = _randomized(timm.create_model(name, pretrained=False, **{**TIMM, **overrides}))
