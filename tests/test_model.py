@@ -177,26 +177,27 @@ def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
     return losses
 
 
-def _compare_loss_curves(steps: int) -> None:
+def _compare_loss_curves(steps: int, learned: float) -> None:
     from vit_kernels import backend
 
     if backend.triton_device_reason(torch.device("cpu")) is not None:
         pytest.skip("the Triton backend does not run here")
     reference, kernels = _loss_curve("torch", steps), _loss_curve("triton", steps)
-    assert reference[-1] < 0.5 * reference[0], "the run must actually learn for the comparison to mean anything"
+    assert reference[-1] < learned * reference[0], "the run must actually learn for the comparison to mean anything"
     gaps = [abs(a - b) for a, b in zip(reference, kernels)]
     assert max(gaps[:20]) < 1e-3 and max(gaps) < 5e-2, (max(gaps[:20]), max(gaps))
 
 
 def test_training_follows_the_same_loss_curve_on_triton():
-    """30 AdamW steps on the digits (the interpreter is slow): the kernels track the reference."""
-    _compare_loss_curves(30)
+    """6 AdamW steps on the digits (the interpreter takes about 7 s a step): the kernels track the
+    reference step for step while the loss falls."""
+    _compare_loss_curves(6, learned=0.9)
 
 
 @pytest.mark.slow
 def test_training_follows_the_same_loss_curve_on_triton_long():
     """300 AdamW steps on the digits, the same comparison over a whole short run."""
-    _compare_loss_curves(300)
+    _compare_loss_curves(300, learned=0.5)
 
 
 @requires_cuda
