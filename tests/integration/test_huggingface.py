@@ -117,6 +117,33 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
                 torch.testing.assert_close(fused_params[name].grad, param.grad, rtol=1e-10, atol=1e-10, msg=name)
         return
     record_difference(f"huggingface {family}", *compare(reference, fused, args[0], output_of=pooled))
+@pytest.mark.parametrize("family", ["siglip", "dinov2_swiglu"])
+def test_a_compiled_patched_vision_tower_matches_eager(family):
+    """torch.compile of a patched tower (the attention interface, the fused MLP or SwiGLU, SigLIP's
+    pooling head): the same output and gradients as the eager patched model."""
+    import transformers
+
+    config_name, model_name, extra = VISION_TOWERS[family]
+    config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=4, image_size=32, patch_size=8, **extra)
+    torch.manual_seed(0)
+    model, _ = patched_copy(getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double())
+    model.eval()
+    (images,), _ = _tower_inputs(family, config)
+    weight = next(p for name, p in model.named_parameters() if name.startswith("embeddings.patch_embedding"))
+
+    def run(module):
+        out = module(images)
+        return out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+
+    expected = run(model)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), weight)
+    actual = run(torch.compile(model))
+    (actual_grad,) = torch.autograd.grad(actual.sum(), weight)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-10, atol=1e-10)
+
+
 def test_masks_run_fused_and_cross_attention_runs_transformers_own(monkeypatch):
     """A self-attention mask (additive or boolean, SDPA's form) runs the fused op with it;
     cross-attention takes transformers' SDPA path: the result of an unpatched model either way."""

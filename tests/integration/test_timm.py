@@ -249,3 +249,17 @@ def test_a_compiled_patched_rope_vit_matches_eager(family):
     (actual_grad,) = torch.autograd.grad(actual.sum(), model.patch_embed.proj.weight)
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-10, atol=1e-10)
+
+
+def test_a_compiled_patched_vit_with_registers_and_layer_scale_matches_eager():
+    """torch.compile of a patched timm ViT whose blocks run fused (residual adds and LayerScale in the
+    GEMMs): the same output and gradients as the eager patched model."""
+    name, overrides = FAMILIES["registers_layer_scale"]
+    model, _ = patched_copy(_timm_vit(name, **{**overrides, "depth": 1}))
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    expected = model(images)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), model.blocks[0].ls1.gamma)
+    actual = torch.compile(model)(images)
+    (actual_grad,) = torch.autograd.grad(actual.sum(), model.blocks[0].ls1.gamma)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-10, atol=1e-10)
