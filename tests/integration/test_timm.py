@@ -147,9 +147,41 @@ def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(family, train
     assert len(fused) == overrides["depth"], report
     mlps = [n for n, _, new in report.replaced if n.startswith("blocks.") and n.endswith(".mlp")]
     assert len(mlps) == overrides["depth"], report  # Mlp, or SwiGLU / GluMlp computing forward fused
+    blocks = [n for n, _, new in report.replaced if new.endswith("FusedEvaBlock")]
+    assert len(blocks) == overrides["depth"], report  # the residual adds in the branches' last GEMMs
     images = torch.randn(2, 3, overrides["img_size"], overrides["img_size"], dtype=torch.float64)
     record_difference(f"timm {family}", *compare(reference, model, images))
     assert attention_calls and all(call is not None and call[0] == layout for call in attention_calls), attention_calls
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_eva_block_residual_adds_and_gammas_run_in_the_last_gemms(training, monkeypatch, record_difference):
+    """DINOv3's EvaBlocks (gamma_1, gamma_2): both branches hand their residual and gamma to the last
+    GEMM (the attention projection, the MLP's fc2); where drop path drops (training, the second block)
+    the add runs as timm's, exact either way."""
+    from vit_kernels import functional as vkf
+    from vit_kernels.integrations import _common
+
+    name, overrides, _, _ = ROPE_FAMILIES["dinov3"]
+    reference = _timm_vit(name, **{**overrides, "drop_path_rate": 0.5 if training else 0.0}).train(training)
+    assert reference.blocks[0].gamma_1 is not None and reference.blocks[0].gamma_2 is not None
+    model, _ = patched_copy(reference)
+    calls = []
+    for name in ("linear", "mlp", "swiglu_mlp"):
+        fused = getattr(vkf, name)
+        spy = (lambda *a, fused=fused, name=name, **k: calls.append(
+            (name, k.get("residual") is not None, k.get("layer_scale") is not None)) or fused(*a, **k))
+        monkeypatch.setattr(vkf, name, spy)
+        monkeypatch.setattr(_common.vkf, name, spy)
+    torch.manual_seed(0)
+    expected = reference(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    torch.manual_seed(0)
+    actual = model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    fused_adds = [c for c in calls if c[1] and c[2]]
+    assert len(fused_adds) == (2 if training else 4), calls
+    if not training:
+        record_difference("timm eva block", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
 
 
 def test_rope_attention_with_a_mask_is_fused_and_a_causal_call_runs_timms_own(attention_calls):

@@ -124,19 +124,32 @@ def is_silu(act: object) -> bool:
 
 
 def swiglu_forward(module: nn.Module, x, gate: tuple, up: tuple, norm: Optional[nn.Module],
-                   drop1: Optional[nn.Module], down: nn.Linear, drop2: Optional[nn.Module]):
+                   drop1: Optional[nn.Module], down: nn.Linear, drop2: Optional[nn.Module],
+                   residual: Optional[torch.Tensor] = None, layer_scale: Optional[torch.Tensor] = None):
     """down(drop2 . norm . drop1 (silu(x W_g^T + b_g) * (x W_u^T + b_u))) on the fused ops, each
     optional part the module's own (its dropout draws the same masks): one ``vk.swiglu_mlp`` call
     where no norm and no active dropout sit between the gating and the down projection.
-    ``gate``, ``up``: (weight (Hd, D), bias (Hd,) or None); x (..., D) -> (..., D_out)."""
+    ``gate``, ``up``: (weight (Hd, D), bias (Hd,) or None); x (..., D) -> (..., D_out); with
+    ``residual`` (..., D_out) [and ``layer_scale`` gamma (D_out,)]: residual + gamma * that (a block's
+    add), in the down projection's GEMM."""
     dropping = module.training and any(dropout_p(d) != 0.0 for d in (drop1, drop2))
     if is_identity(norm) and not dropping:
-        return vkf.swiglu_mlp(x, *gate, *up, down.weight, down.bias)
+        return vkf.swiglu_mlp(x, *gate, *up, down.weight, down.bias, residual=residual, layer_scale=layer_scale)
     hidden = vkf.swiglu(x, *gate, *up)
     for part in (drop1, norm):
         hidden = hidden if part is None else part(hidden)
-    out = vkf.linear(hidden, down.weight, down.bias)
-    return out if drop2 is None else drop2(out)
+    return project(down, drop2, hidden, residual, layer_scale)
+
+
+def project(linear: nn.Linear, drop: Optional[nn.Module], h: torch.Tensor, residual: Optional[torch.Tensor] = None,
+            layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """drop(linear(h)), then residual + gamma * that where ``residual`` is given: the add and the
+    scale in the GEMM's epilogue unless the dropout is dropping (then added after it, as the module does)."""
+    if residual is not None and (drop is None or not drop.training or dropout_p(drop) == 0.0):
+        return vkf.linear(h, linear.weight, linear.bias, residual=residual, layer_scale=layer_scale)
+    out = vkf.linear(h, linear.weight, linear.bias, layer_scale=layer_scale)
+    out = out if drop is None else drop(out)
+    return out if residual is None else residual + out
 
 
 def describe_activation(act: object) -> str:

@@ -19,7 +19,8 @@
 * ``timm.layers.norm.LayerNorm``        -> ``vit_kernels.nn.LayerNorm`` unless timm's fast norm is on;
 * ``timm.models.vision_transformer.Block`` keeps its class and children and computes ``forward`` with
   each residual add, and its LayerScale (``ls1``, ``ls2``: DINOv2, CaiT-style ViTs), in the last GEMM
-  of the branch, where the branch's layer was swapped for ours and no drop path is dropping.
+  of the branch, where the branch's layer was swapped for ours and no drop path is dropping;
+  ``timm.models.eva.EvaBlock`` likewise, with its ``gamma_1`` / ``gamma_2``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from vit_kernels.integrations._common import (
     swiglu_forward as fused_swiglu,
     is_identity,
     is_silu,
+    project,
     qualified_name,
     unfused_forward,
     unknown_forward_args,
@@ -134,15 +136,18 @@ def _rope_tables(self, rope: torch.Tensor, x: torch.Tensor):
     return cos, sin
 
 
-def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False):
+def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False, residual=None, layer_scale=None):
     """timm's EvaAttention / AttentionRope forward, x (B, L, D) -> (B, L, D_out): the packed q, k, v
     projection, then the fused attention rotating q and k of the tokens after the prefix as its
     kernels load them, masked by ``attn_mask`` (SDPA's); the output norm, gate and projection as timm
-    computes them."""
+    computes them. With ``residual`` (B, L, D_out) [and ``layer_scale`` gamma (D_out,)], a block's
+    ``residual + gamma * attention``, the add and the scale in the projection's GEMM."""
     tables = None if rope is None else _rope_tables(self, rope, x)
     fusable = fusable_mask(attn_mask, x.device, x.shape[0], self.num_heads, x.shape[1])
     if is_causal or (rope is not None and tables is None) or not fusable:
-        return unfused_forward(self, x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        out = unfused_forward(self, x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        out = out if layer_scale is None else layer_scale * out
+        return out if residual is None else residual + out
     gate = self.gate(x).sigmoid() if self.gate is not None else None
     out = vkf.attention(_packed_qkv(self, x), self.num_heads,
                         dropout_p=dropout_p(self.attn_drop) if self.training else 0.0, rope=tables,
@@ -151,7 +156,9 @@ def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False):
     out = self.norm(out)
     if gate is not None:
         out = out * gate
-    return self.proj_drop(self.proj(out))
+    if residual is None and layer_scale is None:
+        return self.proj_drop(self.proj(out))
+    return project(self.proj, self.proj_drop, out, residual, layer_scale)
 
 
 def swap_rope_attention(module: nn.Module) -> Swap:
@@ -176,21 +183,22 @@ def swap_rope_attention(module: nn.Module) -> Swap:
     return Swap(with_fused_forward(module, rope_attention_forward), descend=True)
 
 
-def swiglu_forward(self, x):
-    """timm's SwiGLU, x (..., D) -> (..., D_out): gate fc1_g, up fc1_x."""
+def swiglu_forward(self, x, residual=None, layer_scale=None):
+    """timm's SwiGLU, x (..., D) -> (..., D_out): gate fc1_g, up fc1_x; ``residual`` [``layer_scale``]:
+    residual + gamma * that, in fc2's GEMM (EvaBlock's add)."""
     gate, up = (self.fc1_g.weight, self.fc1_g.bias), (self.fc1_x.weight, self.fc1_x.bias)
-    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2)
+    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2, residual, layer_scale)
 
 
-def glu_mlp_forward(self, x):
+def glu_mlp_forward(self, x, residual=None, layer_scale=None):
     """timm's GluMlp with SiLU, x (..., D) -> (..., D_out): fc1's two halves are the gate and the up
-    projection (the gate second when ``gate_last``), read as views."""
+    projection (the gate second when ``gate_last``), read as views; ``residual`` as ``swiglu_forward``."""
     half = self.fc1.out_features // 2
     weight, bias = self.fc1.weight, self.fc1.bias
     first = (weight[:half], None if bias is None else bias[:half])
     second = (weight[half:], None if bias is None else bias[half:])
     gate, up = (second, first) if self.gate_last else (first, second)
-    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2)
+    return fused_swiglu(self, x, gate, up, self.norm, self.drop1, self.fc2, self.drop2, residual, layer_scale)
 
 
 def _swap_gated_mlp(module: nn.Module, projections: tuple[str, ...], forward) -> Swap:
@@ -287,8 +295,40 @@ def swap_block(module: nn.Module) -> Swap:
     return Swap(with_fused_forward(module, block_forward), descend=True)
 
 
+EVA_BLOCK_CHILDREN = ("norm1", "attn", "drop_path1", "norm2", "mlp", "drop_path2")
+EVA_BLOCK_TENSORS = ("gamma_1", "gamma_2")
+_RESIDUAL_MLP_FORWARDS = (swiglu_forward, glu_mlp_forward)
+
+
+def eva_block_forward(self, x, rope=None, attn_mask=None, is_causal=False):
+    """timm's EvaBlock (EVA02, the RoPE ViTs, DINOv3), x (B, L, D) -> (B, L, D):
+    x + drop_path(gamma * branch(norm(x))) for attention, then the MLP, each residual add and gamma
+    in the branch's last GEMM where the branch runs fused and its drop path is not dropping;
+    otherwise that branch as timm computes it."""
+    if type(self.attn).forward is rope_attention_forward and not _drops(self.drop_path1):
+        x = self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal, residual=x,
+                      layer_scale=self.gamma_1)
+    else:
+        x_attn = self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        x = x + self.drop_path1(x_attn if self.gamma_1 is None else self.gamma_1 * x_attn)
+    fused_mlp = isinstance(self.mlp, vkn.Mlp) or type(self.mlp).forward in _RESIDUAL_MLP_FORWARDS
+    if fused_mlp and not _drops(self.drop_path2):
+        return self.mlp(self.norm2(x), residual=x, layer_scale=self.gamma_2)
+    x_mlp = self.mlp(self.norm2(x))
+    return x + self.drop_path2(x_mlp if self.gamma_2 is None else self.gamma_2 * x_mlp)
+
+
+def swap_eva_block(module: nn.Module) -> Swap:
+    why = unknown_parts(module, EVA_BLOCK_CHILDREN, EVA_BLOCK_TENSORS) or unknown_forward_args(
+        module, ("x", "rope", "attn_mask", "is_causal"))
+    if why:
+        return Swap.skip(why)
+    return Swap(with_fused_forward(module, eva_block_forward), descend=True)
+
+
 RULES: dict[str, Rule] = {
     "timm.models.vision_transformer.Block": swap_block,
+    "timm.models.eva.EvaBlock": swap_eva_block,
     "timm.layers.attention.Attention": swap_attention,
     "timm.models.eva.EvaAttention": swap_rope_attention,
     "timm.layers.attention.AttentionRope": swap_rope_attention,
