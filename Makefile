@@ -123,8 +123,9 @@ bench-gate: $(STAMP)
 # overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). Compiled
 # kernels are cached by Triton (~/.triton/cache), so a second run only re-checks.
 GPU_CHECK_OUT ?= build/check-gpu
+GPU_CHECK_TARGETS ?= 80,90
 check-gpu: $(STAMP)
-	$(PY) -m tools.gpu_check --out $(GPU_CHECK_OUT)
+	$(PY) -m tools.gpu_check --targets $(GPU_CHECK_TARGETS) --out $(GPU_CHECK_OUT)
 
 check-gpu-all: $(STAMP)
 	$(PY) -m tools.gpu_check --all --out $(GPU_CHECK_OUT)-all
