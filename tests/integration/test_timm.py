@@ -52,13 +52,20 @@ def test_block_residual_adds_and_layer_scale_run_in_the_last_gemms(training, mon
     """A timm block with LayerScale (DINOv2-style): both branches hand their residual and gamma to the
     last GEMM (the attention projection, the MLP); where drop path drops (training, the second block:
     rates rise from 0 at the first) the add runs as timm's, exact either way."""
-    from vit_kernels import functional as vkf
-
     reference = _timm_vit("vit_tiny_patch16_224", depth=2, patch_size=8, init_values=0.1,
                           drop_path_rate=0.5 if training else 0.0).train(training)
+    _assert_adds_in_the_last_gemms(reference, training, monkeypatch, record_difference, "timm layer scale")
+
+
+def _assert_adds_in_the_last_gemms(reference, training, monkeypatch, record_difference, label):
+    """The patched copy of ``reference`` (two blocks, LayerScale, drop path 0 in the first block) gives
+    the same output; without drop path all four branches hand their residual and gamma to their last
+    GEMM (``residual=``, ``layer_scale=``), with it (training) the first block's two only."""
+    from vit_kernels import functional as vkf
+
     model, _ = patched_copy(reference)
     calls = []
-    for name in ("linear", "mlp"):
+    for name in ("linear", "mlp", "swiglu_mlp"):
         fused = getattr(vkf, name)
         monkeypatch.setattr(vkf, name, lambda *a, fused=fused, name=name, **k: calls.append(
             (name, k.get("residual") is not None, k.get("layer_scale") is not None)) or fused(*a, **k))
@@ -70,7 +77,7 @@ def test_block_residual_adds_and_layer_scale_run_in_the_last_gemms(training, mon
     fused_adds = [c for c in calls if c[1] and c[2]]
     assert len(fused_adds) == (2 if training else 4), calls
     if not training:
-        record_difference("timm layer scale", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
+        record_difference(label, *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
 
 
 def test_dynamic_image_size_is_exact(record_difference):
@@ -159,29 +166,10 @@ def test_eva_block_residual_adds_and_gammas_run_in_the_last_gemms(training, monk
     """DINOv3's EvaBlocks (gamma_1, gamma_2): both branches hand their residual and gamma to the last
     GEMM (the attention projection, the MLP's fc2); where drop path drops (training, the second block)
     the add runs as timm's, exact either way."""
-    from vit_kernels import functional as vkf
-    from vit_kernels.integrations import _common
-
     name, overrides, _, _ = ROPE_FAMILIES["dinov3"]
     reference = _timm_vit(name, **{**overrides, "drop_path_rate": 0.5 if training else 0.0}).train(training)
     assert reference.blocks[0].gamma_1 is not None and reference.blocks[0].gamma_2 is not None
-    model, _ = patched_copy(reference)
-    calls = []
-    for name in ("linear", "mlp", "swiglu_mlp"):
-        fused = getattr(vkf, name)
-        spy = (lambda *a, fused=fused, name=name, **k: calls.append(
-            (name, k.get("residual") is not None, k.get("layer_scale") is not None)) or fused(*a, **k))
-        monkeypatch.setattr(vkf, name, spy)
-        monkeypatch.setattr(_common.vkf, name, spy)
-    torch.manual_seed(0)
-    expected = reference(torch.randn(2, 3, 32, 32, dtype=torch.float64))
-    torch.manual_seed(0)
-    actual = model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
-    fused_adds = [c for c in calls if c[1] and c[2]]
-    assert len(fused_adds) == (2 if training else 4), calls
-    if not training:
-        record_difference("timm eva block", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
+    _assert_adds_in_the_last_gemms(reference, training, monkeypatch, record_difference, "timm eva block")
 
 
 def test_rope_attention_with_a_mask_is_fused_and_a_causal_call_runs_timms_own(attention_calls):
