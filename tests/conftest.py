@@ -45,6 +45,16 @@ def tile_choices_in_memory(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def cuda_faults_stay_with_their_test():
+    """On a real GPU, wait for the test's kernels before the next test starts: a kernel's fault (an
+    illegal or misaligned address) is reported at the next synchronising call, and would otherwise
+    fail a later test, in its setup, instead of the one that launched it."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@pytest.fixture(autouse=True)
 def restore_backend():
     previous = vk.get_backend()
     settings = backend.autotune_settings()
@@ -67,8 +77,14 @@ def on_backend(request):
     backend (``gpu`` cases: CUDA is then the default device of the body's factory calls, and float32
     convolutions and matmuls run without TF32, as the body's fixed float32 tolerances assume),
     strictly (a call the backend cannot take raises, naming the limit), and check through
-    ``vk.explain()`` that the backend named is the one that ran every op of the body."""
+    ``vk.explain()`` that the backend named is the one that ran every op of the body. A module whose
+    tests are of one op names it in ``OP``: a backend that does not offer that op on the device (the
+    extension's attention on CUDA) is skipped with its reason."""
     device, name = request.param
+    op = getattr(request.module, "OP", None)  # a module of one op's tests names it
+    reason = None if op is None else backend.unsupported_reason(op, name, torch.device(device), torch.float32)
+    if reason is not None:
+        pytest.skip(reason)
     backend.clear_decisions()
     on_device = torch.device(device) if device != "cpu" else contextlib.nullcontext()
     with on_device, exact_float32(device), vk.use_backend(name, strict=True):

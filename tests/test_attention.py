@@ -42,6 +42,7 @@ def formula_out(qkv, num_heads, scale=None):
 
 
 # float16 on the torch backend is PyTorch's own error: test_error_within_twice_pytorch measures it.
+OP = "attention"  # the on_backend fixture skips a backend that does not offer it on the device
 CPU_PAIRS = [("torch", torch.float32)] + [(name, dt) for name in CPU_BACKENDS[1:] for dt in (torch.float32, torch.float16)]
 BACKEND_DTYPES = device_backend_dtypes("attention", CPU_PAIRS)
 
@@ -383,6 +384,9 @@ def test_compiles_without_graph_break(dtype):
 def test_head_dims_beyond_the_kernel_are_a_limit_of_its_table(device, name):
     """Head dim 260 > 256: Triton cannot take the call; strict raises naming the limit, otherwise
     the reference runs, with a warning and a fallback row in explain()."""
+    reason = backend.unsupported_reason("attention", name, torch.device(device), torch.float32)
+    if reason is not None:
+        pytest.skip(reason)
     qkv = torch.randn(1, 5, 3 * 260, device=device)
     backend.clear_decisions()  # explain() below must list this test's calls only
     if name != "triton":
@@ -409,6 +413,26 @@ def test_sdpa_layouts_it_would_refuse_are_recognised():
     assert all(sdpa_misaligned(t) for t in split_qkv(cut, 4))
     offset = torch.randn(2 * 17 * 3 * 64 + 1, dtype=torch.float16)[1:].view(2, 17, 3 * 64)
     assert all(sdpa_misaligned(t) for t in split_qkv(offset, 4))  # the data pointer is 2 bytes off
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 50), (17, 17), (2, 3, 5, 5), (1, 1, 7, 33)])
+def test_masks_reach_sdpa_as_an_aligned_bias(shape):
+    """On CUDA the torch backend hands SDPA a fresh bias whose rows start on 16-element boundaries:
+    a boolean mask as 0 / -inf in the queries' dtype, a float one with its values (and its gradient)."""
+    from vit_kernels.ops.attention import SDPA_ALIGNMENT_ELEMENTS, padded_bias
+
+    keep = torch.rand(shape) < 0.6
+    bias = padded_bias(keep, torch.float16)
+    assert bias.dtype == torch.float16 and bias.shape == keep.shape
+    assert torch.equal(bias == 0, keep) and torch.equal(bias == float("-inf"), ~keep)
+    assert bias.stride(-2) % SDPA_ALIGNMENT_ELEMENTS == 0 and bias.storage_offset() == 0
+    additive = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    copied = padded_bias(additive, torch.float16)
+    assert copied.dtype == torch.float64 and torch.equal(copied, additive)
+    assert copied.stride(-2) % SDPA_ALIGNMENT_ELEMENTS == 0
+    upstream = torch.randn(shape, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(copied, additive, upstream)
+    assert torch.equal(grad, upstream)
 
 
 @requires_cuda

@@ -190,6 +190,51 @@ def test_validation_rejects_the_wrong_dk_the_h100_found(dtype, relative_error):
     assert problem is not None and problem.startswith("dk"), problem
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_validation_passes_exact_zero_gradients_at_length_1(dtype):
+    """At length 1 the softmax is constant: dQ and dK are zero in exact arithmetic, and the float64
+    reference holds rounding residues of 1e-17 there. A kernel's exact zeros pass (on an H200 every
+    candidate was refused against those residues), and a dQ as large as dV still fails."""
+    qkv = torch.randn(4, 1, 3 * 32, dtype=torch.float64).to(dtype)
+    grad_out = torch.randn(4, 1, 32, dtype=torch.float64).to(dtype)
+    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)),
+                                             qkv, 2, 16 ** -0.5, grad_out)
+    _, _, dv = torch.cat(attention._reference_attention(qkv, 2, 16 ** -0.5, grad_out, torch.float64), -1).chunk(3, -1)
+    zeros = torch.zeros_like(dv)
+    assert check([torch.cat([zeros, zeros, dv], dim=-1).to(dtype)]) is None
+    problem = check([torch.cat([dv, zeros, dv], dim=-1).to(dtype)])
+    assert problem is not None and problem.startswith("dq"), problem
+
+
+def test_a_part_is_judged_against_at_least_a_share_of_its_siblings_scale():
+    exact = torch.tensor([1e-17, -1e-17], dtype=torch.float64)
+    big = torch.full((2,), 3.0, dtype=torch.float64)
+    residue = torch.tensor([2e-9, 0.0])  # 2e-9 / (1e-3 x 3) = 6.7e-7 relative: below float32's floor
+    assert _tiles.first_problem([("small", residue, torch.zeros(2), exact), ("big", big.float(), big.float(), big)],
+                                1e-5) is None
+    assert _tiles.first_problem([("small", residue, torch.zeros(2), exact)], 1e-5).startswith("small")
+    wrong = torch.tensor([1e-4, 0.0])  # 3.3e-2 relative to the siblings' scale
+    assert _tiles.first_problem([("small", wrong, torch.zeros(2), exact), ("big", big.float(), big.float(), big)],
+                                1e-5).startswith("small")
+
+
+def test_an_empty_problem_decides_nothing(measurable):
+    """Empty outputs validate no tile: the default is launched and no choice is kept for the key (the
+    same key's first non-empty call chooses), instead of an error from reducing an empty tensor."""
+    chooser = _tiles.TileChooser("test")
+    checked = []
+
+    def check(outputs):
+        checked.append(outputs)
+        return None
+
+    device = torch.device("cuda")
+    assert chooser.choose(("k",), device, ["a", "b"], lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check) == "a"
+    assert chooser.chosen(("k",)) is None and checked == []
+    assert _tiles.first_problem([("dW", torch.zeros(5, 0), torch.zeros(5, 0), torch.zeros(5, 0, dtype=torch.float64))],
+                                1e-5) is None
+
+
 def test_tile_validation_runs_without_autocast():
     """A chooser measures with autocast off: its float32 reference stays float32 inside a caller's
     bf16 autocast region (else PyTorch's own error reads 0 and every candidate passes on the floor)."""

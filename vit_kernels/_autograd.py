@@ -24,9 +24,10 @@ def tracing() -> bool:
     AOTAutograd's backward, export; a functorch transform such as vmap): then the registered op must
     be called, so that the graph holds it (or the dispatcher applies the transform). A dispatch mode
     with ``sees_eager_calls = True`` (one counting the ops an eager call runs) is not tracing."""
+    if torch.compiler.is_compiling():  # first: Dynamo cannot trace the dispatch-mode stack's length
+        return True
     mode = _get_current_dispatch_mode()
-    return (torch.compiler.is_compiling() or (mode is not None and not getattr(mode, "sees_eager_calls", False))
-            or torch._C._are_functorch_transforms_active())
+    return (mode is not None and not getattr(mode, "sees_eager_calls", False)) or torch._C._are_functorch_transforms_active()
 
 
 def direct(op: Callable, body: Callable) -> Callable:

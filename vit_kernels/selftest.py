@@ -5,8 +5,11 @@ and bfloat16, output and every input gradient against a float64 evaluation of th
 judged against PyTorch's own error: the plain PyTorch eager computation of the op (its reference,
 in the same dtype, on the same device, with PyTorch's defaults, TF32 convolutions included) is
 compared with the same float64 evaluation, and a backend passes when each of its errors is at most
-``ERROR_RATIO`` times PyTorch's (or within a small absolute floor per dtype, so that exact cases do
-not demand zero error). It times forward + backward of each against the PyTorch reference and, when
+``ERROR_RATIO`` times PyTorch's (or within a small floor per dtype, so that exact cases do not
+demand zero error). Errors are relative: max |error| over the largest magnitude of the tensor's
+float64 value (at least ``SIBLING_SCALE`` of the largest among the op's outputs and gradients), as
+the tile choosers measure them, so that one floor serves a weight gradient summed over thousands of
+rows and an output of order 1. It times forward + backward of each against the PyTorch reference and, when
 run from a source checkout, runs the CUDA tests (``pytest -m gpu``; exit 5, no tests collected,
 fails). It writes one JSON file (device, versions, pass/fail per op, backend and dtype with both
 errors and their ratio, speed versus the reference; ``build/selftest.json`` unless ``--out`` names
@@ -33,10 +36,10 @@ import vit_kernels as vk
 from vit_kernels import _gpu_tests, backend
 from vit_kernels.op_specs import SPECS, Shape
 from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
-from vit_kernels._tiles import FLOORS
+from vit_kernels._tiles import FLOORS, SIBLING_SCALE, relative_error
 
-# A backend passes when each of its errors against float64 is at most ERROR_RATIO x PyTorch's own
-# error in the same dtype, or at most the dtype's absolute floor (about one rounding step at 1).
+# A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
+# PyTorch's own in the same dtype, or at most the dtype's floor (a few rounding steps).
 ERROR_RATIO = 2.0
 ERROR_FLOORS = FLOORS  # the tile choosers' floors (vit_kernels._tiles), one table
 # ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
@@ -77,7 +80,10 @@ def _as_float64(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[float]:
-    return [(a.double() - e).abs().max().item() if e.numel() else 0.0 for a, e in zip(actual, expected)]
+    """Each tensor's relative error against its float64 value (``_tiles.relative_error``), the scale
+    at least SIBLING_SCALE of the largest float64 magnitude among ``expected``."""
+    largest = max((e.abs().max().item() for e in expected if e.numel()), default=0.0)
+    return [relative_error(a.to(e.device), e, SIBLING_SCALE * largest) for a, e in zip(actual, expected)]
 
 
 _truth: dict[tuple[str, str, str], tuple[list[str], list[torch.Tensor], list[float]]] = {}
@@ -208,7 +214,7 @@ def header() -> dict:
                      "triton": sys.modules["triton"].__version__, "python": platform.python_version()},
         "pytorch_defaults": {"cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                              "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
-        "rule": f"pass when error <= max({ERROR_RATIO:g} x PyTorch's own error, floor) per output and gradient; "
+        "rule": f"pass when relative error <= max({ERROR_RATIO:g} x PyTorch's own, floor) per output and gradient; "
                 f"floors {({str(k).removeprefix('torch.'): v for k, v in ERROR_FLOORS.items()})}",
         "available_backends": backend.available_backends(),
     }

@@ -30,10 +30,10 @@ __global__ void softmax_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __r
   for (int64_t col = lane; col < cols; col += 32) peak = fmaxf(peak, static_cast<float>(in[col]));
   peak = warp_max(peak);
   float total = 0.0f;
-  for (int64_t col = lane; col < cols; col += 32) total += __expf(static_cast<float>(in[col]) - peak);
+  for (int64_t col = lane; col < cols; col += 32) total += expf(static_cast<float>(in[col]) - peak);
   const float inv = 1.0f / warp_sum(total);
   for (int64_t col = lane; col < cols; col += 32)
-    out[col] = static_cast<scalar_t>(__expf(static_cast<float>(in[col]) - peak) * inv);
+    out[col] = static_cast<scalar_t>(expf(static_cast<float>(in[col]) - peak) * inv);
 }
 
 template <typename scalar_t>

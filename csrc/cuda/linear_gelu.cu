@@ -33,7 +33,7 @@ __device__ __forceinline__ float gelu(float z) {
     const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
     return 0.5f * z * (1.0f + tanhf(u));
   } else if constexpr (kForm == kGeluQuick) {
-    return z / (1.0f + __expf(-static_cast<float>(kQuickGeluSlope) * z));
+    return z / (1.0f + expf(-static_cast<float>(kQuickGeluSlope) * z));
   } else {
     return 0.5f * z * (1.0f + erff(z * 0.7071067811865476f));
   }
@@ -47,10 +47,10 @@ __device__ __forceinline__ float gelu_grad(float z) {
     return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * z * z);
   } else if constexpr (kForm == kGeluQuick) {
     constexpr float kSlope = static_cast<float>(kQuickGeluSlope);
-    const float s = 1.0f / (1.0f + __expf(-kSlope * z));
+    const float s = 1.0f / (1.0f + expf(-kSlope * z));
     return s + kSlope * z * s * (1.0f - s);
   } else {
-    return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * __expf(-0.5f * z * z);
+    return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * expf(-0.5f * z * z);
   }
 }
 

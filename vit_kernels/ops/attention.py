@@ -21,7 +21,7 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels.ops.rope import apply_rope, tables_4d
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, dot_precision, interpreted, launch, next_power_of_2, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -1002,11 +1002,9 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
             with torch.enable_grad():
                 references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope, mask))
                 references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope, mask))
-        for name, actual, exact, own in zip(names, parts_of(outputs), *references):
-            problem = within_pytorch_error(name, actual, own, exact, FLOORS[qkv.dtype])
-            if problem is not None:
-                return problem
-        return None
+        return first_problem([(name, actual, own, exact)
+                              for name, actual, exact, own in zip(names, parts_of(outputs), *references)],
+                             FLOORS[qkv.dtype])
 
     return check
 
@@ -1229,6 +1227,7 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
 
 
 SDPA_ALIGNMENT_BYTES = 16
+SDPA_ALIGNMENT_ELEMENTS = 16  # of an attention bias's rows: PyTorch pads a mask's key dimension to 16 too
 
 
 def sdpa_misaligned(t: torch.Tensor) -> bool:
@@ -1247,6 +1246,31 @@ def sdpa_aligned(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda" or torch.compiler.is_compiling() or not sdpa_misaligned(t):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def sdpa_aligned_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``mask`` (SDPA's: boolean, or additive, broadcastable to (B, H, L, L)) as SDPA's memory-efficient
+    CUDA kernel reads it safely: a fresh additive bias (a boolean mask becomes 0 / -inf in ``dtype``,
+    a float one keeps its dtype) whose rows start on 16-element boundaries, the key dimension padded
+    and sliced back. That kernel reads the bias with vector loads, and masks of other layouts (a key
+    length that is no multiple of 16, a bias cut from a wider one) are a known source of its
+    misaligned-address faults, which kill the process's CUDA context. CPU tensors, and tensors being
+    traced, pass unchanged."""
+    if mask is None or mask.device.type != "cuda" or torch.compiler.is_compiling():
+        return mask
+    return padded_bias(mask, dtype)
+
+
+def padded_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as a fresh additive bias with 16-element-aligned rows (see ``sdpa_aligned_mask``);
+    differentiable in a float mask."""
+    keys = mask.shape[-1]
+    padded = -(-keys // SDPA_ALIGNMENT_ELEMENTS) * SDPA_ALIGNMENT_ELEMENTS
+    bias_dtype = dtype if mask.dtype == torch.bool else mask.dtype
+    bias = torch.zeros((*mask.shape[:-1], padded), dtype=bias_dtype, device=mask.device).narrow(-1, 0, keys)
+    if mask.dtype == torch.bool:
+        return bias.masked_fill_(~mask, float("-inf"))
+    return bias.copy_(mask)
 
 
 def merge_heads(out: torch.Tensor) -> torch.Tensor:
@@ -1275,8 +1299,8 @@ def attention_ref(
         q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
     if not return_probs:
         q, k, v = (sdpa_aligned(t) for t in (q, k, v))
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask_for_sdpa(attn_mask, q.dtype),
-                                                          dropout_p=dropout_p, scale=scale))
+        mask = sdpa_aligned_mask(mask_for_sdpa(attn_mask, q.dtype), q.dtype)
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
     return explicit_attention(q, k, v, scale, dropout_p, lambda scores: masked_softmax(scores, attn_mask))
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, launch, multiprocessors, next_power_of_2, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -98,7 +98,10 @@ def _layer_norm_bwd_kernel(
         mean = tl.load(Mean + rows, mask=mask_rows, other=0.0)
         rstd = tl.load(Rstd + rows, mask=mask_rows, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy * w[None, :] if HAS_WEIGHT else dy
+        # g through a select (a no-op: dy is 0 off the mask): g - mean(g) must subtract the rounded
+        # product, not contract into fma(dy, w, -mean(g)), whose rounding residue rstd amplifies
+        # (at width 1, where ds is exactly 0, to 1e-5 of dy)
+        g = tl.where(mask, dy * w[None, :], 0.0) if HAS_WEIGHT else dy
         c1 = tl.sum(g * xhat, 1) / num_cols
         c2 = tl.sum(g, 1) / num_cols
         ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
@@ -197,11 +200,7 @@ def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, li
         if not computed:
             computed.extend(references())
         exact, own = computed
-        for name, actual, want, pytorch in zip(names, outputs, exact, own):
-            problem = within_pytorch_error(name, actual, pytorch, want, FLOORS[dtype])
-            if problem is not None:
-                return problem
-        return None
+        return first_problem(list(zip(names, outputs, own, exact)), FLOORS[dtype])
 
     return check
 

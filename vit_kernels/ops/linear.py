@@ -22,7 +22,7 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_APPROXIMATIONS, GELU_FORMS, NONE, gelu, gelu_act, gelu_backward
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, cdiv, dot_precision, interpreted, launch,
                                  multiprocessors, tl, triton)
 
@@ -536,12 +536,10 @@ class _Gemm:
                     references[1].append(self.a.to(wide).sum(1))
                     references[2].append(self.a.sum(1))
             rows, exacts, owns = references
-            for index, (name, actual, exact, own) in enumerate(zip(names, outputs, exacts, owns, strict=True)):
-                picked = actual if rows is None or index >= len(per_row) else actual.index_select(0, rows)
-                problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.a.dtype])
-                if problem is not None:
-                    return problem
-            return None
+            return first_problem([
+                (name, actual if rows is None or index >= len(per_row) else actual.index_select(0, rows), own, exact)
+                for index, (name, actual, exact, own) in enumerate(zip(names, outputs, exacts, owns, strict=True))],
+                FLOORS[self.a.dtype])
 
         return run, check
 
@@ -617,11 +615,7 @@ def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
             references.append((dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)))
             references.append((dy2.t() @ x2, dy2.sum(0)))
         exact, own = references
-        for name, actual, reference, pytorch in zip(("dW", "db"), outputs, exact, own, strict=True):
-            problem = within_pytorch_error(name, actual, pytorch, reference, FLOORS[dy2.dtype])
-            if problem is not None:
-                return problem
-        return None
+        return first_problem(list(zip(("dW", "db"), outputs, own, exact, strict=True)), FLOORS[dy2.dtype])
 
     return run, check
 

@@ -16,7 +16,7 @@ from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
 
 
@@ -252,7 +252,7 @@ if HAS_TRITON:
                     references.extend((picked, reference(picked, wide), reference(picked, None)))
                 picked, exact, own = references
                 out = outputs[0] if picked is None else outputs[0].index_select(0, picked)
-                return within_pytorch_error("out", out, own, exact, FLOORS[images.dtype])
+                return first_problem([("out", out, own, exact)], FLOORS[images.dtype])
 
             return run, check
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, within_pytorch_error
+from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors, tl, triton
 from vit_kernels.ops.linear import _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile, validation_rows
 
@@ -217,12 +217,9 @@ class _DualGemm:
                 rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
                 references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
             rows, exacts, owns = references
-            for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True):
-                picked = actual if rows is None else actual.index_select(0, rows)
-                problem = within_pytorch_error(name, picked, own, exact, FLOORS[self.x2.dtype])
-                if problem is not None:
-                    return problem
-            return None
+            return first_problem([(name, actual if rows is None else actual.index_select(0, rows), own, exact)
+                                  for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True)],
+                                 FLOORS[self.x2.dtype])
 
         return run, check
 
