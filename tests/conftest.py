@@ -3,6 +3,7 @@ deterministic and off the user's cache, each backend on each device."""
 
 import contextlib
 import os
+import sys
 import tempfile
 import zlib
 
@@ -45,13 +46,25 @@ def tile_choices_in_memory(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def cuda_faults_stay_with_their_test():
+def cuda_faults_stay_with_their_test(request):
     """On a real GPU, wait for the test's kernels before the next test starts: a kernel's fault (an
     illegal or misaligned address) is reported at the next synchronising call, and would otherwise
-    fail a later test, in its setup, instead of the one that launched it."""
+    fail a later test instead of the one that launched it. Such a fault leaves the process's CUDA
+    context unusable, so every later test of the process would fail in its setup: a pytest-xdist
+    worker ends at once (xdist reports this test as the one that crashed it and starts a fresh
+    worker for the rest), a plain run stops, naming this test."""
     yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
         torch.cuda.synchronize()
+    except RuntimeError as fault:  # torch.AcceleratorError is a RuntimeError
+        message = f"{request.node.nodeid} left a CUDA fault; this process's CUDA context is lost: {fault}"
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+            os._exit(1)
+        pytest.exit(message, returncode=1)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ kernels must be compiled for the device, not interpreted.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -41,8 +42,8 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-# Run first, so that a run stopped by its time budget has covered them: every tile of every table,
-# then the ops whose kernels the H100 run found wrong or has never run.
+# Run first (here and by `make test-gpu`, its GPU_TESTS_FIRST), so that a run stopped by its time budget
+# has covered them: every tile of every table, then the ops whose kernels the GPU runs found wrong.
 FIRST = ("test_tiles.py", "test_attention.py", "test_extension.py", "test_layer_norm.py", "test_compile.py",
          "test_capture_rules.py")
 _PROGRESS = re.compile(r"^([.FEsxX]+)\s*\[\s*\d+%\]$")
@@ -79,10 +80,20 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
             "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:]}
 
 
+# pytest-xdist's worker processes, where it is installed: compiling the kernels for the device is most
+# of a GPU run's time, and a CUDA fault then costs one worker (tests/conftest.py), not the run.
+WORKERS = 8
+
+
+def _workers() -> list[str]:
+    return ["-n", str(WORKERS)] if importlib.util.find_spec("xdist") is not None else []
+
+
 def run_gpu_tests(timeout_s: Optional[float] = None) -> dict:
-    """``pytest -q -m gpu tests/``: exit code, ``counts`` (passed, failed, skipped, errors,
-    deselected), ``passed`` (exit 0 only) and the output's tail when it failed."""
-    result = _pytest(["-q", "-m", "gpu"], timeout_s)
+    """``pytest -q -m gpu tests/`` (on WORKERS processes with pytest-xdist): exit code, ``counts``
+    (passed, failed, skipped, errors, deselected), ``passed`` (exit 0 only) and the output's tail
+    when it failed."""
+    result = _pytest(["-q", "-m", "gpu", *_workers()], timeout_s)
     if result["ran"]:
         result.update(counts=counts(result.get("summary", "")), passed=passed(result["exit_code"]))
         if result["exit_code"] == NO_TESTS_COLLECTED:
