@@ -51,7 +51,7 @@ def test_auto_picks_the_fastest_valid_and_rejects_the_wrong_one_with_one_warning
     assert (row.backend, row.source, row.calls) == ("fast", "measured", 2)
     for name in ("torch", "slow", "fast"):
         assert row.candidates[name].endswith(" ms"), row.candidates
-    assert row.candidates["wrong"].startswith("invalid: output 0 differs")
+    assert row.candidates["wrong"].startswith("invalid: output 0: relative error")
     assert row.candidates["limited"].startswith("excluded: K = 8 > 4")
     assert out.shape == (4, 3)
     assert json.loads(next(measured.glob("dispatch-*.json")).read_text())["entries"]
