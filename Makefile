@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lint test-cuda-sim demo test test-all test-gpu test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
+.PHONY: install lint test-cuda-sim demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -86,6 +86,23 @@ test-gpu: $(STAMP)
 		if [ $$code -ne 0 ]; then echo "test-gpu: collecting the gpu tests failed (pytest exit $$code)"; exit 1; fi; \
 		echo "test-gpu: no CUDA device on this machine: the gpu tests were collected, not run"; \
 	fi
+
+# A GPU lent for minutes: `make install` first, then one command, everything in GPU_SESSION_OUT. The
+# gpu tests (tile tables first, xdist workers) for GPU_SESSION_TEST_S seconds, stopped by SIGINT so
+# that pytest still prints its summary, each test's outcome and every failure in full as they
+# happen (outcomes.txt, failures.txt); then the GPU report's sections but its own test run, in
+# GPU_SESSION_REPORT_S seconds. About 8 minutes with the defaults.
+GPU_SESSION_OUT ?= build/gpu-session
+GPU_SESSION_TEST_S ?= 240
+GPU_SESSION_REPORT_S ?= 200
+gpu-session: $(STAMP)
+	mkdir -p $(GPU_SESSION_OUT)
+	rm -f $(GPU_SESSION_OUT)/outcomes.txt $(GPU_SESSION_OUT)/failures.txt
+	-VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 30 $(GPU_SESSION_TEST_S) \
+		$(MAKE) --no-print-directory test-gpu > $(GPU_SESSION_OUT)/test-gpu.log 2>&1
+	tail -n 3 $(GPU_SESSION_OUT)/test-gpu.log
+	env -u TRITON_INTERPRET $(PY) -m benchmarks.gpu_report --out $(GPU_SESSION_OUT) --total $(GPU_SESSION_REPORT_S) \
+		--sections environment,selftest,host_overhead,block_traffic,ops,e2e,cuda_graphs
 
 # The drop-in layers against the real timm, transformers and torchvision, in an environment of their
 # own (pins in tests/integration/requirements.txt: a matching torch/torchvision pair). The project is

@@ -76,6 +76,21 @@ def restore_backend():
     vk.set_autotune(settings["enabled"], margin=settings["margin"])
 
 
+def pytest_runtest_logreport(report):
+    """With VIT_KERNELS_TEST_LOG_DIR set (``make gpu-session``), each test's outcome as it ends, one
+    line per phase that did not simply pass, to outcomes.txt, and each failure in full to
+    failures.txt: a run stopped by its time limit, or by a CUDA fault, still tells which tests ran
+    and why each failed. Written by the controlling process only (pytest-xdist's workers report to it)."""
+    folder = os.environ.get("VIT_KERNELS_TEST_LOG_DIR")
+    if not folder or os.environ.get("PYTEST_XDIST_WORKER") or (report.passed and report.when != "call"):
+        return
+    with open(os.path.join(folder, "outcomes.txt"), "a") as log:
+        log.write(f"{report.outcome} {report.when} {report.nodeid} {report.duration:.2f}\n")
+    if report.failed:
+        with open(os.path.join(folder, "failures.txt"), "a") as log:
+            log.write(f"===== {report.when} {report.nodeid}\n{report.longreprtext}\n")
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item, so fixtures can see whether the body ran."""
