@@ -86,26 +86,19 @@ def _never(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class Implementation:
-    op: str
-    backend: str
-    fn: Callable
-    supports: SupportCheck
-    preferred: Preference
-    limits: LimitCheck = _no_limits
-
-
-@dataclass(frozen=True)
 class Impl:
-    """One row of an op's table: ``fn`` and its support check, shape limits and static preference."""
+    """One row of an op's table: ``fn`` and its support check, shape limits and static preference;
+    registered, it also names its ``op`` and ``backend``."""
 
     fn: Callable
     supports: SupportCheck = _always
     limits: LimitCheck = _no_limits
     preferred: Preference = _never
+    op: str = ""
+    backend: str = ""
 
 
-_registry: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
+_registry: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
 _validation_args: dict[str, Callable[[tuple], tuple]] = {}
 _backend_checks: dict[str, Callable[[], Optional[str]]] = {}
 
@@ -125,7 +118,7 @@ def register(
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not isinstance(backend, str) or not backend.isidentifier() or backend == "auto":
         raise ValueError(f"backend must be one of {BACKENDS} or another identifier, got {backend!r}")
-    _registry[op][backend] = Implementation(op, backend, fn, supports, preferred, limits)
+    _registry[op][backend] = Impl(fn, supports, limits, preferred, op, backend)
     _forget_choices()
 
 
@@ -379,8 +372,8 @@ class _Settings:
 _settings = _Settings(AUTOTUNE)
 _disk = DiskCache(default_folder())
 _measured: dict[str, dict] = {}  # signature string -> decision entry (as stored on disk)
-_memo: dict[tuple, tuple[Implementation, Record]] = {}  # per-call fast path
-_fast: dict[tuple, tuple[Implementation, Record, Optional[tuple]]] = {}  # see ``call``
+_memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
+_fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
 FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
 _fast_generation = 0  # bumped when _fast is cleared: an entry decided before that is not stored after it
 _journal = Journal()
@@ -506,7 +499,7 @@ def _describe(entry: dict) -> dict[str, str]:
     return out
 
 
-def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Implementation, Record]:
+def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Record]:
     impls = _registry[call.op]
     capable: list[str] = []
     excluded: dict[str, str] = {}
@@ -592,7 +585,7 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
             "margin": margin, "cost_ms": cost_ms}
 
 
-def _decide(call: _Call, choice: _Choice) -> tuple[Implementation, Record]:
+def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
     impls = _registry[call.op]
     if choice.name == "auto":
         return _auto(call, "auto", None)
@@ -647,7 +640,7 @@ def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.d
     return impl.backend
 
 
-def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None) -> Implementation:
+def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None) -> Impl:
     """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``; ``args``
     (the call's arguments, as the implementation takes them) let shape limits and measuring apply.
 
@@ -656,7 +649,7 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
 
 
 def _resolve(op: str, device: torch.device, dtype: torch.dtype,
-             args: Optional[Sequence[Any]]) -> tuple[Implementation, Optional[Record]]:
+             args: Optional[Sequence[Any]]) -> tuple[Impl, Optional[Record]]:
     """``resolve``, and the decision's record when the decision may be reused for the same
     signature (None while tracing, or for a static default taken for untimeable tensors)."""
     if op not in _registry:
