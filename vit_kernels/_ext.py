@@ -1,8 +1,8 @@
 """Loads the compiled extension ``vit_kernels._C`` when it was built, and says why when it was not;
 one that was built but cannot be loaded (built for another torch) warns at import
 (``ExtensionLoadWarning``) with the reason and the command that rebuilds it.
-The fake (meta) implementation and autograd of each of its ops live with the op they serve, in
-``vit_kernels/ops/<op>.py``.
+Once it loads, the fake (meta) implementation of each of its ops is registered here (their
+autograd is C++, csrc/autograd.cpp), so that they trace under torch.compile.
 
 The ops (schemas in csrc/ops.cpp; rows are the leading dimensions of a contiguous (..., C) tensor):
 
@@ -116,3 +116,60 @@ def supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
 
 
 backend.register_backend_check("extension", extension_unavailable_reason)
+
+
+def _stat_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _row_count(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.dim() else 1
+
+
+def _register_fakes() -> None:
+    """Fake (meta) implementations of the C++/CUDA ops, from their schemas (csrc/ops.cpp)."""
+
+    @torch.library.register_fake("vit_kernels::fused_layer_norm")
+    def _(x, residual, weight, bias, eps):
+        summed = torch.empty_like(x) if residual is not None else x.new_empty((0,))
+        stats = x.new_empty((_row_count(x),), dtype=_stat_dtype(x))
+        return torch.empty_like(x), summed, stats, torch.empty_like(stats)
+
+    @torch.library.register_fake("vit_kernels::fused_layer_norm_backward")
+    def _(grad_out, grad_summed, summed, weight, mean, rstd, weight_bias_grad):
+        reduced = summed.new_empty((summed.shape[-1] if weight_bias_grad else 0,), dtype=_stat_dtype(summed))
+        return torch.empty_like(summed), reduced, torch.empty_like(reduced)
+
+    @torch.library.register_fake("vit_kernels::bias_gelu")
+    def _(x, bias, approximate):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::bias_gelu_backward")
+    def _(grad_out, x, bias, approximate, bias_grad):
+        return torch.empty_like(x), x.new_empty((x.shape[-1] if bias_grad else 0,), dtype=_stat_dtype(x))
+
+    @torch.library.register_fake("vit_kernels::attention_explicit")
+    def _(qkv, num_heads, scale, dropout_p):
+        batch, length, three_d = qkv.shape
+        return qkv.new_empty((batch, length, three_d // 3)), qkv.new_empty((batch, num_heads, length, length))
+
+    @torch.library.register_fake("vit_kernels::softmax")
+    def _(x):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("vit_kernels::softmax_backward")
+    def _(grad_out, out):
+        return torch.empty_like(out)
+
+    @torch.library.register_fake("vit_kernels::patchify")  # patchify and unpatchify: each the other's adjoint
+    def _(images, patch_size):
+        n, c, h, w = images.shape
+        return images.new_empty((n, (h // patch_size) * (w // patch_size), c * patch_size * patch_size))
+
+    @torch.library.register_fake("vit_kernels::unpatchify")
+    def _(patches, channels, height, width, patch_size):
+        return patches.new_empty((patches.shape[0], channels, height, width))
+
+
+if LOADED:
+    _register_fakes()

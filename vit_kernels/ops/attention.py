@@ -1350,30 +1350,7 @@ def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=
     return (out, probs) if return_probs else out
 
 
-# ---- the extension's glue: fake implementations of vit_kernels::attention_explicit and softmax --
-
-
-def _register_extension_ops():
-    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
-    C++, csrc/autograd.cpp), so that they trace under torch.compile."""
-
-    # --- attention_explicit, softmax ----------------------------------------------------------
-    @torch.library.register_fake("vit_kernels::attention_explicit")
-    def _(qkv, num_heads, scale, dropout_p):
-        batch, length, three_d = qkv.shape
-        return qkv.new_empty((batch, length, three_d // 3)), qkv.new_empty((batch, num_heads, length, length))
-
-    @torch.library.register_fake("vit_kernels::softmax")
-    def _(x):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("vit_kernels::softmax_backward")
-    def _(grad_out, out):
-        return torch.empty_like(out)
-
-
 if _ext.LOADED:
-    _register_extension_ops()
     _ops = ExtensionOps("attention_explicit")
 
 

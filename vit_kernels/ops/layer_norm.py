@@ -409,39 +409,8 @@ def layer_norm_ref(
     return y if residual is None else (y, summed)
 
 
-# ---- the extension's glue: fake implementations of vit_kernels::fused_layer_norm ----------------
-
-def _stat_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _row_count(t: torch.Tensor) -> int:
-    return t.numel() // t.shape[-1] if t.dim() else 1
-
-
-def _register_extension_ops():
-    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
-    C++, csrc/autograd.cpp), so that they trace under torch.compile; returns
-    ``vit_kernels::fused_layer_norm``."""
-    ops = torch.ops.vit_kernels
-
-    # --- fused_layer_norm ---------------------------------------------------------------------
-    @torch.library.register_fake("vit_kernels::fused_layer_norm")
-    def _(x, residual, weight, bias, eps):
-        summed = torch.empty_like(x) if residual is not None else x.new_empty((0,))
-        stats = x.new_empty((_row_count(x),), dtype=_stat_dtype(x))
-        return torch.empty_like(x), summed, stats, torch.empty_like(stats)
-
-    @torch.library.register_fake("vit_kernels::fused_layer_norm_backward")
-    def _(grad_out, grad_summed, summed, weight, mean, rstd, weight_bias_grad):
-        reduced = summed.new_empty((summed.shape[-1] if weight_bias_grad else 0,), dtype=_stat_dtype(summed))
-        return torch.empty_like(summed), reduced, torch.empty_like(reduced)
-
-    return ops.fused_layer_norm.default
-
-
 if _ext.LOADED:
-    fused_layer_norm = _register_extension_ops()
+    fused_layer_norm = torch.ops.vit_kernels.fused_layer_norm.default
 
 
 def _triton_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Optional[str]:

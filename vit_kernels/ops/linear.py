@@ -849,26 +849,7 @@ def mlp_ref(
     return linear_ref(hidden, fc2_weight, fc2_bias, residual)
 
 
-# ---- the extension's glue: fake implementations of vit_kernels::bias_gelu ----------------
-
-
-def _register_extension_ops():
-    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
-    C++, csrc/autograd.cpp), so that they trace under torch.compile."""
-
-    # --- bias_gelu ----------------------------------------------------------------------------
-    @torch.library.register_fake("vit_kernels::bias_gelu")
-    def _(x, bias, approximate):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("vit_kernels::bias_gelu_backward")
-    def _(grad_out, x, bias, approximate, bias_grad):
-        reduced = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return torch.empty_like(x), x.new_empty((x.shape[-1] if bias_grad else 0,), dtype=reduced)
-
-
 if _ext.LOADED:
-    _register_extension_ops()
     _ops = ExtensionOps("linear_residual", "linear_gelu", "mlp")
 
 

@@ -370,29 +370,8 @@ def patch_embed_ref(
     return add_class_and_position(tokens, cls_token, pos_embed)
 
 
-# ---- the extension's glue: fake implementations and autograd of vit_kernels::patchify / unpatchify ----------------
-
-
-def _register_extension_ops():
-    """Fake (meta) implementations of the C++/CUDA ops (schemas in csrc/ops.cpp; their autograd is
-    C++, csrc/autograd.cpp), so that they trace under torch.compile; returns ``vit_kernels::patchify``."""
-    ops = torch.ops.vit_kernels
-
-    # --- patchify / unpatchify (each the other's adjoint) -------------------------------------
-    @torch.library.register_fake("vit_kernels::patchify")
-    def _(images, patch_size):
-        n, c, h, w = images.shape
-        return images.new_empty((n, (h // patch_size) * (w // patch_size), c * patch_size * patch_size))
-
-    @torch.library.register_fake("vit_kernels::unpatchify")
-    def _(patches, channels, height, width, patch_size):
-        return patches.new_empty((patches.shape[0], channels, height, width))
-
-    return ops.patchify.default
-
-
 if _ext.LOADED:
-    patchify = _register_extension_ops()
+    patchify = torch.ops.vit_kernels.patchify.default
 
 
 def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
