@@ -70,16 +70,16 @@ test-all: $(STAMP)
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
 # without a GPU it confirms what it collects, says so and passes. The tile tables and the files the
-# GPU runs found wrong go first; with pytest-xdist installed, GPU_TEST_WORKERS processes share the GPU
-# (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
+# GPU runs found wrong go first (FIRST of vit_kernels/_gpu_tests.py, as in the GPU report); with
+# pytest-xdist installed, GPU_TEST_WORKERS processes share the GPU (compiling the kernels is most of
+# the time), each test's CUDA faults staying its own (tests/conftest.py).
 GPU_TEST_WORKERS ?= 8
-GPU_TESTS_FIRST := $(addprefix tests/,test_tiles.py test_attention.py test_extension.py test_layer_norm.py test_compile.py \
-	test_capture_rules.py)
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
-		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $(GPU_TESTS_FIRST) tests"; \
-		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $(GPU_TESTS_FIRST) tests; \
+		first=$$($(PY) -c "from vit_kernels._gpu_tests import FIRST; print(*('tests/' + f for f in FIRST))"); \
+		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests"; \
+		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests; \
 	else \
 		out=$$(env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu --collect-only $(PYTEST_ARGS)); code=$$?; \
 		echo "$$out" | tail -n 1; \

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import vit_kernels as vk  # noqa: E402
 from vit_kernels import _tiles, backend  # noqa: E402
 from vit_kernels._tune_cache import DiskCache  # noqa: E402
-from tests.helpers import device_backends, exact_float32  # noqa: E402
+from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -110,9 +110,8 @@ def on_backend(request):
     extension's attention on CUDA) is skipped with its reason."""
     device, name = request.param
     op = getattr(request.module, "OP", None)  # a module of one op's tests names it
-    reason = None if op is None else backend.unsupported_reason(op, name, torch.device(device), torch.float32)
-    if reason is not None:
-        pytest.skip(reason)
+    if op is not None:
+        skip_unless_offered(op, name, device)
     backend.clear_decisions()
     on_device = torch.device(device) if device != "cpu" else contextlib.nullcontext()
     with on_device, exact_float32(device), vk.use_backend(name, strict=True):

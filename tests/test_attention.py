@@ -11,7 +11,7 @@ from vit_kernels import backend
 from vit_kernels.ops import attention
 from tests.helpers import (
     CPU_BACKENDS, CUDA_DTYPES, assert_close, check_against_formula, device_backend_dtypes, device_backends,
-    requires_cuda,
+    requires_cuda, skip_unless_offered,
 )
 
 
@@ -384,9 +384,7 @@ def test_compiles_without_graph_break(dtype):
 def test_head_dims_beyond_the_kernel_are_a_limit_of_its_table(device, name):
     """Head dim 260 > 256: Triton cannot take the call; strict raises naming the limit, otherwise
     the reference runs, with a warning and a fallback row in explain()."""
-    reason = backend.unsupported_reason("attention", name, torch.device(device), torch.float32)
-    if reason is not None:
-        pytest.skip(reason)
+    skip_unless_offered("attention", name, device)
     qkv = torch.randn(1, 5, 3 * 260, device=device)
     backend.clear_decisions()  # explain() below must list this test's calls only
     if name != "triton":

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
-from vit_kernels import _ext, backend
+from vit_kernels import _ext
 from tests.helpers import (
     CPU_BACKENDS, CUDA_DTYPES, DTYPE_NAMES, TOLERANCES, cuda_param, device_backends, exact_float32,
+    skip_unless_offered,
 )
 
 
@@ -182,18 +183,10 @@ def kernel_op(name: str) -> str:
     return name.split()[0]
 
 
-def skip_where_not_offered(op: str, backend_name: str, device: str) -> None:
-    """Skip a backend that does not offer ``op`` on ``device`` (the extension's attention on CUDA):
-    dispatch hands such a call to another backend, so there is nothing of this one to check."""
-    reason = backend.unsupported_reason(op, backend_name, torch.device(device), torch.float32)
-    if reason is not None:
-        pytest.skip(reason)
-
-
 @pytest.mark.parametrize("device,backend_name", device_backends())
 @pytest.mark.parametrize("name,op,reference,inputs", NON_FINITE_CASES, ids=[c[0] for c in NON_FINITE_CASES])
 def test_non_finite_values_propagate_as_in_pytorch(device, backend_name, name, op, reference, inputs):
-    skip_where_not_offered(kernel_op(name), backend_name, device)
+    skip_unless_offered(kernel_op(name), backend_name, device)
     exemption = torch_backend_exemption(name) if backend_name == "torch" else None
     if exemption is not None:
         pytest.skip(f"the torch backend is PyTorch's own op here: {exemption}")
@@ -224,7 +217,7 @@ EMPTY_CASES = [
 @pytest.mark.parametrize("device,backend_name", device_backends())
 @pytest.mark.parametrize("name,op,inputs,shape", EMPTY_CASES, ids=[c[0] for c in EMPTY_CASES])
 def test_empty_inputs_give_what_pytorch_gives(device, backend_name, name, op, inputs, shape):
-    skip_where_not_offered(kernel_op(name), backend_name, device)
+    skip_unless_offered(kernel_op(name), backend_name, device)
     with vk.use_backend("torch"):
         expected_outs, expected_grads = run(op, inputs)
     with vk.use_backend(backend_name):

@@ -42,7 +42,7 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-# Run first (here and by `make test-gpu`, its GPU_TESTS_FIRST), so that a run stopped by its time budget
+# Run first (here and by `make test-gpu`), so that a run stopped by its time budget
 # has covered them: every tile of every table, then the ops whose kernels the GPU runs found wrong.
 FIRST = ("test_tiles.py", "test_attention.py", "test_extension.py", "test_layer_norm.py", "test_compile.py",
          "test_capture_rules.py")

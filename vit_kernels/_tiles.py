@@ -58,6 +58,13 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor, scale: float =
 SIBLING_SCALE = 1e-3
 
 
+def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
+    """SIBLING_SCALE x the largest max |reference| among ``references`` (None and empty ones left
+    out): the least scale each of them is measured against; 0 where any is not finite."""
+    largest = max((float(r.double().abs().max()) for r in references if r is not None and r.numel()), default=0.0)
+    return SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
+
+
 def first_problem(parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
                   floor: float) -> Optional[str]:
     """None when every ``(name, actual, pytorch, reference)`` part is right, else the first failure:
@@ -65,8 +72,7 @@ def first_problem(parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.T
     PyTorch in the same dtype) or below ``floor``, both relative to max(max |reference|,
     SIBLING_SCALE x the largest max |reference| of the parts)."""
     parts = list(parts)
-    largest = max((float(r.double().abs().max()) for *_, r in parts if r.numel()), default=0.0)
-    scale = SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
+    scale = sibling_scale([reference for *_, reference in parts])
     for name, actual, pytorch, reference in parts:
         error, own = relative_error(actual, reference, scale), relative_error(pytorch, reference, scale)
         if error > max(2 * own, floor):

@@ -36,7 +36,7 @@ import vit_kernels as vk
 from vit_kernels import _gpu_tests, backend
 from vit_kernels.op_specs import SPECS, Shape
 from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
-from vit_kernels._tiles import FLOORS, SIBLING_SCALE, relative_error
+from vit_kernels._tiles import FLOORS, relative_error, sibling_scale
 
 # A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
 # PyTorch's own in the same dtype, or at most the dtype's floor (a few rounding steps).
@@ -82,8 +82,8 @@ def _as_float64(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[float]:
     """Each tensor's relative error against its float64 value (``_tiles.relative_error``), the scale
     at least SIBLING_SCALE of the largest float64 magnitude among ``expected``."""
-    largest = max((e.abs().max().item() for e in expected if e.numel()), default=0.0)
-    return [relative_error(a.to(e.device), e, SIBLING_SCALE * largest) for a, e in zip(actual, expected)]
+    scale = sibling_scale(expected)
+    return [relative_error(a.to(e.device), e, scale) for a, e in zip(actual, expected)]
 
 
 _truth: dict[tuple[str, str, str], tuple[list[str], list[torch.Tensor], list[float]]] = {}
