@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import _tiles, backend  # noqa: E402
+from vit_kernels import _proof, _tiles, backend  # noqa: E402
 from vit_kernels._tune_cache import DiskCache  # noqa: E402
 from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
 
@@ -39,9 +39,14 @@ def pytest_collectstart(collector):
 
 @pytest.fixture(autouse=True)
 def tile_choices_in_memory(monkeypatch):
-    """Each test's tile choices stay its own: none persists to the next test, in memory or through
-    the disk (tests of the persistence set a folder themselves)."""
+    """Each test's tile choices and candidate proofs stay its own: none persists to the next test, in
+    memory or through the disk (tests of the persistence set a folder themselves). Candidates are
+    proven by replaying their launches in the test's own process: a child per key would cost
+    seconds each (tests/test_proof.py starts real children)."""
     monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
+    monkeypatch.setattr(_proof, "_disk", DiskCache(None, "proofs"))
+    monkeypatch.setattr(_proof, "_verdicts", {})
+    monkeypatch.setattr(_proof, "run_child", _proof.replay_in_this_process)
     _tiles.TileChooser.forget_all()
 
 
@@ -73,7 +78,7 @@ def restore_backend():
     settings = backend.autotune_settings()
     yield
     vk.set_backend(previous)
-    vk.set_autotune(settings["enabled"], margin=settings["margin"])
+    vk.set_autotune(settings["enabled"], margin=settings["margin"], prove_tiles=settings["prove_tiles"])
 
 
 def pytest_runtest_logreport(report):

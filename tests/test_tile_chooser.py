@@ -38,7 +38,7 @@ def test_the_fastest_right_tile_is_chosen_and_kept(measurable):
     def check(outputs):
         return None if outputs[0].item() == 1.0 else "off by one"
 
-    device = torch.device("cuda")
+    device = torch.device("cpu")
     assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], run, check) == "b"
     trials = chooser.report()[("k",)].trials
     assert trials["wrong"] == "invalid: off by one" and trials["b"] == 1.0
@@ -49,7 +49,7 @@ def test_the_fastest_right_tile_is_chosen_and_kept(measurable):
 def test_no_right_tile_is_an_error_not_a_wrong_answer(measurable):
     chooser = _tiles.TileChooser("test")
     with pytest.raises(RuntimeError, match="no test tile computes the right answer"):
-        chooser.choose(("k",), torch.device("cuda"), ["a"], lambda t: [torch.zeros(1)], lambda outs: "wrong")
+        chooser.choose(("k",), torch.device("cpu"), ["a"], lambda t: [torch.zeros(1)], lambda outs: "wrong")
 
 
 def test_nothing_runs_where_nothing_may():
@@ -113,7 +113,7 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
     measurable.update({(64, 64, 4, 3): 0.2, (128, 64, 8, 3): 0.1})
     attention.FWD_CHOOSER.forget()
     try:
-        attention.FWD_CHOOSER.choose(("torch.bfloat16", 64, 197, 256), torch.device("cuda"),
+        attention.FWD_CHOOSER.choose(("torch.bfloat16", 64, 197, 256), torch.device("cpu"),
                                      [(64, 64, 4, 3), (128, 64, 8, 3)], lambda tile: [torch.zeros(1)],
                                      lambda outputs: None)
         rows = attention.tile_report()
@@ -148,7 +148,7 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
     measurable.update({"a": 1.0})
     chooser = _tiles.TileChooser("test")
     qkv = torch.empty(2, 17, 3 * 2 * 16, device="meta")
-    chooser.choose(attention._chooser_key(qkv, 2), torch.device("cuda"), ["a"], lambda t: [torch.zeros(1)],
+    chooser.choose(attention._chooser_key(qkv, 2), torch.device("cpu"), ["a"], lambda t: [torch.zeros(1)],
                    lambda outputs: None)
 
     def trial():
@@ -228,7 +228,7 @@ def test_an_empty_problem_decides_nothing(measurable):
         checked.append(outputs)
         return None
 
-    device = torch.device("cuda")
+    device = torch.device("cpu")
     assert chooser.choose(("k",), device, ["a", "b"], lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check) == "a"
     assert chooser.chosen(("k",)) is None and checked == []
     assert _tiles.first_problem([("dW", torch.zeros(5, 0), torch.zeros(5, 0), torch.zeros(5, 0, dtype=torch.float64))],

@@ -7,7 +7,7 @@ autograd engine, with no memory and no driver) that report device ``cuda:0`` to 
 Inside PyTorch's own ops (its Python meta kernels allocate outputs on their inputs' device) the tensors
 report ``meta``.
 
-What a GPU would do is intercepted at five points only:
+What a GPU would do is intercepted at six points only:
 
 * the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
   (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly; the
@@ -19,7 +19,10 @@ What a GPU would do is intercepted at five points only:
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
 * timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms; what is measured
-  on the simulated device stays in memory (the on-disk caches of decisions and tiles are off);
+  on the simulated device stays in memory (the on-disk caches of decisions, tiles and proofs are
+  off);
+* proving tile candidates: the child process that would replay each candidate's recorded launches
+  (``vit_kernels._proof``) is this process, replaying the same pickled launches (recorded again);
 * the autograd engine's entry points (``torch.autograd.grad``/``backward``) run the engine directly,
   and a custom Function's backward gets its saved tensors and gradients as simulated tensors:
   PyTorch would otherwise run backward with tensor subclasses hidden, on plain meta tensors.
@@ -51,7 +54,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _signature, _tiles, backend
+from vit_kernels import _ext, _proof, _signature, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
@@ -378,6 +381,9 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch("triton.testing.do_bench", _fake_do_bench),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
+        mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
+        mock.patch.object(_proof, "_verdicts", {}),
+        mock.patch.object(_proof, "run_child", _proof.replay_in_this_process),
         mock.patch.object(backend, "_disk", DiskCache(None)),
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)

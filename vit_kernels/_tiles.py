@@ -3,18 +3,18 @@
 A kernel's launch configurations (tiles, warps, stages) are a candidate list, not a guess frozen in
 code: a configuration that compiles cleanly can still compute a wrong answer on real hardware (on
 an H100 a 16-bit attention tile gave a wrong dK), and the fastest one differs between GPUs. The
-first time a launcher meets a key (dtype, head dim, length, ...) on CUDA it runs every candidate on
-the call's own inputs, keeps those whose outputs pass the launcher's check (at most twice PyTorch's
-own error in the same dtype, against a float32 reference), times the valid ones with
-``triton.testing.do_bench`` and keeps the fastest for that key, for this process. Nothing is run or
-timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's choice
-made earlier is used, else the first candidate (the default). With the interpreter (CPU tensors)
-the launcher runs its fixed small tile instead, and while the GPU compile gate records launches
-every candidate is launched (recorded), so each one is compiled for sm_80 and sm_90.
+first time a launcher meets a key (dtype, head dim, length, ...) on CUDA, each candidate is first
+proven in a child process (``vit_kernels._proof``: one that faults there is excluded and never runs
+here), then run on the call's own inputs; those whose outputs pass the launcher's check (at most
+twice PyTorch's own error in the same dtype, against a float32 reference) are timed with
+``triton.testing.do_bench`` and the fastest is kept for that key, in memory and on disk. Nothing is
+run or timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's
+choice made earlier is used, else the first candidate (the default). With the interpreter (CPU
+tensors) the launcher runs its fixed small tile instead.
 
 ``TileChooser.report()`` lists per key every candidate's time or why it was excluded;
 ``report_rows`` makes that JSON-able. ``tile_to_launch`` is the whole decision a launcher makes per
-call (interpreter, compile gate, chosen tile).
+call (interpreter, chosen tile).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from vit_kernels import _autograd, _signature
-from vit_kernels._triton import interpreted
+from vit_kernels import _autograd, _proof, _signature
+from vit_kernels._triton import interpreted, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 Tile = tuple
@@ -114,6 +114,7 @@ def set_cache_folder(folder) -> None:
     """Where tile choices persist (``vk.set_autotune(cache_dir=...)``; None: memory only)."""
     global _disk
     _disk = DiskCache(folder, "tiles")
+    _proof.set_cache_folder(folder)
 
 
 def _as_tile(value):
@@ -147,12 +148,12 @@ class TileChooser:
         if stored is not None and _as_tile(stored["tile"]) in candidates:
             hit = self._chosen[key] = Choice(_as_tile(stored["tile"]), {"from the tile cache": stored.get("trials")})
             return hit.tile
-        if not can_measure(device):
+        if not can_measure(device) or recording():  # recording: an outer chooser's proof, see _proof
             return candidates[0]
         with self._lock, without_autocast():
             hit = self._chosen.get(key)
             if hit is None:
-                hit = self._measure(key, candidates, run, check)
+                hit = self._measure(key, device, candidates, run, check)
                 if hit is None:  # an empty problem: nothing to validate or time, nothing decided
                     return candidates[0]
                 self._chosen[key] = hit
@@ -160,11 +161,15 @@ class TileChooser:
                     _disk.put(disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}})
         return hit.tile
 
-    def _measure(self, key, candidates, run, check) -> Optional[Choice]:
+    def _measure(self, key, device, candidates, run, check) -> Optional[Choice]:
         from triton.testing import do_bench
 
+        proven = _proof.verdicts(self.name, key, device, candidates, run) if _proof.enabled() else {}
         trials: dict = {}
         for tile in candidates:
+            if proven.get(tile) is not None:  # never run here: it faulted, raised or hung in a child
+                trials[tile] = f"invalid: {proven[tile]}"
+                continue
             try:
                 outputs = run(tile)
                 if outputs and all(o is None or o.numel() == 0 for o in outputs):

@@ -7,8 +7,11 @@ Kernel modules write ``from vit_kernels._triton import triton, tl`` and decorate
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import types
+from typing import Iterator
 
 import torch
 
@@ -80,14 +83,41 @@ def multiprocessors(device: torch.device) -> int:
     return 2
 
 
+_recorders: dict[int, list] = {}  # thread id -> the launches recorded there instead of run
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list]:
+    """Inside the block, this thread's launches are appended to the yielded list as (kernel, grid,
+    args, kwargs) instead of being run (``vit_kernels._proof`` replays them in a child process)."""
+    thread = threading.get_ident()
+    outer = _recorders.get(thread)
+    launches = _recorders[thread] = []
+    try:
+        yield launches
+    finally:
+        if outer is None:
+            del _recorders[thread]
+        else:
+            _recorders[thread] = outer
+
+
+def recording() -> bool:
+    """Whether this thread's launches are being recorded (``recorded_launches``)."""
+    return bool(_recorders) and threading.get_ident() in _recorders
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
-    (so that torch.compile and fake tensors see it), directly in eager mode."""
-    if tracing():
+    (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
+    ``recorded_launches``."""
+    if _recorders and threading.get_ident() in _recorders:
+        _recorders[threading.get_ident()].append((kernel, grid, args, kwargs))
+    elif tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:  # eager: no tracing wrapper to build and consult on every launch
         kernel[grid](*args, **kwargs)
 
 
 __all__ = ["HAS_TRITON", "TensorDescriptor", "cdiv", "dot_precision", "as_float32", "interpreted", "launch", "multiprocessors",
-           "next_power_of_2", "triton", "tl"]
+           "next_power_of_2", "recorded_launches", "recording", "triton", "tl"]

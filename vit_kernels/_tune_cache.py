@@ -1,7 +1,7 @@
 """The on-disk caches of what was measured: ``auto``'s decisions and the tile choosers' tiles.
 
-One JSON file per kind and software environment, ``dispatch-<digest>.json`` and
-``tiles-<digest>.json``, where the digest covers the torch, CUDA runtime, triton and vit_kernels
+One JSON file per kind and software environment (``dispatch-<digest>.json``, ``tiles-<digest>.json``
+and the tile candidates' crash proofs, ``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, triton and vit_kernels
 versions (a new version measures afresh); inside, one entry per key, which names the device it was
 measured on. The folder is ``VIT_KERNELS_CACHE_DIR``
 (read once, at import), else ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``;
@@ -56,9 +56,9 @@ def environment() -> dict[str, str]:
 
 class DiskCache:
     """Entries by key (a string), loaded lazily from one JSON file; ``kind`` names the file and the
-    field every entry must have ("dispatch": "backend", "tiles": "tile")."""
+    field every entry must have (``FIELDS``)."""
 
-    FIELDS = {"dispatch": "backend", "tiles": "tile"}
+    FIELDS = {"dispatch": "backend", "tiles": "tile", "proofs": "verdict"}
 
     def __init__(self, folder: Optional[Path], kind: str = "dispatch"):
         self.folder, self.kind = folder, kind

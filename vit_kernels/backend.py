@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _measure, _signature, _tiles
+from vit_kernels import _measure, _proof, _signature, _tiles
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._tune_cache import DiskCache, default_folder
@@ -396,13 +396,16 @@ def set_autotune(
     *,
     margin: Optional[float] = None,
     cache_dir: Union[str, os.PathLike, bool, None] = None,
+    prove_tiles: Optional[bool] = None,
 ) -> None:
     """Configure ``auto``'s measuring (each argument left None is unchanged).
 
     enabled: measure new signatures (False: cached decisions or static defaults only; the initial
     value is ``VIT_KERNELS_AUTOTUNE``, read at import). margin: how much faster than the reference
     (0.05 = 5%) a kernel must be to be chosen. cache_dir: the folder of the on-disk cache, or False
-    to keep decisions in memory only.
+    to keep decisions in memory only. prove_tiles: run each new tile candidate in a child process
+    first, so that one that faults cannot take this process down (``vit_kernels._proof``; the
+    initial value is ``VIT_KERNELS_PROVE_TILES``, default on).
     """
     global _disk
     if enabled is not None:
@@ -418,13 +421,17 @@ def set_autotune(
             raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
         _disk = DiskCache(None if cache_dir is False else Path(cache_dir).expanduser())
         _tiles.set_cache_folder(_disk.folder)
+    if prove_tiles is not None:
+        if not isinstance(prove_tiles, bool):
+            raise TypeError(f"prove_tiles must be a bool, got {type(prove_tiles).__name__}")
+        _proof.set_enabled(prove_tiles)
     _forget_choices()
 
 
 def autotune_settings() -> dict[str, object]:
-    """The measuring settings in force: ``{"enabled", "margin", "cache_file"}``."""
+    """The measuring settings in force: ``{"enabled", "margin", "cache_file", "prove_tiles"}``."""
     return {"enabled": _settings.enabled, "margin": _settings.margin,
-            "cache_file": None if _disk.path is None else str(_disk.path)}
+            "cache_file": None if _disk.path is None else str(_disk.path), "prove_tiles": _proof.enabled()}
 
 
 def clear_decisions(*, journal: bool = True) -> None:

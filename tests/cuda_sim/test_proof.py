@@ -1,0 +1,44 @@
+"""Proving tile candidates on the simulated device: a first call's every candidate is recorded,
+pickled and replayed (in this process, where a GPU user's would be a child) before any of them runs
+for its choice, and a candidate whose replay fails is never run for the choice."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from vit_kernels import _proof
+from vit_kernels.ops import attention
+
+
+def test_every_candidate_of_a_first_call_is_proven_before_it_runs(sim, monkeypatch):
+    qkv = torch.randn(4, 197, 3 * 2 * 64, dtype=torch.bfloat16, device="cuda")
+    seed = torch.empty(1, dtype=torch.int64, device="cuda")
+    attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
+    candidates = attention.fwd_candidates(torch.bfloat16, 64, 197)
+    proven = {key.rsplit(" | ", 1)[1]: verdict for key, verdict in _proof._verdicts.items()
+              if key.startswith("attention forward |")}
+    assert proven == {repr(tile): _proof.OK for tile in candidates}
+
+
+def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
+    qkv = torch.randn(4, 197, 3 * 2 * 32, dtype=torch.float16, device="cuda")
+    seed = torch.empty(1, dtype=torch.int64, device="cuda")
+    candidates = attention.fwd_candidates(torch.float16, 32, 197)
+    faulty = candidates[0]
+
+    def child(spec):  # what a child reports where the first candidate faulted
+        if repr(faulty) == pickle.loads(spec).candidates[0][0]:
+            return f"{_proof.PREFIX}ready\n{_proof.PREFIX}start 0\n", "killed by SIGSEGV"
+        return _proof.replay_in_this_process(spec)
+
+    monkeypatch.setattr(_proof, "run_child", child)
+    before = len(sim.launches)
+    attention.attention_fwd(qkv, 2, 32**-0.5, 0.0, seed)
+    chosen = attention.FWD_CHOOSER.report()[attention._chooser_key(qkv, 2)]
+    assert chosen.trials[faulty] == "invalid: faulted in a child process (killed by SIGSEGV)"
+    assert chosen.tile != faulty
+    launched = {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
+                for l in sim.launches[before:] if l.kernel.fn.__name__ == "_attention_fwd_kernel"}
+    assert faulty not in launched and launched == set(candidates[1:])

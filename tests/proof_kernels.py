@@ -1,0 +1,42 @@
+"""Stand-ins for @triton.jit kernels that the child process of ``vit_kernels._proof`` resolves by
+module and name and launches as ``kernel[grid](*args, **kwargs)``: each does what its MODE says,
+so a test can make one candidate fault (abort the process), raise or hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class _Kernel:
+    def __init__(self, function):
+        self.fn = function
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.fn(grid, *args, **kwargs)
+
+
+def fill(grid, out, value, MODE):
+    """out[:] = value, or: "abort" kills the process (as a CUDA fault does), "raise", "hang"."""
+    if MODE == "abort":
+        os.abort()
+    if MODE == "raise":
+        raise ValueError(f"tile {MODE} refused")
+    if MODE == "hang":
+        time.sleep(3600)
+    out.fill_(value)
+
+
+def expect_layout(grid, a, b, SHAPE, STRIDE, OFFSET, SHARED, GRID):
+    """Raises unless the replayed ``a`` has the recorded layout, shares ``b``'s storage as recorded
+    and the grid is the recorded one."""
+    if (tuple(a.shape), a.stride(), a.storage_offset()) != (SHAPE, STRIDE, OFFSET):
+        raise AssertionError(f"layout {(tuple(a.shape), a.stride(), a.storage_offset())}")
+    if (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()) != SHARED:
+        raise AssertionError("storage sharing differs")
+    if tuple(grid) != GRID or not bool((a.abs() < 1e4).all()):
+        raise AssertionError(f"grid {grid} or values not small and finite")
+
+
+fill = _Kernel(fill)
+expect_layout = _Kernel(expect_layout)

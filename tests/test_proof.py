@@ -1,0 +1,144 @@
+"""Tile candidates proven in a child process (``vit_kernels._proof``): a candidate whose launches
+fault, raise or hang there is excluded with why and never runs in the caller's process; the others
+are proven; the replay reproduces shapes, strides, offsets, storage sharing and grids; verdicts are
+kept in memory and on disk; a real Triton kernel replays in the child (the interpreter, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import proof_kernels
+from tests.helpers import CUDA, device_reason
+from vit_kernels import _proof, _tiles
+from vit_kernels._triton import HAS_TRITON, launch
+from vit_kernels._tune_cache import DiskCache
+
+CPU = torch.device("cpu")
+SKIP = device_reason("triton", CUDA)
+
+
+@pytest.fixture
+def children(monkeypatch, tmp_path):
+    """Proofs on disk in a fresh folder; ``children`` counts the child processes started."""
+    started = []
+
+    def spawn(spec):
+        started.append(spec)
+        return _proof._spawn(spec)
+
+    monkeypatch.setattr(_proof, "_disk", DiskCache(tmp_path, "proofs"))
+    monkeypatch.setattr(_proof, "_verdicts", {})
+    monkeypatch.setattr(_proof, "run_child", spawn)
+    return started
+
+
+def fill_run(out):
+    def run(tile):
+        launch(proof_kernels.fill, (1,), out, 2.5, MODE=tile)
+        return [out]
+
+    return run
+
+
+def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven(children, monkeypatch, tmp_path):
+    monkeypatch.setattr(_proof, "SECONDS_PER_CANDIDATE", 3)
+    out = torch.zeros(3)
+    tiles = ["first", "abort", "second", "raise", "hang", "last"]
+    verdicts = _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out))
+    assert verdicts["first"] is None and verdicts["second"] is None and verdicts["last"] is None
+    assert verdicts["abort"].startswith("faulted in a child process (killed by SIGABRT")
+    assert verdicts["raise"] == "raised in a child process: ValueError: tile raise refused"
+    assert verdicts["hang"].startswith("faulted in a child process (no progress for 3 s, killed")
+    assert len(children) == 4  # a fresh child after the fault, the refusal and the hang
+    assert torch.equal(out, torch.zeros(3))  # recorded, not run, in this process
+    # kept: in memory, then on disk for another process
+    assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
+    monkeypatch.setattr(_proof, "_verdicts", {})
+    assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
+    assert len(children) == 4
+    assert _proof.verdicts("test", ("other key",), CPU, ["first"], fill_run(out)) == {"first": None}
+    assert len(children) == 5
+
+
+def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
+    packed = torch.randn(4, 7, 9)
+    a = packed[1:, ::2, 3:5].transpose(0, 1)  # strided, offset, transposed
+    unshared = torch.randn(2)
+
+    def run(tile):
+        b = packed if tile == "shared" else unshared
+        launch(proof_kernels.expect_layout, (3, 2), a, b, SHAPE=tuple(a.shape), STRIDE=a.stride(),
+               OFFSET=a.storage_offset(), SHARED=tile == "shared", GRID=(3, 2))
+        return [a]
+
+    assert _proof.verdicts("test", ("layout",), CPU, ["shared", "unshared"], run) == {"shared": None, "unshared": None}
+    assert len(children) == 1
+
+
+def test_a_chooser_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(_tiles, "can_measure", lambda device: True)  # proven in this process (conftest)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), 1.0)[1])
+    ran = []
+
+    def run(tile):
+        ran.append(tile)
+        return fill_run(torch.zeros(2))(tile)
+
+    chooser = _tiles.TileChooser("proof test")
+    chosen = chooser.choose(("k",), CPU, ["raise", "fine"], run, lambda outputs: None)
+    assert chosen == "fine"
+    assert chooser.report()[("k",)].trials["raise"] == "invalid: raised in a child process: ValueError: tile raise refused"
+    assert ran.count("raise") == 1  # recorded once for the proof, never run for real here
+
+
+def test_a_child_that_cannot_start_is_an_error_naming_the_way_out(monkeypatch):
+    monkeypatch.setattr(_proof, "run_child", lambda spec: ("", "exit status 1; stderr: ImportError: x"))
+    with pytest.raises(RuntimeError, match="did not start .*ImportError: x.*VIT_KERNELS_PROVE_TILES=0"):
+        _proof.verdicts("test", ("k",), CPU, ["first"], fill_run(torch.zeros(1)))
+
+
+def test_an_empty_problem_proves_nothing(children):
+    assert _proof.verdicts("test", ("empty",), CPU, ["first"], lambda tile: [torch.zeros(0)]) == {}
+    assert children == []
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_real_gemm_replays_in_a_child(children):
+    """The GEMM kernel's recorded launches (its JITFunction, constexprs, strided operands) run in a
+    child under the interpreter, as on a GPU they run on the device."""
+    from vit_kernels.ops import linear
+
+    a, b = torch.randn(13, 40), torch.randn(9, 40).t()
+    gemm = linear._Gemm(a, b, torch.float32, torch.randn(9), linear.EPILOGUE_GELU, 0, torch.empty(13, 9), None,
+                        linear.SUMS_NONE, 1, 64)
+    run, _ = gemm.trial()
+    tiles = [linear.GEMM_INTERPRETER_TILE, (16, 16, 32, 1, 1)]
+    assert _proof.verdicts("GEMM", gemm.key(), CPU, tiles, run) == dict.fromkeys(tiles)
+    assert len(children) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_attention_candidate_is_proven_in_a_child_on_the_gpu(children, dtype):
+    """On a GPU: the attention forward's candidates recorded on a real call's tensors replay in a
+    child on the device, and each one runs there cleanly."""
+    from vit_kernels.ops import attention
+
+    qkv = torch.randn(2, 197, 3 * 2 * 64, dtype=dtype, device="cuda")
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    candidates = attention.fwd_candidates(dtype, 64, 197)
+
+    def run(tile):
+        attention.FWD_CHOOSER.pin(attention._chooser_key(qkv, 2), tile)
+        try:
+            return list(attention.attention_fwd(qkv, 2, 64**-0.5, 0.0, seed))
+        finally:
+            attention.FWD_CHOOSER.forget()
+
+    assert _proof.verdicts("attention forward", ("proof", dtype), qkv.device, candidates, run) == \
+        dict.fromkeys(candidates)
+    assert len(children) == 1

@@ -1,0 +1,339 @@
+"""Candidate tiles proven in a child process before they run in the user's.
+
+A launch configuration that compiles can still make an illegal memory access on real hardware, and
+a CUDA fault leaves the process's context unusable: no ``try/except`` recovers it, so one bad
+candidate would kill the user's first call. So before a tile chooser runs candidates it has not
+proven on this GPU and software, each candidate's launches are recorded (not run) on the call's own
+tensors and replayed in a child process, on fresh tensors of the same shapes, strides, dtypes and
+storage sharing, filled with small finite values (the kernels' addresses do not depend on data).
+A candidate whose replay faults, raises or hangs there is excluded, with why; a child that dies
+takes only the candidate it was running, and a fresh child goes on with the rest. Verdicts persist
+beside the tile choices (keyed by the GPU's name and the software versions), so each candidate is
+proven once per machine; the child's compiles fill Triton's cache that the parent then reuses.
+
+``VIT_KERNELS_PROVE_TILES=0`` (read at import) or ``vk.set_autotune(prove_tiles=False)`` turns
+proving off: candidates then run in the user's process directly.
+
+The child (``CHILD``) reads the pickled launches from a file and writes one protocol line per step
+to stdout (``PREFIX`` then ``ready``, ``start i``, ``ok i`` or ``raised i <why>``), and exits after
+the first candidate that raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, TextIO
+
+import torch
+
+from vit_kernels import _signature, _triton
+from vit_kernels._tune_cache import DiskCache, default_folder
+
+PREFIX = "vit_kernels-proof:"
+STARTUP_SECONDS = 300  # for a child to import torch, triton and vit_kernels
+SECONDS_PER_CANDIDATE = 120  # for one candidate's launches, compiling included
+OK = "ok"
+CHILD = "from vit_kernels._proof import child_main; child_main()"
+
+
+def _enabled_from_environment() -> bool:
+    return os.environ.get("VIT_KERNELS_PROVE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_settings = {"enabled": _enabled_from_environment()}
+_disk = DiskCache(default_folder(), "proofs")
+_verdicts: dict[str, str] = {}  # disk key -> OK or why the candidate is excluded, for this process
+
+
+def set_enabled(enabled: bool) -> None:
+    _settings["enabled"] = enabled
+
+
+def enabled() -> bool:
+    return _settings["enabled"]
+
+
+def set_cache_folder(folder) -> None:
+    """Where verdicts persist (beside the tile choices; None: memory only)."""
+    global _disk
+    _disk = DiskCache(folder, "proofs")
+    _verdicts.clear()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument: a view (shape, stride, element offset, dtype) of storage ``storage``."""
+
+    storage: int
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DescriptorSpec:
+    """A TMA descriptor argument: its base tensor and its other fields, as its class defines them."""
+
+    cls: type
+    base: TensorSpec
+    fields: dict
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    kernel: tuple  # (module, name) of the @triton.jit function
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class ProofSpec:
+    """What a child replays: the storages (index -> bytes) and each candidate's launches."""
+
+    device: str
+    storages: dict
+    candidates: list  # [(repr(tile), [LaunchSpec, ...]), ...]
+
+
+class _Describer:
+    """Launch arguments as picklable specs; tensors sharing a storage share it in the replay too."""
+
+    def __init__(self):
+        self.storages: dict[object, int] = {}
+        self.sizes: dict[int, int] = {}
+
+    def tensor(self, t: torch.Tensor) -> TensorSpec:
+        storage = t.untyped_storage()
+        pointer = storage.data_ptr()
+        identity = ("pointer", pointer) if pointer else ("tensor", id(t))  # meta storages have no address
+        index = self.storages.setdefault(identity, len(self.storages))
+        nbytes = max(storage.nbytes(), (t.storage_offset() + _extent(t)) * t.element_size())
+        self.sizes[index] = max(self.sizes.get(index, 0), nbytes)
+        return TensorSpec(index, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def value(self, value):
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value)
+        if _triton.TensorDescriptor is not None and isinstance(value, _triton.TensorDescriptor):
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name != "base"}
+            return DescriptorSpec(type(value), self.tensor(value.base), fields)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.value(v) for v in value)
+        return value
+
+    def launch(self, kernel, grid, args: tuple, kwargs: dict) -> LaunchSpec:
+        function = getattr(kernel, "fn", kernel)
+        grid = tuple(grid(kwargs) if callable(grid) else grid)
+        return LaunchSpec((function.__module__, function.__name__), grid, tuple(self.value(a) for a in args),
+                          {name: self.value(v) for name, v in kwargs.items()})
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a view's first to one past its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+def _all_empty(outputs) -> bool:
+    return bool(outputs) and all(o is None or o.numel() == 0 for o in outputs)
+
+
+def verdicts(chooser: str, key: tuple, device: torch.device, candidates: Sequence,
+             run: Callable[[object], Sequence[torch.Tensor]]) -> dict:
+    """tile -> None (ran cleanly in a child) or why it is excluded, for every candidate of
+    ``chooser``'s ``key`` on ``device``; unproven candidates are proven now, in child processes.
+    {} for an empty problem (nothing launches). Raises RuntimeError where no child can start."""
+    device_name = _signature.device_name(device)
+    keys = {tile: f"{chooser} | {device_name} | {key!r} | {tile!r}" for tile in candidates}
+    found = {tile: _known(disk_key) for tile, disk_key in keys.items()}
+    unproven = [tile for tile, verdict in found.items() if verdict is None]
+    if unproven:
+        recorded = _record(unproven, run)
+        if recorded is None:
+            return {}
+        for tile, verdict in _prove(device, recorded).items():
+            _verdicts[keys[tile]] = verdict
+            _disk.put(keys[tile], {"verdict": verdict})
+            found[tile] = verdict
+    return {tile: None if verdict == OK else verdict for tile, verdict in found.items()}
+
+
+def _known(disk_key: str) -> Optional[str]:
+    verdict = _verdicts.get(disk_key)
+    if verdict is None:
+        stored = _disk.get(disk_key)
+        if stored is not None and isinstance(stored.get("verdict"), str):
+            verdict = _verdicts[disk_key] = stored["verdict"]
+    return verdict
+
+
+def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
+    """(tile -> [LaunchSpec] or why recording raised, storage sizes); None for an empty problem."""
+    describer, recorded = _Describer(), {}
+    for tile in tiles:
+        try:
+            with _triton.recorded_launches() as launches:
+                outputs = run(tile)
+            if _all_empty(outputs):
+                return None
+            recorded[tile] = [describer.launch(*launch) for launch in launches]
+        except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process
+            recorded[tile] = f"raised {type(error).__name__} while recording its launches: {_first_line(error)}"
+    return recorded, describer.sizes
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else ""
+
+
+def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
+    """tile -> OK or why not, replaying each tile's launches in child processes (a fresh child after
+    each one that dies or raises)."""
+    launches_of, sizes = recorded
+    verdicts = {tile: why for tile, why in launches_of.items() if isinstance(why, str)}
+    remaining = [tile for tile in launches_of if tile not in verdicts]
+    while remaining:
+        spec = ProofSpec(str(device), sizes, [(repr(tile), launches_of[tile]) for tile in remaining])
+        output, ending = run_child(pickle.dumps(spec))
+        steps = [line[len(PREFIX):].split(" ", 2) for line in output.splitlines() if line.startswith(PREFIX)]
+        if not any(step[0] == "ready" for step in steps):
+            raise RuntimeError(f"vit_kernels: the child process that proves tile candidates did not start "
+                               f"({ending}); set VIT_KERNELS_PROVE_TILES=0 to run candidates in this process")
+        started = None
+        for step in steps:
+            if step[0] == "start":
+                started = int(step[1])
+            elif step[0] == "ok":
+                verdicts[remaining[int(step[1])]], started = OK, None
+            elif step[0] == "raised":
+                verdicts[remaining[int(step[1])]], started = f"raised in a child process: {step[2]}", None
+        if started is not None:
+            verdicts[remaining[started]] = f"faulted in a child process ({ending})"
+        remaining = [tile for tile in remaining if tile not in verdicts]
+    return verdicts
+
+
+def _spawn(spec: bytes) -> tuple[str, str]:
+    """Run the child on ``spec``: (its stdout, how it ended). It is killed when a step takes longer
+    than its limit (``STARTUP_SECONDS`` to start, ``SECONDS_PER_CANDIDATE`` per candidate)."""
+    with tempfile.TemporaryDirectory(prefix="vit_kernels-proof-") as folder:
+        spec_path, stderr_path = os.path.join(folder, "spec.pkl"), os.path.join(folder, "stderr.txt")
+        with open(spec_path, "wb") as out:
+            out.write(spec)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        with open(stderr_path, "w+") as stderr:
+            child = subprocess.Popen([sys.executable, "-c", CHILD, spec_path], stdout=subprocess.PIPE, stderr=stderr,
+                                     text=True, env=env)
+            lines: queue.Queue = queue.Queue()
+            reader = threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True)
+            reader.start()
+            output, ending, limit = [], None, STARTUP_SECONDS
+            while True:
+                try:
+                    line = lines.get(timeout=limit)
+                except queue.Empty:
+                    child.kill()
+                    ending = f"no progress for {limit} s, killed"
+                    break
+                if line is None:
+                    break
+                output.append(line)
+                if line.startswith(PREFIX):
+                    limit = SECONDS_PER_CANDIDATE
+            returncode = child.wait()
+            reader.join(timeout=5)
+            stderr.seek(0)
+            tail = " | ".join(stderr.read().strip().splitlines()[-3:])
+    ending = ending or _ending(returncode)
+    return "".join(output), ending + (f"; stderr: {tail}" if tail else "")
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+run_child = _spawn  # the simulated CUDA device replays in its own process instead
+
+
+def _ending(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def _materialize(spec: ProofSpec) -> Callable:
+    device = torch.device(spec.device)
+    storages = {}
+    for index, nbytes in spec.storages.items():
+        # bytes 0..63: every float dtype reads them as small finite values, integers as small ones
+        storages[index] = torch.empty(-(-max(nbytes, 1) // 16) * 16, dtype=torch.uint8, device=device).random_(0, 64)
+
+    def value(v):
+        if isinstance(v, TensorSpec):
+            return storages[v.storage].view(v.dtype).as_strided(v.shape, v.stride, v.offset)
+        if isinstance(v, DescriptorSpec):
+            return v.cls(base=value(v.base), **v.fields)
+        if isinstance(v, (tuple, list)):
+            return type(v)(value(x) for x in v)
+        return v
+
+    return value
+
+
+def replay(spec: ProofSpec, out: TextIO) -> int:
+    """The child's work: each candidate's launches, then a device synchronisation; the exit status."""
+    def say(*words) -> None:
+        out.write(PREFIX + " ".join(str(w) for w in words) + "\n")
+        out.flush()
+
+    say("ready")
+    value = _materialize(spec)
+    for i, (_, launches) in enumerate(spec.candidates):
+        say("start", i)
+        try:
+            for launch in launches:
+                module, name = launch.kernel
+                kernel = getattr(importlib.import_module(module), name)
+                kernel[launch.grid](*value(launch.args), **{k: value(v) for k, v in launch.kwargs.items()})
+            if launches and torch.device(spec.device).type == "cuda":  # a fault shows at the latest here
+                torch.cuda.synchronize()
+        except Exception as error:  # reported to the parent, which excludes the candidate
+            why = f"{type(error).__name__}: {_first_line(error)}".replace("\n", " ")
+            say("raised", i, why)
+            return 3
+        say("ok", i)
+    return 0
+
+
+def replay_in_this_process(spec: bytes) -> tuple[str, str]:
+    """``run_child``'s stand-in where no child can run the device (the simulated CUDA device): the
+    same pickled spec, replayed here."""
+    out = io.StringIO()
+    status = replay(pickle.loads(spec), out)
+    return out.getvalue(), _ending(status)
+
+
+def child_main() -> None:
+    """The child process: ``python -c "...child_main()" SPEC``."""
+    with open(sys.argv[1], "rb") as spec_file:
+        sys.exit(replay(pickle.load(spec_file), sys.stdout))
