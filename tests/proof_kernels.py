@@ -27,11 +27,15 @@ def fill(grid, out, value, MODE):
     out.fill_(value)
 
 
-def expect_layout(grid, a, b, SHAPE, STRIDE, OFFSET, SHARED, GRID):
-    """Raises unless the replayed ``a`` has the recorded layout, shares ``b``'s storage as recorded
+def expect_layout(grid, a, b, SHAPE, STRIDE, ALIGNMENT, SHARED, GRID, STORAGE_BYTES):
+    """Raises unless the replayed ``a`` has the recorded shape, strides and alignment (its first
+    byte's address modulo 16), shares ``b``'s storage as recorded, its storage has STORAGE_BYTES
     and the grid is the recorded one."""
-    if (tuple(a.shape), a.stride(), a.storage_offset()) != (SHAPE, STRIDE, OFFSET):
-        raise AssertionError(f"layout {(tuple(a.shape), a.stride(), a.storage_offset())}")
+    if a.untyped_storage().nbytes() != STORAGE_BYTES:
+        raise AssertionError(f"storage of {a.untyped_storage().nbytes()} bytes")
+    alignment = a.data_ptr() % 16
+    if (tuple(a.shape), a.stride(), alignment) != (SHAPE, STRIDE, ALIGNMENT):
+        raise AssertionError(f"layout {(tuple(a.shape), a.stride(), alignment)}")
     if (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()) != SHARED:
         raise AssertionError("storage sharing differs")
     if tuple(grid) != GRID or not bool((a.abs() < 1e4).all()):

@@ -63,17 +63,22 @@ def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven
 
 def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
     packed = torch.randn(4, 7, 9)
-    a = packed[1:, ::2, 3:5].transpose(0, 1)  # strided, offset, transposed
+    a = packed[1:, ::2, 3:5].transpose(0, 1)  # strided, offset by 264 bytes, transposed
     unshared = torch.randn(2)
+    # the bytes a reaches: from its first element (rounded down to 16) to one past its last
+    reached = (a.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))) * 4 - 256
 
     def run(tile):
         b = packed if tile == "shared" else unshared
         launch(proof_kernels.expect_layout, (3, 2), a, b, SHAPE=tuple(a.shape), STRIDE=a.stride(),
-               OFFSET=a.storage_offset(), SHARED=tile == "shared", GRID=(3, 2))
+               ALIGNMENT=a.data_ptr() % 16, SHARED=tile == "shared", GRID=(3, 2),
+               STORAGE_BYTES=packed.untyped_storage().nbytes() if tile == "shared" else -(-reached // 16) * 16)
         return [a]
 
-    assert _proof.verdicts("test", ("layout",), CPU, ["shared", "unshared"], run) == {"shared": None, "unshared": None}
-    assert len(children) == 1
+    # apart: the candidates of one key share one set of storages
+    assert _proof.verdicts("test", ("shared",), CPU, ["shared"], run) == {"shared": None}
+    assert _proof.verdicts("test", ("unshared",), CPU, ["unshared"], run) == {"unshared": None}
+    assert len(children) == 2
 
 
 def test_a_chooser_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):

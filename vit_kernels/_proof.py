@@ -4,8 +4,9 @@ A launch configuration that compiles can still make an illegal memory access on 
 a CUDA fault leaves the process's context unusable: no ``try/except`` recovers it, so one bad
 candidate would kill the user's first call. So before a tile chooser runs candidates it has not
 proven on this GPU and software, each candidate's launches are recorded (not run) on the call's own
-tensors and replayed in a child process, on fresh tensors of the same shapes, strides, dtypes and
-storage sharing, filled with small finite values (the kernels' addresses do not depend on data).
+tensors and replayed in a child process, on fresh tensors of the same shapes, strides, dtypes,
+16-byte alignment and storage sharing, filled with small finite values (the kernels' addresses do
+not depend on data); a storage is allocated only as far as the views reach.
 A candidate whose replay faults, raises or hangs there is excluded, with why; a child that dies
 takes only the candidate it was running, and a fresh child goes on with the rest. Verdicts persist
 beside the tile choices (keyed by the GPU's name and the software versions), so each candidate is
@@ -73,12 +74,12 @@ def set_cache_folder(folder) -> None:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor argument: a view (shape, stride, element offset, dtype) of storage ``storage``."""
+    """A tensor argument: a view (shape, stride, dtype) of storage ``storage`` at byte ``start``."""
 
     storage: int
     shape: tuple
     stride: tuple
-    offset: int
+    start: int
     dtype: torch.dtype
 
 
@@ -101,7 +102,8 @@ class LaunchSpec:
 
 @dataclass(frozen=True)
 class ProofSpec:
-    """What a child replays: the storages (index -> bytes) and each candidate's launches."""
+    """What a child replays: the storages (index -> the byte span [first, end) the views reach, the
+    first a multiple of 16 so that every view keeps its alignment) and each candidate's launches."""
 
     device: str
     storages: dict
@@ -113,16 +115,17 @@ class _Describer:
 
     def __init__(self):
         self.storages: dict[object, int] = {}
-        self.sizes: dict[int, int] = {}
+        self.spans: dict[int, tuple[int, int]] = {}
 
     def tensor(self, t: torch.Tensor) -> TensorSpec:
-        storage = t.untyped_storage()
-        pointer = storage.data_ptr()
+        pointer = t.untyped_storage().data_ptr()
         identity = ("pointer", pointer) if pointer else ("tensor", id(t))  # meta storages have no address
         index = self.storages.setdefault(identity, len(self.storages))
-        nbytes = max(storage.nbytes(), (t.storage_offset() + _extent(t)) * t.element_size())
-        self.sizes[index] = max(self.sizes.get(index, 0), nbytes)
-        return TensorSpec(index, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        start = t.storage_offset() * t.element_size()
+        end = start + _extent(t) * t.element_size()
+        first, last = self.spans.get(index, (start, end))
+        self.spans[index] = (min(first, start // 16 * 16), max(last, end))
+        return TensorSpec(index, tuple(t.shape), tuple(t.stride()), start, t.dtype)
 
     def value(self, value):
         if isinstance(value, torch.Tensor):
@@ -182,7 +185,7 @@ def _known(disk_key: str) -> Optional[str]:
 
 
 def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
-    """(tile -> [LaunchSpec] or why recording raised, storage sizes); None for an empty problem."""
+    """(tile -> [LaunchSpec] or why recording raised, storage spans); None for an empty problem."""
     describer, recorded = _Describer(), {}
     for tile in tiles:
         try:
@@ -193,7 +196,7 @@ def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
             recorded[tile] = [describer.launch(*launch) for launch in launches]
         except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process
             recorded[tile] = f"raised {type(error).__name__} while recording its launches: {_first_line(error)}"
-    return recorded, describer.sizes
+    return recorded, describer.spans
 
 
 def _first_line(error: BaseException) -> str:
@@ -204,14 +207,14 @@ def _first_line(error: BaseException) -> str:
 def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
     """tile -> OK or why not, replaying each tile's launches in child processes (a fresh child after
     each one that dies or raises)."""
-    launches_of, sizes = recorded
+    launches_of, spans = recorded
     verdicts = {tile: why for tile, why in launches_of.items() if isinstance(why, str)}
     remaining = [tile for tile in launches_of if tile not in verdicts]
     while remaining:
-        spec = ProofSpec(str(device), sizes, [(repr(tile), launches_of[tile]) for tile in remaining])
+        spec = ProofSpec(str(device), spans, [(repr(tile), launches_of[tile]) for tile in remaining])
         output, ending = run_child(pickle.dumps(spec))
         steps = [line[len(PREFIX):].split(" ", 2) for line in output.splitlines() if line.startswith(PREFIX)]
-        if not any(step[0] == "ready" for step in steps):
+        if not any(step[0] == "start" for step in steps):  # it could not import, or allocate the tensors
             raise RuntimeError(f"vit_kernels: the child process that proves tile candidates did not start "
                                f"({ending}); set VIT_KERNELS_PROVE_TILES=0 to run candidates in this process")
         started = None
@@ -282,15 +285,17 @@ def _ending(returncode: int) -> str:
 
 
 def _materialize(spec: ProofSpec) -> Callable:
+    """The replay's arguments: each storage's span allocated, its views at their recorded places."""
     device = torch.device(spec.device)
     storages = {}
-    for index, nbytes in spec.storages.items():
+    for index, (first, end) in spec.storages.items():
         # bytes 0..63: every float dtype reads them as small finite values, integers as small ones
-        storages[index] = torch.empty(-(-max(nbytes, 1) // 16) * 16, dtype=torch.uint8, device=device).random_(0, 64)
+        storages[index] = torch.empty(-(-max(end - first, 1) // 16) * 16, dtype=torch.uint8, device=device).random_(0, 64)
 
     def value(v):
         if isinstance(v, TensorSpec):
-            return storages[v.storage].view(v.dtype).as_strided(v.shape, v.stride, v.offset)
+            first = spec.storages[v.storage][0]
+            return storages[v.storage].view(v.dtype).as_strided(v.shape, v.stride, (v.start - first) // v.dtype.itemsize)
         if isinstance(v, DescriptorSpec):
             return v.cls(base=value(v.base), **v.fields)
         if isinstance(v, (tuple, list)):
@@ -306,8 +311,8 @@ def replay(spec: ProofSpec, out: TextIO) -> int:
         out.write(PREFIX + " ".join(str(w) for w in words) + "\n")
         out.flush()
 
-    say("ready")
     value = _materialize(spec)
+    say("ready")
     for i, (_, launches) in enumerate(spec.candidates):
         say("start", i)
         try:
