@@ -147,3 +147,27 @@ def test_every_attention_candidate_is_proven_in_a_child_on_the_gpu(children, dty
     assert _proof.verdicts("attention forward", ("proof", dtype), qkv.device, candidates, run) == \
         dict.fromkeys(candidates)
     assert len(children) == 1
+
+
+def test_verdicts_and_choices_are_kept_per_driver(monkeypatch, tmp_path):
+    """The caches' digest covers the CUDA driver (cuDriverGetVersion): a new driver proves afresh."""
+    import ctypes
+
+    from vit_kernels import _tune_cache
+
+    class Driver:
+        @staticmethod
+        def cuDriverGetVersion(pointer):
+            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_int)).contents.value = 13000
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
+    assert _tune_cache.environment()["driver"] == "13000"
+    with_driver = DiskCache(tmp_path, "proofs").path
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert _tune_cache.environment()["driver"] == "none"
+    assert DiskCache(tmp_path, "proofs").path != with_driver

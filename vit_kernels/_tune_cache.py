@@ -1,11 +1,12 @@
-"""The on-disk caches of what was measured: ``auto``'s decisions and the tile choosers' tiles.
+"""The on-disk caches of what was measured: ``auto``'s decisions, the tile choosers' tiles and the
+tile candidates' proofs.
 
-One JSON file per kind and software environment (``dispatch-<digest>.json``, ``tiles-<digest>.json``
-and the tile candidates' crash proofs, ``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, triton and vit_kernels
-versions (a new version measures afresh); inside, one entry per key, which names the device it was
-measured on. The folder is ``VIT_KERNELS_CACHE_DIR``
-(read once, at import), else ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``;
-``vk.set_autotune(cache_dir=...)`` overrides it, and ``cache_dir=False`` keeps decisions in memory only.
+One JSON file per kind and software environment (``dispatch-<digest>.json``, ``tiles-<digest>.json``,
+``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, CUDA driver, triton and
+vit_kernels versions (a new version measures afresh); inside, one entry per key, which names the
+device it was measured on. The folder is ``VIT_KERNELS_CACHE_DIR`` (read once, at import), else
+``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``; ``vk.set_autotune(cache_dir=...)``
+overrides it, and ``cache_dir=False`` keeps decisions in memory only.
 
 Writes are atomic (a temporary file in the same folder, then ``os.replace``), and merge with what
 another process wrote meanwhile. A file that cannot be read or parsed is ignored with one warning:
@@ -14,10 +15,12 @@ the cache can only ever save time, never break a run.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.metadata
 import json
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -44,11 +47,25 @@ def _version(package: str) -> str:
         return "none"
 
 
+def driver_version() -> str:
+    """The CUDA driver's version (``cuDriverGetVersion``, e.g. "13000"), "none" without one."""
+    try:
+        library = ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
+        version = ctypes.c_int(0)
+        if library.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return str(version.value)
+    except (OSError, AttributeError):
+        pass
+    return "none"
+
+
 def environment() -> dict[str, str]:
-    """The software versions a decision depends on."""
+    """The software a decision depends on: versions, and the CUDA driver (a new driver compiles and
+    runs the kernels anew: a tile it faults on is proven afresh)."""
     return {
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
+        "driver": driver_version(),
         "triton": _version("triton"),
         "vit_kernels": _version("vit-kernels"),
     }
