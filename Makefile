@@ -70,14 +70,14 @@ test-all: $(STAMP)
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
 # without a GPU it confirms what it collects, says so and passes. The tile tables and the files the
-# GPU runs found wrong go first (FIRST of vit_kernels/_gpu_tests.py, as in the GPU report); with
+# GPU runs found wrong go first (FIRST of tools/gpu_tests.py, as in the GPU report); with
 # pytest-xdist installed, GPU_TEST_WORKERS processes share the GPU (compiling the kernels is most of
 # the time), each test's CUDA faults staying its own (tests/conftest.py).
 GPU_TEST_WORKERS ?= 8
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
-		first=$$($(PY) -c "from vit_kernels._gpu_tests import FIRST; print(*('tests/' + f for f in FIRST))"); \
+		first=$$($(PY) -c "from tools.gpu_tests import FIRST; print(*('tests/' + f for f in FIRST))"); \
 		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests"; \
 		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests; \
 	else \
@@ -156,7 +156,7 @@ check-gpu-all: $(STAMP)
 # What a user with a GPU runs first: the CUDA tests and a short benchmark on their device, one
 # results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
 selftest: $(STAMP)
-	$(PY) -m vit_kernels.selftest
+	$(PY) -m tools.selftest
 
 # Everything measured on one GPU in one command (at most ~8 minutes on an H100, each section
 # time-boxed): the GPU tests, the selftest, per-op and end-to-end timings against PyTorch, SDPA,

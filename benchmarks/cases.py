@@ -1,6 +1,6 @@
 """The per-op benchmark cases: each op of a ViT block at the shapes of a model preset.
 
-The ops, their inputs, eager references and work counts are ``vit_kernels.op_specs`` (which the
+The ops, their inputs, eager references and work counts are ``tools.op_specs`` (which the
 tests check against float64 formulas); a case binds one spec to one shape. It makes fresh random
 inputs, runs the public op (whichever backend is in force), names the eager reference (what
 ``torch.compile`` is given), and counts its work: FLOPs for GEMM-like ops (reported as TFLOP/s),
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from vit.model import get_config
-from vit_kernels.op_specs import KERNELS, OPS, SPECS, Shape
+from tools.op_specs import KERNELS, OPS, SPECS, Shape
 from vit_kernels.ops.attention import explicit_attention, split_qkv
 
 __all__ = ["KERNELS", "OPS", "OpCase", "Shape", "build_case", "eager_math_attention", "shape_of"]

@@ -13,7 +13,7 @@ import torch
 from benchmarks import block_traffic, cases, cuda_graphs, e2e, environment, host_overhead, ops_bench, peaks
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
-from vit_kernels import _gpu_tests, selftest
+from tools import gpu_tests, selftest
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
@@ -55,14 +55,14 @@ def environment_section(ctx: Context, budget: Budget) -> dict:
 def gpu_tests_section(ctx: Context, budget: Budget) -> dict:
     """On CUDA: ``pytest -m gpu`` (stopped at the budget); else how many tests it would select."""
     if ctx.device.type == "cuda":
-        return _gpu_tests.run_gpu_tests(timeout_s=budget.left())
-    result = _gpu_tests.collect_gpu_tests(timeout_s=budget.left())
+        return gpu_tests.run_gpu_tests(timeout_s=budget.left())
+    result = gpu_tests.collect_gpu_tests(timeout_s=budget.left())
     result["note"] = "no GPU: the tests were only collected, not run"
     return result
 
 
 def selftest_section(ctx: Context, budget: Budget) -> dict:
-    """``vit_kernels.selftest``'s checks (every op, backend and dtype against PyTorch's own error;
+    """``tools.selftest``'s checks (every op, backend and dtype against PyTorch's own error;
     each backend but torch timed against the reference, unless ``quick``)."""
     rows = [selftest.check_op(op, name, dtype, device, timed=name != "torch" and not ctx.quick)
             for op, name, dtype, device in budget.take(selftest.cases(ctx.ops), lambda c: f"{c[0]} {c[1]} {c[2]}")]

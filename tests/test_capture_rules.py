@@ -14,7 +14,7 @@ import torch
 import vit
 import vit_kernels as vk
 from vit_kernels import _signature, backend
-from vit_kernels.op_specs import OPS, SPECS, Shape
+from tools.op_specs import OPS, SPECS, Shape
 from tests.helpers import requires_cuda
 from tests.helpers import CPU_BACKENDS
 

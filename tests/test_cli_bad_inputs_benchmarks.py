@@ -1,5 +1,5 @@
 """Every ordinary mistake with ``python -m benchmarks`` (the suite, ``--compare``, ``ab``) and
-``python -m vit_kernels.selftest`` ends with exit code 2 and exactly one line on stderr naming what
+``python -m tools.selftest`` ends with exit code 2 and exactly one line on stderr naming what
 was wrong and what was expected: never a traceback, never a run started first. And every ``--help``
 names the defaults."""
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = [sys.executable, "-m", "benchmarks"]
-SELFTEST = [sys.executable, "-m", "vit_kernels.selftest"]
+SELFTEST = [sys.executable, "-m", "tools.selftest"]
 TIMEOUT = 120  # a mistake is found before any work: seconds, however loaded the machine
 
 
@@ -107,7 +107,7 @@ def test_bad_input_is_one_line_and_exit_2(root, outcomes, index):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert len(lines) == 1, done.stderr
-    prog = "python -m vit_kernels.selftest" if command is SELFTEST else "python -m benchmarks"
+    prog = "python -m tools.selftest" if command is SELFTEST else "python -m benchmarks"
     assert lines[0].startswith(prog) and ": error: " in lines[0], lines[0]
     assert expected.replace("{root}", str(root)) in lines[0], lines[0]
     assert done.stdout.strip() == "", done.stdout  # refused before any work or output

@@ -101,12 +101,12 @@ def test_host_overhead_cli(tmp_path, capsys):
 
 
 def test_a_gpu_test_run_stopped_by_its_budget_reports_what_ran():
-    from vit_kernels import _gpu_tests
+    from tools import gpu_tests
     from benchmarks import gpu_report_markdown
 
     output = "....F.s.. [ 10%]\n.E........ [ 20%]\n"
-    assert _gpu_tests.progress(output) == {"passed": 16, "failed": 1, "errors": 1, "skipped": 1}
+    assert gpu_tests.progress(output) == {"passed": 16, "failed": 1, "errors": 1, "skipped": 1}
     text = "\n".join(gpu_report_markdown._gpu_tests({"ran": True, "timed_out": True, "why": "stopped after 90 s",
-                                                      "counts_so_far": _gpu_tests.progress(output), "tail": []}))
+                                                      "counts_so_far": gpu_tests.progress(output), "tail": []}))
     assert "by then 16 passed, 1 failed, 1 errors, 1 skipped" in text
-    assert _gpu_tests.FIRST[0] == "test_tiles.py"
+    assert gpu_tests.FIRST[0] == "test_tiles.py"

@@ -1,4 +1,4 @@
-"""The op specs the benchmarks time (``vit_kernels.op_specs``) are the tests' too: for every op, its
+"""The op specs the benchmarks time (``tools.op_specs``) are the tests' too: for every op, its
 inputs, run on every backend, match its float64 formula, output and every input gradient; its eager
 reference matches the formula as well."""
 
@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers import TOLERANCES, check_against_formula
 from vit_kernels import _ext, backend
-from vit_kernels.op_specs import KERNELS, OPS, SPECS, Shape
+from tools.op_specs import KERNELS, OPS, SPECS, Shape
 
 # A small ViT: 8x8 images in 4x4 patches (4 patches + the class token), D = 12 in 3 heads of 4.
 SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)

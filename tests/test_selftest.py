@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_kernels import _gpu_tests, backend, selftest
+from tools import gpu_tests, selftest
+from vit_kernels import backend
 from vit_kernels.ops.layer_norm import layer_norm_ref
 
 CPU = torch.device("cpu")
@@ -90,8 +91,8 @@ def test_floor_spares_exact_cases_only():
 
 
 def test_pytest_exit_5_is_a_failure():
-    assert _gpu_tests.passed(0) and not _gpu_tests.passed(_gpu_tests.NO_TESTS_COLLECTED) and not _gpu_tests.passed(1)
-    assert _gpu_tests.counts("3 failed, 40 passed, 2 skipped, 1 error in 9.1s") == {
+    assert gpu_tests.passed(0) and not gpu_tests.passed(gpu_tests.NO_TESTS_COLLECTED) and not gpu_tests.passed(1)
+    assert gpu_tests.counts("3 failed, 40 passed, 2 skipped, 1 error in 9.1s") == {
         "passed": 40, "failed": 3, "skipped": 2, "errors": 1, "deselected": 0}
 
 
@@ -99,6 +100,6 @@ def test_main_fails_when_no_gpu_test_ran(monkeypatch, tmp_path):
     """On a GPU, a ``pytest -m gpu`` run that collects nothing fails the selftest."""
     monkeypatch.setattr(selftest, "header", lambda: {"gpu": True})
     monkeypatch.setattr(selftest, "cases", lambda: iter(()))
-    monkeypatch.setattr(_gpu_tests, "run_gpu_tests", lambda: {
-        "ran": True, "exit_code": 5, "summary": "no tests ran", "passed": _gpu_tests.passed(5)})
+    monkeypatch.setattr(gpu_tests, "run_gpu_tests", lambda: {
+        "ran": True, "exit_code": 5, "summary": "no tests ran", "passed": gpu_tests.passed(5)})
     assert selftest.main(["--out", str(tmp_path / "r.json")]) == 1

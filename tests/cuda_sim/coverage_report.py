@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         "",
         f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
         f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
-        "Test tooling still inside the package (`selftest`, `op_specs`, `_gpu_tests`) is not counted. "
+        "The test tooling (`selftest`, `op_specs`, the GPU test runner) lives in `tools/`, outside the runtime. "
         + (f"Lines run by the CPU suite: from `{args.cpu_suite}`." if args.cpu_suite else "No CPU-suite data given."),
         "",
         "| module | statements | not run | run |",

@@ -1,4 +1,4 @@
-"""python -m vit_kernels.selftest: what a user with a GPU runs first.
+"""python -m tools.selftest: what a user with a GPU runs first.
 
 On each CUDA device it checks every op on every backend that can run there, in float32, float16
 and bfloat16, output and every input gradient against a float64 evaluation of the op's formula,
@@ -33,8 +33,9 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import vit_kernels as vk
-from vit_kernels import _gpu_tests, backend
-from vit_kernels.op_specs import SPECS, Shape
+from tools import gpu_tests
+from vit_kernels import backend
+from tools.op_specs import SPECS, Shape
 from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
 from vit_kernels._tiles import FLOORS, relative_error, sibling_scale
 
@@ -220,7 +221,7 @@ def header() -> dict:
     }
 
 
-PROG = "python -m vit_kernels.selftest"
+PROG = "python -m tools.selftest"
 DEFAULT_OUT = Path("build") / "selftest.json"
 
 
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
         report["checks"].append(row)
         print(describe_row(row), flush=True)
     if report["gpu"] and not args.no_pytest:
-        report["pytest_gpu"] = _gpu_tests.run_gpu_tests()
+        report["pytest_gpu"] = gpu_tests.run_gpu_tests()
     try:
         _write(args.out, report)
     except OSError as error:  # the folder changed during the run: say so in one line, keep the printed rows
