@@ -6,13 +6,13 @@ torch.compile and export keep it opaque in the graph. Called in eager mode, that
 the host 10-20 us per call (the dispatcher, then the Python autograd kernel and, for Triton ops,
 ``custom_op``'s wrapper around the body), more than many ViT kernels run on a GPU. So in eager mode
 ``differentiable`` runs the same forward, setup_context and backward from a plain
-``torch.autograd.Function`` (the body called directly, or the C++ op below the autograd key), and
+``torch.autograd.Function`` (the body called directly), and
 ``direct`` calls a backward op's body directly; while tracing, both call the registered op.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -39,22 +39,13 @@ def direct(op: Callable, body: Callable) -> Callable:
     return call
 
 
-def _below_autograd(op: Callable) -> Callable:
-    def call(*args: Any) -> Any:
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    return call
-
-
 def differentiable(
-    qualname: str, backward: Callable, setup_context: Callable, body: Optional[Callable] = None,
-    double_backward: bool = False,
+    qualname: str, backward: Callable, setup_context: Callable, body: Callable, double_backward: bool = False,
 ) -> Callable:
     """Register ``backward`` / ``setup_context`` as the autograd of op ``qualname``
     ("vit_kernels::name") and return the op's eager-fast callable: the registered op while tracing;
     otherwise an ``autograd.Function`` with the same forward (``body``, the op's Python
-    implementation, or the op itself below the autograd key), setup_context and backward when a
+    implementation), setup_context and backward when a
     gradient will be needed, and the forward alone when none will. ``double_backward``: the backward
     is made of differentiable ops (a second derivative goes through it); otherwise it launches
     kernels, and a second derivative through it raises instead of treating it as a constant.
@@ -63,7 +54,7 @@ def differentiable(
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
-    forward = body if body is not None else _below_autograd(op)
+    forward = body
 
     def function_forward(ctx, *args):
         ctx.set_materialize_grads(False)  # an output without a gradient gives None, not a tensor of zeros

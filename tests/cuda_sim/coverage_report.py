@@ -44,6 +44,8 @@ NAME_RULES = {  # enclosing function name -> reason
     "_read_lines": "reads the proving child's output: run by tests/test_proof.py (make test)",
     "child_main": "the proving child's entry point: run in the children of tests/test_proof.py (make test)",
     "_ending": "how a proving child ended (killed by a signal): run by tests/test_proof.py (make test)",
+    "traced_key": "runs while torch.compile traces (Dynamo evaluates it, coverage.py does not see it): "
+                  "tests/test_compile.py",
 }
 MODULE_RULES = (  # (path suffix, reason)
     ("integrations/timm.py", "timm's model classes: make test-integration (a patched timm ViT on the simulated device there)"),
@@ -85,10 +87,13 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
 
 
 CPU_SUITE = "run by make test on the CPU (the interpreter, the C++ kernels, tracing, bad input, the cache)"
+INTEGRATION = "run by make test-integration (the adapters on the real timm, transformers and torchvision)"
 
 
-def unrun_lines(path: Path, missing: list[int], cpu_run: set[int]) -> list[tuple[int, str, str]]:
-    """(line, code, reason) for each missing line of ``path``; ``cpu_run``: the lines the CPU suite ran."""
+def unrun_lines(path: Path, missing: list[int], cpu_run: set[int],
+                integration_run: frozenset = frozenset()) -> list[tuple[int, str, str]]:
+    """(line, code, reason) for each missing line of ``path``; ``cpu_run``, ``integration_run``: the
+    lines the CPU suite and the integration tests ran."""
     for suffix, reason in MODULE_RULES:
         if str(path).endswith(suffix):
             lines = path.read_text().splitlines()
@@ -104,7 +109,11 @@ def unrun_lines(path: Path, missing: list[int], cpu_run: set[int]) -> list[tuple
     rows = []
     for n in missing:
         reason = _reason(parents, statements[n], source) if n in statements else "unexplained"
-        rows.append((n, lines[n - 1].strip(), CPU_SUITE if reason == "unexplained" and n in cpu_run else reason))
+        if reason == "unexplained" and n in cpu_run:
+            reason = CPU_SUITE
+        elif reason == "unexplained" and n in integration_run:
+            reason = INTEGRATION
+        rows.append((n, lines[n - 1].strip(), reason))
     return rows
 
 
@@ -112,13 +121,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cuda_sim.coverage_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--cpu-suite", default=None, help="coverage data file of make test's CPU suite")
+    parser.add_argument("--integration", default=None, help="coverage data file of make test-integration")
     args = parser.parse_args(argv)
     cov = coverage.Coverage()
     cov.load()
-    cpu = None
+    cpu = integration = None
     if args.cpu_suite:
         cpu = coverage.CoverageData(basename=args.cpu_suite)
         cpu.read()
+    if args.integration:
+        integration = coverage.CoverageData(basename=args.integration)
+        integration.read()
     root = Path.cwd()
     rows, details, unexplained = [], [], 0
     total_statements = total_missing = 0
@@ -130,7 +143,8 @@ def main(argv=None) -> int:
         total_missing += len(missing)
         rows.append(f"| `{relative}` | {len(statements)} | {len(missing)} | "
                     f"{100 * (len(statements) - len(missing)) / max(1, len(statements)):.0f}% |")
-        unrun = unrun_lines(path, missing, set(cpu.lines(filename) or ()) if cpu is not None else set())
+        unrun = unrun_lines(path, missing, set(cpu.lines(filename) or ()) if cpu is not None else set(),
+                            frozenset(integration.lines(filename) or ()) if integration is not None else frozenset())
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:
             details.append(f"\n### `{relative}`\n\n| line | code | why the simulated device does not run it |\n| --- | --- | --- |")
@@ -142,7 +156,8 @@ def main(argv=None) -> int:
         f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
         f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
         "The test tooling (`selftest`, `op_specs`, the GPU test runner) lives in `tools/`, outside the runtime. "
-        + (f"Lines run by the CPU suite: from `{args.cpu_suite}`." if args.cpu_suite else "No CPU-suite data given."),
+        + (f"Lines run by the CPU suite: from `{args.cpu_suite}`." if args.cpu_suite else "No CPU-suite data given.")
+        + (f" Lines run by the integration tests: from `{args.integration}`." if args.integration else ""),
         "",
         "| module | statements | not run | run |",
         "| --- | --- | --- | --- |",

@@ -1,0 +1,188 @@
+"""The runtime's small branches that neither the ops' tests nor the simulated CUDA device reach:
+explanations, the extension's reasons, validation's mismatch messages, signatures of unusual
+arguments, cache folders, the fast path's limits, empty GEMMs with sums, patching's refusals."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import vit_kernels as vk
+from vit_kernels import _cli, _explain, _ext, _measure, _signature, _tiles, _triton, _tune_cache, backend
+from vit_kernels.ops import linear
+
+META = torch.device("meta")
+
+
+def test_the_help_names_each_default_unless_its_text_does():
+    parser = argparse.ArgumentParser(formatter_class=_cli.DefaultsHelp)
+    parser.add_argument("--steps", type=int, default=3, help="how many")
+    parser.add_argument("--rate", type=float, default=0.5, help="the rate (default: half)")
+    parser.add_argument("--flag", action="store_true", help="a switch")
+    parser.add_argument("path", help="where")
+    text = " ".join(parser.format_help().split())
+    assert "how many (default: 3)" in text and "the rate (default: half)" in text
+    assert "a switch (default" not in text and "where (default" not in text
+
+
+def test_an_explanation_counts_its_rows_and_says_when_nothing_ran():
+    empty = _explain.Explanation([])
+    assert len(empty) == 0 and empty.ran() == set()
+    assert str(empty) == "vit_kernels.explain(): no op has run yet"
+    journal = _explain.Journal()
+    first = journal.add(("k",), _explain.Record("linear", "cpu", "torch.float32", "(x)", False, "auto", "torch",
+                                                 "static default", "a reason"))
+    first.calls = 5
+    newer = journal.add(("k",), _explain.Record("linear", "cpu", "torch.float32", "(x)", False, "auto", "triton",
+                                                 "measured", "faster"))
+    assert newer is not first and newer.calls == 5  # a newer decision carries the calls over
+
+
+def test_the_extension_says_why_it_cannot_run(monkeypatch):
+    assert _ext.supports(META, torch.float32) == "the extension has no kernels for meta tensors"
+    monkeypatch.setattr(_ext.importlib.util, "find_spec", lambda name: None)
+    module, why = _ext._load()
+    assert module is None and why.startswith(f"the compiled extension {_ext.EXTENSION} is not built")
+    monkeypatch.setattr(_ext, "_load_error", why)
+    assert _ext.supports(torch.device("cpu"), torch.float32) == why == _ext.extension_unavailable_reason()
+
+
+def test_validation_names_a_missing_or_misshapen_result():
+    t = torch.ones(2, 3)
+    exact = ([t.double()], [t.double()])
+    assert _measure._mismatch(([t, t], [t]), exact, exact, torch.float32) == "2 outputs, the reference gives 1"
+    assert _measure._mismatch(([t], [None]), ([t], [t]), exact, torch.float32) == "gradient 0 is missing"
+    assert _measure._mismatch(([t], [None]), ([t], [None]), ([t.double()], [None]), torch.float32) is None
+    assert _measure._mismatch(([t.t()], [t]), ([t], [t]), exact, torch.float32) == \
+        "output 0 has shape (3, 2), the reference (2, 3)"
+
+
+def test_a_time_that_is_not_finite_excludes_the_candidate(monkeypatch):
+    monkeypatch.setattr(_measure, "_time", lambda runs, device: {name: (math.nan, math.nan) for name in runs})
+    x, fn = torch.randn(4, 8), backend._registry["layer_norm"]["torch"].fn
+    args = (x, torch.randn(8), torch.randn(8), 1e-5)
+    results = _measure.measure({"torch": fn}, fn, args, args, x.device, torch.float32, False)
+    assert results["torch"].error == "its time is not finite"
+
+
+def test_signatures_of_unusual_arguments_and_devices(monkeypatch):
+    assert _signature.argument_key([torch.zeros(2), [1, 2]], torch.float32)[-1] == "list"
+    assert _signature.device_name(META) == "meta"
+    monkeypatch.setattr("builtins.open", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no /proc")))
+    assert _signature._cpu_name.__wrapped__()  # the platform's name instead of /proc/cpuinfo's
+    monkeypatch.undo()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert _signature.untimeable([])
+    assert torch.func.vmap(lambda row: torch.tensor(_signature.untimeable([row])))(torch.zeros(2, 3)).all()
+    assert _signature.traced_key((torch.zeros(1), None, 2, "s", [1])) == ("tensor", None, 2, "s", "list")
+
+
+def test_a_relative_error_with_nan_is_infinite():
+    assert _tiles.relative_error(torch.tensor([math.nan, 1.0]), torch.ones(2)) == math.inf
+
+
+def test_recorded_launches_nest():
+    with _triton.recorded_launches() as outer:
+        _triton.launch("outer kernel", (1,))
+        with _triton.recorded_launches() as inner:
+            _triton.launch("inner kernel", (1,))
+        _triton.launch("outer again", (1,))
+        assert _triton.recording()
+    assert not _triton.recording()
+    assert [k for k, *_ in outer] == ["outer kernel", "outer again"] and [k for k, *_ in inner] == ["inner kernel"]
+
+
+def test_the_cache_folder_follows_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("VIT_KERNELS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _tune_cache.default_folder() == tmp_path / "vit_kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _tune_cache.default_folder() == tmp_path / "home" / ".cache" / "vit_kernels"
+    cache = _tune_cache.DiskCache(tmp_path, "tiles")
+    cache.put("k", {"tile": [1, 2]})
+    again = _tune_cache.DiskCache(tmp_path, "tiles")
+    assert again.items() == [("k", {"tile": [1, 2]})]
+    again.clear()
+    assert again.get("k") == {"tile": [1, 2]}  # read lazily again
+
+
+def test_backend_reasons_and_the_fast_paths_limits(monkeypatch):
+    assert backend.triton_device_reason(META) in (f"Triton kernels do not run on {META.type} tensors",
+                                                  "triton is not installed (pip install triton)")
+    monkeypatch.setitem(backend._registry, "layer_norm", {k: v for k, v in backend._registry["layer_norm"].items()
+                                                          if k != "extension"})
+    assert backend.unsupported_reason("layer_norm", "extension", torch.device("cpu"), torch.float32) == \
+        "extension does not implement layer_norm"
+    monkeypatch.setattr(backend, "backend_unavailable_reason", lambda name: "gone" if name == "triton" else None)
+    available = backend.available_backends()
+    assert available["extension"]["layer_norm"] == "not implemented by this backend"
+    assert available["triton"]["layer_norm"] == "gone"
+    assert backend._cast_plan((1.0,), (2.0,)) is False  # a value normalised: not replayable
+    with vk.use_backend("torch"):
+        vk.set_backend("torch")
+        assert vk.get_backend() == "torch"
+    monkeypatch.setattr(backend, "FAST_PATH_ENTRIES", 1)
+    for rows in (2, 3):
+        vk.layer_norm(torch.randn(rows, 8), torch.ones(8), torch.zeros(8))
+    assert len(backend._fast) == 1
+
+
+def test_gemms_with_no_rows_or_columns_still_give_their_sums():
+    a = torch.randn(3, 5)
+    c, sums = linear._matmul_and_sums(a, torch.randn(5, 0), torch.float32, sums=linear.SUMS_OF_A_ROWS)
+    assert c.shape == (3, 0) and torch.allclose(sums, a.sum(1))
+    c, sums = linear._matmul_and_sums(torch.randn(0, 5), torch.randn(5, 4), torch.float32,
+                                      sums=linear.SUMS_OF_C_COLUMNS)
+    assert c.shape == (0, 4) and torch.equal(sums, torch.zeros(4))
+    dz, bias_grad = linear._gelu_backward(torch.randn(0, 4), torch.randn(0, 4), 0, True)
+    assert dz.shape == (0, 4) and torch.equal(bias_grad, torch.zeros(4))
+
+
+def test_layer_scale_and_its_weight_check():
+    from vit_kernels import nn as vkn
+
+    scale = vkn.LayerScale(4, init_values=0.5)
+    x = torch.randn(2, 4)
+    assert torch.equal(scale(x), x * 0.5)
+    with pytest.raises((TypeError, ValueError), match="weight"):
+        vk.linear(torch.randn(2, 4), "not a weight", None, layer_scale=torch.ones(3))
+
+
+def test_patching_refuses_what_it_cannot_fuse():
+    from vit_kernels import nn as vkn
+
+    report = vk.patch_model(nn.Sequential(vkn.LayerScale(4)))
+    assert report.replaced == [] and report.skipped == []  # ours already
+    report = vk.patch_model(nn.LayerNorm(8))
+    assert report.replaced == [] and report.skipped[0][1].startswith("is the model itself")
+    silu = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, activation=nn.SiLU()))
+    assert "is not ReLU or GELU" in vk.patch_model(silu).skipped[0][1]
+    biased = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))
+    biased[0].self_attn = nn.MultiheadAttention(16, 2, add_bias_kv=True)
+    assert "uses bias_k/bias_v" in vk.patch_model(biased).skipped[0][1]
+    odd_proj = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))
+    odd_proj[0].self_attn.out_proj = nn.Identity()
+    assert "out_proj is not a Linear" in vk.patch_model(odd_proj).skipped[0][1]
+    odd_drop = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))
+    odd_drop[0].dropout1 = nn.Identity()
+    assert vk.patch_model(odd_drop).skipped[0][1] == "dropout layers are not nn.Dropout"
+    odd_linear = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))
+    odd_linear[0].linear1 = nn.Sequential(nn.Linear(16, 32))
+    assert "linear1/linear2 are not nn.Linear" in vk.patch_model(odd_linear).skipped[0][1]
+
+
+def test_a_patched_encoder_layer_takes_unbatched_input():
+    layer = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)).eval()
+    x = torch.randn(5, 16)  # (L, D), no batch
+    expected = layer(x)
+    vk.patch_model(layer)
+    with vk.use_backend("torch"):
+        out = layer(x)
+    assert out.shape == (5, 16) and torch.allclose(out, expected, atol=1e-5)
