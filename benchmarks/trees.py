@@ -99,10 +99,13 @@ def materialise(repo: Path, revision: str, into: Path) -> Tree:
 
 
 def copy_harness(into: Path) -> Path:
-    """A copy of this ``benchmarks`` package (code only) under ``into``; returns the folder to put
-    first on the workers' sys.path."""
+    """A copy of this ``benchmarks`` package (code only) and of the op specs it times
+    (``tools/op_specs.py``) under ``into``; returns the folder to put first on the workers' sys.path."""
     source = Path(__file__).resolve().parent
     target = into / "harness"
     shutil.copytree(source, target / "benchmarks", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "results", "*.json", "*.md"))
+    (target / "tools").mkdir(exist_ok=True)
+    for name in ("__init__.py", "op_specs.py"):
+        shutil.copy(source.parent / "tools" / name, target / "tools" / name)
     return target
