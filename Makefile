@@ -52,8 +52,9 @@ test: $(STAMP)
 # on sm_90 and sm_80 devices simulated on this CPU, each recorded launch compiled for its
 # architecture; fails on any exception, also one that auto or a tile chooser would have caught.
 # Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md (CUDA_SIM_REPORT_ARGS:
-# e.g. --cpu-suite build/cpu-suite/.coverage, the CPU suite's coverage, which then explains the lines
-# that only make test runs; benchmarks/results/cuda-sim-coverage.md is made so).
+# e.g. --cpu-suite build/cpu-suite/.coverage --integration build/integration/.coverage: the coverage
+# of make test's first stage and of make test-integration (each run under `python -m coverage run`),
+# which then explain the lines only those suites run; benchmarks/results/cuda-sim-coverage.md is made so).
 CUDA_SIM_OUT ?= build/cuda-sim
 CUDA_SIM_REPORT_ARGS ?=
 test-cuda-sim: $(STAMP)

@@ -186,3 +186,67 @@ def test_a_patched_encoder_layer_takes_unbatched_input():
     with vk.use_backend("torch"):
         out = layer(x)
     assert out.shape == (5, 16) and torch.allclose(out, expected, atol=1e-5)
+
+
+def test_autocast_of_a_device_type_met_first_at_a_call():
+    from vit_kernels._checks import _autocast_devices, autocast_dtype_of
+
+    _autocast_devices.pop("xpu", None)
+    assert autocast_dtype_of("xpu") is None and "xpu" in _autocast_devices
+
+
+def test_quick_gelu_backward_is_the_derivative_of_z_sigmoid_1_702_z():
+    from vit_kernels.activations import gelu_backward
+
+    z, grad = torch.randn(64, dtype=torch.float64, requires_grad=True), torch.randn(64, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(z * torch.sigmoid(1.702 * z), z, grad)
+    assert torch.allclose(gelu_backward(grad, z.detach(), "quick"), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_triton_says_it_needs_a_gpu_or_the_interpreter(monkeypatch):
+    monkeypatch.setattr(backend, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expected = "no CUDA device, and TRITON_INTERPRET=1 is not set for running Triton on the CPU"
+    assert backend.triton_unavailable_reason() in (expected, "triton is not installed (pip install triton)")
+
+
+def test_the_adapters_helpers_refuse_what_they_do_not_compute():
+    from vit_kernels.integrations import _common
+
+    module = nn.Linear(4, 4)
+    module.extra = nn.ReLU()
+    module.register_buffer("scale", torch.ones(1))
+    assert _common.unknown_parts(module, ["other"], ["weight", "bias"]) == \
+        "has submodules ['extra'] and parameters/buffers ['scale'] the fused layer does not compute"
+    assert _common.dropout_p(nn.ReLU()) is None
+    assert not _common.fusable_mask(torch.ones(2, 2, dtype=torch.int64), torch.device("cpu"), 1, 1, 2)
+    assert not _common.fusable_mask([[True]], torch.device("cpu"), 1, 1, 1)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_projection_with_a_dropping_dropout_adds_the_residual_after_it(with_residual):
+    from vit_kernels.integrations import _common
+
+    linear, h = nn.Linear(8, 8), torch.randn(3, 8)
+    residual = torch.randn(3, 8) if with_residual else None
+    drop = nn.Dropout(0.5).train()
+    torch.manual_seed(0)
+    out = _common.project(linear, drop, h, residual)
+    torch.manual_seed(0)
+    expected = drop(linear(h))
+    expected = expected + residual if with_residual else expected
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_patching_refuses_unknown_forward_arguments_and_parts(monkeypatch):
+    from vit_kernels.integrations import torch_nn
+
+    # as under a torch whose MultiheadAttention.forward takes an argument the fused layer does not
+    monkeypatch.setattr(torch_nn, "MHA_ARGS", [a for a in torch_nn.MHA_ARGS if a != "need_weights"])
+    skipped = dict(vk.patch_model(nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))).skipped)
+    assert "self_attn forward takes argument(s) ['need_weights']" in skipped["0"]
+    monkeypatch.undo()
+    extra_part = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))
+    extra_part[0].adapter = nn.Linear(16, 16)
+    skipped = dict(vk.patch_model(extra_part).skipped)
+    assert "submodules ['adapter']" in skipped["0"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -150,9 +151,11 @@ def main(argv=None) -> int:
             details.append(f"\n### `{relative}`\n\n| line | code | why the simulated device does not run it |\n| --- | --- | --- |")
             details += [f"| {n} | `{code.replace('|', '/')[:90]}` | {reason} |" for n, code, reason in unrun]
     covered = 100 * (total_statements - total_missing) / max(1, total_statements)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     text = "\n".join([
         "# Coverage of the runtime modules under the simulated CUDA device (`make test-cuda-sim`)",
         "",
+        f"Measured at commit {commit.stdout.strip() or 'unknown'}. ",
         f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
         f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
         "The test tooling (`selftest`, `op_specs`, the GPU test runner) lives in `tools/`, outside the runtime. "
