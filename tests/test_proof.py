@@ -42,14 +42,14 @@ def fill_run(out):
 
 
 def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven(children, monkeypatch, tmp_path):
-    monkeypatch.setattr(_proof, "SECONDS_PER_CANDIDATE", 3)
+    monkeypatch.setattr(_proof, "SECONDS_PER_CANDIDATE", 10)  # the hang's; others take well under a second
     out = torch.zeros(3)
     tiles = ["first", "abort", "second", "raise", "hang", "last"]
     verdicts = _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out))
     assert verdicts["first"] is None and verdicts["second"] is None and verdicts["last"] is None
     assert verdicts["abort"].startswith("faulted in a child process (killed by SIGABRT")
     assert verdicts["raise"] == "raised in a child process: ValueError: tile raise refused"
-    assert verdicts["hang"].startswith("faulted in a child process (no progress for 3 s, killed")
+    assert verdicts["hang"].startswith("faulted in a child process (no progress for 10 s, killed")
     assert len(children) == 4  # a fresh child after the fault, the refusal and the hang
     assert torch.equal(out, torch.zeros(3))  # recorded, not run, in this process
     # kept: in memory, then on disk for another process
