@@ -171,3 +171,14 @@ def test_verdicts_and_choices_are_kept_per_driver(monkeypatch, tmp_path):
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert _tune_cache.environment()["driver"] == "none"
     assert DiskCache(tmp_path, "proofs").path != with_driver
+
+
+def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(children):
+    def run(tile):
+        if tile == "refused":
+            raise MemoryError("out of memory")
+        return fill_run(torch.zeros(1))(tile)
+
+    verdicts = _proof.verdicts("test", ("refusal",), CPU, ["refused", "first"], run)
+    assert verdicts == {"refused": "raised while recording its launches: MemoryError: out of memory", "first": None}
+    assert not any(" | 'refused'" in key for key in _proof._verdicts)  # not kept: may pass next time

@@ -45,6 +45,7 @@ PREFIX = "vit_kernels-proof:"
 STARTUP_SECONDS = 300  # for a child to import torch, triton and vit_kernels
 SECONDS_PER_CANDIDATE = 120  # for one candidate's launches, compiling included
 OK = "ok"
+RECORDING_RAISED = "raised while recording its launches: "  # this process's own launcher refused it
 CHILD = "from vit_kernels._proof import child_main; child_main()"
 
 
@@ -169,9 +170,10 @@ def verdicts(chooser: str, key: tuple, device: torch.device, candidates: Sequenc
         if recorded is None:
             return {}
         for tile, verdict in _prove(device, recorded).items():
-            _verdicts[keys[tile]] = verdict
-            _disk.put(keys[tile], {"verdict": verdict})
             found[tile] = verdict
+            if not verdict.startswith(RECORDING_RAISED):  # this process's refusal (out of memory...) is not kept
+                _verdicts[keys[tile]] = verdict
+                _disk.put(keys[tile], {"verdict": verdict})
     return {tile: None if verdict == OK else verdict for tile, verdict in found.items()}
 
 
@@ -195,7 +197,7 @@ def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
                 return None
             recorded[tile] = [describer.launch(*launch) for launch in launches]
         except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process
-            recorded[tile] = f"raised {type(error).__name__} while recording its launches: {_first_line(error)}"
+            recorded[tile] = f"{RECORDING_RAISED}{type(error).__name__}: {_first_line(error)}"
     return recorded, describer.spans
 
 
