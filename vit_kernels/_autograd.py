@@ -54,11 +54,10 @@ def differentiable(
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
-    forward = body
 
     def function_forward(ctx, *args):
         ctx.set_materialize_grads(False)  # an output without a gradient gives None, not a tensor of zeros
-        output = forward(*args)
+        output = body(*args)
         setup_context(ctx, args, output)
         return output
 
@@ -73,7 +72,7 @@ def differentiable(
             return op(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return Function.apply(*args)
-        return forward(*args)
+        return body(*args)
 
     call.__name__ = name
     return call

@@ -152,7 +152,8 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
 
 
-def _all_empty(outputs) -> bool:
+def all_empty(outputs) -> bool:
+    """Whether a candidate's outputs are all empty (or absent): an empty problem, nothing to decide."""
     return bool(outputs) and all(o is None or o.numel() == 0 for o in outputs)
 
 
@@ -169,11 +170,13 @@ def verdicts(chooser: str, key: tuple, device: torch.device, candidates: Sequenc
         recorded = _record(unproven, run)
         if recorded is None:
             return {}
+        kept = {}
         for tile, verdict in _prove(device, recorded).items():
             found[tile] = verdict
             if not verdict.startswith(RECORDING_RAISED):  # this process's refusal (out of memory...) is not kept
-                _verdicts[keys[tile]] = verdict
-                _disk.put(keys[tile], {"verdict": verdict})
+                kept[keys[tile]] = {"verdict": verdict}
+        _verdicts.update({disk_key: entry["verdict"] for disk_key, entry in kept.items()})
+        _disk.put_all(kept)
     return {tile: None if verdict == OK else verdict for tile, verdict in found.items()}
 
 
@@ -193,7 +196,7 @@ def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
         try:
             with _triton.recorded_launches() as launches:
                 outputs = run(tile)
-            if _all_empty(outputs):
+            if all_empty(outputs):
                 return None
             recorded[tile] = [describer.launch(*launch) for launch in launches]
         except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process

@@ -172,7 +172,7 @@ class TileChooser:
                 continue
             try:
                 outputs = run(tile)
-                if outputs and all(o is None or o.numel() == 0 for o in outputs):
+                if _proof.all_empty(outputs):
                     return None
                 problem = check(outputs)
             except Exception as error:  # a candidate that cannot run is excluded, not fatal

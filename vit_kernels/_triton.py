@@ -111,8 +111,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
     ``recorded_launches``."""
-    if _recorders and threading.get_ident() in _recorders:
-        _recorders[threading.get_ident()].append((kernel, grid, args, kwargs))
+    recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
+    if recorded is not None:
+        recorded.append((kernel, grid, args, kwargs))
     elif tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:  # eager: no tracing wrapper to build and consult on every launch

@@ -114,10 +114,15 @@ class DiskCache:
 
     def put(self, key: str, entry: dict) -> None:
         """Store ``entry`` and write the file (merged with the one on disk, atomically)."""
+        self.put_all({key: entry})
+
+    def put_all(self, entries: dict[str, dict]) -> None:
+        """Store every entry of ``entries`` and write the file once (merged, atomically); nothing to
+        write for none."""
         if self._entries is None:
             self._entries = self._read()
-        self._entries[key] = entry
-        if self.path is None:
+        self._entries.update(entries)
+        if self.path is None or not entries:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
