@@ -38,6 +38,7 @@ from typing import Callable, Optional, Union
 import torch
 
 import vit_kernels as vk
+from vit_kernels._timer import time_runs
 from vit_kernels import backend
 from tools.op_specs import OPS, SPECS, Shape
 
@@ -47,15 +48,14 @@ COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
 
-def loop_us(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Microseconds per call of ``calls`` back-to-back calls, synchronising only around the loop."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - started) / calls * 1e6
+def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
+    def loop():
+        with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
+            for _ in range(calls):
+                fn()
+
+    return loop
 
 
 def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -75,11 +75,6 @@ def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[],
     return lambda: spec.run(TINY, **inputs)
 
 
-def _timed_loop(name: str, fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
-        return loop_us(fn, device, calls)
-
-
 def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32, calls: int = 300,
                rounds: int = 7) -> dict[str, Union[str, float]]:
     """{"op": op, column: microseconds per call, or "n/a: <reason>", ...} for every column. The
@@ -92,19 +87,17 @@ def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32
         reason = _reason(op, name, device, dtype)
         if reason is None:
             try:
-                _timed_loop(name, _column(name, op, inputs), device, calls)
-                runs[name] = _column(name, op, inputs)
+                loop = _loop(name, _column(name, op, inputs), calls)
+                loop()
+                runs[name] = loop
             except backend.CannotRunError as error:
                 reason = str(error).splitlines()[0]
             except Exception as error:  # e.g. a Triton compile error at the tiny shape on a GPU
                 reason = f"failed: {type(error).__name__}: {error}".splitlines()[0][:200]
         if reason is not None:
             row[name] = f"n/a: {reason}"
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            samples[name].append(_timed_loop(name, fn, device, calls))
-    row.update({name: statistics.median(values) for name, values in samples.items()})
+    samples = time_runs(runs, device, rounds=rounds, back_to_back=True)
+    row.update({name: statistics.median(values) * 1e3 / calls for name, values in samples.items()})
     return {"op": op, **{name: row[name] for name in COLUMNS}}
 
 

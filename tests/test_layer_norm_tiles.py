@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import triton.testing
-
 import vit_kernels as vk
-from vit_kernels import _tiles
+from tests.helpers import fake_timer
+from vit_kernels import _tiles, _timer
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import layer_norm
@@ -67,8 +66,7 @@ def choosing_on_the_cpu(monkeypatch):
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     monkeypatch.setattr(layer_norm, "multiprocessors", lambda device: 2)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
-    monkeypatch.setattr(triton.testing, "do_bench",
-                        lambda fn, **kwargs: (fn(), times.get(fn.__defaults__[0], 1.0))[1])
+    monkeypatch.setattr(_timer, "time_runs", fake_timer(lambda tile: times.get(tile, 1.0)))
     layer_norm.FWD_CHOOSER.forget()
     layer_norm.BWD_CHOOSER.forget()
     yield times

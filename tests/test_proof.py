@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests import proof_kernels
-from tests.helpers import CUDA, device_reason
-from vit_kernels import _proof, _tiles
+from tests.helpers import CUDA, device_reason, fake_timer
+from vit_kernels import _proof, _tiles, _timer
 from vit_kernels._triton import HAS_TRITON, launch
 from vit_kernels._tune_cache import DiskCache
 
@@ -82,10 +82,8 @@ def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
 
 
 def test_a_chooser_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):
-    import triton.testing
-
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)  # proven in this process (conftest)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), 1.0)[1])
+    monkeypatch.setattr(_timer, "time_runs", fake_timer())
     ran = []
 
     def run(tile):

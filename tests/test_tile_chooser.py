@@ -10,9 +10,8 @@ from unittest import mock
 import pytest
 import torch
 
-import triton.testing
-
-from vit_kernels import _tiles
+from tests.helpers import fake_timer
+from vit_kernels import _tiles, _timer
 from tools.cuda_sim import simulated_cuda
 from vit_kernels.ops import attention
 
@@ -22,7 +21,7 @@ def measurable(monkeypatch):
     """Candidates may run (as on a GPU); ``times[tile]`` is what timing one returns."""
     times: dict = {}
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), times[fn.__defaults__[0]])[1])
+    monkeypatch.setattr(_timer, "time_runs", fake_timer(lambda tile: times[tile]))
     return times
 
 
@@ -246,7 +245,7 @@ def test_tile_validation_runs_without_autocast():
         return []
 
     with torch.autocast("cpu", dtype=torch.bfloat16), mock.patch.object(_tiles, "can_measure", lambda device: True), \
-            mock.patch("triton.testing.do_bench", lambda fn, **kwargs: fn() or 1.0):
+            mock.patch.object(_timer, "time_runs", fake_timer()):
         chooser.choose(("key",), torch.device("cpu"), [(1,)], run, lambda outputs: None)
     assert seen and not any(seen)
 
@@ -261,7 +260,7 @@ def test_tile_choices_persist_on_disk(tmp_path):
         return []
 
     patches = (mock.patch.object(_tiles, "can_measure", lambda device: True),
-               mock.patch("triton.testing.do_bench", lambda fn, **kwargs: fn() or float(calls[-1][0])))
+               mock.patch.object(_timer, "time_runs", fake_timer(lambda tile: float(tile[0]))))
     previous = _tiles._disk
     _tiles.set_cache_folder(tmp_path)
     try:

@@ -18,8 +18,9 @@ What a GPU would do is intercepted at six points only:
   gate (``tools.gpu_check``) compiles the recorded variants for the architecture;
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
-* timing: ``triton.testing.do_bench`` runs the function twice and reports 1 ms; what is measured
-  on the simulated device stays in memory (the on-disk caches of decisions, tiles and proofs are
+* timing: CUDA events report 1 ms, and ``auto`` and the tile choosers time 2 rounds instead of 25
+  (the project's one timer, ``vit_kernels._timer``, runs unchanged); what is measured on the
+  simulated device stays in memory (the on-disk caches of decisions, tiles and proofs are
   off);
 * proving tile candidates: the child process that would replay each candidate's recorded launches
   (``vit_kernels._proof``) is this process, replaying the same pickled launches (recorded again);
@@ -54,7 +55,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _proof, _signature, _tiles, backend
+from vit_kernels import _ext, _measure, _proof, _signature, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
@@ -292,12 +293,6 @@ def exceptions_caught() -> list[str]:
     return found
 
 
-def _fake_do_bench(fn, *args, **kwargs) -> float:
-    fn()
-    fn()
-    return 1.0
-
-
 class _Event:
     def __init__(self, *args, **kwargs):
         pass
@@ -378,7 +373,8 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
                           property(lambda ctx: tuple(_simulated(t) for t in _saved_tensors(ctx))), create=True),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
-        mock.patch("triton.testing.do_bench", _fake_do_bench),
+        mock.patch.object(_measure, "CUDA_REPEATS", 2),
+        mock.patch.object(_tiles, "TIMED_ROUNDS", 2),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
         mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),

@@ -25,8 +25,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -37,12 +37,12 @@ from tools import gpu_tests
 from vit_kernels import backend
 from tools.op_specs import SPECS, Shape
 from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
-from vit_kernels._tiles import FLOORS, relative_error, sibling_scale
+from vit_kernels._tiles import ERROR_RATIO, FLOORS, relative_error, sibling_scale
+from vit_kernels._timer import time_runs
 
 # A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
-# PyTorch's own in the same dtype, or at most the dtype's floor (a few rounding steps).
-ERROR_RATIO = 2.0
-ERROR_FLOORS = FLOORS  # the tile choosers' floors (vit_kernels._tiles), one table
+# PyTorch's own in the same dtype, or at most the dtype's floor: the tile choosers' rule and table.
+ERROR_FLOORS = FLOORS
 # ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
 SHAPE = Shape("vit_small_patch16_224", batch=4, tokens=197, dim=384, heads=6, hidden=1536, channels=3, image=224,
               patch=16)
@@ -132,17 +132,9 @@ def _time(fn: Callable, inputs: dict[str, torch.Tensor], device: torch.device) -
     def step():
         _run(fn, inputs, cotangents)
 
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(step, warmup=10, rep=50))
-    step()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
+    cuda = device.type == "cuda"
+    samples = time_runs({"step": step}, device, rounds=25 if cuda else 3, budget_s=0.5, warmup=3 if cuda else 1)
+    return statistics.median(samples["step"])
 
 
 def check_op(op: str, name: str, dtype: torch.dtype, device: torch.device, timed: bool) -> dict:

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from vit_kernels import _tiles
+from vit_kernels import _tiles, _timer
 
 # Repetitions: after one untimed run each (validation, which also compiles and warms caches), the
-# candidates are timed in interleaved rounds (A B C, A B C, ...: a burst of load from another process
-# hits all of them alike) until ``repeats`` rounds or ``budget_s`` seconds of timed runs. On CUDA the
-# median counts; on the CPU, shared with other processes, the minimum (the least disturbed run).
+# candidates are timed by ``_timer.time_runs`` in interleaved rounds, each run from an idle device,
+# until ``repeats`` rounds or ``budget_s`` seconds. On CUDA the median counts; on the CPU, shared with
+# other processes, the minimum (the least disturbed run).
 CPU_REPEATS, CPU_BUDGET_S = 10, 0.15
 CUDA_REPEATS, CUDA_BUDGET_S = 25, 0.3
 
@@ -80,11 +79,6 @@ class _Runner:
             return [o.detach() for o in outs], list(grads)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _mismatch(actual: tuple[list, list], own: tuple[list, list], exact: tuple[list, list],
               dtype: torch.dtype) -> Optional[str]:
     """Why a candidate's (outputs, gradients) are wrong, or None: the same tensors, shapes, and each
@@ -107,21 +101,9 @@ def _mismatch(actual: tuple[list, list], own: tuple[list, list], exact: tuple[li
 def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[float, float]]:
     """(ranking, median) milliseconds per run of each of ``runs``, timed in interleaved rounds."""
     repeats, budget = (CUDA_REPEATS, CUDA_BUDGET_S) if device.type == "cuda" else (CPU_REPEATS, CPU_BUDGET_S)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    spent = 0.0
-    for _ in range(repeats):
-        for name, run in runs.items():
-            _synchronize(device)
-            start = time.perf_counter()
-            run()
-            _synchronize(device)
-            elapsed = time.perf_counter() - start
-            times[name].append(elapsed)
-            spent += elapsed
-        if spent >= budget:
-            break
+    times = _timer.time_runs(runs, device, rounds=repeats, budget_s=budget)
     pick = statistics.median if device.type == "cuda" else min
-    return {name: (pick(t) * 1e3, statistics.median(t) * 1e3) for name, t in times.items()}
+    return {name: (pick(t), statistics.median(t)) for name, t in times.items()}
 
 
 def measure(

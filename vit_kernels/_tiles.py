@@ -6,8 +6,8 @@ an H100 a 16-bit attention tile gave a wrong dK), and the fastest one differs be
 first time a launcher meets a key (dtype, head dim, length, ...) on CUDA, each candidate is first
 proven in a child process (``vit_kernels._proof``: one that faults there is excluded and never runs
 here), then run on the call's own inputs; those whose outputs pass the launcher's check (at most
-twice PyTorch's own error in the same dtype, against a float32 reference) are timed with
-``triton.testing.do_bench`` and the fastest is kept for that key, in memory and on disk. Nothing is
+twice PyTorch's own error in the same dtype, against a float32 reference) are timed together
+(``_timer``) and the fastest is kept for that key, in memory and on disk. Nothing is
 run or timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's
 choice made earlier is used, else the first candidate (the default). With the interpreter (CPU
 tensors) the launcher runs its fixed small tile instead.
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from vit_kernels import _autograd, _proof, _signature
+from vit_kernels import _autograd, _proof, _signature, _timer
 from vit_kernels._triton import interpreted, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
@@ -65,6 +66,11 @@ def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
     return SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
 
 
+# The rule: a result is right when its error is at most ERROR_RATIO x PyTorch's own in the same dtype
+# (or below the dtype's floor, FLOORS below).
+ERROR_RATIO = 2.0
+
+
 def first_problem(parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
                   floor: float) -> Optional[str]:
     """None when every ``(name, actual, pytorch, reference)`` part is right, else the first failure:
@@ -75,8 +81,8 @@ def first_problem(parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.T
     scale = sibling_scale([reference for *_, reference in parts])
     for name, actual, pytorch, reference in parts:
         error, own = relative_error(actual, reference, scale), relative_error(pytorch, reference, scale)
-        if error > max(2 * own, floor):
-            return f"{name}: relative error {error:.2e} > 2 x PyTorch's {own:.2e} (floor {floor:.0e})"
+        if error > max(ERROR_RATIO * own, floor):
+            return f"{name}: relative error {error:.2e} > {ERROR_RATIO:g} x PyTorch's {own:.2e} (floor {floor:.0e})"
     return None
 
 
@@ -106,6 +112,10 @@ def can_measure(device: torch.device) -> bool:
     """Whether candidates may be run and timed now: on CUDA, outside tracing and graph capture."""
     return device.type == "cuda" and not _autograd.tracing() and not _signature.capturing_cuda_graph()
 
+
+# Valid candidates are timed by ``_timer.time_runs`` after one untimed round, each run from an idle
+# device, in interleaved rounds until TIMED_ROUNDS or TIMING_BUDGET_S seconds; the median counts.
+TIMED_ROUNDS, TIMING_BUDGET_S = 25, 0.3
 
 _disk = DiskCache(default_folder(), "tiles")
 
@@ -162,8 +172,6 @@ class TileChooser:
         return hit.tile
 
     def _measure(self, key, device, candidates, run, check) -> Optional[Choice]:
-        from triton.testing import do_bench
-
         proven = _proof.verdicts(self.name, key, device, candidates, run) if _proof.enabled() else {}
         trials: dict = {}
         for tile in candidates:
@@ -177,14 +185,16 @@ class TileChooser:
                 problem = check(outputs)
             except Exception as error:  # a candidate that cannot run is excluded, not fatal
                 problem = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            if problem is not None:
-                trials[tile] = f"invalid: {problem}"
-                continue
-            trials[tile] = do_bench(lambda tile=tile: run(tile), warmup=5, rep=20, return_mode="median")
-        timed = {tile: ms for tile, ms in trials.items() if isinstance(ms, float)}
-        if not timed:
+            trials[tile] = None if problem is None else f"invalid: {problem}"
+        valid = {tile: (lambda tile=tile: run(tile)) for tile, trial in trials.items() if trial is None}
+        if not valid:
             raise RuntimeError(f"vit_kernels: no {self.name} tile computes the right answer on this GPU for "
                                f"{key}: {trials}")
+        times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
+        for tile in trials:
+            if trials[tile] is None:
+                trials[tile] = statistics.median(times[tile])
+        timed = {tile: ms for tile, ms in trials.items() if isinstance(ms, float)}
         return Choice(min(timed, key=timed.get), trials)
 
     def pin(self, key: tuple, tile: Tile) -> None:
