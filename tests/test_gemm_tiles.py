@@ -26,7 +26,7 @@ from vit_kernels.ops import linear, patch_embed
 if "triton" not in CPU_BACKENDS:
     pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
-FP32_FAST_TO_SLOW = ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3))
+FP32_FAST_TO_SLOW = tuple(linear.GemmTile(*tile) for tile in ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3)))
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         assert tma_chosen == {(True, linear.EPILOGUE_GELU, tanh, True, False, none)}
 
 
-TMA_TILE = (32, 32, 32, 1, 1, linear.TMA)  # walked by 2 persistent programs under the interpreter
+TMA_TILE = linear.GemmTile(32, 32, 32, 1, 1, linear.TMA)  # walked by 2 persistent programs under the interpreter
 
 
 def spy_kernels(monkeypatch) -> list:
@@ -181,7 +181,7 @@ def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
     x, w, b, r = (torch.randn(70, 48).half(), (torch.randn(56, 48) / 7).half(), torch.randn(56).half(),
                   torch.randn(70, 56).half())
     results = []
-    for tile in (TMA_TILE, TMA_TILE[:5]):
+    for tile in (TMA_TILE, TMA_TILE._replace(kernel="pointer")):
         monkeypatch.setattr(linear, "_matmul_tile", lambda gemm, tile=tile: tile)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         with vk.use_backend("triton", strict=True):
@@ -286,14 +286,14 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
     for launch in device.launches:
         if launch.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel"):
             gemm = (launch.args[-3:], launch.kwargs["EPILOGUE"], launch.kwargs["SUMS"])
-            tma = (linear.TMA,) if launch.kernel.fn.__name__ == "_linear_tma_kernel" else ()
-            per_gemm.setdefault(repr(gemm), set()).add((launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"],
-                                                        launch.kwargs["BLOCK_K"], launch.kwargs["num_warps"],
-                                                        launch.kwargs["num_stages"]) + tma)
+            kernel = linear.TMA if launch.kernel.fn.__name__ == "_linear_tma_kernel" else "pointer"
+            per_gemm.setdefault(repr(gemm), set()).add(linear.GemmTile(
+                launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_K"],
+                launch.kwargs["num_warps"], launch.kwargs["num_stages"], kernel))
     # the ViT's 16-bit operands are all readable by descriptors: the TMA kernel's tiles too, each GEMM
     assert per_gemm and all(tiles == set(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA) for tiles in per_gemm.values())
     small = linear.gemm_candidates(dt, 50, 3072)
-    assert small and all(tile[0] <= 64 for tile in small)
+    assert small and all(tile.block_m <= 64 for tile in small)
     assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32
 
 

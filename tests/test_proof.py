@@ -118,7 +118,7 @@ def test_a_real_gemm_replays_in_a_child(children):
     gemm = linear._Gemm(a, b, torch.float32, torch.randn(9), linear.EPILOGUE_GELU, 0, torch.empty(13, 9), None,
                         linear.SUMS_NONE, 1, 64)
     run, _ = gemm.trial()
-    tiles = [linear.GEMM_INTERPRETER_TILE, (16, 16, 32, 1, 1)]
+    tiles = [linear.GEMM_INTERPRETER_TILE, linear.GemmTile(16, 16, 32, 1, 1)]
     assert _proof.verdicts("GEMM", gemm.key(), CPU, tiles, run) == dict.fromkeys(tiles)
     assert len(children) == 1
 

@@ -57,9 +57,10 @@ def pin(monkeypatch, module, name: str, tile) -> list:
 
 
 def tile_id(tile: tuple) -> str:
-    """(blocks..., warps, stages[, variant]) as text."""
-    *blocks, warps, stages = tile[:5] if len(tile) == 6 else tile
-    return "x".join(map(str, blocks)) + f"-w{warps}s{stages}" + "".join(f"-{v}" for v in tile[5:])
+    """(blocks..., warps, stages) as text, and a GEMM tile's kernel where it is not the pointer one."""
+    kernel = getattr(tile, "kernel", "pointer")
+    *blocks, warps, stages = tile[:5] if hasattr(tile, "kernel") else tile
+    return "x".join(map(str, blocks)) + f"-w{warps}s{stages}" + ("" if kernel == "pointer" else f"-{kernel}")
 
 
 # ---- attention ----------------------------------------------------------------------------------

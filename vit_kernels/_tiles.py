@@ -32,7 +32,12 @@ from vit_kernels import _autograd, _proof, _signature, _timer
 from vit_kernels._triton import interpreted, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
-Tile = tuple
+Tile = tuple  # a NamedTuple of one kernel's launch parameters, or a tuple of them (attention's pairs)
+
+
+def plain_repr(tile: tuple) -> str:
+    """A tile NamedTuple's ``__repr__``: the plain tuple, as reports, the caches and proofs key it."""
+    return repr(tuple(tile))
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,10 @@ class TileChooser:
             return hit.tile
         disk_key = None if _disk.path is None else f"{self.name} | {_signature.device_name(device)} | {key!r}"
         stored = None if disk_key is None else _disk.get(disk_key)
-        if stored is not None and _as_tile(stored["tile"]) in candidates:
-            hit = self._chosen[key] = Choice(_as_tile(stored["tile"]), {"from the tile cache": stored.get("trials")})
+        # the candidate equal to the stored tile (JSON keeps its values, not its NamedTuple type)
+        cached = None if stored is None else next((c for c in candidates if c == _as_tile(stored["tile"])), None)
+        if cached is not None:
+            hit = self._chosen[key] = Choice(cached, {"from the tile cache": stored.get("trials")})
             return hit.tile
         if not can_measure(device) or recording():  # recording: an outer chooser's proof, see _proof
             return candidates[0]

@@ -12,7 +12,7 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,8 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels.ops.rope import apply_rope, tables_4d
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
+from vit_kernels._tiles import (FLOORS, TileChooser, first_problem, plain_repr, reference_dtype, report_rows,
+                                tile_to_launch)
 from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, dot_precision, interpreted, launch, next_power_of_2, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -724,42 +725,58 @@ def _attention_probs_kernel(
         tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+class AttentionTile(NamedTuple):
+    """One launch configuration of an attention kernel: (query, key) blocks, warps, pipeline
+    stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    __repr__ = plain_repr
+
+
+def _tiles(*tiles: tuple) -> tuple[AttentionTile, ...]:
+    return tuple(AttentionTile(*tile) for tile in tiles)
+
+
+def _pairs(*pairs: tuple) -> tuple[tuple[AttentionTile, AttentionTile], ...]:
+    return tuple((AttentionTile(*dq), AttentionTile(*dkdv)) for dq, dkdv in pairs)
+
+
 # Launch configurations on a GPU, per (float32 or 16-bit, padded head dim): candidates that the
 # user's GPU validates and times (``vit_kernels._tiles``), the first one being the default where
-# nothing may be run (tracing, graph capture). Forward: (BLOCK_M, BLOCK_N, warps, stages). Backward:
-# (dQ tile, dK/dV tile) pairs, the dK/dV kernel (which keeps dK, dV, K and V tiles live across its
-# loop) with narrower query blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in
-# registers without tensor cores: smaller tiles. Every entry is compiled for sm_80 and sm_90 by
-# `make check-gpu`, which fails on spills, and run against float64 by the GPU tests (tests/test_tiles.py):
-# compiling is not correctness. On an H100 (triton 3.6, benchmarks/results/h100-2026-11-22.md) the 16-bit
-# head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at head dims 80-128,
-# while (16, 32, 4, 1), (16, 32, 8, 1) and (32, 32, 4, 1) were right: only right ones are listed.
-# At head dim 64 the best of 25 backward pairs tried there was dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2),
-# 0.463 ms against the then first pair's 0.632 ms of the whole forward + backward: it is the default
-# now. The 16-bit head-dim-64 and -128 lists also hold 128-row, 8-warp forward tiles (two warpgroups
-# of 64 rows on sm_90) at 2 to 4 stages, and backward pairs with 128-row dQ or 128-key dK/dV tiles:
-# candidates, run and checked by the chooser on the user's GPU before any is kept.
+# nothing may be run (tracing, graph capture). Forward: tiles. Backward: (dQ tile, dK/dV tile) pairs,
+# the dK/dV kernel (which keeps dK, dV, K and V tiles live across its loop) with narrower query
+# blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in registers without tensor
+# cores: smaller tiles. The 16-bit lists hold 128-row, 8-warp forward tiles (two warpgroups of 64
+# rows on sm_90) and backward pairs with 128-row dQ or 128-key dK/dV tiles. Every entry is compiled
+# for sm_80 and sm_90 by `make check-gpu` (no spills) and run against float64 by the GPU tests
+# (tests/test_tiles.py). The defaults are the fastest right ones an H100 measured, and the 16-bit
+# head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2), which computed a wrong dK there, are
+# left out (benchmarks/results/h100-2026-11-22.md).
 ATTENTION_FWD_TILES = {
-    (False, 64): ((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                  (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4)),
-    (False, 128): ((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2),
-                   (64, 64, 4, 3)),
-    (False, 256): ((64, 32, 8, 1), (32, 32, 4, 1)),
-    (True, 64): ((32, 32, 4, 2), (64, 32, 8, 2)),
-    (True, 128): ((32, 32, 8, 1), (16, 32, 8, 1)),
-    (True, 256): ((16, 32, 4, 1),),
+    (False, 64): _tiles((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                        (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4)),
+    (False, 128): _tiles((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                         (64, 64, 4, 3)),
+    (False, 256): _tiles((64, 32, 8, 1), (32, 32, 4, 1)),
+    (True, 64): _tiles((32, 32, 4, 2), (64, 32, 8, 2)),
+    (True, 128): _tiles((32, 32, 8, 1), (16, 32, 8, 1)),
+    (True, 256): _tiles((16, 32, 4, 1)),
 }
 ATTENTION_BWD_TILES = {
-    (False, 64): (((64, 64, 4, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (32, 64, 4, 2)),
-                  ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2)),
-                  ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 64, 4, 2)),
-                  ((64, 64, 4, 3), (64, 128, 8, 2))),
-    (False, 128): (((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
-                   ((32, 32, 4, 2), (16, 32, 4, 1))),
-    (False, 256): (((32, 32, 8, 1), (16, 32, 8, 1)),),
-    (True, 64): (((32, 32, 4, 1), (16, 32, 4, 1)),),
-    (True, 128): (((16, 32, 4, 1), (16, 32, 8, 1)),),
-    (True, 256): (((16, 16, 4, 1), (16, 16, 8, 1)),),
+    (False, 64): _pairs(((64, 64, 4, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (32, 64, 4, 2)),
+                        ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2)),
+                        ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 64, 4, 2)),
+                        ((64, 64, 4, 3), (64, 128, 8, 2))),
+    (False, 128): _pairs(((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
+                         ((32, 32, 4, 2), (16, 32, 4, 1))),
+    (False, 256): _pairs(((32, 32, 8, 1), (16, 32, 8, 1))),
+    (True, 64): _pairs(((32, 32, 4, 1), (16, 32, 4, 1))),
+    (True, 128): _pairs(((16, 32, 4, 1), (16, 32, 8, 1))),
+    (True, 256): _pairs(((16, 16, 4, 1), (16, 16, 8, 1))),
 }
 # A rotating call's kernels load per block two more q or k tiles (the partner columns) and the
 # cos and sin tiles, each buffered once per pipeline stage: at 3 stages the 16-bit head-dim-64
@@ -798,19 +815,19 @@ def _fit(tile: int, seq_len: int) -> int:
     return max(16, min(tile, next_power_of_2(int(seq_len))))
 
 
-def _fitted(tile: tuple, seq_len: int, extra_loads: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps, stages) with both blocks fitted to the sequence; for a rotating or
-    masked call (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages."""
-    bm, bn, warps, stages = tile
-    return _fit(bm, seq_len), _fit(bn, seq_len), warps, min(stages, EXTRA_LOADS_MAX_STAGES) if extra_loads else stages
+def _fitted(tile: AttentionTile, seq_len: int, extra_loads: bool = False) -> AttentionTile:
+    """``tile`` with both blocks fitted to the sequence; for a rotating or masked call
+    (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages."""
+    return AttentionTile(_fit(tile.block_m, seq_len), _fit(tile.block_n, seq_len), tile.warps,
+                         min(tile.stages, EXTRA_LOADS_MAX_STAGES) if extra_loads else tile.stages)
 
 
 def _unique(tiles) -> tuple:
     return tuple(dict.fromkeys(tiles))
 
 
-def _mask_fits(tile: tuple) -> bool:
-    return tile[0] * tile[1] <= MASK_MAX_TILE
+def _mask_fits(tile: AttentionTile) -> bool:
+    return tile.block_m * tile.block_n <= MASK_MAX_TILE
 
 
 def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False,
@@ -839,9 +856,9 @@ def _tail_block(block: int, seq_len: int) -> int:
     return 0 if rest == 0 else max(16, next_power_of_2(rest))
 
 
-def _interpreter_tile(seq_len: int) -> tuple:
-    tile = _fit(INTERPRETER_TILE, seq_len)
-    return tile, tile, 1, 1
+def _interpreter_tile(seq_len: int) -> AttentionTile:
+    block = _fit(INTERPRETER_TILE, seq_len)
+    return AttentionTile(block, block, 1, 1)
 
 
 def _row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:

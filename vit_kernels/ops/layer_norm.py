@@ -8,14 +8,15 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
+from vit_kernels._tiles import (FLOORS, TileChooser, first_problem, plain_repr, reference_dtype, report_rows,
+                                tile_to_launch)
 from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, launch, multiprocessors, next_power_of_2, tl, triton
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -128,6 +129,25 @@ def _rows_per_program(block_d: int) -> int:
     return max(1, min(16, 4096 // block_d))
 
 
+class ForwardTile(NamedTuple):
+    """A forward launch configuration: rows per program, warps."""
+
+    rows: int
+    warps: int
+
+    __repr__ = plain_repr
+
+
+class BackwardTile(NamedTuple):
+    """A backward launch configuration: rows per tile, programs per SM, warps."""
+
+    rows: int
+    programs_per_sm: int
+    warps: int
+
+    __repr__ = plain_repr
+
+
 # Launch configurations are candidates that the user's GPU validates and times (vit_kernels/_tiles.py)
 # per key (dtype, padded width, which of residual / weight / bias, rows bucket); the first of each
 # list is the default (the interpreter's, and the one used while tracing before a choice is made).
@@ -142,24 +162,24 @@ def _per_thread_ok(elements: int, warps: int, low: int, high: int) -> bool:
 
 
 @functools.cache  # asked on every launch: a decided call looks the tile up, and the list stays
-def fwd_candidates(block_d: int) -> tuple[tuple[int, int], ...]:
+def fwd_candidates(block_d: int) -> tuple[ForwardTile, ...]:
     """(rows, warps) forward tiles for rows padded to ``block_d``: the default, then every tile of
     1-8 rows whose threads each hold 8-16 values of a row tile."""
     rows = _rows_per_program(block_d)
-    tiles = [(rows, _warps(rows * block_d, 1024))]
+    tiles = [ForwardTile(rows, _warps(rows * block_d, 1024))]
     for rows in (1, 2, 4, 8):
         for warps in (1, 2, 4, 8, 16):
             if rows * block_d <= 16384 and _per_thread_ok(rows * block_d, warps, 8, 16) and (rows, warps) not in tiles:
-                tiles.append((rows, warps))
+                tiles.append(ForwardTile(rows, warps))
     return tuple(tiles)
 
 
 @functools.cache
-def bwd_candidates(block_d: int) -> tuple[tuple[int, int, int], ...]:
+def bwd_candidates(block_d: int) -> tuple[BackwardTile, ...]:
     """(rows, programs per SM, warps) backward tiles: the default, then tiles of 1-4 rows whose
     threads each hold 8-16 values of a row tile, each with every BWD_PROGRAMS_PER_SM."""
     rows = _rows_per_program(block_d)
-    default = (rows, BWD_PROGRAMS_PER_SM[0], _warps(rows * block_d, 512))
+    default = BackwardTile(rows, BWD_PROGRAMS_PER_SM[0], _warps(rows * block_d, 512))
     tiles = [default]
     for rows in (1, 2, 4):
         for warps in (1, 2, 4, 8, 16):
@@ -167,7 +187,7 @@ def bwd_candidates(block_d: int) -> tuple[tuple[int, int, int], ...]:
                 continue
             for per_sm in BWD_PROGRAMS_PER_SM:
                 if (rows, per_sm, warps) not in tiles:
-                    tiles.append((rows, per_sm, warps))
+                    tiles.append(BackwardTile(rows, per_sm, warps))
     return tuple(tiles)
 
 

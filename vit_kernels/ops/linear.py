@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -260,42 +260,58 @@ def _gelu_bwd_kernel(
 
 # GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): candidates that
 # the user's GPU validates and times per key (``vit_kernels._tiles``: dtype, epilogue, size bucket,
-# operand layout), the first one being the default where nothing may be run (tracing, graph capture):
-# for 16 bits the 128 x 128 x 64 tile that led the autotune list before (no GPU has timed the new
-# tiles yet, so none of them is promoted without a measurement). 16-bit inputs use tensor cores (mma on sm_80, wgmma on sm_90). The 128 x 256, 256 x 128 and
+# operand layout), the first one being the default where nothing may be run (tracing, graph capture),
+# for 16 bits 128 x 128 x 64, the one tile a GPU has timed. 16-bit inputs use tensor cores (mma on
+# sm_80, wgmma on sm_90). The 128 x 256, 256 x 128 and
 # 128 x 128 x 128 tiles are the Hopper ones (8 warps as two warpgroups, 3 stages: 144-192 KB of
 # shared memory on sm_90, within its 227 KB, and 96-128 KB on sm_80, whose pipeline keeps one stage
 # fewer); the 64-wide ones serve small problems and sm_80. float32 stays exact (ieee FMA, no tf32),
 # where a 128 x 128 fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every
 # entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills and on shared
 # memory over the limit, and run against float64 by the GPU tests (tests/test_tiles.py).
-GEMM_TILES_16BIT = (
+TMA = "tma"
+
+
+class GemmTile(NamedTuple):
+    """One launch configuration of a GEMM kernel: its blocks, warps and pipeline stages, and which
+    kernel runs it (``"pointer"``, or ``TMA`` for the persistent TMA kernel). Shown as the plain
+    tuple, without the kernel where it is the pointer one."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    kernel: str = "pointer"
+
+    def __repr__(self) -> str:
+        return repr(tuple(self) if self.kernel != "pointer" else tuple(self)[:5])
+
+
+GEMM_TILES_16BIT = tuple(GemmTile(*tile) for tile in (
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
     (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-)
-GEMM_TILES_FP32 = ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
-# The persistent TMA kernel's tiles (``_linear_tma_kernel``; a tile's sixth entry names the
-# variant), offered beside the table above on sm_90+ for 16-bit operands that TMA can read (one unit
-# stride, the other 16-byte aligned, 16-byte aligned data): the shapes of Triton's persistent
-# Hopper matmul (128 x 256 and 128 x 128 with 8 warps as two warpgroups, 3-4 stages of 32-48 KB).
-# Never the default: the user's GPU validates and times them against the pointer kernel's tiles.
-TMA = "tma"
-GEMM_TILES_TMA = (
-    (128, 256, 64, 8, 3, TMA), (128, 128, 64, 8, 4, TMA), (256, 128, 64, 8, 3, TMA), (128, 128, 64, 4, 4, TMA),
-    (128, 128, 128, 8, 3, TMA),
-)
-GEMM_INTERPRETER_TILE = (32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
+))
+GEMM_TILES_FP32 = tuple(GemmTile(*tile) for tile in ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3)))
+# The persistent TMA kernel's tiles (``_linear_tma_kernel``), offered beside the table above on
+# sm_90+ for 16-bit operands that TMA can read (one unit stride, the other 16-byte aligned, 16-byte
+# aligned data): the shapes of Triton's persistent Hopper matmul (128 x 256 and 128 x 128 with 8
+# warps as two warpgroups, 3-4 stages of 32-48 KB). Never the default: the user's GPU validates and
+# times them against the pointer kernel's tiles.
+GEMM_TILES_TMA = tuple(GemmTile(*tile, TMA) for tile in (
+    (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+))
+GEMM_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
 GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles shared in L2)
-MAX_BLOCK_K = max(tile[2] for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32)  # split-K slices are multiples of it
+MAX_BLOCK_K = max(tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32)  # split-K slices are multiples of it
 VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
 GEMM_CHOOSER = TileChooser("GEMM")
 
 
-def gemm_config(tile: tuple) -> dict:
-    """A (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, variant]) tile as the GEMM kernels' launch keywords."""
-    block_m, block_n, block_k, warps, stages = tile[:5]
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": GEMM_GROUP_M,
-            "num_warps": warps, "num_stages": stages}
+def gemm_config(tile: GemmTile) -> dict:
+    """A tile as the GEMM kernels' launch keywords."""
+    return {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "GROUP_M": GEMM_GROUP_M,
+            "num_warps": tile.warps, "num_stages": tile.stages}
 
 
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
@@ -307,7 +323,7 @@ def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tu
     max(64, m) rows and max(64, n) columns; the table's smallest tile where none is left)."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
     tiles += GEMM_TILES_TMA if tma else ()
-    fitting = tuple(t for t in tiles if t[0] <= max(64, m) and t[1] <= max(64, n))
+    fitting = tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
     return fitting or tiles[-1:]
 
 
@@ -432,7 +448,7 @@ class _Gemm:
     def result(self, c: torch.Tensor) -> torch.Tensor:
         return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
 
-    def launch(self, tile: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def launch(self, tile: GemmTile, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
         SAVE_PREACT) -> the partial sums asked for (float32: per tile row (cdiv(M, BLOCK_M), N) of C's
         columns, per K slice (slices, M) of A's rows), else None. A tile naming the TMA variant runs
@@ -455,7 +471,7 @@ class _Gemm:
                    *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)))
         flags = dict(HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, GELU_FORM=self.gelu_form, SAVE_PREACT=aux is not None,
                      HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype))
-        if tile[5:] == (TMA,) and tma_possible(a, b):
+        if tile.kernel == TMA and tma_possible(a, b):
             a_t, b_t = tma_transposed(a), tma_transposed(b)
             bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
             a_desc = TensorDescriptor.from_tensor(a.t(), [bk, bm]) if a_t else TensorDescriptor.from_tensor(a, [bm, bk])

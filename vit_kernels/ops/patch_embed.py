@@ -17,7 +17,8 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
-from vit_kernels.ops.linear import GEMM_INTERPRETER_TILE, gemm_candidates, gemm_config, grouped_tile, split_k_slices
+from vit_kernels.ops.linear import (GEMM_INTERPRETER_TILE, GemmTile, gemm_candidates, gemm_config, grouped_tile,
+                                    split_k_slices)
 
 
 @triton.jit
@@ -211,7 +212,7 @@ if HAS_TRITON:
                      PRECISION=dot_precision(images.dtype))
         return out, args, flags
 
-    def _launch_fwd(args: tuple, flags: dict, tile: tuple) -> None:
+    def _launch_fwd(args: tuple, flags: dict, tile: GemmTile) -> None:
         rows, dim = args[6], args[7]
         config = gemm_config(tile)
         launch(_patch_embed_fwd_kernel, (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),),

@@ -27,7 +27,8 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors, tl, triton
-from vit_kernels.ops.linear import _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile, validation_rows
+from vit_kernels.ops.linear import (GemmTile, _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile,
+                                    validation_rows)
 
 
 # H = silu(G) * U with G = A @ Bg + bg, U = A @ Bu + bu (A = X (M, K); Bg = W_g^T, Bu = W_u^T (K, N),
@@ -126,9 +127,10 @@ def _swiglu_bwd_kernel(
 # (ieee FMA) takes 32-wide tiles (64 x 32 used stack on sm_90). The default 128 x 64 x 64, 8 warps,
 # is the single GEMM's default tile with its columns halved; no GPU has timed these tiles yet. Every
 # entry is compiled for sm_80 and sm_90 by `make check-gpu`.
-SWIGLU_TILES_16BIT = ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3))
-SWIGLU_TILES_FP32 = ((32, 64, 32, 4, 3), (32, 32, 32, 4, 3))
-SWIGLU_INTERPRETER_TILE = (32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
+SWIGLU_TILES_16BIT = tuple(GemmTile(*tile) for tile in (
+    (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3)))
+SWIGLU_TILES_FP32 = (GemmTile(32, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 3))
+SWIGLU_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
 SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM")
 
 
@@ -136,7 +138,7 @@ def swiglu_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:
     """The tiles a GPU tries for an (m x n) H with operands of ``dtype``: the dtype's table without
     tiles much larger than the problem (the table's smallest where none is left)."""
     tiles = SWIGLU_TILES_FP32 if dtype == torch.float32 else SWIGLU_TILES_16BIT
-    fitting = tuple(t for t in tiles if t[0] <= max(64, m) and t[1] <= max(64, n))
+    fitting = tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
     return fitting or tiles[-1:]
 
 
@@ -163,7 +165,7 @@ class _DualGemm:
         g, u = (torch.empty(preact, dtype=h.dtype, device=h.device) for _ in range(2))
         return h, g, u
 
-    def launch(self, tile: tuple, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
+    def launch(self, tile: GemmTile, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
         m, k = x2.shape
         n = wg.shape[0]
@@ -224,7 +226,7 @@ class _DualGemm:
         return run, check
 
 
-def _dual_tile(gemm: _DualGemm) -> tuple:
+def _dual_tile(gemm: _DualGemm) -> GemmTile:
     """The tile the dual GEMM launches: see ``vit_kernels._tiles.tile_to_launch``."""
     m, n = int(gemm.x2.shape[0]), int(gemm.gate_weight.shape[0])
     return tile_to_launch(SWIGLU_CHOOSER, gemm.x2.device, gemm.key, lambda: SWIGLU_INTERPRETER_TILE,
