@@ -72,12 +72,11 @@ test-all: $(STAMP)
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
 # without a GPU it confirms what it collects, says so and passes. The tile tables and the files the
 # GPU runs found wrong go first (FIRST of tools/gpu_tests.py, as in the GPU report); with
-# pytest-xdist installed, GPU_TEST_WORKERS processes share the GPU (compiling the kernels is most of
-# the time), each test's CUDA faults staying its own (tests/conftest.py).
-GPU_TEST_WORKERS ?= 8
+# pytest-xdist installed, GPU_TEST_WORKERS processes (tools/gpu_tests.py, default 8) share the GPU
+# (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
+		workers=$$($(PY) -c "from tools.gpu_tests import xdist_args; print(*xdist_args())"); \
 		first=$$($(PY) -c "from tools.gpu_tests import FIRST; print(*('tests/' + f for f in FIRST))"); \
 		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests"; \
 		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests; \

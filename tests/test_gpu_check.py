@@ -65,8 +65,8 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
         meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)).shape))
     assert shapes == [(64, 197, 3072)]
     variants = [v for launch in launches for v in expand(launch)]
-    tiles = first_seen((v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
-                        v.kwargs["num_stages"]) + ((linear.TMA,) if v.name == "_linear_tma_kernel" else ())
+    tiles = first_seen(linear.GemmTile(v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
+                                       v.kwargs["num_stages"], linear.TMA if v.name == "_linear_tma_kernel" else "pointer")
                        for v in variants)
     assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
     assert tiles == list(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA)

@@ -80,12 +80,14 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
             "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:]}
 
 
-# pytest-xdist's worker processes, where it is installed: compiling the kernels for the device is most
-# of a GPU run's time, and a CUDA fault then costs one worker (tests/conftest.py), not the run.
-WORKERS = 8
+# pytest-xdist's worker processes, where it is installed (GPU_TEST_WORKERS, default 8): compiling the
+# kernels for the device is most of a GPU run's time, and a CUDA fault then costs one worker
+# (tests/conftest.py), not the run. make test-gpu and the GPU report both take them from here.
+WORKERS = int(os.environ.get("GPU_TEST_WORKERS", "8"))
 
 
-def _workers() -> list[str]:
+def xdist_args() -> list[str]:
+    """pytest's arguments for WORKERS worker processes, none without pytest-xdist."""
     return ["-n", str(WORKERS)] if importlib.util.find_spec("xdist") is not None else []
 
 
@@ -93,7 +95,7 @@ def run_gpu_tests(timeout_s: Optional[float] = None) -> dict:
     """``pytest -q -m gpu tests/`` (on WORKERS processes with pytest-xdist): exit code, ``counts``
     (passed, failed, skipped, errors, deselected), ``passed`` (exit 0 only) and the output's tail
     when it failed."""
-    result = _pytest(["-q", "-m", "gpu", *_workers()], timeout_s)
+    result = _pytest(["-q", "-m", "gpu", *xdist_args()], timeout_s)
     if result["ran"]:
         result.update(counts=counts(result.get("summary", "")), passed=passed(result["exit_code"]))
         if result["exit_code"] == NO_TESTS_COLLECTED:

@@ -6,8 +6,8 @@ an H100 a 16-bit attention tile gave a wrong dK), and the fastest one differs be
 first time a launcher meets a key (dtype, head dim, length, ...) on CUDA, each candidate is first
 proven in a child process (``vit_kernels._proof``: one that faults there is excluded and never runs
 here), then run on the call's own inputs; those whose outputs pass the launcher's check (at most
-twice PyTorch's own error in the same dtype, against a float32 reference) are timed together
-(``_timer``) and the fastest is kept for that key, in memory and on disk. Nothing is
+twice PyTorch's own error in the same dtype, against a float32 reference) are timed together by
+the one timer (``_timer``) and the fastest is kept for that key, in memory and on disk. Nothing is
 run or timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's
 choice made earlier is used, else the first candidate (the default). With the interpreter (CPU
 tensors) the launcher runs its fixed small tile instead.

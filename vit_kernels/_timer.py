@@ -37,7 +37,6 @@ def time_runs(runs: Mapping[Hashable, Callable[[], object]], device: torch.devic
     untimed rounds, then timed rounds until ``rounds`` of them or, after ``min_rounds``, until the
     timed rounds have taken ``budget_s`` seconds of the host's wall time (back to back on CUDA the
     host may be ahead of the device: ``rounds`` bounds the device's time)."""
-    cuda = device.type == "cuda"
     for _ in range(warmup):
         for run in runs.values():
             run()
@@ -47,7 +46,7 @@ def time_runs(runs: Mapping[Hashable, Callable[[], object]], device: torch.devic
     started = time.perf_counter()
     for done in range(1, rounds + 1):
         for name, run in runs.items():
-            if not cuda:
+            if device.type != "cuda":
                 start = time.perf_counter()
                 run()
                 samples[name].append((time.perf_counter() - start) * 1e3)

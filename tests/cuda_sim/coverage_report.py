@@ -22,6 +22,7 @@ import coverage
 RULES = (  # (text in the enclosing condition or statement, reason)
     ("interpreted(", "interpreter branch (CPU tensors under TRITON_INTERPRET=1): run by make test"),
     ('type == "cpu"', "CPU branch: run by make test"),
+    ('type != "cuda"', "CPU branch: run by make test"),
     ("HAS_TRITON", "triton not installed: run where it is absent"),
     ("tracing()", "tracing branch (torch.compile, export): run by tests/test_compile.py"),
     ("is_compiling", "tracing branch (torch.compile, export): run by tests/test_compile.py"),
