@@ -133,7 +133,8 @@ def _time(fn: Callable, inputs: dict[str, torch.Tensor], device: torch.device) -
         _run(fn, inputs, cotangents)
 
     cuda = device.type == "cuda"
-    samples = time_runs({"step": step}, device, rounds=25 if cuda else 3, budget_s=0.5, warmup=3 if cuda else 1)
+    samples = time_runs({"step": step}, device, rounds=25 if cuda else 3, budget_s=0.5, min_rounds=3,
+                        warmup=3 if cuda else 1)
     return statistics.median(samples["step"])
 
 

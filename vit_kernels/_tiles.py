@@ -161,7 +161,8 @@ class TileChooser:
         disk_key = None if _disk.path is None else f"{self.name} | {_signature.device_name(device)} | {key!r}"
         stored = None if disk_key is None else _disk.get(disk_key)
         # the candidate equal to the stored tile (JSON keeps its values, not its NamedTuple type)
-        cached = None if stored is None else next((c for c in candidates if c == _as_tile(stored["tile"])), None)
+        stored_tile = None if stored is None else _as_tile(stored["tile"])
+        cached = next((c for c in candidates if c == stored_tile), None)
         if cached is not None:
             hit = self._chosen[key] = Choice(cached, {"from the tile cache": stored.get("trials")})
             return hit.tile
@@ -198,10 +199,8 @@ class TileChooser:
             raise RuntimeError(f"vit_kernels: no {self.name} tile computes the right answer on this GPU for "
                                f"{key}: {trials}")
         times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
-        for tile in trials:
-            if trials[tile] is None:
-                trials[tile] = statistics.median(times[tile])
-        timed = {tile: ms for tile, ms in trials.items() if isinstance(ms, float)}
+        timed = {tile: statistics.median(samples) for tile, samples in times.items()}
+        trials.update(timed)
         return Choice(min(timed, key=timed.get), trials)
 
     def pin(self, key: tuple, tile: Tile) -> None:
