@@ -77,9 +77,9 @@ test-all: $(STAMP)
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		workers=$$($(PY) -c "from tools.gpu_tests import xdist_args; print(*xdist_args())"); \
-		first=$$($(PY) -c "from tools.gpu_tests import FIRST; print(*('tests/' + f for f in FIRST))"); \
-		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests"; \
-		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$first tests; \
+		files=$$($(PY) -c "from tools.gpu_tests import ordered_test_files; print(*ordered_test_files())"); \
+		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files"; \
+		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files; \
 	else \
 		out=$$(env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu --collect-only $(PYTEST_ARGS)); code=$$?; \
 		echo "$$out" | tail -n 1; \

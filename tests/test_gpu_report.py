@@ -4,6 +4,9 @@ no GPU, and list what a spent time budget left out; the targets table; the host-
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ import torch
 from benchmarks import gpu_report, host_overhead, targets
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import Context
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CPU_PART = "environment,gpu_tests,selftest,host_overhead,block_traffic"
 
@@ -110,3 +115,22 @@ def test_a_gpu_test_run_stopped_by_its_budget_reports_what_ran():
                                                       "counts_so_far": gpu_tests.progress(output), "tail": []}))
     assert "by then 16 passed, 1 failed, 1 errors, 1 skipped" in text
     assert gpu_tests.FIRST[0] == "test_tiles.py"
+
+
+def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():
+    """pytest orders a folder passed beside some of its own files by the folder: the ordered list
+    must collect the FIRST files first, and exactly the tests the folder holds."""
+    from tools import gpu_tests
+
+    def collected(paths: list[str]) -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                               "-m", "gpu", *paths], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if "::" in line]
+
+    ordered = collected(gpu_tests.ordered_test_files())
+    assert ordered[0].startswith("tests/" + gpu_tests.FIRST[0] + "::")
+    files = list(dict.fromkeys(node.split("::")[0] for node in ordered))
+    first = ["tests/" + name for name in gpu_tests.FIRST]
+    assert files[:len(first)] == first
+    assert sorted(ordered) == sorted(collected(["tests"]))

@@ -46,6 +46,15 @@ def _environment() -> dict[str, str]:
 # has covered them: every tile of every table, then the ops whose kernels the GPU runs found wrong.
 FIRST = ("test_tiles.py", "test_attention.py", "test_extension.py", "test_layer_norm.py", "test_compile.py",
          "test_capture_rules.py")
+
+
+def ordered_test_files() -> list[str]:
+    """tests/'s test files, the FIRST ones first, each named once: pytest collects a folder named
+    beside its own files in the folder's order, so the folder itself is never passed."""
+    rest = sorted(path.name for path in TESTS.glob("test_*.py") if path.name not in FIRST)
+    return [str(TESTS / name) for name in (*FIRST, *rest) if (TESTS / name).is_file()]
+
+
 _PROGRESS = re.compile(r"^([.FEsxX]+)\s*\[\s*\d+%\]$")
 
 
@@ -62,8 +71,7 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
     of what ran by then."""
     if not TESTS.is_dir():
         return {"ran": False, "why": "no tests/ folder beside the package (not a source checkout)"}
-    first = [str(TESTS / name) for name in FIRST if (TESTS / name).is_file()]
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, *first, str(TESTS)]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, *ordered_test_files()]
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=TESTS.parent, env=_environment(), capture_output=True, text=True,
