@@ -3,6 +3,7 @@ expansion, real ahead-of-time compiles for sm_80/sm_90 with resource usage, the 
 analysis on real Triton IR, and the ptxas log parser."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -129,6 +130,26 @@ def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
     assert tma.error is None and tma.spill_bytes == 0 and tma.tma and tma.tensor_cores == "wgmma"
     assert pointer.error is None and not pointer.tma
     assert linear._linear_tma_kernel.min_capability == 90
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_gemms_sum_each_k_block_from_zero_on_sm90(dtype):
+    """Triton folds acc + dot(a, b, 0) into dot(a, b, acc): in the compiled float32 GEMM each K
+    block's dot must still start from a zero that is not a constant, its sum added after, so the
+    rounding errors do not run through one K-long FMA chain; 16-bit dots accumulate in place."""
+    launches = recorded(lambda: linear.linear_triton(meta(dtype, 34, 1023), meta(dtype, 64, 1023)))
+    (variant, *_) = expand(launches[0])
+    compiled = compile_variant(variant, 90, bind(variant, 90))
+    assert compiled.error is None
+    loop = compiled.ttir[compiled.ttir.index("scf.for"):]
+    dot = re.search(r"(%\S+) = tt\.dot \S+, \S+, (%\S+)", loop)
+    assert dot is not None, loop[:3000]
+    constant_zeros = set(re.findall(r"(%\S+) = arith\.constant dense<0\.0+e\+00>", compiled.ttir))
+    added = re.search(rf"arith\.addf (%\S+, {re.escape(dot.group(1))}|{re.escape(dot.group(1))}, %\S+)", loop)
+    if dtype == torch.float32:
+        assert dot.group(2) not in constant_zeros and added is not None, loop[:3000]
+    else:
+        assert added is None
 
 
 @triton.jit

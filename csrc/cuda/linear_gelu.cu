@@ -27,11 +27,27 @@ namespace {
 constexpr const char* kForward = "vit_kernels::bias_gelu";
 constexpr const char* kBackward = "vit_kernels::bias_gelu_backward";
 
+// (1 + tanh u, 1 - tanh^2 u) without cancellation where tanh u nears -1 or 1: with e = exp(-2|u|)
+// in [0, 1], 1 + tanh u = 2 / (1 + e) for u >= 0 and 2e / (1 + e) below, 1 - tanh^2 u = 4e / (1 + e)^2.
+struct TanhTerms {
+  float one_plus_t, sech2;
+};
+
+__device__ __forceinline__ TanhTerms tanh_terms(float u) {
+  const float e = expf(-2.0f * fabsf(u));
+  const float inv = 1.0f / (1.0f + e);
+  return {u >= 0.0f ? 2.0f * inv : 2.0f * e * inv, 4.0f * e * inv * inv};
+}
+
+__device__ __forceinline__ float tanh_gelu_arg(float z) {
+  return 0.7978845608028654f * (z + 0.044715f * z * z * z);
+}
+
+// quick form: 1 - s = sigmoid(-1.702 z), computed as such rather than by cancellation.
 template <int kForm>
 __device__ __forceinline__ float gelu(float z) {
   if constexpr (kForm == kGeluTanh) {
-    const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
-    return 0.5f * z * (1.0f + tanhf(u));
+    return 0.5f * z * tanh_terms(tanh_gelu_arg(z)).one_plus_t;
   } else if constexpr (kForm == kGeluQuick) {
     return z / (1.0f + expf(-static_cast<float>(kQuickGeluSlope) * z));
   } else {
@@ -42,13 +58,12 @@ __device__ __forceinline__ float gelu(float z) {
 template <int kForm>
 __device__ __forceinline__ float gelu_grad(float z) {
   if constexpr (kForm == kGeluTanh) {
-    const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
-    const float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * z * z);
+    const TanhTerms t = tanh_terms(tanh_gelu_arg(z));
+    return 0.5f * t.one_plus_t + 0.5f * z * t.sech2 * 0.7978845608028654f * (1.0f + 0.134145f * z * z);
   } else if constexpr (kForm == kGeluQuick) {
     constexpr float kSlope = static_cast<float>(kQuickGeluSlope);
     const float s = 1.0f / (1.0f + expf(-kSlope * z));
-    return s + kSlope * z * s * (1.0f - s);
+    return s + kSlope * z * s / (1.0f + expf(kSlope * z));
   } else {
     return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * expf(-0.5f * z * z);
   }

@@ -40,21 +40,28 @@ QUICK_GELU_SLOPE = tl.constexpr(1.702)
 
 
 @triton.jit
-def _tanh(u):
-    # tanh(u) = 1 - 2 / (exp(2u) + 1), with |u| clamped at 20 where tanh is +-1 in fp32 (no overflow)
-    u = tl.minimum(tl.maximum(u, -20.0), 20.0)
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+def _tanh_terms(u):
+    """(1 + tanh u, 1 - tanh^2 u), both without cancellation where tanh u nears -1 or 1: with
+    e = exp(-2|u|) in [0, 1], 1 + tanh u = 2 / (1 + e) for u >= 0 and 2e / (1 + e) below, and
+    1 - tanh^2 u = 4e / (1 + e)^2 (where |t| nears 1, 1 + t or 1 - t*t keep only the bits in which t
+    differs from -1 or 1)."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    inv = 1.0 / (1.0 + e)
+    return tl.where(u >= 0, 2.0 * inv, 2.0 * e * inv), 4.0 * e * inv * inv
 
 
 # The GELU of form GELU_FORM (vit_kernels.activations.GELU_FORMS) and its derivative:
 #   0 exact:  gelu(z) = z Phi(z);                     gelu'(z) = Phi(z) + z phi(z)
 #   1 tanh:   gelu(z) = 0.5 z (1 + t), t = tanh(sqrt(2/pi) (z + c z^3));
 #             gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2)
-#   2 quick:  gelu(z) = z s, s = sigmoid(1.702 z);   gelu'(z) = s + 1.702 z s (1 - s)
+#   2 quick:  gelu(z) = z s, s = sigmoid(1.702 z);   gelu'(z) = s + 1.702 z s (1 - s),
+#             1 - s = sigmoid(-1.702 z) computed as such, not by cancellation
+# (tanh's argument is written tensor * constexpr: the interpreter makes constexpr * tensor a constexpr)
 @triton.jit
 def _gelu(z, GELU_FORM: tl.constexpr):
     if GELU_FORM == 1:
-        return 0.5 * z * (1.0 + _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z)))
+        one_plus_t, _ = _tanh_terms((z + GELU_TANH_C * z * z * z) * SQRT_2_OVER_PI)
+        return 0.5 * z * one_plus_t
     if GELU_FORM == 2:
         return z / (1.0 + tl.exp(z * -QUICK_GELU_SLOPE))
     return 0.5 * z * (1.0 + tl.math.erf(z * INV_SQRT_2))
@@ -63,11 +70,11 @@ def _gelu(z, GELU_FORM: tl.constexpr):
 @triton.jit
 def _gelu_grad(z, GELU_FORM: tl.constexpr):
     if GELU_FORM == 1:
-        t = _tanh(SQRT_2_OVER_PI * (z + GELU_TANH_C * z * z * z))
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_C * z * z)
+        one_plus_t, sech2 = _tanh_terms((z + GELU_TANH_C * z * z * z) * SQRT_2_OVER_PI)
+        return 0.5 * one_plus_t + 0.5 * z * sech2 * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_C * z * z)
     if GELU_FORM == 2:
         s = 1.0 / (1.0 + tl.exp(z * -QUICK_GELU_SLOPE))
-        return s + z * QUICK_GELU_SLOPE * s * (1.0 - s)
+        return s + z * QUICK_GELU_SLOPE * s / (1.0 + tl.exp(z * QUICK_GELU_SLOPE))
     return 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
 
 
@@ -86,6 +93,26 @@ def grouped_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
     first_m = (pid // group) * GROUP_M
     group_rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
     return first_m + (pid % group) % group_rows, (pid % group) // group_rows
+
+
+# acc + a @ b for the K loops of the GEMMs. Float32 inputs (PRECISION "ieee", exact products on FMA
+# units): each BLOCK_K block is summed from zero and then added to acc, so an output's rounding errors
+# grow like sqrt(BLOCK_K) + sqrt(K / BLOCK_K) rather than sqrt(K). One FMA chain through a 1,023-long
+# reduction erred 12x cuBLAS's float32 on an H100; blocks of 32 err about 2x (the same data, emulated).
+# ``zero`` must not be a compile-time constant: Triton folds acc + dot(a, b, 0) back into
+# dot(a, b, acc). 16-bit inputs accumulate in place, as the tensor cores do.
+@triton.jit
+def block_zero(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M, BLOCK_N) float32 zero the compiler cannot fold: +0 times a program id."""
+    return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + tl.program_id(0).to(tl.float32) * 0.0
+
+
+@triton.jit
+def accumulate_dot(acc, a, b, zero, PRECISION: tl.constexpr):
+    """acc + a @ b, float32; a (BLOCK_M, BLOCK_K), b (BLOCK_K, BLOCK_N), acc and zero (BLOCK_M, BLOCK_N)."""
+    if PRECISION == "ieee":
+        return acc + tl.dot(a, b, zero, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 # C = A @ B with a fused epilogue, one program per (BLOCK_M x BLOCK_N) tile (grouped_tile order)
@@ -128,6 +155,7 @@ def _linear_kernel(
     step_a = BLOCK_K * tl.cast(stride_ak, tl.int64)  # a unit stride arrives as a constexpr int
     step_b = BLOCK_K * tl.cast(stride_bk, tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    zero = block_zero(BLOCK_M, BLOCK_N)
     a_sums = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_k in range(k_start, k_end, BLOCK_K):
         mask_k = start_k - k_start + tl.arange(0, BLOCK_K) < k_end - k_start
@@ -136,7 +164,7 @@ def _linear_kernel(
         if SUMS == 2:
             if pid_n == 0:
                 a_sums += tl.sum(a.to(tl.float32), 1)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = accumulate_dot(acc, a, b, zero, PRECISION)
         a_ptrs += step_a
         b_ptrs += step_b
     if SUMS == 2:
@@ -194,6 +222,7 @@ def _linear_tma_kernel(
     GROUP_M: tl.constexpr,
 ):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    zero = block_zero(BLOCK_M, BLOCK_N)
     for item in range(tl.program_id(0), tiles * slices, tl.num_programs(0)):
         pid_k = item // tiles
         pid_m, pid_n = grouped_tile_of(item % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -215,7 +244,7 @@ def _linear_tma_kernel(
             if SUMS == 2:
                 if pid_n == 0:
                     a_sums += tl.sum(a.to(tl.float32), 1)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = accumulate_dot(acc, a, b, zero, PRECISION)
         offs_m = first_m + tl.arange(0, BLOCK_M)
         offs_n = first_n + tl.arange(0, BLOCK_N)
         if SUMS == 2:

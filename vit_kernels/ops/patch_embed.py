@@ -17,7 +17,7 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
-from vit_kernels.ops.linear import (GEMM_INTERPRETER_TILE, GemmTile, gemm_candidates, gemm_config, grouped_tile,
+from vit_kernels.ops.linear import (GEMM_INTERPRETER_TILE, GemmTile, accumulate_dot, block_zero, gemm_candidates, gemm_config, grouped_tile,
                                     split_k_slices)
 
 
@@ -62,6 +62,7 @@ def _patch_embed_fwd_kernel(
     patch_col = patch % grid_w
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    zero = block_zero(BLOCK_M, BLOCK_N)
     for start_k in range(0, k_dim, BLOCK_K):
         ks = start_k + offs_k
         mask_k = ks < k_dim
@@ -69,7 +70,7 @@ def _patch_embed_fwd_kernel(
                     mask=is_patch[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(W + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wd,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = accumulate_dot(acc, a, b, zero, PRECISION)
 
     if HAS_BIAS:
         bias = tl.load(Bias + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
@@ -106,6 +107,7 @@ def _patch_embed_bwd_weight_kernel(
     mask_k = offs_k < k_dim
     patches_per_image = tokens - HAS_CLS
     acc = tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32)
+    zero = block_zero(BLOCK_D, BLOCK_K)
     for start_m in range(first_row, last_row, BLOCK_M):
         rows = start_m + offs_m
         mask_m = rows < last_row
@@ -116,7 +118,7 @@ def _patch_embed_bwd_weight_kernel(
         a = tl.load(Images + _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P,
                                             stride_n, stride_c, stride_h, stride_w),
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(dout_t, a.to(dout_t.dtype), acc, input_precision=PRECISION)
+        acc = accumulate_dot(acc, dout_t, a.to(dout_t.dtype), zero, PRECISION)
     tl.store(DW + pid_s.to(tl.int64) * stride_dw_split + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :],
              acc.to(DW.dtype.element_ty),
              mask=mask_d[:, None] & mask_k[None, :])
@@ -145,13 +147,14 @@ def _patch_embed_bwd_input_kernel(
     patch = offs_m % patches_per_image
     out_rows = image.to(tl.int64) * tokens + HAS_CLS + patch
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    zero = block_zero(BLOCK_M, BLOCK_K)
     for start_d in range(0, dim, BLOCK_D):
         ds = start_d + offs_d
         mask_d = ds < dim
         dout = tl.load(DOut + out_rows[:, None] * dim + ds[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(W + ds[:, None].to(tl.int64) * stride_wd + offs_k[None, :].to(tl.int64) * stride_wk,
                     mask=mask_d[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(dout, w.to(dout.dtype), acc, input_precision=PRECISION)
+        acc = accumulate_dot(acc, dout, w.to(dout.dtype), zero, PRECISION)
     offsets = _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w)
     tl.store(DImages + offsets, acc.to(DImages.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
 

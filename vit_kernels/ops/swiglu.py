@@ -27,7 +27,7 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors, tl, triton
-from vit_kernels.ops.linear import (GemmTile, _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile,
+from vit_kernels.ops.linear import (GemmTile, accumulate_dot, block_zero, _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile,
                                     validation_rows)
 
 
@@ -58,13 +58,14 @@ def _swiglu_fwd_kernel(
     step_bu = BLOCK_K * tl.cast(stride_bu_k, tl.int64)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    zero = block_zero(BLOCK_M, BLOCK_N)
     for start_k in range(0, K, BLOCK_K):
         mask_k = start_k + offs_k < K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        acc_g = accumulate_dot(acc_g, a, bg, zero, PRECISION)
+        acc_u = accumulate_dot(acc_u, a, bu, zero, PRECISION)
         a_ptrs += step_a
         bg_ptrs += step_bg
         bu_ptrs += step_bu
