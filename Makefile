@@ -91,7 +91,9 @@ test-gpu: $(STAMP)
 # gpu tests (tile tables first, xdist workers) for GPU_SESSION_TEST_S seconds, stopped by SIGINT so
 # that pytest still prints its summary, each test's outcome and every failure in full as they
 # happen (outcomes.txt, failures.txt); then the GPU report's sections but its own test run, in
-# GPU_SESSION_REPORT_S seconds. About 8 minutes with the defaults.
+# GPU_SESSION_REPORT_S seconds (an item once started runs to its end: stopped a minute past the budget,
+# the sections done so far kept), its progress (each item as it starts) in gpu-report.log. About 8
+# minutes with the defaults.
 GPU_SESSION_OUT ?= build/gpu-session
 GPU_SESSION_TEST_S ?= 240
 GPU_SESSION_REPORT_S ?= 200
@@ -101,8 +103,9 @@ gpu-session: $(STAMP)
 	-VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 30 $(GPU_SESSION_TEST_S) \
 		$(MAKE) --no-print-directory test-gpu > $(GPU_SESSION_OUT)/test-gpu.log 2>&1
 	tail -n 3 $(GPU_SESSION_OUT)/test-gpu.log
-	env -u TRITON_INTERPRET $(PY) -m benchmarks.gpu_report --out $(GPU_SESSION_OUT) --total $(GPU_SESSION_REPORT_S) \
-		--sections environment,selftest,host_overhead,block_traffic,ops,e2e,cuda_graphs
+	env -u TRITON_INTERPRET timeout -s INT -k 20 $$(( $(GPU_SESSION_REPORT_S) + 60 )) \
+		$(PY) -m benchmarks.gpu_report --out $(GPU_SESSION_OUT) --total $(GPU_SESSION_REPORT_S) --sections environment,selftest,host_overhead,block_traffic,ops,e2e,cuda_graphs 2> $(GPU_SESSION_OUT)/gpu-report.log; \
+		code=$$?; tail -n 5 $(GPU_SESSION_OUT)/gpu-report.log; exit $$code
 
 # The drop-in layers against the real timm, transformers and torchvision, in an environment of their
 # own (pins in tests/integration/requirements.txt: a matching torch/torchvision pair). The project is

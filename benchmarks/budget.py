@@ -16,9 +16,11 @@ class Budget:
     """``seconds`` from construction. ``admit(label)`` says whether to start the next item (and
     records ``label`` as skipped when not); ``take(items)`` yields the items admitted."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter,
+                 on_admit: Callable[[str], None] = lambda label: None):
         self.seconds = float(seconds)
         self._clock = clock
+        self._on_admit = on_admit  # told each item as it starts: a run killed mid-item shows which
         self._started = clock()
         self._admitted: list[float] = []  # when each admitted item started
         self.skipped: list[str] = []
@@ -40,6 +42,7 @@ class Budget:
         """Start the item ``label`` when the time left covers ``max(need_s, expected())``."""
         if self.left() > 0 and self.left() >= max(need_s, self.expected()):
             self._admitted.append(self._clock())
+            self._on_admit(label)
             return True
         self.skipped.append(label)
         return False

@@ -11,6 +11,7 @@ fraction of the matmul peak measured in the same run ("n/a" where the model beat
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -143,6 +144,16 @@ def _inputs(config, batch: int, device: torch.device) -> list[tuple[torch.Tensor
     ]
 
 
+def _first_call_s(step: Callable[[int], object], device: torch.device) -> float:
+    """Seconds of the first call, to its end on the device: what a user waits before the first step
+    (compiling, and choosing and proving tiles for every new shape, once per machine)."""
+    started = time.perf_counter()
+    step(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 def _timed_row(base: dict[str, object], mode: str, found: tuple[torch.nn.Module, str, bool], device: torch.device,
                dtype: torch.dtype, peak: Optional[float], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, object]:
     """One variant in one mode: images/s, model TFLOP/s and peak memory, or why it failed."""
@@ -151,15 +162,16 @@ def _timed_row(base: dict[str, object], mode: str, found: tuple[torch.nn.Module,
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        timing = time_call(_step(module, backend_name, compiled, device, dtype, mode, batches), device, 2,
-                           warmup=3, repeats=10, budget_s=5.0)
+        step = _step(module, backend_name, compiled, device, dtype, mode, batches)
+        first_step_s = _first_call_s(step, device)
+        timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
     except Exception as error:  # reported, not fatal: e.g. a compile failure
         return {**base, "mode": mode, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
     flops = forward_flops(base["model"], batch) * (3 if mode == "train" else 1)
     tflops = flops / (timing.median_ms * 1e-3) / 1e12
     return {
         **base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
-        "samples_ms": list(timing.samples_ms), "throughput": batch / (timing.median_ms * 1e-3),
+        "samples_ms": list(timing.samples_ms), "first_step_s": first_step_s, "throughput": batch / (timing.median_ms * 1e-3),
         "unit": "images/s", "model_tflops": tflops, "fraction_of_peak": fraction_of(tflops, peak),
         "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
     }

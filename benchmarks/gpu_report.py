@@ -71,7 +71,8 @@ def run_sections(ctx: Context, names: list[str], total_s: float, after=lambda re
     results: dict[str, dict] = {}
     for i, name in enumerate(names):
         later = {n: wanted[n] * scale for n in names[i:]}
-        budget = Budget(shares(later, max(0.0, deadline - time.perf_counter()))[name])
+        budget = Budget(shares(later, max(0.0, deadline - time.perf_counter()))[name],
+                        on_admit=lambda label, name=name: print(f"gpu-report: {name}: {label}", file=sys.stderr, flush=True))
         print(f"gpu-report: {name} (budget {budget.seconds:.0f} s) ...", file=sys.stderr, flush=True)
         try:
             results[name] = {"status": "ok", "result": SECTIONS[name][0](ctx, budget)}

@@ -89,12 +89,12 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
         lines.append("")
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
     if models:
-        lines += ["| model | batch | dtype | step | variant | images/s | median ms (q20-q80) | model TFLOP/s (of peak) | peak memory MiB | speedup over |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["| model | batch | dtype | step | variant | images/s | median ms (q20-q80) | first step s | model TFLOP/s (of peak) | peak memory MiB | speedup over |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in models:
             lines.append(
                 f"| {r['model']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | {_fmt(r['throughput'], 4)} | "
-                f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | "
+                f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | {_fmt(r.get('first_step_s'))} | "
                 f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])}) | "
                 f"{_fmt(r['peak_memory_mb'], 5)} | {_speedups(r)} |"
             )

@@ -165,3 +165,17 @@ def test_plots_have_a_panel_per_shape_and_log_axes_for_wide_ranges(results, tmp_
     report._log_if_wide(wide, [17.0, 55.0, 41_000.0], "x")
     assert (narrow.get_xscale(), wide.get_xscale()) == ("linear", "log")
     plt.close(fig)
+
+
+def test_model_rows_time_the_first_step_apart():
+    """An end-to-end row: images/s from the steady steps and, apart, the seconds of the first step
+    (compiling, choosing tiles), in the row and in the markdown table."""
+    import torch
+
+    from benchmarks import e2e
+
+    rows = e2e.run_model("vit_digits", 2, torch.device("cpu"), torch.float32, {}, False, {},
+                         batches={"train": 2}, backends=("torch",))
+    (row,) = [r for r in rows if r["backend"] == "eager (torch backend)"]
+    assert row["first_step_s"] > 0 and row["throughput"] > 0
+    assert "| first step s |" in report.markdown(rows, {}, {"device": "cpu", "torch": "", "triton": "", "git_sha": ""})
