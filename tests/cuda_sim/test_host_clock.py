@@ -15,7 +15,13 @@ def _busy(seconds: float) -> None:
         pass
 
 
+BUSY_S = 10e-3  # our Python in the second loop
+
+
 def test_our_seconds_counts_our_python_and_not_pytorchs_calls():
+    """Bounds relative to the same run's wall times, so that a loaded machine (coverage, a test run
+    beside it) moves both sides: PyTorch's 80 simulated calls are mostly taken out, our busy loop is
+    counted whole."""
     with simulated_cuda(90) as recorder:
         t = torch.randn(64, 64, device="cuda")
 
@@ -26,18 +32,20 @@ def test_our_seconds_counts_our_python_and_not_pytorchs_calls():
 
         def ours_too():
             only_pytorch()
-            _busy(2e-3)
+            _busy(BUSY_S)
 
         best = {}
         for name, fn in (("pytorch", only_pytorch), ("ours", ours_too)):
             samples = []
-            for _ in range(5):
+            for _ in range(7):
                 mark, started = recorder.mark(), time.perf_counter()
                 fn()
-                samples.append(recorder.our_seconds(time.perf_counter() - started, mark))
+                wall = time.perf_counter() - started
+                samples.append((recorder.our_seconds(wall, mark), wall))
             best[name] = min(samples)
-    assert best["pytorch"] < 0.5e-3, best  # 80 simulated calls, each microseconds to tens of them, all theirs
-    assert 1.8e-3 < best["ours"] < 2.6e-3, best
+    (pytorch_ours, pytorch_wall), (ours, _) = best["pytorch"], best["ours"]
+    assert pytorch_ours < 0.25 * pytorch_wall, best
+    assert 0.95 * BUSY_S < ours < 1.1 * BUSY_S + 0.25 * pytorch_wall, best
 
 
 def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
