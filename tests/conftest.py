@@ -47,6 +47,7 @@ def tile_choices_in_memory(monkeypatch):
     monkeypatch.setattr(_proof, "_disk", DiskCache(None, "proofs"))
     monkeypatch.setattr(_proof, "_verdicts", {})
     monkeypatch.setattr(_proof, "run_child", _proof.replay_in_this_process)
+    monkeypatch.setitem(_proof._settings, "children", 1)
     _tiles.TileChooser.forget_all()
 
 

@@ -61,6 +61,32 @@ def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven
     assert len(children) == 5
 
 
+def test_candidates_shared_among_children_at_once_get_the_same_verdicts(children, monkeypatch):
+    """Three children at once (each running its share in turn): the same verdicts as one at a time,
+    and a child that dies takes only its own share's candidate."""
+    monkeypatch.setattr(_proof, "SECONDS_PER_CANDIDATE", 10)
+    monkeypatch.setitem(_proof._settings, "children", 3)
+    out = torch.zeros(3)
+    tiles = ["first", "abort", "second", "raise", "hang", "last"]
+    verdicts = _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out))
+    assert [tile for tile, verdict in verdicts.items() if verdict is None] == ["first", "second", "last"]
+    assert verdicts["abort"].startswith("faulted in a child process (killed by SIGABRT")
+    assert verdicts["raise"] == "raised in a child process: ValueError: tile raise refused"
+    assert verdicts["hang"].startswith("faulted in a child process (no progress for 10 s, killed")
+    # shares [first, raise], [abort, hang], [second, last]: 1 child, then 2 (after the abort), then 1
+    assert len(children) == 4
+
+
+def test_the_number_of_children_at_once_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("VIT_KERNELS_PROOF_CHILDREN", "3")
+    assert _proof._children_from_environment() == 3
+    monkeypatch.setenv("VIT_KERNELS_PROOF_CHILDREN", "0")
+    with pytest.raises(ValueError, match="VIT_KERNELS_PROOF_CHILDREN must be a positive integer"):
+        _proof._children_from_environment()
+    monkeypatch.delenv("VIT_KERNELS_PROOF_CHILDREN")
+    assert 1 <= _proof._children_from_environment() <= 4
+    assert _proof._children(CPU, 2, {}) == 1  # the tests' stand-in replays in this process: one at a time
+
 def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
     packed = torch.randn(4, 7, 9)
     a = packed[1:, ::2, 3:5].transpose(0, 1)  # strided, offset by 264 bytes, transposed

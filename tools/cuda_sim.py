@@ -380,6 +380,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
         mock.patch.object(_proof, "_verdicts", {}),
         mock.patch.object(_proof, "run_child", _proof.replay_in_this_process),
+        mock.patch.dict(_proof._settings, children=1),
         mock.patch.object(backend, "_disk", DiskCache(None)),
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)

@@ -15,6 +15,11 @@ proven once per machine; the child's compiles fill Triton's cache that the paren
 ``VIT_KERNELS_PROVE_TILES=0`` (read at import) or ``vk.set_autotune(prove_tiles=False)`` turns
 proving off: candidates then run in the user's process directly.
 
+A key's candidates are shared out among up to ``VIT_KERNELS_PROOF_CHILDREN`` children running at
+once (default: half the CPU cores, at most 4; fewer where the GPU's free memory would not hold each
+child's tensors and context): the children's compiles are most of a first call's cost, and each
+compiles one candidate at a time.
+
 The child (``CHILD``) reads the pickled launches from a file and writes one protocol line per step
 to stdout (``PREFIX`` then ``ready``, ``start i``, ``ok i`` or ``raised i <why>``), and exits after
 the first candidate that raises.
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TextIO
 
@@ -49,11 +55,23 @@ RECORDING_RAISED = "raised while recording its launches: "  # this process's own
 CHILD = "from vit_kernels._proof import child_main; child_main()"
 
 
+CHILD_CONTEXT_BYTES = 1 << 30  # a child's CUDA context and Triton's modules, besides its tensors
+
+
 def _enabled_from_environment() -> bool:
     return os.environ.get("VIT_KERNELS_PROVE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-_settings = {"enabled": _enabled_from_environment()}
+def _children_from_environment() -> int:
+    text = os.environ.get("VIT_KERNELS_PROOF_CHILDREN", "").strip()
+    if not text:
+        return max(1, min(4, (os.cpu_count() or 1) // 2))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"VIT_KERNELS_PROOF_CHILDREN must be a positive integer, got {text!r}")
+    return int(text)
+
+
+_settings = {"enabled": _enabled_from_environment(), "children": _children_from_environment()}
 _disk = DiskCache(default_folder(), "proofs")
 _verdicts: dict[str, str] = {}  # disk key -> OK or why the candidate is excluded, for this process
 
@@ -210,11 +228,38 @@ def _first_line(error: BaseException) -> str:
 
 
 def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
-    """tile -> OK or why not, replaying each tile's launches in child processes (a fresh child after
-    each one that dies or raises)."""
+    """tile -> OK or why not, replaying each tile's launches in child processes, the tiles shared out
+    among ``_children`` of them running at once."""
     launches_of, spans = recorded
     verdicts = {tile: why for tile, why in launches_of.items() if isinstance(why, str)}
     remaining = [tile for tile in launches_of if tile not in verdicts]
+    children = _children(device, len(remaining), spans)
+    if children <= 1:
+        return {**verdicts, **_prove_in_turn(device, launches_of, spans, remaining)}
+    with ThreadPoolExecutor(children) as pool:  # each thread waits on its own child processes
+        for found in pool.map(lambda share: _prove_in_turn(device, launches_of, spans, share),
+                              [remaining[i::children] for i in range(children)]):
+            verdicts.update(found)
+    return verdicts
+
+
+def _children(device: torch.device, candidates: int, spans: dict) -> int:
+    """How many children prove ``candidates`` at once: the setting (1 wherever
+    ``replay_in_this_process`` stands in for the child: it is not thread-safe), at most one per
+    candidate, and on CUDA no more than the free memory holds (each child allocates the call's
+    storages)."""
+    children = min(_settings["children"], candidates)
+    if device.type == "cuda" and children > 1:
+        free, _ = torch.cuda.mem_get_info(device)
+        need = sum(end - first for first, end in spans.values()) + CHILD_CONTEXT_BYTES
+        children = min(children, free // need)
+    return max(1, children)
+
+
+def _prove_in_turn(device: torch.device, launches_of: dict, spans: dict, remaining: list) -> dict:
+    """tile -> OK or why not for ``remaining``, replayed one after another in a child (a fresh child
+    after each one that dies or raises)."""
+    verdicts = {}
     while remaining:
         spec = ProofSpec(str(device), spans, [(repr(tile), launches_of[tile]) for tile in remaining])
         output, ending = run_child(pickle.dumps(spec))
