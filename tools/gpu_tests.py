@@ -88,10 +88,12 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
             "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:]}
 
 
-# pytest-xdist's worker processes, where it is installed (GPU_TEST_WORKERS, default 8): compiling the
-# kernels for the device is most of a GPU run's time, and a CUDA fault then costs one worker
-# (tests/conftest.py), not the run. make test-gpu and the GPU report both take them from here.
-WORKERS = int(os.environ.get("GPU_TEST_WORKERS", "8"))
+# pytest-xdist's worker processes, where it is installed (GPU_TEST_WORKERS, default one per core, 8
+# to 16): compiling the kernels for the device is most of a GPU run's time (a tile-table test, 5 to 20
+# s of compiles, on an H100 machine's 16 cores: about one test a second on 16 workers), and a CUDA
+# fault then costs one worker (tests/conftest.py), not the run. make test-gpu and the GPU report both
+# take them from here.
+WORKERS = int(os.environ.get("GPU_TEST_WORKERS", str(min(16, max(8, os.cpu_count() or 1)))))
 
 
 def xdist_args() -> list[str]:
