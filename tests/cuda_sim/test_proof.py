@@ -42,3 +42,18 @@ def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
     launched = {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
                 for l in sim.launches[before:] if l.kernel.fn.__name__ == "_attention_fwd_kernel"}
     assert faulty not in launched and launched == set(candidates[1:])
+
+
+def test_children_at_once_on_cuda_are_bounded_by_the_free_memory(sim, monkeypatch):
+    """Each child allocates the call's storages and a context: on CUDA no more children start at
+    once than the free memory holds (the driver's answer stood in by a patched mem_get_info)."""
+    gib = 1 << 30
+    spans = {0: (0, gib // 4), 1: (gib, gib + gib // 4)}  # half a GiB of storages: 1.5 GiB a child
+    monkeypatch.setitem(_proof._settings, "children", 4)
+    cuda = torch.device("cuda")
+    for free, expected in ((100 * gib, 4), (int(3.2 * gib), 2), (gib, 1)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 * gib))
+        assert _proof._children(cuda, 6, spans) == expected
+    assert _proof._children(cuda, 3, spans) == 1  # still at most what the memory holds
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 80 * gib))
+    assert _proof._children(cuda, 3, spans) == 3  # at most one per candidate
