@@ -73,9 +73,6 @@ VIT_KERNELS_INLINE float fast_erf(float x) {
   return std::copysign(y, x);
 }
 
-// tanh(u) = 1 - 2 / (exp(2u) + 1), saturating cleanly at +-1.
-VIT_KERNELS_INLINE float fast_tanh(float u) { return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f); }
-
 template <typename acc_t>
 VIT_KERNELS_INLINE acc_t exp_of(acc_t x) {
   if constexpr (std::is_same_v<acc_t, float>) return fast_exp(x);
@@ -88,12 +85,6 @@ VIT_KERNELS_INLINE acc_t erf_of(acc_t x) {
   else return std::erf(x);
 }
 
-template <typename acc_t>
-VIT_KERNELS_INLINE acc_t tanh_of(acc_t x) {
-  if constexpr (std::is_same_v<acc_t, float>) return fast_tanh(x);
-  else return std::tanh(x);
-}
-
 constexpr double kInvSqrt2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
@@ -104,11 +95,26 @@ constexpr double kTanhCubic = 0.044715;
 // tanh:  gelu(z) = 0.5 z (1 + tanh u), u = sqrt(2/pi) (z + 0.044715 z^3);
 //        gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 z^2).
 // quick: gelu(z) = z s, s = sigmoid(1.702 z) = 1 / (1 + exp(-1.702 z));  gelu'(z) = s + 1.702 z s (1 - s).
+// Where tanh u or s nears -1 or 1, 1 + tanh u, 1 - tanh^2 u and 1 - s are taken without cancellation:
+// with e = exp(-2|u|), 1 + tanh u = 2 / (1 + e) (u >= 0) or 2e / (1 + e), 1 - tanh^2 u = 4e / (1 + e)^2,
+// and 1 - s = sigmoid(-1.702 z).
+template <typename acc_t>
+struct TanhTerms {
+  acc_t one_plus_t, sech2;
+};
+
+template <typename acc_t>
+VIT_KERNELS_INLINE TanhTerms<acc_t> tanh_terms(acc_t u) {
+  const acc_t e = exp_of(acc_t(-2) * (u < acc_t(0) ? -u : u));
+  const acc_t inv = acc_t(1) / (acc_t(1) + e);
+  return {u >= acc_t(0) ? acc_t(2) * inv : acc_t(2) * e * inv, acc_t(4) * e * inv * inv};
+}
+
 template <int kForm, typename acc_t>
 VIT_KERNELS_INLINE acc_t gelu(acc_t z) {
   if constexpr (kForm == kGeluTanh) {
     const acc_t u = acc_t(kSqrt2OverPi) * (z + acc_t(kTanhCubic) * z * z * z);
-    return acc_t(0.5) * z * (acc_t(1) + tanh_of(u));
+    return acc_t(0.5) * z * tanh_terms(u).one_plus_t;
   } else if constexpr (kForm == kGeluQuick) {
     return z / (acc_t(1) + exp_of(acc_t(-kQuickGeluSlope) * z));
   } else {
@@ -120,12 +126,12 @@ template <int kForm, typename acc_t>
 VIT_KERNELS_INLINE acc_t gelu_grad(acc_t z) {
   if constexpr (kForm == kGeluTanh) {
     const acc_t u = acc_t(kSqrt2OverPi) * (z + acc_t(kTanhCubic) * z * z * z);
-    const acc_t th = tanh_of(u);
+    const TanhTerms<acc_t> t = tanh_terms(u);
     const acc_t du = acc_t(kSqrt2OverPi) * (acc_t(1) + acc_t(3 * kTanhCubic) * z * z);
-    return acc_t(0.5) * (acc_t(1) + th) + acc_t(0.5) * z * (acc_t(1) - th * th) * du;
+    return acc_t(0.5) * t.one_plus_t + acc_t(0.5) * z * t.sech2 * du;
   } else if constexpr (kForm == kGeluQuick) {
     const acc_t s = acc_t(1) / (acc_t(1) + exp_of(acc_t(-kQuickGeluSlope) * z));
-    return s + acc_t(kQuickGeluSlope) * z * s * (acc_t(1) - s);
+    return s + acc_t(kQuickGeluSlope) * z * s / (acc_t(1) + exp_of(acc_t(kQuickGeluSlope) * z));
   } else {
     return acc_t(0.5) * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2))) + z * acc_t(kInvSqrt2Pi) * exp_of(acc_t(-0.5) * z * z);
   }
