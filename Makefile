@@ -28,12 +28,16 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu 
 
 install: $(STAMP)
 
-# ruff (rules in pyproject.toml) over the whole tree: an undefined name in a branch no CPU test
-# reaches is found here in a second. ruff is installed on first use, not by `make install`.
-LINT_PATHS := vit_kernels vit benchmarks tests tools
+# ruff (rules and the 110-column line length in pyproject.toml) over the whole tree: an undefined
+# name in a branch no CPU test reaches is found here in a second, and code that `ruff format` would
+# change fails (run `ruff format` to apply it). ruff is installed on first use, not by `make install`,
+# at one version, since another formats differently.
+LINT_PATHS := setup.py vit_kernels vit benchmarks tests tools
+RUFF_VERSION := 0.17.6
 lint: $(STAMP)
-	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "ruff>=0.6"
+	@$(PY) -m ruff --version 2>/dev/null | grep -qx "ruff $(RUFF_VERSION)" || $(PY) -m pip install -q "ruff==$(RUFF_VERSION)"
 	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 # A second `make demo` is refused while runs/demo holds the first run: DEMO_ARGS=--overwrite replaces it.
 # One thread: as fast as two for this small model on a quiet machine, 3-5x faster on a busy one.

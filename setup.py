@@ -68,9 +68,11 @@ def make_extension(cpp_extension, with_cuda: bool):
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         return cpp_extension.CUDAExtension(
-            EXTENSION, cpp_sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            EXTENSION,
+            cpp_sources + sorted(glob.glob("csrc/cuda/*.cu")),
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
-            define_macros=[("VIT_KERNELS_WITH_CUDA", "1")], extra_link_args=["-fopenmp"],
+            define_macros=[("VIT_KERNELS_WITH_CUDA", "1")],
+            extra_link_args=["-fopenmp"],
         )
     return cpp_extension.CppExtension(
         EXTENSION, cpp_sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"]

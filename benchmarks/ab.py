@@ -57,35 +57,85 @@ MODEL_MODES = ("train", "inference")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", required=True, metavar="REV", help="git revision to compare against (required)")
-    parser.add_argument("--candidate", default=trees.WORKTREE, metavar="REV",
-                        help="git revision, or 'worktree' (default): the working tree as it is, uncommitted changes included")
-    parser.add_argument("--repo", type=Path, default=None, help="the git repository (default: the one holding the cwd)")
-    parser.add_argument("--device", type=cli.device_name, default=None,
-                        help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--ops", default=",".join(cases.OPS + cases.KERNELS), help="comma-separated ops, or 'none'")
-    parser.add_argument("--shapes", default=None, metavar="MODEL:BATCH,...",
-                        help=f"op shapes (default: {SHAPES_BY_DEVICE['cpu']} on the CPU, {SHAPES_BY_DEVICE['cuda']} on CUDA)")
-    parser.add_argument("--backends", default=None, help=f"op backends (default: {BACKENDS_BY_DEVICE['cpu']} on the CPU, "
-                        f"{BACKENDS_BY_DEVICE['cuda']} on CUDA)")
+    parser.add_argument(
+        "--baseline", required=True, metavar="REV", help="git revision to compare against (required)"
+    )
+    parser.add_argument(
+        "--candidate",
+        default=trees.WORKTREE,
+        metavar="REV",
+        help="git revision, or 'worktree' (default): the working tree as it is, uncommitted changes included",
+    )
+    parser.add_argument(
+        "--repo", type=Path, default=None, help="the git repository (default: the one holding the cwd)"
+    )
+    parser.add_argument(
+        "--device",
+        type=cli.device_name,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available)",
+    )
+    parser.add_argument(
+        "--ops", default=",".join(cases.OPS + cases.KERNELS), help="comma-separated ops, or 'none'"
+    )
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        metavar="MODEL:BATCH,...",
+        help=f"op shapes (default: {SHAPES_BY_DEVICE['cpu']} on the CPU, {SHAPES_BY_DEVICE['cuda']} on CUDA)",
+    )
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help=f"op backends (default: {BACKENDS_BY_DEVICE['cpu']} on the CPU, "
+        f"{BACKENDS_BY_DEVICE['cuda']} on CUDA)",
+    )
     parser.add_argument("--modes", default=",".join(ops_bench.MODES), help="op modes: forward,backward,full")
-    parser.add_argument("--models", default=None, metavar="MODEL:BATCH,...",
-                        help=f"end-to-end train and inference steps on the auto backend, or 'none' "
-                        f"(default: {MODELS_BY_DEVICE['cpu']} on the CPU, {MODELS_BY_DEVICE['cuda']} on CUDA)")
-    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        metavar="MODEL:BATCH,...",
+        help=f"end-to-end train and inference steps on the auto backend, or 'none' "
+        f"(default: {MODELS_BY_DEVICE['cpu']} on the CPU, {MODELS_BY_DEVICE['cuda']} on CUDA)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)",
+    )
     parser.add_argument("--threshold", type=float, default=0.05, help="allowed slowdown (0.05 = 5%%)")
     parser.add_argument("--confidence", type=float, default=0.95, help="bootstrap interval level")
     parser.add_argument("--min-rounds", type=int, default=10, help="rounds before the first verdict")
     parser.add_argument("--max-rounds", type=int, default=400, help="never more rounds than this")
-    parser.add_argument("--budget", type=float, default=300.0, metavar="SECONDS",
-                        help="time for rounds (setup excluded): undecided cases get rounds until it is spent")
-    parser.add_argument("--slice-ms", type=float, default=20.0, help="per round and side, each case runs for about this long")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads in each side (default: 1 on the CPU, where both sides are then pinned to "
-                        "the same core; 0: torch's default)")
-    parser.add_argument("--confirmations", type=int, default=4,
-                        help="fresh pairs of processes that must each find a flagged regression again (at least 1)")
-    parser.add_argument("--out", type=Path, default=None, help="write every case's samples and verdict to this JSON file (default: none)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="time for rounds (setup excluded): undecided cases get rounds until it is spent",
+    )
+    parser.add_argument(
+        "--slice-ms", type=float, default=20.0, help="per round and side, each case runs for about this long"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads in each side (default: 1 on the CPU, where both sides are then pinned to "
+        "the same core; 0: torch's default)",
+    )
+    parser.add_argument(
+        "--confirmations",
+        type=int,
+        default=4,
+        help="fresh pairs of processes that must each find a flagged regression again (at least 1)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write every case's samples and verdict to this JSON file (default: none)",
+    )
 
 
 def _list(text: str) -> list[str]:
@@ -102,7 +152,9 @@ def _model_batches(text: str, what: str) -> list[tuple[str, int]]:
             get_config(model)
             pairs.append((model, int(batch)))
         except (KeyError, ValueError) as error:
-            raise SystemExit(f"{what}: expected MODEL:BATCH such as vit_digits:8, got {item!r} ({error})") from None
+            raise SystemExit(
+                f"{what}: expected MODEL:BATCH such as vit_digits:8, got {item!r} ({error})"
+            ) from None
         if pairs[-1][1] < 1:
             raise SystemExit(f"{what}: the batch must be positive, got {item!r}")
     return pairs
@@ -126,12 +178,26 @@ def build_cases(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ops = _checked(_list(args.ops), cases.OPS + cases.KERNELS, "--ops")
     backends = _checked(_list(args.backends or BACKENDS_BY_DEVICE[kind]), ops_bench.BACKENDS, "--backends")
     modes = _checked(_list(args.modes), ops_bench.MODES, "--modes")
-    specs = [{"kind": "op", "op": op, "model": model, "batch": batch, "dtype": dtype, "backend": backend, "mode": mode}
-             for model, batch in _model_batches(args.shapes or SHAPES_BY_DEVICE[kind], "--shapes")
-             for op in ops for backend in (["extension"] if op in cases.KERNELS else backends)
-             for mode in modes]
-    specs += [{"kind": "model", "model": model, "batch": batch, "dtype": dtype, "backend": "auto", "mode": mode}
-              for model, batch in _model_batches(args.models or MODELS_BY_DEVICE[kind], "--models") for mode in MODEL_MODES]
+    specs = [
+        {
+            "kind": "op",
+            "op": op,
+            "model": model,
+            "batch": batch,
+            "dtype": dtype,
+            "backend": backend,
+            "mode": mode,
+        }
+        for model, batch in _model_batches(args.shapes or SHAPES_BY_DEVICE[kind], "--shapes")
+        for op in ops
+        for backend in (["extension"] if op in cases.KERNELS else backends)
+        for mode in modes
+    ]
+    specs += [
+        {"kind": "model", "model": model, "batch": batch, "dtype": dtype, "backend": "auto", "mode": mode}
+        for model, batch in _model_batches(args.models or MODELS_BY_DEVICE[kind], "--models")
+        for mode in MODEL_MODES
+    ]
     if not specs:
         raise SystemExit("nothing to compare: give --ops and/or --models")
     return specs
@@ -151,11 +217,23 @@ class Worker:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")
         # OpenMP threads that spin while the other side runs would slow it: they sleep when idle.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": str(tree.root), "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {
+            "OMP_WAIT_POLICY": "PASSIVE",
+            **os.environ,
+            "PYTHONPATH": str(tree.root),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
         # cwd = the harness: `python -m` puts it first on sys.path, so `benchmarks` is the harness's
         # and `vit_kernels` / `vit` come from this side's tree.
-        self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.ab_worker"], cwd=harness, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.ab_worker"],
+            cwd=harness,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
 
     def send(self, request: dict) -> None:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -194,7 +272,9 @@ def _verdicts(specs, comparable, samples, threshold, confidence) -> dict[int, ga
     return out
 
 
-def run_rounds(workers: list[Worker], specs: list[dict], comparable: list[int], args) -> tuple[dict, dict, int, float]:
+def run_rounds(
+    workers: list[Worker], specs: list[dict], comparable: list[int], args
+) -> tuple[dict, dict, int, float]:
     """Alternating rounds until every comparable case is decided, ``max_rounds`` or the budget.
     Returns (samples per case: ([baseline ms], [candidate ms])), verdicts, rounds run, seconds)."""
     samples = {i: ([], []) for i in comparable}
@@ -217,8 +297,10 @@ def run_rounds(workers: list[Worker], specs: list[dict], comparable: list[int], 
             verdicts.update(_verdicts(specs, undecided, samples, args.threshold, args.confidence))
             undecided = [i for i in undecided if verdicts[i].verdict == stats.INCONCLUSIVE]
             if rounds == args.min_rounds or rounds % 10 == 0 or out_of_time:
-                print(f"ab: {rounds} rounds, {elapsed:.0f} s: {len(undecided)} of {len(comparable)} cases undecided",
-                      file=sys.stderr)
+                print(
+                    f"ab: {rounds} rounds, {elapsed:.0f} s: {len(undecided)} of {len(comparable)} cases undecided",
+                    file=sys.stderr,
+                )
         if out_of_time:
             break
     return samples, verdicts, rounds, time.monotonic() - started
@@ -226,20 +308,35 @@ def run_rounds(workers: list[Worker], specs: list[dict], comparable: list[int], 
 
 def set_up(workers: list[Worker], specs: list[dict], device: torch.device, threads: int) -> list[dict]:
     """Have each side prepare (and validate) every case; returns their replies (a status per case)."""
-    setup = {"cmd": "setup", "device": str(device), "threads": threads, "cpus": _shared_cpus(device, threads),
-             "cases": specs}
+    setup = {
+        "cmd": "setup",
+        "device": str(device),
+        "threads": threads,
+        "cpus": _shared_cpus(device, threads),
+        "cases": specs,
+    }
     for worker in workers:
         worker.send(setup)
     replies = [worker.receive() for worker in workers]
     for worker, reply in zip(workers, replies):
         if not Path(reply["vit_kernels"]).resolve().is_relative_to(worker.tree.root.resolve()):
-            raise SystemExit(f"the {worker.name} side imported vit_kernels from {reply['vit_kernels']}, "
-                             f"not from {worker.tree.root}")
+            raise SystemExit(
+                f"the {worker.name} side imported vit_kernels from {reply['vit_kernels']}, "
+                f"not from {worker.tree.root}"
+            )
     return replies
 
 
-def confirm(flagged: list[int], specs: list[dict], sides, harness: Path, folder: Path, device: torch.device,
-            threads: int, args) -> tuple[dict[int, gate.Comparison], dict[int, tuple[list, list]]]:
+def confirm(
+    flagged: list[int],
+    specs: list[dict],
+    sides,
+    harness: Path,
+    folder: Path,
+    device: torch.device,
+    threads: int,
+    args,
+) -> tuple[dict[int, gate.Comparison], dict[int, tuple[list, list]]]:
     """Time the ``flagged`` cases again, with new samples, by ``args.confirmations`` fresh pairs of
     processes in turn; a case stays a REGRESSION only if every pair finds one again, and takes the
     verdict of the first pair that does not. Returns the verdicts and the samples of the last pair
@@ -250,11 +347,15 @@ def confirm(flagged: list[int], specs: list[dict], sides, harness: Path, folder:
     for attempt in range(1, args.confirmations + 1):
         if not pending:
             break
-        print(f"ab: {len(pending)} regression(s) to confirm with fresh pair {attempt} of {args.confirmations}",
-              file=sys.stderr)
+        print(
+            f"ab: {len(pending)} regression(s) to confirm with fresh pair {attempt} of {args.confirmations}",
+            file=sys.stderr,
+        )
         subset = [specs[i] for i in pending]
-        workers = [Worker(f"{name}-confirm{attempt}", tree, harness, folder)
-                   for name, tree in zip(("baseline", "candidate"), sides)]
+        workers = [
+            Worker(f"{name}-confirm{attempt}", tree, harness, folder)
+            for name, tree in zip(("baseline", "candidate"), sides)
+        ]
         try:
             set_up(workers, subset, device, threads)
             pair_samples, pair_verdicts, _, _ = run_rounds(workers, subset, list(range(len(subset))), args)
@@ -265,8 +366,11 @@ def confirm(flagged: list[int], specs: list[dict], sides, harness: Path, folder:
         for j, i in enumerate(pending):
             samples[i] = pair_samples[j]
             regressed = pair_verdicts[j].verdict == stats.REGRESSION
-            note = (f"confirmed by {attempt} fresh pair{'s' * (attempt > 1)}" if regressed
-                    else f"regression not confirmed by fresh pair {attempt}")
+            note = (
+                f"confirmed by {attempt} fresh pair{'s' * (attempt > 1)}"
+                if regressed
+                else f"regression not confirmed by fresh pair {attempt}"
+            )
             verdicts[i] = dataclasses.replace(pair_verdicts[j], note=note)
             if regressed:
                 still.append(i)
@@ -292,16 +396,32 @@ def _not_compared(spec: dict, base_status: str, cand_status: str) -> gate.Compar
     return gate.Comparison(label(spec), None, None, None, f"not compared: {side} {why}")
 
 
-def write_json(path: Path, meta: dict, specs: list[dict], comparisons: list[gate.Comparison], samples: dict,
-               confirmation: dict) -> None:
+def write_json(
+    path: Path,
+    meta: dict,
+    specs: list[dict],
+    comparisons: list[gate.Comparison],
+    samples: dict,
+    confirmation: dict,
+) -> None:
     rows = []
     for i, (spec, c) in enumerate(zip(specs, comparisons)):
         base, cand = samples.get(i, ([], []))
-        rows.append({**spec, "case": c.case, "verdict": c.verdict, "note": c.note, "baseline_samples_ms": base,
-                     "candidate_samples_ms": cand, **({"ratio": c.ratio.value, "low": c.ratio.low, "high": c.ratio.high}
-                                                      if c.ratio else {})})
+        rows.append(
+            {
+                **spec,
+                "case": c.case,
+                "verdict": c.verdict,
+                "note": c.note,
+                "baseline_samples_ms": base,
+                "candidate_samples_ms": cand,
+                **({"ratio": c.ratio.value, "low": c.ratio.low, "high": c.ratio.high} if c.ratio else {}),
+            }
+        )
         if i in confirmation:  # the ratio and verdict are the confirmation's
-            rows[-1]["confirmation_baseline_samples_ms"], rows[-1]["confirmation_candidate_samples_ms"] = confirmation[i]
+            rows[-1]["confirmation_baseline_samples_ms"], rows[-1]["confirmation_candidate_samples_ms"] = (
+                confirmation[i]
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -315,8 +435,10 @@ def main(args: argparse.Namespace) -> int:
     if args.confirmations < 1:
         raise SystemExit(f"--confirmations must be at least 1, got {args.confirmations}")
     if args.min_rounds < 3 or args.max_rounds < args.min_rounds:
-        raise SystemExit(f"--min-rounds must be at least 3 and --max-rounds at least --min-rounds, got "
-                         f"{args.min_rounds} and {args.max_rounds}")
+        raise SystemExit(
+            f"--min-rounds must be at least 3 and --max-rounds at least --min-rounds, got "
+            f"{args.min_rounds} and {args.max_rounds}"
+        )
     for option, value in (("--budget", args.budget), ("--slice-ms", args.slice_ms)):
         if not 0 < value < float("inf"):
             raise SystemExit(f"{option} must be a positive number, got {value}")
@@ -331,21 +453,34 @@ def main(args: argparse.Namespace) -> int:
     repo = trees.repo_root(args.repo or Path.cwd())
     with tempfile.TemporaryDirectory(prefix="vit-kernels-ab-") as tmp:
         folder = Path(tmp)
-        sides = [trees.materialise(repo, args.baseline, folder), trees.materialise(repo, args.candidate, folder)]
+        sides = [
+            trees.materialise(repo, args.baseline, folder),
+            trees.materialise(repo, args.candidate, folder),
+        ]
         harness = trees.copy_harness(folder)
         for name, tree in zip(("baseline", "candidate"), sides):
             print(f"ab: {name} {tree.label}" + (f"; {tree.note}" if tree.note else ""), file=sys.stderr)
-        workers = [Worker(name, tree, harness, folder) for name, tree in zip(("baseline", "candidate"), sides)]
+        workers = [
+            Worker(name, tree, harness, folder) for name, tree in zip(("baseline", "candidate"), sides)
+        ]
         try:
             replies = set_up(workers, specs, device, threads)
             statuses = [reply["status"] for reply in replies]
             if (replies[0]["extension"] is None) != (replies[1]["extension"] is None):
                 one_sided = "not compared: the compiled extension loads on one side only, so auto differs"
-                statuses = [[one_sided if spec["backend"] == "auto" and status == "ok" else status
-                             for spec, status in zip(specs, side)] for side in statuses]
+                statuses = [
+                    [
+                        one_sided if spec["backend"] == "auto" and status == "ok" else status
+                        for spec, status in zip(specs, side)
+                    ]
+                    for side in statuses
+                ]
             comparable = [i for i in range(len(specs)) if statuses[0][i] == statuses[1][i] == "ok"]
-            print(f"ab: {len(comparable)} of {len(specs)} cases run on both sides; rounds of about "
-                  f"{2 * len(comparable) * args.slice_ms / 1e3:.1f} s", file=sys.stderr)
+            print(
+                f"ab: {len(comparable)} of {len(specs)} cases run on both sides; rounds of about "
+                f"{2 * len(comparable) * args.slice_ms / 1e3:.1f} s",
+                file=sys.stderr,
+            )
             samples, verdicts, rounds, seconds = run_rounds(workers, specs, comparable, args)
         finally:
             for worker in workers:
@@ -353,22 +488,38 @@ def main(args: argparse.Namespace) -> int:
         flagged = [i for i in comparable if verdicts[i].verdict == stats.REGRESSION]
         confirmation_samples = {}
         if flagged:
-            confirmed, confirmation_samples = confirm(flagged, specs, sides, harness, folder, device, threads, args)
+            confirmed, confirmation_samples = confirm(
+                flagged, specs, sides, harness, folder, device, threads, args
+            )
             verdicts.update(confirmed)
-    comparisons = [verdicts[i] if i in verdicts else _not_compared(specs[i], statuses[0][i], statuses[1][i])
-                   for i in range(len(specs))]
+    comparisons = [
+        verdicts[i] if i in verdicts else _not_compared(specs[i], statuses[0][i], statuses[1][i])
+        for i in range(len(specs))
+    ]
     print(f"baseline:  {sides[0].label}" + (f" [{sides[0].note}]" if sides[0].note else ""))
     print(f"candidate: {sides[1].label}" + (f" [{sides[1].note}]" if sides[1].note else ""))
-    print(f"device: {device}, torch {torch.__version__}; {rounds} rounds in {seconds:.0f} s; ratio = candidate/baseline "
-          f"time, median of per-round ratios; threshold {args.threshold:.0%}")
+    print(
+        f"device: {device}, torch {torch.__version__}; {rounds} rounds in {seconds:.0f} s; ratio = candidate/baseline "
+        f"time, median of per-round ratios; threshold {args.threshold:.0%}"
+    )
     print(gate.table(comparisons, args.confidence))
     print(gate.summary(comparisons, args.threshold))
     code = gate.exit_code(comparisons)
     if code == gate.EXIT_INCONCLUSIVE:
-        print(f"inconclusive: noise too high, ran {rounds} rounds ({seconds:.0f} s of a {args.budget:.0f} s budget); "
-              f"raise --budget or --threshold, or run on a quieter machine")
+        print(
+            f"inconclusive: noise too high, ran {rounds} rounds ({seconds:.0f} s of a {args.budget:.0f} s budget); "
+            f"raise --budget or --threshold, or run on a quieter machine"
+        )
     if args.out:
-        meta = {"baseline": sides[0].label, "candidate": sides[1].label, "device": str(device), "rounds": rounds,
-                "seconds": seconds, "threshold": args.threshold, "confidence": args.confidence, "exit_code": code}
+        meta = {
+            "baseline": sides[0].label,
+            "candidate": sides[1].label,
+            "device": str(device),
+            "rounds": rounds,
+            "seconds": seconds,
+            "threshold": args.threshold,
+            "confidence": args.confidence,
+            "exit_code": code,
+        }
         write_json(args.out, meta, specs, comparisons, samples, confirmation_samples)
     return code

@@ -28,7 +28,9 @@ import torch
 TimedCall = tuple[Callable[[int], object], int]  # call(i), number of input copies
 
 
-def _op_call(spec: dict, device: torch.device, dtype: torch.dtype, interpreted_triton: bool) -> TimedCall | str:
+def _op_call(
+    spec: dict, device: torch.device, dtype: torch.dtype, interpreted_triton: bool
+) -> TimedCall | str:
     from benchmarks import cases, ops_bench
     from benchmarks.timing import copies_to_rotate
 
@@ -53,8 +55,13 @@ def _model_call(spec: dict, device: torch.device, dtype: torch.dtype) -> TimedCa
 
     config = get_config(spec["model"])
     module = ViT(config).to(device)
-    batches = [(torch.randn(spec["batch"], config.in_chans, config.img_size, config.img_size, device=device),
-                torch.randint(0, config.num_classes, (spec["batch"],), device=device)) for _ in range(2)]
+    batches = [
+        (
+            torch.randn(spec["batch"], config.in_chans, config.img_size, config.img_size, device=device),
+            torch.randint(0, config.num_classes, (spec["batch"],), device=device),
+        )
+        for _ in range(2)
+    ]
     return e2e._step(module, spec["backend"], False, device, dtype, spec["mode"], batches), 2
 
 
@@ -91,8 +98,11 @@ def serve(requests, replies) -> None:
 
             interpreted = device.type == "cpu" and backend.TRITON_INTERPRET
             prepared = [prepare(spec, device, interpreted) for spec in request["cases"]]
-            reply = {"vit_kernels": os.path.dirname(vit_kernels.__file__), "extension": _ext._load_error,
-                     "status": [p if isinstance(p, str) else "ok" for p in prepared]}
+            reply = {
+                "vit_kernels": os.path.dirname(vit_kernels.__file__),
+                "extension": _ext._load_error,
+                "status": [p if isinstance(p, str) else "ok" for p in prepared],
+            }
         elif request["cmd"] == "time":
             found: Optional[TimedCall | str] = prepared[request["case"]]
             if isinstance(found, str):

@@ -15,14 +15,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.cases import OpCase
 from benchmarks.ops_bench import on_backend
 
-SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_math": SDPBackend.MATH}
+SDPA_BACKENDS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
 
 
 def _with_sdpa(kind: SDPBackend, fn: Callable[..., object]) -> Callable[..., object]:
     def run(**inputs):
         with sdpa_kernel(kind):
             return fn(**inputs)
+
     return run
 
 

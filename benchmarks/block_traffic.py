@@ -36,8 +36,13 @@ import vit_kernels as vk
 from tools.cuda_sim import simulated_cuda
 from vit_kernels.nn import Block
 
-MODELS = {"vit_tiny": (192, 3), "vit_small": (384, 6), "vit_base": (768, 12), "vit_large": (1024, 16),
-          "vit_huge": (1280, 16)}  # D, H
+MODELS = {
+    "vit_tiny": (192, 3),
+    "vit_small": (384, 6),
+    "vit_base": (768, 12),
+    "vit_large": (1024, 16),
+    "vit_huge": (1280, 16),
+}  # D, H
 TOKENS = {"vit_huge": 257}  # /14 at 224 px; the others /16: 197
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("torch", "triton", "extension")
@@ -52,8 +57,11 @@ def stored_bytes(t: torch.Tensor) -> int:
 
 def _is_view_or_allocation(func) -> bool:
     schema = func._schema
-    if schema.name.split("::")[-1].startswith(("empty", "new_empty")) or schema.name in ("aten::detach", "aten::lift_fresh",
-                                                                                          "aten::_unsafe_view"):
+    if schema.name.split("::")[-1].startswith(("empty", "new_empty")) or schema.name in (
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::_unsafe_view",
+    ):
         return True
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
@@ -74,13 +82,18 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _is_view_or_allocation(func):
             return out
-        written = {id(a) for a, arg in zip(args, func._schema.arguments)
-                   if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write}
+        written = {
+            id(a)
+            for a, arg in zip(args, func._schema.arguments)
+            if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write
+        }
         written |= {id(v) for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)}
         tensors = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         read = sum(stored_bytes(t) for key, t in tensors.items() if key not in written)
         outputs = {id(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-        self.kernels.append([str(func.overloadpacket.__name__), read + sum(stored_bytes(t) for t in outputs.values())])
+        self.kernels.append(
+            [str(func.overloadpacket.__name__), read + sum(stored_bytes(t) for t in outputs.values())]
+        )
         return out
 
 
@@ -100,9 +113,12 @@ def _sdpa_as_on_a_gpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if attn_mask is not None or enable_gqa:
         return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if q.dtype in (torch.float16, torch.bfloat16):
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
-                                                                  scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[
+            0
+        ]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -112,9 +128,12 @@ def count_block(backend: str, dim: int, heads: int, tokens: int, batch: int, dty
     """{"forward": [[kernel, bytes], ...], "backward": [...]} of one pre-norm block on ``backend``
     (strict except on the extension, whose fallbacks to PyTorch are by design here: see above)."""
     passes = {}
-    with warnings.catch_warnings(), simulated_cuda(90, measuring=False) as device, \
-            vk.use_backend(backend, strict=backend != "extension"), \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_on_a_gpu):
+    with (
+        warnings.catch_warnings(),
+        simulated_cuda(90, measuring=False) as device,
+        vk.use_backend(backend, strict=backend != "extension"),
+        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_on_a_gpu),
+    ):
         warnings.simplefilter("ignore", RuntimeWarning)
         block = Block(dim, heads).to(device="cuda", dtype=dtype)
         x = torch.empty(batch, tokens, dim, device="cuda", dtype=dtype, requires_grad=True)
@@ -139,13 +158,22 @@ def measure(model: str, batch: int, dtype: torch.dtype, backends=BACKENDS) -> di
     dim, heads = MODELS[model]
     tokens = TOKENS.get(model, 197)
     rows = {name: count_block(name, dim, heads, tokens, batch, dtype) for name in backends}
-    return {"model": model, "batch": batch, "tokens": tokens, "dim": dim, "heads": heads,
-            "dtype": str(dtype).removeprefix("torch."), "rows": rows}
+    return {
+        "model": model,
+        "batch": batch,
+        "tokens": tokens,
+        "dim": dim,
+        "heads": heads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
+    }
 
 
 def title(result: dict) -> str:
-    return (f"one pre-norm block of {result['model']} (D={result['dim']}, H={result['heads']}, L={result['tokens']}), "
-            f"batch {result['batch']}, {result['dtype']}: kernels and least bytes moved")
+    return (
+        f"one pre-norm block of {result['model']} (D={result['dim']}, H={result['heads']}, L={result['tokens']}), "
+        f"batch {result['batch']}, {result['dtype']}: kernels and least bytes moved"
+    )
 
 
 def table(result: dict, markdown: bool = False) -> str:
@@ -157,14 +185,27 @@ def table(result: dict, markdown: bool = False) -> str:
         mb = {step: sum(b for _, b in row[step]) / 1e6 for step in ("forward", "backward")}
         total = mb["forward"] + mb["backward"]
         base = base or total
-        body.append([name, str(len(row["forward"])), f"{mb['forward']:.0f}", str(len(row["backward"])),
-                     f"{mb['backward']:.0f}", f"{total:.0f}", f"{total / base:.2f}"])
+        body.append(
+            [
+                name,
+                str(len(row["forward"])),
+                f"{mb['forward']:.0f}",
+                str(len(row["backward"])),
+                f"{mb['backward']:.0f}",
+                f"{total:.0f}",
+                f"{total / base:.2f}",
+            ]
+        )
     if markdown:
-        return "\n".join(["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
-                         + ["| " + " | ".join(cells) + " |" for cells in body])
+        return "\n".join(
+            ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+            + ["| " + " | ".join(cells) + " |" for cells in body]
+        )
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in [header] + body)
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in [header] + body
+    )
 
 
 def detail(result: dict) -> str:
@@ -177,7 +218,9 @@ def detail(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.block_traffic", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.block_traffic", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", default="vit_base", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

@@ -16,8 +16,12 @@ class Budget:
     """``seconds`` from construction. ``admit(label)`` says whether to start the next item (and
     records ``label`` as skipped when not); ``take(items)`` yields the items admitted."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter,
-                 on_admit: Callable[[str], None] = lambda label: None):
+    def __init__(
+        self,
+        seconds: float,
+        clock: Callable[[], float] = time.perf_counter,
+        on_admit: Callable[[str], None] = lambda label: None,
+    ):
         self.seconds = float(seconds)
         self._clock = clock
         self._on_admit = on_admit  # told each item as it starts: a run killed mid-item shows which
@@ -54,7 +58,11 @@ class Budget:
 
     def summary(self) -> dict[str, object]:
         """{"budget_s", "used_s", "skipped": [labels]} for the report."""
-        return {"budget_s": round(self.seconds, 1), "used_s": round(self.used(), 1), "skipped": list(self.skipped)}
+        return {
+            "budget_s": round(self.seconds, 1),
+            "used_s": round(self.used(), 1),
+            "skipped": list(self.skipped),
+        }
 
 
 def shares(budgets: dict[str, float], total_left: float) -> dict[str, float]:

@@ -40,8 +40,17 @@ def shape_of(model: str, batch: int) -> Shape:
     config = get_config(model)
     patches = (config.img_size // config.patch_size) ** 2
     hidden = config.mlp_hidden_dim or int(config.embed_dim * config.mlp_ratio)
-    return Shape(model, batch, patches + int(config.class_token), config.embed_dim, config.num_heads, hidden,
-                 config.in_chans, config.img_size, config.patch_size)
+    return Shape(
+        model,
+        batch,
+        patches + int(config.class_token),
+        config.embed_dim,
+        config.num_heads,
+        hidden,
+        config.in_chans,
+        config.img_size,
+        config.patch_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -49,11 +58,11 @@ class OpCase:
     op: str
     shape: Shape
     make_inputs: Callable[[torch.device, torch.dtype], dict[str, torch.Tensor]]
-    run: Callable[..., object]          # the public op: vk.<op>(**inputs), or the bare kernel
-    reference: Callable[..., object]    # the eager reference with the same inputs
-    flops: float                        # forward FLOPs (0: memory-bound)
-    bytes_per_element: int              # forward tensors read + written, per (rows x D) element
-    backward_factor: float = 2.0        # backward work / forward work
+    run: Callable[..., object]  # the public op: vk.<op>(**inputs), or the bare kernel
+    reference: Callable[..., object]  # the eager reference with the same inputs
+    flops: float  # forward FLOPs (0: memory-bound)
+    bytes_per_element: int  # forward tensors read + written, per (rows x D) element
+    backward_factor: float = 2.0  # backward work / forward work
 
     def work(self, mode: str, itemsize: int) -> tuple[float, str]:
         """(amount, unit) of work for ``mode``: FLOPs for GEMM-like ops, bytes for memory-bound ones.
@@ -80,7 +89,9 @@ def build_case(op: str, s: Shape) -> OpCase:
     def reference(**inputs):
         return spec.reference(s, **inputs)
 
-    return OpCase(op, s, make_inputs, run, reference, spec.flops(s), spec.bytes_per_element(s), spec.backward_factor)
+    return OpCase(
+        op, s, make_inputs, run, reference, spec.flops(s), spec.bytes_per_element(s), spec.backward_factor
+    )
 
 
 def eager_math_attention(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -37,14 +37,18 @@ KEY_FIELDS = ("kind", "shape", "dtype", "backend", "mode")
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
 
 
 def _check_row(path: Path, index: int, row) -> Optional[str]:
     """Why row ``index`` of ``path`` cannot be compared, or None."""
     if not isinstance(row, dict):
         return f"{path}: row {index} is not a JSON object"
-    missing = [k for k in KEY_FIELDS if k not in row] + ([] if row.get("op") or row.get("model") else ["op or model"])
+    missing = [k for k in KEY_FIELDS if k not in row] + (
+        [] if row.get("op") or row.get("model") else ["op or model"]
+    )
     if missing:
         return f"{path}: row {index} lacks {', '.join(missing)}"
     unhashable = [k for k in (*KEY_FIELDS, "op", "model") if isinstance(row.get(k), (list, dict))]
@@ -69,7 +73,14 @@ def _cases(data: dict[str, object], path: Path) -> dict[tuple, dict[str, object]
         problem = _check_row(path, index, row)
         if problem:
             raise SystemExit(problem)
-        key = (row["kind"], row.get("op") or row.get("model"), row["shape"], row["dtype"], row["backend"], row["mode"])
+        key = (
+            row["kind"],
+            row.get("op") or row.get("model"),
+            row["shape"],
+            row["dtype"],
+            row["backend"],
+            row["mode"],
+        )
         out[key] = row
     return out
 
@@ -117,8 +128,9 @@ def machine_drift(baseline: dict, current: dict) -> Optional[float]:
     return new / old
 
 
-def compare_rows(key: tuple, old: dict, new: dict, threshold: float, confidence: float,
-                 drift: float = 1.0) -> gate.Comparison:
+def compare_rows(
+    key: tuple, old: dict, new: dict, threshold: float, confidence: float, drift: float = 1.0
+) -> gate.Comparison:
     name = " ".join(map(str, key[1:]))
     base, cand = old.get("samples_ms") or [], new.get("samples_ms") or []
     if len(base) >= MIN_SAMPLES and len(cand) >= MIN_SAMPLES:
@@ -129,13 +141,20 @@ def compare_rows(key: tuple, old: dict, new: dict, threshold: float, confidence:
     verdict = ratio.verdict(threshold)
     if verdict in (stats.REGRESSION, stats.FASTER) and not beyond_noise(old, new, ratio.value, drift):
         side = "slower" if ratio.value > 1 else "faster"
-        return gate.Comparison(name, old["median_ms"], new["median_ms"], ratio, gate.NOISY,
-                               f"{side}, but within the runs' own spread")
+        return gate.Comparison(
+            name,
+            old["median_ms"],
+            new["median_ms"],
+            ratio,
+            gate.NOISY,
+            f"{side}, but within the runs' own spread",
+        )
     return gate.Comparison(name, old["median_ms"], new["median_ms"], ratio, verdict)
 
 
-def compare(baseline_path: Path, current_path: Path, threshold: float,
-            confidence: float = 0.95) -> tuple[str, list[gate.Comparison]]:
+def compare(
+    baseline_path: Path, current_path: Path, threshold: float, confidence: float = 0.95
+) -> tuple[str, list[gate.Comparison]]:
     """(printable report, one comparison per shared case)."""
     gate.check_threshold(threshold)
     gate.check_confidence(confidence)
@@ -143,22 +162,31 @@ def compare(baseline_path: Path, current_path: Path, threshold: float,
     baseline, current = _cases(baseline_data, baseline_path), _cases(current_data, current_path)
     shared = sorted(set(baseline) & set(current), key=str)
     drift = machine_drift(baseline_data, current_data)
-    comparisons = [compare_rows(key, baseline[key], current[key], threshold, confidence, drift or 1.0)
-                   for key in shared]
+    comparisons = [
+        compare_rows(key, baseline[key], current[key], threshold, confidence, drift or 1.0) for key in shared
+    ]
     without = sum(c.rounds <= 1 for c in comparisons)
     noisy = sum(c.verdict == gate.NOISY for c in comparisons)
     straddling = sum(c.verdict == stats.INCONCLUSIVE for c in comparisons)
-    lines = [gate.table(comparisons, confidence), "",
-             f"{len(shared)} shared cases ({len(set(baseline) - set(current))} only in the baseline, "
-             f"{len(set(current) - set(baseline))} only in the current results"
-             + (f"; {without} without samples, compared on medians alone" if without else "") + ").",
-             f"{noisy + straddling} of {len(shared)} cases too noisy to judge: {noisy} with a difference inside "
-             f"either run's own q20-q80 spread" + ("" if drift is None else " or the machine's drift") +
-             f", {straddling} whose interval straddles the threshold.",
-             gate.summary(comparisons, threshold) + "."]
+    lines = [
+        gate.table(comparisons, confidence),
+        "",
+        f"{len(shared)} shared cases ({len(set(baseline) - set(current))} only in the baseline, "
+        f"{len(set(current) - set(baseline))} only in the current results"
+        + (f"; {without} without samples, compared on medians alone" if without else "")
+        + ").",
+        f"{noisy + straddling} of {len(shared)} cases too noisy to judge: {noisy} with a difference inside "
+        f"either run's own q20-q80 spread"
+        + ("" if drift is None else " or the machine's drift")
+        + f", {straddling} whose interval straddles the threshold.",
+        gate.summary(comparisons, threshold) + ".",
+    ]
     if drift is not None:
-        lines.insert(-1, f"The noise probe (a fixed workload) ran {drift:.3f}x as long in the current run as in the "
-                         f"baseline run: changes up to that much in its direction are the machine's.")
+        lines.insert(
+            -1,
+            f"The noise probe (a fixed workload) ran {drift:.3f}x as long in the current run as in the "
+            f"baseline run: changes up to that much in its direction are the machine's.",
+        )
     if not shared:
         lines.append("nothing compared: the files share no case")
     if gate.exit_code(comparisons) == gate.EXIT_INCONCLUSIVE:

@@ -22,12 +22,15 @@ from vit.model import ViT, get_config
 BACKENDS = ("torch", "triton", "extension", "auto")
 
 
-def _step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+def _step(
+    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, name: str
+) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         with vk.use_backend(name), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             loss = F.cross_entropy(model(images), labels)
         loss.backward()
         return loss.detach()
+
     return step
 
 
@@ -59,13 +62,25 @@ def capture(model_name: str, name: str, device: torch.device, batch: int = 32) -
         torch.cuda.synchronize(device)
         timing = time_call(lambda i: graph.replay(), device)
     except Exception as error:
-        return {**row, "captured": True, "replayed": False, "error": f"{type(error).__name__}: {error}".splitlines()[0][:500]}
-    return {**row, "captured": True, "replayed": True, "replay_ms": timing.median_ms, "loss": loss.item(),
-            "eager_loss": eager_loss.item()}
+        return {
+            **row,
+            "captured": True,
+            "replayed": False,
+            "error": f"{type(error).__name__}: {error}".splitlines()[0][:500],
+        }
+    return {
+        **row,
+        "captured": True,
+        "replayed": True,
+        "replay_ms": timing.median_ms,
+        "loss": loss.item(),
+        "eager_loss": eager_loss.item(),
+    }
 
 
-def capture_all(model_name: str, device: torch.device, admit: Callable[[str], bool] = lambda label: True,
-                batch: int = 32) -> list[dict[str, object]]:
+def capture_all(
+    model_name: str, device: torch.device, admit: Callable[[str], bool] = lambda label: True, batch: int = 32
+) -> list[dict[str, object]]:
     """``capture`` on every backend admitted by ``admit`` (a time budget)."""
     if device.type != "cuda":
         return []

@@ -23,8 +23,14 @@ from benchmarks.peaks import fraction_of
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 
-TIMM_NAMES = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224",
-              "vit_base_patch16_siglip_224", "vit_so400m_patch14_siglip_224"}
+TIMM_NAMES = {
+    "vit_tiny_patch16_224",
+    "vit_small_patch16_224",
+    "vit_base_patch16_224",
+    "vit_large_patch16_224",
+    "vit_base_patch16_siglip_224",
+    "vit_so400m_patch14_siglip_224",
+}
 
 
 def forward_flops(model: str, batch: int) -> float:
@@ -37,8 +43,14 @@ def forward_flops(model: str, batch: int) -> float:
     hidden = c.mlp_hidden_dim or int(c.embed_dim * c.mlp_ratio)
     d = c.embed_dim
     block = 2 * tokens * (3 * d * d + d * d + 2 * d * hidden) + 4 * tokens * tokens * d
-    pool = 2 * tokens * 2 * d * d + 4 * tokens * d + 2 * (2 * d * d + 2 * d * hidden) if c.global_pool == "map" else 0
-    return batch * (2 * patches * d * c.in_chans * c.patch_size**2 + c.depth * block + pool + 2 * d * c.num_classes)
+    pool = (
+        2 * tokens * 2 * d * d + 4 * tokens * d + 2 * (2 * d * d + 2 * d * hidden)
+        if c.global_pool == "map"
+        else 0
+    )
+    return batch * (
+        2 * patches * d * c.in_chans * c.patch_size**2 + c.depth * block + pool + 2 * d * c.num_classes
+    )
 
 
 def _timm_model(model: str) -> Optional[torch.nn.Module]:
@@ -58,13 +70,20 @@ def variant_name(backend: str, compiled: bool) -> str:
     return "eager (torch backend)" if backend == "torch" else f"vit_kernels ({backend})"
 
 
-def variants(model: str, device: torch.device, compile_models: bool, backends: Sequence[str] = ("auto", "torch"),
-             compiled_backends: Sequence[str] = ("torch",)) -> dict[str, tuple[torch.nn.Module, str, bool] | str]:
+def variants(
+    model: str,
+    device: torch.device,
+    compile_models: bool,
+    backends: Sequence[str] = ("auto", "torch"),
+    compiled_backends: Sequence[str] = ("torch",),
+) -> dict[str, tuple[torch.nn.Module, str, bool] | str]:
     """name -> (module, backend to run it under, compiled?) or the reason the variant is absent: our
     model eager on each of ``backends``, timm's, then the compiled ones (ours on each of
     ``compiled_backends``, timm's), so that a time budget spent early cuts the compiles first."""
     ours = ViT(get_config(model)).to(device)
-    found: dict[str, tuple[torch.nn.Module, str, bool] | str] = {variant_name(b, False): (ours, b, False) for b in backends}
+    found: dict[str, tuple[torch.nn.Module, str, bool] | str] = {
+        variant_name(b, False): (ours, b, False) for b in backends
+    }
     timm_model = _timm_model(model)
     if timm_model is None:
         reason = "timm is not installed" if model in TIMM_NAMES else "timm has no model of this name"
@@ -87,8 +106,15 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _step(module: torch.nn.Module, backend: str, compiled: bool, device: torch.device, dtype: torch.dtype,
-          mode: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[int], object]:
+def _step(
+    module: torch.nn.Module,
+    backend: str,
+    compiled: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[int], object]:
     fn = torch.compile(module) if compiled else module
     if mode == "inference":
         module.eval()
@@ -96,6 +122,7 @@ def _step(module: torch.nn.Module, backend: str, compiled: bool, device: torch.d
         def infer(i):
             with vk.use_backend(backend), torch.inference_mode(), _autocast(device, dtype):
                 return fn(batches[i][0])
+
         return infer
     module.train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -108,13 +135,24 @@ def _step(module: torch.nn.Module, backend: str, compiled: bool, device: torch.d
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return train
 
 
-def run_model(model: str, batch: int, device: torch.device, dtype: torch.dtype, peaks: dict[str, float],
-              compile_models: bool, meta: dict[str, object], *, batches: Optional[dict[str, int]] = None,
-              backends: Sequence[str] = ("auto", "torch"), compiled_backends: Sequence[str] = ("torch",),
-              admit: Callable[[str], bool] = lambda label: True) -> list[dict[str, object]]:
+def run_model(
+    model: str,
+    batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    peaks: dict[str, float],
+    compile_models: bool,
+    meta: dict[str, object],
+    *,
+    batches: Optional[dict[str, int]] = None,
+    backends: Sequence[str] = ("auto", "torch"),
+    compiled_backends: Sequence[str] = ("torch",),
+    admit: Callable[[str], bool] = lambda label: True,
+) -> list[dict[str, object]]:
     """Rows for every variant x {train, inference} of one preset at one batch size; ``batches``
     ({mode: batch}) sets the modes and a batch size per mode instead. A variant x mode that
     ``admit`` (a time budget) refuses is left out."""
@@ -124,7 +162,14 @@ def run_model(model: str, batch: int, device: torch.device, dtype: torch.dtype, 
     rows = []
     for name, found in variants(model, device, compile_models, backends, compiled_backends).items():
         for mode, size in (batches or {"train": batch, "inference": batch}).items():
-            base = {"kind": "model", "model": model, "shape": f"B={size}", "dtype": dtype_name, "backend": name, **meta}
+            base = {
+                "kind": "model",
+                "model": model,
+                "shape": f"B={size}",
+                "dtype": dtype_name,
+                "backend": name,
+                **meta,
+            }
             if isinstance(found, str):
                 rows.append({**base, "mode": mode, "skipped": found})
                 continue
@@ -138,8 +183,10 @@ def run_model(model: str, batch: int, device: torch.device, dtype: torch.dtype, 
 def _inputs(config, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Two random batches of images and labels (timed runs alternate between them)."""
     return [
-        (torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
-         torch.randint(0, config.num_classes, (batch,), device=device))
+        (
+            torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
+            torch.randint(0, config.num_classes, (batch,), device=device),
+        )
         for _ in range(2)
     ]
 
@@ -154,8 +201,15 @@ def _first_call_s(step: Callable[[int], object], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def _timed_row(base: dict[str, object], mode: str, found: tuple[torch.nn.Module, str, bool], device: torch.device,
-               dtype: torch.dtype, peak: Optional[float], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, object]:
+def _timed_row(
+    base: dict[str, object],
+    mode: str,
+    found: tuple[torch.nn.Module, str, bool],
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: Optional[float],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, object]:
     """One variant in one mode: images/s, model TFLOP/s and peak memory, or why it failed."""
     module, backend_name, compiled = found
     batch = batches[0][0].shape[0]
@@ -170,8 +224,16 @@ def _timed_row(base: dict[str, object], mode: str, found: tuple[torch.nn.Module,
     flops = forward_flops(base["model"], batch) * (3 if mode == "train" else 1)
     tflops = flops / (timing.median_ms * 1e-3) / 1e12
     return {
-        **base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
-        "samples_ms": list(timing.samples_ms), "first_step_s": first_step_s, "throughput": batch / (timing.median_ms * 1e-3),
-        "unit": "images/s", "model_tflops": tflops, "fraction_of_peak": fraction_of(tflops, peak),
+        **base,
+        "mode": mode,
+        "median_ms": timing.median_ms,
+        "q20_ms": timing.q20_ms,
+        "q80_ms": timing.q80_ms,
+        "samples_ms": list(timing.samples_ms),
+        "first_step_s": first_step_s,
+        "throughput": batch / (timing.median_ms * 1e-3),
+        "unit": "images/s",
+        "model_tflops": tflops,
+        "fraction_of_peak": fraction_of(tflops, peak),
         "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
     }

@@ -20,8 +20,12 @@ def device_name(device: torch.device) -> str:
 def git_sha() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
-            capture_output=True, text=True, timeout=10, check=True,
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -50,8 +54,13 @@ def driver_version() -> str | None:
     """The NVIDIA driver release (e.g. 580.159.04) from nvidia-smi, else the CUDA driver API version
     torch reports, else None."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
@@ -72,10 +81,19 @@ def versions(device: torch.device) -> dict[str, object]:
         timm = metadata.version("timm")
     except metadata.PackageNotFoundError:
         timm = None
-    found = {**describe(device), "cuda": torch.version.cuda, "python": platform.python_version(),
-             "vit_kernels": vit_kernels.__version__, "timm": timm}
+    found = {
+        **describe(device),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "vit_kernels": vit_kernels.__version__,
+        "timm": timm,
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        found.update(driver=driver_version(), capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                     memory_gib=round(props.total_memory / 2**30, 1))
+        found.update(
+            driver=driver_version(),
+            capability=f"{props.major}.{props.minor}",
+            sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
     return found

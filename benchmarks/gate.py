@@ -25,9 +25,9 @@ class Comparison:
     case: str
     baseline_ms: Optional[float]
     candidate_ms: Optional[float]
-    ratio: Optional[Ratio]      # None: no samples to build an interval from
-    verdict: str                # REGRESSION | within | faster | inconclusive | BROKEN | not compared: why
-    note: str = ""              # e.g. "confirmed" / "regression not confirmed" (ab's second run)
+    ratio: Optional[Ratio]  # None: no samples to build an interval from
+    verdict: str  # REGRESSION | within | faster | inconclusive | BROKEN | not compared: why
+    note: str = ""  # e.g. "confirmed" / "regression not confirmed" (ab's second run)
 
     @property
     def rounds(self) -> int:
@@ -57,7 +57,9 @@ def exit_code(comparisons: list[Comparison]) -> int:
     verdicts = {_kind(c.verdict) for c in comparisons}
     if REGRESSION in verdicts or BROKEN in verdicts:
         return EXIT_REGRESSION
-    slower_in_noise = any(c.verdict == NOISY and c.ratio is not None and c.ratio.value > 1 for c in comparisons)
+    slower_in_noise = any(
+        c.verdict == NOISY and c.ratio is not None and c.ratio.value > 1 for c in comparisons
+    )
     return EXIT_INCONCLUSIVE if INCONCLUSIVE in verdicts or slower_in_noise else EXIT_OK
 
 
@@ -68,24 +70,39 @@ def _ms(value: Optional[float]) -> str:
 def table(comparisons: list[Comparison], confidence: float) -> str:
     """Aligned columns: case, baseline ms, candidate ms, ratio, interval, rounds, verdict."""
     head = ("case", "baseline ms", "candidate ms", "ratio", f"{confidence:.0%} interval", "n", "verdict")
-    body = [(c.case, _ms(c.baseline_ms), _ms(c.candidate_ms),
-             f"{c.ratio.value:.3f}" if c.ratio else "-",
-             f"[{c.ratio.low:.3f}, {c.ratio.high:.3f}]" if c.ratio and c.ratio.samples > 1 else "-",
-             str(c.rounds) if c.ratio else "-", f"{c.verdict} ({c.note})" if c.note else c.verdict)
-            for c in comparisons]
+    body = [
+        (
+            c.case,
+            _ms(c.baseline_ms),
+            _ms(c.candidate_ms),
+            f"{c.ratio.value:.3f}" if c.ratio else "-",
+            f"[{c.ratio.low:.3f}, {c.ratio.high:.3f}]" if c.ratio and c.ratio.samples > 1 else "-",
+            str(c.rounds) if c.ratio else "-",
+            f"{c.verdict} ({c.note})" if c.note else c.verdict,
+        )
+        for c in comparisons
+    ]
     widths = [max(len(row[k]) for row in [head] + body) for k in range(len(head))]
     align = ["<", ">", ">", ">", ">", ">", "<"]
-    return "\n".join("  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)).rstrip()
-                     for row in [head] + body)
+    return "\n".join(
+        "  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)).rstrip()
+        for row in [head] + body
+    )
 
 
 def summary(comparisons: list[Comparison], threshold: float) -> str:
-    counts = {v: sum(_kind(c.verdict) == v for c in comparisons)
-              for v in (REGRESSION, BROKEN, INCONCLUSIVE, WITHIN, FASTER, NOISY)}
+    counts = {
+        v: sum(_kind(c.verdict) == v for c in comparisons)
+        for v in (REGRESSION, BROKEN, INCONCLUSIVE, WITHIN, FASTER, NOISY)
+    }
     other = len(comparisons) - sum(counts.values())
-    parts = [f"{counts[REGRESSION]} regression(s) beyond {threshold:.0%}", f"{counts[BROKEN]} broken",
-             f"{counts[INCONCLUSIVE]} inconclusive", f"{counts[WITHIN]} within {threshold:.0%}",
-             f"{counts[FASTER]} faster by more than {threshold:.0%}"]
+    parts = [
+        f"{counts[REGRESSION]} regression(s) beyond {threshold:.0%}",
+        f"{counts[BROKEN]} broken",
+        f"{counts[INCONCLUSIVE]} inconclusive",
+        f"{counts[WITHIN]} within {threshold:.0%}",
+        f"{counts[FASTER]} faster by more than {threshold:.0%}",
+    ]
     if counts[NOISY]:  # only --compare judges against the runs' own spread
         parts.append(f"{counts[NOISY]} too noisy to judge")
     if other:

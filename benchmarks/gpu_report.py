@@ -41,28 +41,50 @@ DEFAULT_TOTAL_S = 450.0  # the sections' budgets, scaled to this; startup and wr
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_report", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("build/gpu-report"), help="folder for the report files")
-    parser.add_argument("--total", type=float, default=DEFAULT_TOTAL_S,
-                        help="seconds for all sections together: their budgets are scaled to it (default %(default)s)")
-    parser.add_argument("--sections", default=None,
-                        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all on a GPU, "
-                             f"{', '.join(CPU_SECTIONS)} without one)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("build/gpu-report"), help="folder for the report files"
+    )
+    parser.add_argument(
+        "--total",
+        type=float,
+        default=DEFAULT_TOTAL_S,
+        help="seconds for all sections together: their budgets are scaled to it (default %(default)s)",
+    )
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all on a GPU, "
+        f"{', '.join(CPU_SECTIONS)} without one)",
+    )
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
-    parser.add_argument("--quick", action="store_true", help="fewer calls and the smallest preset: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer calls and the smallest preset: a smoke run"
+    )
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     args = parser.parse_args(argv)
     args.ops = tuple(op for op in args.ops.split(",") if op)
-    chosen = args.sections.split(",") if args.sections else list(SECTIONS if torch.cuda.is_available() else CPU_SECTIONS)
+    chosen = (
+        args.sections.split(",")
+        if args.sections
+        else list(SECTIONS if torch.cuda.is_available() else CPU_SECTIONS)
+    )
     unknown = [s for s in chosen if s not in SECTIONS] + [op for op in args.ops if op not in OPS]
     if unknown:
-        parser.error(f"unknown sections or ops {unknown}; sections: {', '.join(SECTIONS)}; ops: {', '.join(OPS)}")
+        parser.error(
+            f"unknown sections or ops {unknown}; sections: {', '.join(SECTIONS)}; ops: {', '.join(OPS)}"
+        )
     args.sections = [s for s in SECTIONS if s in chosen]
     return args
 
 
-def run_sections(ctx: Context, names: list[str], total_s: float, after=lambda results: None) -> dict[str, dict]:
+def run_sections(
+    ctx: Context, names: list[str], total_s: float, after=lambda results: None
+) -> dict[str, dict]:
     """Each section in turn under its budget (scaled so that all fit in ``total_s``, and shrunk in
     proportion when an earlier one overran); an exception is recorded, not raised."""
     wanted = {name: SECTIONS[name][1] for name in names}
@@ -71,24 +93,39 @@ def run_sections(ctx: Context, names: list[str], total_s: float, after=lambda re
     results: dict[str, dict] = {}
     for i, name in enumerate(names):
         later = {n: wanted[n] * scale for n in names[i:]}
-        budget = Budget(shares(later, max(0.0, deadline - time.perf_counter()))[name],
-                        on_admit=lambda label, name=name: print(f"gpu-report: {name}: {label}", file=sys.stderr, flush=True))
+        budget = Budget(
+            shares(later, max(0.0, deadline - time.perf_counter()))[name],
+            on_admit=lambda label, name=name: print(
+                f"gpu-report: {name}: {label}", file=sys.stderr, flush=True
+            ),
+        )
         print(f"gpu-report: {name} (budget {budget.seconds:.0f} s) ...", file=sys.stderr, flush=True)
         try:
             results[name] = {"status": "ok", "result": SECTIONS[name][0](ctx, budget)}
         except Exception as error:  # one section's failure must not lose the others
-            results[name] = {"status": "error", "result": None,
-                             "error": "".join(traceback.format_exception(error))[-4000:].strip()}
+            results[name] = {
+                "status": "error",
+                "result": None,
+                "error": "".join(traceback.format_exception(error))[-4000:].strip(),
+            }
         results[name].update(budget.summary())
         if budget.skipped:
             results[name]["status"] += f" (budget spent: {len(budget.skipped)} left out)"
-        print(f"gpu-report: {name} {results[name]['status']} in {budget.used():.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"gpu-report: {name} {results[name]['status']} in {budget.used():.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         after(results)
     return results
 
 
 def _all_rows(sections: dict[str, dict]) -> list[dict]:
-    return [row for name in ("ops", "e2e") for row in ((sections.get(name) or {}).get("result") or {}).get("rows", [])]
+    return [
+        row
+        for name in ("ops", "e2e")
+        for row in ((sections.get(name) or {}).get("result") or {}).get("rows", [])
+    ]
 
 
 def build(args: argparse.Namespace) -> dict:
@@ -98,15 +135,24 @@ def build(args: argparse.Namespace) -> dict:
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if device.type != "cuda":
         print(f"gpu-report: {NO_GPU}", file=sys.stderr)
-    ctx = Context(device, quick=args.quick, compile=not args.no_compile, ops=args.ops, meta=environment.describe(device))
+    ctx = Context(
+        device, quick=args.quick, compile=not args.no_compile, ops=args.ops, meta=environment.describe(device)
+    )
 
     def data(sections: dict[str, dict]) -> dict:
-        return {"report": "vit-kernels gpu-report", "gpu": device.type == "cuda",
-                "note": None if device.type == "cuda" else NO_GPU,
-                "device": ctx.meta["device"], "command": " ".join(["python -m benchmarks.gpu_report", *sys.argv[1:]]),
-                "started": stamp, "seconds": time.perf_counter() - started, "total_budget_s": args.total,
-                "triton_interpret": backend.TRITON_INTERPRET,
-                "targets": targets.compare(_all_rows(sections)), "sections": sections}
+        return {
+            "report": "vit-kernels gpu-report",
+            "gpu": device.type == "cuda",
+            "note": None if device.type == "cuda" else NO_GPU,
+            "device": ctx.meta["device"],
+            "command": " ".join(["python -m benchmarks.gpu_report", *sys.argv[1:]]),
+            "started": stamp,
+            "seconds": time.perf_counter() - started,
+            "total_budget_s": args.total,
+            "triton_interpret": backend.TRITON_INTERPRET,
+            "targets": targets.compare(_all_rows(sections)),
+            "sections": sections,
+        }
 
     def partial(sections: dict[str, dict]) -> None:  # a run killed later still leaves what was done
         try:

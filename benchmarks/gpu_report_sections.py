@@ -20,9 +20,16 @@ VK_BACKENDS = ("torch", "triton", "extension", "auto")
 # Per-op shapes, ViT-B/16 first (the targets are set there): ViT-B/L/S/Ti/16 at batch 128/64/256/256, then
 # SigLIP so400m/14 (head dim 72, width 1152, MLP 4304) at 64, EVA02-B/14 (RoPE, SwiGLU), DINOv3-B (half
 # RoPE) and a padded NaFlex ViT-B/16 batch (key-padding mask) at 128.
-OP_SHAPES = [("vit_base_patch16_224", 128), ("vit_large_patch16_224", 64), ("vit_small_patch16_224", 256),
-             ("vit_tiny_patch16_224", 256), ("vit_so400m_patch14_siglip_224", 64), ("eva02_base_patch14_224", 128),
-             ("vit_base_patch16_dinov3", 128), ("naflexvit_base_patch16_gap", 128)]
+OP_SHAPES = [
+    ("vit_base_patch16_224", 128),
+    ("vit_large_patch16_224", 64),
+    ("vit_small_patch16_224", 256),
+    ("vit_tiny_patch16_224", 256),
+    ("vit_so400m_patch14_siglip_224", 64),
+    ("eva02_base_patch14_224", 128),
+    ("vit_base_patch16_dinov3", 128),
+    ("naflexvit_base_patch16_gap", 128),
+]
 OP_MODES = ("forward", "full")
 # End to end: (model, training batch, inference batch).
 MODELS = [("vit_base_patch16_224", 128, 256), ("vit_large_patch16_224", 64, 128)]
@@ -64,8 +71,10 @@ def gpu_tests_section(ctx: Context, budget: Budget) -> dict:
 def selftest_section(ctx: Context, budget: Budget) -> dict:
     """``tools.selftest``'s checks (every op, backend and dtype against PyTorch's own error;
     each backend but torch timed against the reference, unless ``quick``)."""
-    rows = [selftest.check_op(op, name, dtype, device, timed=name != "torch" and not ctx.quick)
-            for op, name, dtype, device in budget.take(selftest.cases(ctx.ops), lambda c: f"{c[0]} {c[1]} {c[2]}")]
+    rows = [
+        selftest.check_op(op, name, dtype, device, timed=name != "torch" and not ctx.quick)
+        for op, name, dtype, device in budget.take(selftest.cases(ctx.ops), lambda c: f"{c[0]} {c[1]} {c[2]}")
+    ]
     header = selftest.header()
     header.pop("available_backends")
     failed = [r for r in rows if not r["passed"]]
@@ -83,7 +92,9 @@ def block_traffic_section(ctx: Context, budget: Budget) -> dict:
     """One ViT-B/16 block's kernels and least bytes, forward and backward, per backend (B=128, bf16;
     counted on meta tensors, so the same on every machine: what the timings of the ops section are
     made of)."""
-    return block_traffic.measure("vit_tiny" if ctx.quick else "vit_base", 8 if ctx.quick else 128, torch.bfloat16)
+    return block_traffic.measure(
+        "vit_tiny" if ctx.quick else "vit_base", 8 if ctx.quick else 128, torch.bfloat16
+    )
 
 
 def cuda_graphs_section(ctx: Context, budget: Budget) -> dict:
@@ -102,11 +113,27 @@ def ops_section(ctx: Context, budget: Budget) -> dict:
         shape = cases.shape_of(model, batch)
         for op in budget.take(ctx.ops, lambda op, shape=shape: f"{op} {shape.label}"):
             case = cases.build_case(op, shape)
-            rows += ops_bench.run_case(case, ctx.device, ctx.dtype, OP_MODES, ctx.measured_peaks, ctx.compile,
-                                       interpreted_triton=False, meta=ctx.meta, extra=extra_implementations(case))
-    return {"dtype": str(ctx.dtype).removeprefix("torch."), "modes": list(OP_MODES), "peaks": ctx.measured_peaks,
-            "rows": rows, "attention_tiles": attention.tile_report(), "layer_norm_tiles": layer_norm.tile_report(),
-            "gemm_tiles": linear.tile_report(), "patch_embed_tiles": patch_embed.tile_report()}
+            rows += ops_bench.run_case(
+                case,
+                ctx.device,
+                ctx.dtype,
+                OP_MODES,
+                ctx.measured_peaks,
+                ctx.compile,
+                interpreted_triton=False,
+                meta=ctx.meta,
+                extra=extra_implementations(case),
+            )
+    return {
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "modes": list(OP_MODES),
+        "peaks": ctx.measured_peaks,
+        "rows": rows,
+        "attention_tiles": attention.tile_report(),
+        "layer_norm_tiles": layer_norm.tile_report(),
+        "gemm_tiles": linear.tile_report(),
+        "patch_embed_tiles": patch_embed.tile_report(),
+    }
 
 
 def e2e_section(ctx: Context, budget: Budget) -> dict:
@@ -118,10 +145,24 @@ def e2e_section(ctx: Context, budget: Budget) -> dict:
 
     rows = []
     for model, train_batch, infer_batch in QUICK_MODELS if ctx.quick else MODELS:
-        rows += e2e.run_model(model, train_batch, ctx.device, ctx.dtype, ctx.measured_peaks, ctx.compile, ctx.meta,
-                              batches={"train": train_batch, "inference": infer_batch}, backends=VK_BACKENDS,
-                              compiled_backends=VK_BACKENDS, admit=admit)
-    return {"dtype": str(ctx.dtype).removeprefix("torch."), "autocast": ctx.dtype != torch.float32, "rows": rows}
+        rows += e2e.run_model(
+            model,
+            train_batch,
+            ctx.device,
+            ctx.dtype,
+            ctx.measured_peaks,
+            ctx.compile,
+            ctx.meta,
+            batches={"train": train_batch, "inference": infer_batch},
+            backends=VK_BACKENDS,
+            compiled_backends=VK_BACKENDS,
+            admit=admit,
+        )
+    return {
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "autocast": ctx.dtype != torch.float32,
+        "rows": rows,
+    }
 
 
 # name -> (function, budget in seconds on one H100); the order is the run's order.

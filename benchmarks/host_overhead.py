@@ -50,6 +50,7 @@ DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
 def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]:
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
+
     def loop():
         with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
             for _ in range(calls):
@@ -75,8 +76,9 @@ def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[],
     return lambda: spec.run(TINY, **inputs)
 
 
-def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32, calls: int = 300,
-               rounds: int = 7) -> dict[str, Union[str, float]]:
+def measure_op(
+    op: str, device: torch.device, dtype: torch.dtype = torch.float32, calls: int = 300, rounds: int = 7
+) -> dict[str, Union[str, float]]:
     """{"op": op, column: microseconds per call, or "n/a: <reason>", ...} for every column. The
     columns are timed in turn within each round (so that load from other processes hits them
     alike), after one untimed warm-up round (which also lets ``auto`` make its first-call choice)."""
@@ -101,17 +103,34 @@ def measure_op(op: str, device: torch.device, dtype: torch.dtype = torch.float32
     return {"op": op, **{name: row[name] for name in COLUMNS}}
 
 
-def measure(device: torch.device, ops: tuple[str, ...] = OPS, calls: int = 300, rounds: int = 7,
-            admit: Callable[[str], bool] = lambda op: True) -> list[dict[str, Union[str, float]]]:
+def measure(
+    device: torch.device,
+    ops: tuple[str, ...] = OPS,
+    calls: int = 300,
+    rounds: int = 7,
+    admit: Callable[[str], bool] = lambda op: True,
+) -> list[dict[str, Union[str, float]]]:
     """One row per op admitted by ``admit`` (a time budget), see ``measure_op``."""
     return [measure_op(op, device, calls=calls, rounds=rounds) for op in ops if admit(op)]
 
 
 SIMULATED_COLUMNS = ("triton", "auto")
-VIT_B = Shape("vit_base_patch16_224", batch=2, tokens=197, dim=768, heads=12, hidden=3072, channels=3, image=224, patch=16)
+VIT_B = Shape(
+    "vit_base_patch16_224",
+    batch=2,
+    tokens=197,
+    dim=768,
+    heads=12,
+    hidden=3072,
+    channels=3,
+    image=224,
+    patch=16,
+)
 
 
-def measure_simulated(ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5) -> list[dict[str, Union[str, float]]]:
+def measure_simulated(
+    ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5
+) -> list[dict[str, Union[str, float]]]:
     """{"op": op, "triton": us, "auto": us} per op: our Python per warm forward call (inputs requiring
     grad) on the simulated sm_90 device, the least over ``rounds`` loops of ``calls`` calls (ours is
     the small difference of two large times, so other processes' load shows in it: load only adds)."""
@@ -121,7 +140,9 @@ def measure_simulated(ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int 
     with simulated_cuda(90) as recorder:
         device = torch.device("cuda")
         for op in ops:
-            inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()}
+            inputs = {
+                k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()
+            }
             row: dict[str, Union[str, float]] = {"op": op}
             for name in SIMULATED_COLUMNS:
                 with vk.use_backend(name, strict=name != "auto"):
@@ -149,7 +170,9 @@ def _cell(value: Union[str, float]) -> str:
     return f"{value:.1f}" if isinstance(value, float) else "n/a"
 
 
-def table(rows: list[dict[str, Union[str, float]]], markdown: bool = False, columns: tuple[str, ...] = COLUMNS) -> str:
+def table(
+    rows: list[dict[str, Union[str, float]]], markdown: bool = False, columns: tuple[str, ...] = COLUMNS
+) -> str:
     """op x (pytorch, torch, extension, triton, auto) in us/call, as aligned text or a markdown
     table; the reasons behind each n/a follow the table."""
     header = ["op (us/call)", *columns]
@@ -159,22 +182,37 @@ def table(rows: list[dict[str, Union[str, float]]], markdown: bool = False, colu
         lines += ["| " + " | ".join(c) + " |" for c in cells]
     else:
         widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
-        lines = ["  ".join(text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in enumerate(zip(line, widths)))
-                 for line in [header, *cells]]
+        lines = [
+            "  ".join(
+                text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in enumerate(zip(line, widths))
+            )
+            for line in [header, *cells]
+        ]
     reasons = sorted({f"{c}: {str(r[c])[5:]}" for r in rows for c in columns if isinstance(r[c], str)})
     return "\n".join(lines + ([""] + [f"n/a {reason}" for reason in reasons] if reasons else []))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_overhead", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--calls", type=int, default=None, help="calls per timed loop (default: 300 on CUDA, 100 on the CPU)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed loops per op and column, the median kept "
-                        "(default: 7 on CUDA, 5 on the CPU)")
+    parser.add_argument(
+        "--calls", type=int, default=None, help="calls per timed loop (default: 300 on CUDA, 100 on the CPU)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed loops per op and column, the median kept (default: 7 on CUDA, 5 on the CPU)",
+    )
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
-    parser.add_argument("--simulated-gpu", action="store_true",
-                        help="our Python per warm call on the simulated sm_90 device (triton and auto backends)")
+    parser.add_argument(
+        "--simulated-gpu",
+        action="store_true",
+        help="our Python per warm call on the simulated sm_90 device (triton and auto backends)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ops = tuple(op for op in args.ops.split(",") if op)
@@ -184,8 +222,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.simulated_gpu:
         rows = measure_simulated(ops, args.calls or 200, args.rounds or 5)
         device = "simulated sm_90"
-        print(f"our Python per warm call on the {device} device ({VIT_B.label}, bfloat16, forward, inputs requiring "
-              "grad; PyTorch's calls and the launch excluded), us:")
+        print(
+            f"our Python per warm call on the {device} device ({VIT_B.label}, bfloat16, forward, inputs requiring "
+            "grad; PyTorch's calls and the launch excluded), us:"
+        )
         print(table(rows, columns=SIMULATED_COLUMNS))
     else:
         calls, rounds = DEFAULT_LOOPS[device.type]

@@ -27,10 +27,10 @@ from benchmarks import stats
 from benchmarks.environment import usable_cores
 from benchmarks.timing import time_call
 
-SPREAD_LIMIT = 0.10        # probe (q80 - q20) / median above this: timings move by more than 10% on their own
-LOAD_LIMIT = 0.5           # 1-minute load per CPU above this: other work holds more than half the machine
-RATIO_SPAN_LIMIT = 1.2     # a speed-up's interval high / low above this (about +-10%) is not pinned down
-UNTRUSTED_LIMIT = 0.25     # more than this fraction of untrusted speed-ups makes the whole run noisy
+SPREAD_LIMIT = 0.10  # probe (q80 - q20) / median above this: timings move by more than 10% on their own
+LOAD_LIMIT = 0.5  # 1-minute load per CPU above this: other work holds more than half the machine
+RATIO_SPAN_LIMIT = 1.2  # a speed-up's interval high / low above this (about +-10%) is not pinned down
+UNTRUSTED_LIMIT = 0.25  # more than this fraction of untrusted speed-ups makes the whole run noisy
 CONFIDENCE = 0.95
 PROBE_SIZE = {"cpu": 256, "cuda": 2048}
 PROBE_MATMULS = 4
@@ -64,10 +64,16 @@ def probe(device: torch.device, seconds: float = 1.0, own_load: float = 0.0) -> 
     timing = time_call(work, device, warmup=5, repeats=200, budget_s=seconds)
     return {
         "workload": f"{PROBE_MATMULS} float32 matmuls {size}x{size} on {device.type}",
-        "samples": len(timing.samples_ms), "median_ms": timing.median_ms, "q20_ms": timing.q20_ms,
-        "q80_ms": timing.q80_ms, "spread": (timing.q80_ms - timing.q20_ms) / timing.median_ms,
-        "load_1min": load_average(), "own_load": own_load, "cpu_count": os.cpu_count() or usable_cores(),
-        "usable_cores": usable_cores(), "threads": torch.get_num_threads(),
+        "samples": len(timing.samples_ms),
+        "median_ms": timing.median_ms,
+        "q20_ms": timing.q20_ms,
+        "q80_ms": timing.q80_ms,
+        "spread": (timing.q80_ms - timing.q20_ms) / timing.median_ms,
+        "load_1min": load_average(),
+        "own_load": own_load,
+        "cpu_count": os.cpu_count() or usable_cores(),
+        "usable_cores": usable_cores(),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -101,26 +107,41 @@ def assess(probes: list[dict[str, object]], rows: list[dict[str, object]]) -> di
     reasons = []
     worst = max(probes, key=lambda p: p["spread"]) if probes else None
     if worst is not None and worst["spread"] > SPREAD_LIMIT:
-        reasons.append(f"a fixed workload's times spread by {worst['spread']:.0%} (q20-q80 over the median; "
-                       f"quiet is under {SPREAD_LIMIT:.0%})")
+        reasons.append(
+            f"a fixed workload's times spread by {worst['spread']:.0%} (q20-q80 over the median; "
+            f"quiet is under {SPREAD_LIMIT:.0%})"
+        )
     loads = [p for p in probes if p.get("load_1min") is not None]
+
     def others(p):  # the load of other processes: the suite's own threads are not noise
         return max(0.0, p["load_1min"] - p.get("own_load", 0.0))
 
     busiest = max(loads, key=others) if loads else None
     if busiest is not None and others(busiest) > LOAD_LIMIT * busiest["cpu_count"]:
         own = f", {busiest['own_load']:g} of it this run's" if busiest.get("own_load") else ""
-        reasons.append(f"the 1-minute load average was {busiest['load_1min']:.1f}{own} on {busiest['cpu_count']} "
-                       f"CPUs ({busiest['usable_cores']} usable here)")
+        reasons.append(
+            f"the 1-minute load average was {busiest['load_1min']:.1f}{own} on {busiest['cpu_count']} "
+            f"CPUs ({busiest['usable_cores']} usable here)"
+        )
     untrusted, total = count_ratios(rows)
     if total and untrusted > UNTRUSTED_LIMIT * total:
-        reasons.append(f"{untrusted} of {total} speed-ups have {CONFIDENCE:.0%} intervals wider than "
-                       f"{RATIO_SPAN_LIMIT:g}x high/low")
+        reasons.append(
+            f"{untrusted} of {total} speed-ups have {CONFIDENCE:.0%} intervals wider than "
+            f"{RATIO_SPAN_LIMIT:g}x high/low"
+        )
     return {
-        "noisy": bool(reasons), "reasons": reasons, "probes": probes,
-        "untrusted_speedups": untrusted, "speedups": total,
-        "limits": {"spread": SPREAD_LIMIT, "load_per_cpu": LOAD_LIMIT, "ratio_span": RATIO_SPAN_LIMIT,
-                   "untrusted_fraction": UNTRUSTED_LIMIT, "confidence": CONFIDENCE},
+        "noisy": bool(reasons),
+        "reasons": reasons,
+        "probes": probes,
+        "untrusted_speedups": untrusted,
+        "speedups": total,
+        "limits": {
+            "spread": SPREAD_LIMIT,
+            "load_per_cpu": LOAD_LIMIT,
+            "ratio_span": RATIO_SPAN_LIMIT,
+            "untrusted_fraction": UNTRUSTED_LIMIT,
+            "confidence": CONFIDENCE,
+        },
     }
 
 
@@ -128,8 +149,10 @@ def headline(noise: Optional[dict[str, object]]) -> Optional[str]:
     """The report's first line for a noisy run, else None."""
     if not noise or not noise.get("noisy"):
         return None
-    return ("**Too noisy to trust: " + "; ".join(noise["reasons"]) + ".** Speed-ups marked ? are not pinned "
-            "down by their samples; rerun on a quiet machine before quoting any figure below.")
+    return (
+        "**Too noisy to trust: " + "; ".join(noise["reasons"]) + ".** Speed-ups marked ? are not pinned "
+        "down by their samples; rerun on a quiet machine before quoting any figure below."
+    )
 
 
 def summary(noise: Optional[dict[str, object]]) -> Optional[str]:
@@ -137,8 +160,15 @@ def summary(noise: Optional[dict[str, object]]) -> Optional[str]:
     if not noise or not noise.get("probes"):
         return None
     worst = max(noise["probes"], key=lambda p: p["spread"])
-    load = "" if worst.get("load_1min") is None else f", 1-minute load {worst['load_1min']:.1f} on {worst['cpu_count']} CPUs"
-    marked = (f"; {noise['untrusted_speedups']} of {noise['speedups']} speed-ups marked ? (interval wider than "
-              f"{RATIO_SPAN_LIMIT:g}x high/low)" if noise.get("untrusted_speedups") else "")
+    load = (
+        ""
+        if worst.get("load_1min") is None
+        else f", 1-minute load {worst['load_1min']:.1f} on {worst['cpu_count']} CPUs"
+    )
+    marked = (
+        f"; {noise['untrusted_speedups']} of {noise['speedups']} speed-ups marked ? (interval wider than "
+        f"{RATIO_SPAN_LIMIT:g}x high/low)"
+        if noise.get("untrusted_speedups")
+        else ""
+    )
     return f"Noise: a fixed workload's times spread by {worst['spread']:.1%}{load}; {worst['threads']} threads{marked}."
-

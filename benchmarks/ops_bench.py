@@ -31,8 +31,9 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 BACKENDS = ("torch", "triton", "extension")
 
 
-def implementations(case: OpCase, device: torch.device, dtype: torch.dtype, compile_reference: bool,
-                    interpreted_triton: bool) -> dict[str, Callable[..., object] | str]:
+def implementations(
+    case: OpCase, device: torch.device, dtype: torch.dtype, compile_reference: bool, interpreted_triton: bool
+) -> dict[str, Callable[..., object] | str]:
     """name -> callable, or name -> the reason it does not run here."""
     found: dict[str, Callable[..., object] | str] = {}
     if case.op in KERNELS:  # a bare extension kernel against the eager code it replaces
@@ -93,16 +94,21 @@ def validate(case: OpCase, fn, inputs: dict[str, torch.Tensor], dtype: torch.dty
 
 def timed_call(fn, input_sets: list[dict[str, torch.Tensor]], mode: str) -> Callable[[int], object]:
     if mode == "forward":
+
         def call(i):
             with torch.no_grad():
                 return fn(**input_sets[i])
+
         return call
     leaves = [{k: v.detach().requires_grad_() for k, v in inputs.items()} for inputs in input_sets]
     if mode == "full":
+
         def call(i):  # autograd.grad: no .grad accumulation (an extra add per input) in the timed run
             outs = _outputs(fn(**leaves[i]))
-            return torch.autograd.grad(outs, list(leaves[i].values()), [torch.ones_like(o) for o in outs],
-                                       allow_unused=True)
+            return torch.autograd.grad(
+                outs, list(leaves[i].values()), [torch.ones_like(o) for o in outs], allow_unused=True
+            )
+
         return call
     recorded = []
     for leaf_set in leaves:  # backward: record each forward once, replay only its backward
@@ -112,23 +118,40 @@ def timed_call(fn, input_sets: list[dict[str, torch.Tensor]], mode: str) -> Call
     def call(i):
         outs, seeds, inputs = recorded[i]
         return torch.autograd.grad(outs, inputs, seeds, retain_graph=True)
+
     return call
 
 
-def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iterable[str], peaks: dict[str, float],
-             compile_reference: bool, interpreted_triton: bool, meta: dict[str, object],
-             extra: Optional[dict[str, Callable[..., object] | str]] = None) -> list[dict[str, object]]:
+def run_case(
+    case: OpCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    modes: Iterable[str],
+    peaks: dict[str, float],
+    compile_reference: bool,
+    interpreted_triton: bool,
+    meta: dict[str, object],
+    extra: Optional[dict[str, Callable[..., object] | str]] = None,
+) -> list[dict[str, object]]:
     """Rows for every implementation and mode of one case (with speedups filled in); ``extra``
     adds implementations (name -> callable taking the case's inputs, or the reason it is absent)."""
     first = case.make_inputs(device, dtype)
     set_bytes = sum(t.numel() * t.element_size() for t in first.values())
-    input_sets = [first] + [case.make_inputs(device, dtype) for _ in range(copies_to_rotate(set_bytes, device) - 1)]
+    input_sets = [first] + [
+        case.make_inputs(device, dtype) for _ in range(copies_to_rotate(set_bytes, device) - 1)
+    ]
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     found = {**implementations(case, device, dtype, compile_reference, interpreted_triton), **(extra or {})}
     for name, fn in found.items():
-        base = {"kind": "op", "op": case.op, "shape": case.shape.label, "dtype": str(dtype).removeprefix("torch."),
-                "backend": name, **meta}
+        base = {
+            "kind": "op",
+            "op": case.op,
+            "shape": case.shape.label,
+            "dtype": str(dtype).removeprefix("torch."),
+            "backend": name,
+            **meta,
+        }
         if isinstance(fn, str):
             rows.append({**base, "mode": "all", "skipped": fn})
             continue
@@ -146,14 +169,32 @@ def run_case(case: OpCase, device: torch.device, dtype: torch.dtype, modes: Iter
             try:
                 timing = time_call(timed_call(fn, input_sets, mode), device, len(input_sets))
             except Exception as error:  # e.g. a no_grad recompile of torch.compile failing: this row only
-                rows.append({**base, "mode": mode, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]})
+                rows.append(
+                    {**base, "mode": mode, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
+                )
                 continue
             amount, unit = case.work(mode, itemsize)
-            throughput = amount / (timing.median_ms * 1e-3) / 1e12 if unit == "TFLOP/s" else amount / (timing.median_ms * 1e-3) / 1e9
-            peak = peaks.get(f"matmul_tflops_{base['dtype']}") if unit == "TFLOP/s" else peaks.get("copy_gbps")
-            rows.append({**base, "mode": mode, "median_ms": timing.median_ms, "q20_ms": timing.q20_ms,
-                         "q80_ms": timing.q80_ms, "samples_ms": list(timing.samples_ms), "throughput": throughput,
-                         "unit": unit, "fraction_of_peak": fraction_of(throughput, peak)})
+            throughput = (
+                amount / (timing.median_ms * 1e-3) / 1e12
+                if unit == "TFLOP/s"
+                else amount / (timing.median_ms * 1e-3) / 1e9
+            )
+            peak = (
+                peaks.get(f"matmul_tflops_{base['dtype']}") if unit == "TFLOP/s" else peaks.get("copy_gbps")
+            )
+            rows.append(
+                {
+                    **base,
+                    "mode": mode,
+                    "median_ms": timing.median_ms,
+                    "q20_ms": timing.q20_ms,
+                    "q80_ms": timing.q80_ms,
+                    "samples_ms": list(timing.samples_ms),
+                    "throughput": throughput,
+                    "unit": unit,
+                    "fraction_of_peak": fraction_of(throughput, peak),
+                }
+            )
     add_speedups(rows, ("op", "shape", "dtype", "mode"))
     return rows
 
@@ -171,8 +212,12 @@ def add_speedups(rows: list[dict[str, object]], key_fields: tuple[str, ...]) -> 
         for row in group:
             others = [other for other in group if other is not row]
             row["speedup"] = {other["backend"]: other["median_ms"] / row["median_ms"] for other in others}
-            row["speedup_interval"] = {other["backend"]: noise.ratio_interval(row.get("samples_ms") or [],
-                                                                              other.get("samples_ms") or [])
-                                       for other in others}
-            row["speedup_untrusted"] = sorted(name for name, interval in row["speedup_interval"].items()
-                                              if not noise.trusted(interval))
+            row["speedup_interval"] = {
+                other["backend"]: noise.ratio_interval(
+                    row.get("samples_ms") or [], other.get("samples_ms") or []
+                )
+                for other in others
+            }
+            row["speedup_untrusted"] = sorted(
+                name for name, interval in row["speedup_interval"].items() if not noise.trusted(interval)
+            )

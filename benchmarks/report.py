@@ -20,7 +20,9 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def write_json(path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]) -> None:
+def write_json(
+    path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]
+) -> None:
     """Every row, the run's peaks and its metadata, atomically (``write_atomic``)."""
     write_atomic(path, json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
 
@@ -33,7 +35,9 @@ def read_json(path: Path) -> dict[str, object]:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SystemExit(f"{path} is not a benchmark results file: not JSON ({error})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise SystemExit(f"{path} is not a benchmark results file (expected a JSON object with a 'rows' list)")
+        raise SystemExit(
+            f"{path} is not a benchmark results file (expected a JSON object with a 'rows' list)"
+        )
     return data
 
 
@@ -64,22 +68,30 @@ def _speedups(row: dict[str, object]) -> str:
     return ", ".join(parts)
 
 
-def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object],
-             noise: Optional[dict[str, object]] = None) -> str:
+def markdown(
+    rows: list[dict[str, object]],
+    peaks: dict[str, float],
+    meta: dict[str, object],
+    noise: Optional[dict[str, object]] = None,
+) -> str:
     """Tables of the timed rows (ops, then models), and the rows skipped or failing validation.
     ``noise`` (``benchmarks.noise.assess``): on a noisy run the first line says so, with its figures;
     on a quiet one a line gives them after the device."""
     warning = noise_.headline(noise)
     lines = [warning] if warning else []
-    lines.append(f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_sha']}.")
+    lines.append(
+        f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; commit {meta['git_sha']}."
+    )
     quiet = None if warning else noise_.summary(noise)
     if quiet:
         lines.append(quiet)
     lines += ["Peaks measured in this run: " + ", ".join(f"{k} {v:.4g}" for k, v in peaks.items()) + ".", ""]
     ops = [r for r in rows if r["kind"] == "op" and "median_ms" in r]
     if ops:
-        lines += ["| op | shape | dtype | mode | implementation | median ms (q20-q80) | throughput | of peak | speedup over |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| op | shape | dtype | mode | implementation | median ms (q20-q80) | throughput | of peak | speedup over |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in ops:
             lines.append(
                 f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | "
@@ -89,8 +101,10 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
         lines.append("")
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
     if models:
-        lines += ["| model | batch | dtype | step | variant | images/s | median ms (q20-q80) | first step s | model TFLOP/s (of peak) | peak memory MiB | speedup over |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| model | batch | dtype | step | variant | images/s | median ms (q20-q80) | first step s | model TFLOP/s (of peak) | peak memory MiB | speedup over |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in models:
             lines.append(
                 f"| {r['model']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | {_fmt(r['throughput'], 4)} | "
@@ -104,7 +118,9 @@ def markdown(rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[
         lines += ["Not timed:", ""]
         for r in other:
             what = r.get("op") or r.get("model")
-            lines.append(f"- {what} {r['shape']} {r['dtype']} {r['backend']}: {r.get('invalid') or r.get('skipped')}")
+            lines.append(
+                f"- {what} {r['shape']} {r['dtype']} {r['backend']}: {r.get('invalid') or r.get('skipped')}"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -125,11 +141,24 @@ def _label_bars(ax, bars, values: list[float], suffix: str, horizontal: bool) ->
             continue
         text = (f"{value:,.0f}" if value >= 1000 else f"{value:.3g}") + suffix
         if horizontal:
-            ax.annotate(text, (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
-                        textcoords="offset points", va="center", fontsize=8)
+            ax.annotate(
+                text,
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         else:
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
-                        textcoords="offset points", ha="center", fontsize=7, rotation=90)
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+                rotation=90,
+            )
 
 
 def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
@@ -139,18 +168,38 @@ def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
     names = sorted({r["backend"] for r in timed})
     dtypes = sorted({r["dtype"] for r in timed})
     colours = {name: f"C{k}" for k, name in enumerate(names)}
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes) + 0.5, 4.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(shapes), figsize=(4.2 * len(shapes) + 0.5, 4.6), squeeze=False, sharey=True
+    )
     values_all = [r["speedup"]["torch"] for r in timed]
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in timed if r["shape"] == shape]
-        groups = [(d, m) for d in dtypes for m in ("forward", "backward", "full")
-                  if any(r["dtype"] == d and r["mode"] == m for r in rows)]
+        groups = [
+            (d, m)
+            for d in dtypes
+            for m in ("forward", "backward", "full")
+            if any(r["dtype"] == d and r["mode"] == m for r in rows)
+        ]
         width = 0.8 / len(names)
         for j, name in enumerate(names):
-            values = [next((r["speedup"]["torch"] for r in rows if (r["dtype"], r["mode"]) == g and r["backend"] == name), 0)
-                      for g in groups]
-            bars = ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))], values, width,
-                          label=name, color=colours[name])
+            values = [
+                next(
+                    (
+                        r["speedup"]["torch"]
+                        for r in rows
+                        if (r["dtype"], r["mode"]) == g and r["backend"] == name
+                    ),
+                    0,
+                )
+                for g in groups
+            ]
+            bars = ax.bar(
+                [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))],
+                values,
+                width,
+                label=name,
+                color=colours[name],
+            )
             _label_bars(ax, bars, values, "x", horizontal=False)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(groups)))
@@ -161,24 +210,34 @@ def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
     axes[0][0].set_ylabel("speedup over the torch backend (x)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper right", fontsize=9, ncol=len(names))
-    fig.suptitle(f"{op}: speedup over the torch backend ({', '.join(dtypes)}; above 1 = faster)", fontsize=11, x=0.02,
-                 ha="left")
+    fig.suptitle(
+        f"{op}: speedup over the torch backend ({', '.join(dtypes)}; above 1 = faster)",
+        fontsize=11,
+        x=0.02,
+        ha="left",
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 
 
 def _throughput_figure(plt, models: list[dict[str, object]]):
     """One panel per model and batch: images/second per variant, a bar for train and inference."""
-    panels = sorted({(r["model"], r["shape"], r["dtype"]) for r in models},
-                    key=lambda p: [(r["model"], r["shape"], r["dtype"]) for r in models].index(p))
+    panels = sorted(
+        {(r["model"], r["shape"], r["dtype"]) for r in models},
+        key=lambda p: [(r["model"], r["shape"], r["dtype"]) for r in models].index(p),
+    )
     fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, 2.6 * len(panels) + 0.6), squeeze=False)
     for ax, (model, shape, dtype) in zip(axes[:, 0], panels):
         rows = [r for r in models if (r["model"], r["shape"], r["dtype"]) == (model, shape, dtype)]
         variants = list(dict.fromkeys(r["backend"] for r in rows))
         for j, mode in enumerate(("train", "inference")):
-            values = [next((r["throughput"] for r in rows if r["backend"] == v and r["mode"] == mode), 0) for v in variants]
-            bars = ax.barh([i + (j - 0.5) * 0.4 for i in range(len(variants))], values, 0.4, label=mode,
-                           color=f"C{j}")
+            values = [
+                next((r["throughput"] for r in rows if r["backend"] == v and r["mode"] == mode), 0)
+                for v in variants
+            ]
+            bars = ax.barh(
+                [i + (j - 0.5) * 0.4 for i in range(len(variants))], values, 0.4, label=mode, color=f"C{j}"
+            )
             _label_bars(ax, bars, values, "", horizontal=True)
         ax.set_yticks(range(len(variants)))
         ax.set_yticklabels(variants, fontsize=9)
@@ -206,8 +265,14 @@ def plot(rows: list[dict[str, object]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {}
     for op in sorted({r["op"] for r in rows if r["kind"] == "op" and "median_ms" in r}):
-        timed = [r for r in rows if r.get("op") == op and "median_ms" in r and r["backend"] != "torch"
-                 and "torch" in r.get("speedup", {})]
+        timed = [
+            r
+            for r in rows
+            if r.get("op") == op
+            and "median_ms" in r
+            and r["backend"] != "torch"
+            and "torch" in r.get("speedup", {})
+        ]
         if timed:
             figures[f"speedup_{op}.png"] = _speedup_figure(plt, op, timed)
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]

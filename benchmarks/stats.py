@@ -62,14 +62,21 @@ def _check_confidence(confidence: float) -> None:
         raise ValueError(f"confidence must be in [0.5, 1), got {confidence}")
 
 
-def paired_ratio(baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95,
-                 resamples: int = 4000, seed: int = 0) -> Ratio:
+def paired_ratio(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+) -> Ratio:
     """Median of candidate[i] / baseline[i] over rounds i, with a bootstrap interval over rounds."""
     _check_confidence(confidence)
     base, cand = _positive(baseline, "baseline"), _positive(candidate, "candidate")
     if base.shape != cand.shape:
-        raise ValueError(f"paired samples need one baseline and one candidate time per round, got "
-                         f"{base.size} and {cand.size}")
+        raise ValueError(
+            f"paired samples need one baseline and one candidate time per round, got "
+            f"{base.size} and {cand.size}"
+        )
     logs = np.log(cand / base)
     rng = np.random.default_rng(seed)
     draws = np.median(logs[rng.integers(0, logs.size, size=(resamples, logs.size))], axis=1)
@@ -77,8 +84,13 @@ def paired_ratio(baseline: Sequence[float], candidate: Sequence[float], confiden
     return Ratio(float(np.exp(np.median(logs))), float(np.exp(low)), float(np.exp(high)), int(logs.size))
 
 
-def unpaired_ratio(baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95,
-                   resamples: int = 4000, seed: int = 0) -> Ratio:
+def unpaired_ratio(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+) -> Ratio:
     """median(candidate) / median(baseline), each side resampled independently."""
     _check_confidence(confidence)
     base, cand = _positive(baseline, "baseline"), _positive(candidate, "candidate")

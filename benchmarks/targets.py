@@ -42,12 +42,27 @@ TARGETS = (
 
 
 def _candidates(target: Target, rows: list[dict]) -> list[dict]:
-    timed = [r for r in rows if "median_ms" in r and r.get("mode") == target.mode and r.get("dtype") == "bfloat16"]
+    timed = [
+        r for r in rows if "median_ms" in r and r.get("mode") == target.mode and r.get("dtype") == "bfloat16"
+    ]
     if target.kind == "op":
-        return [r for r in timed if r.get("kind") == "op" and r["op"] == target.name and r["backend"] in VK_BACKENDS
-                and r["shape"].startswith(f"{VIT_B} B={target.batch} ")]
-    return [r for r in timed if r.get("kind") == "model" and r["model"] == target.name and r["shape"] == f"B={target.batch}"
-            and "timm" not in r["backend"] and ("torch.compile" in r["backend"]) == target.compiled]
+        return [
+            r
+            for r in timed
+            if r.get("kind") == "op"
+            and r["op"] == target.name
+            and r["backend"] in VK_BACKENDS
+            and r["shape"].startswith(f"{VIT_B} B={target.batch} ")
+        ]
+    return [
+        r
+        for r in timed
+        if r.get("kind") == "model"
+        and r["model"] == target.name
+        and r["shape"] == f"B={target.batch}"
+        and "timm" not in r["backend"]
+        and ("torch.compile" in r["backend"]) == target.compiled
+    ]
 
 
 def compare(rows: list[dict]) -> list[dict]:
@@ -59,10 +74,21 @@ def compare(rows: list[dict]) -> list[dict]:
         lower_is_better = target.kind == "op"
         best: Optional[dict] = None
         if found:
-            best = (min if lower_is_better else max)(found, key=lambda r: r["median_ms" if lower_is_better else "throughput"])
+            best = (min if lower_is_better else max)(
+                found, key=lambda r: r["median_ms" if lower_is_better else "throughput"]
+            )
         value = None if best is None else best["median_ms" if lower_is_better else "throughput"]
-        out.append({"target": target.what, "bound": target.bound, "unit": "ms" if lower_is_better else "img/s",
-                     "at": "at most" if lower_is_better else "at least", "measured": value,
-                     "by": None if best is None else best["backend"],
-                     "met": None if value is None else (value <= target.bound if lower_is_better else value >= target.bound)})
+        out.append(
+            {
+                "target": target.what,
+                "bound": target.bound,
+                "unit": "ms" if lower_is_better else "img/s",
+                "at": "at most" if lower_is_better else "at least",
+                "measured": value,
+                "by": None if best is None else best["backend"],
+                "met": None
+                if value is None
+                else (value <= target.bound if lower_is_better else value >= target.bound),
+            }
+        )
     return out

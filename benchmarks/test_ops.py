@@ -20,8 +20,9 @@ NAMES = ("torch", "triton", "extension", "torch.compile", "eager_math")
 @pytest.mark.parametrize("op", cases.OPS + cases.KERNELS)
 def test_op(benchmark, op, name):
     case = cases.build_case(op, SHAPE)
-    found = ops_bench.implementations(case, DEVICE, DTYPE, compile_reference=name == "torch.compile",
-                                      interpreted_triton=False).get(name, f"{name} does not apply to {op}")
+    found = ops_bench.implementations(
+        case, DEVICE, DTYPE, compile_reference=name == "torch.compile", interpreted_triton=False
+    ).get(name, f"{name} does not apply to {op}")
     if isinstance(found, str):
         pytest.skip(found)
     inputs = case.make_inputs(DEVICE, DTYPE)

@@ -37,13 +37,25 @@ def _rotating(call: Callable[[int], object], copies: int) -> Callable[[], object
 
 
 def time_call(
-    call: Callable[[int], object], device: torch.device, copies: int = 1, *, warmup: int = 3, repeats: int = 20,
+    call: Callable[[int], object],
+    device: torch.device,
+    copies: int = 1,
+    *,
+    warmup: int = 3,
+    repeats: int = 20,
     budget_s: float = 2.0,
 ) -> Timing:
     """Time ``call(i)`` (i cycling over ``copies`` input sets) back to back: at least 3 and at most
     ``repeats`` samples, fewer when one run is long enough that ``repeats`` would exceed ``budget_s``."""
-    samples = time_runs({"call": _rotating(call, copies)}, device, rounds=repeats, budget_s=budget_s, min_rounds=3,
-                        warmup=warmup, back_to_back=True)
+    samples = time_runs(
+        {"call": _rotating(call, copies)},
+        device,
+        rounds=repeats,
+        budget_s=budget_s,
+        min_rounds=3,
+        warmup=warmup,
+        back_to_back=True,
+    )
     return _summarise(samples["call"])
 
 
@@ -56,11 +68,23 @@ def copies_to_rotate(bytes_per_set: int, device: torch.device) -> int:
     return int(max(1, min(8, -(-2 * cache // max(bytes_per_set, 1)))))
 
 
-def slice_min_ms(call: Callable[[int], object], device: torch.device, copies: int = 1, *, slice_ms: float = 20.0,
-                 max_calls: int = 200) -> float:
+def slice_min_ms(
+    call: Callable[[int], object],
+    device: torch.device,
+    copies: int = 1,
+    *,
+    slice_ms: float = 20.0,
+    max_calls: int = 200,
+) -> float:
     """One sample for an A/B round: the fastest of the calls that fit in ``slice_ms`` (at least 3, at
     most ``max_calls``) after one warm-up call; each call from an idle device on CUDA. Load from other
     processes only ever adds time, so the fastest call is the one least disturbed by it."""
-    samples = time_runs({"call": _rotating(call, copies)}, device, rounds=max_calls, budget_s=slice_ms / 1e3,
-                        min_rounds=3, warmup=1)
+    samples = time_runs(
+        {"call": _rotating(call, copies)},
+        device,
+        rounds=max_calls,
+        budget_s=slice_ms / 1e3,
+        min_rounds=3,
+        warmup=1,
+    )
     return min(samples["call"])

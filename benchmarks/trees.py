@@ -22,16 +22,20 @@ WORKTREE = "worktree"
 
 @dataclass(frozen=True)
 class Tree:
-    label: str            # what the user asked for, and the commit it resolved to
-    root: Path            # the folder to put on sys.path
-    note: Optional[str]   # about the compiled extension, when it is not this tree's own build
+    label: str  # what the user asked for, and the commit it resolved to
+    root: Path  # the folder to put on sys.path
+    note: Optional[str]  # about the compiled extension, when it is not this tree's own build
 
 
 def _git(repo: Path, *args: str) -> bytes:
     try:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, timeout=120).stdout
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, check=True, timeout=120
+        ).stdout
     except FileNotFoundError:
-        raise SystemExit("git is not installed: python -m benchmarks ab needs it to export revisions") from None
+        raise SystemExit(
+            "git is not installed: python -m benchmarks ab needs it to export revisions"
+        ) from None
     except subprocess.CalledProcessError as error:
         said = " ".join(error.stderr.decode(errors="replace").split())  # git's several lines as one
         raise SystemExit(f"git {' '.join(args)} failed in {repo}: {said}") from None
@@ -47,11 +51,18 @@ def resolve(repo: Path, revision: str) -> str:
     if revision.startswith("-"):
         raise SystemExit(f"revision must be a git revision such as HEAD or main, got {revision!r}")
     try:
-        return subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
-                              capture_output=True, check=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+            capture_output=True,
+            check=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
     except subprocess.CalledProcessError:
-        raise SystemExit(f"--baseline/--candidate: {revision!r} is not a commit in {repo} "
-                         f"(a shallow clone may lack it: fetch it first, e.g. git fetch --deepen=1)") from None
+        raise SystemExit(
+            f"--baseline/--candidate: {revision!r} is not a commit in {repo} "
+            f"(a shallow clone may lack it: fetch it first, e.g. git fetch --deepen=1)"
+        ) from None
 
 
 def _extensions(root: Path) -> list[Path]:
@@ -61,8 +72,11 @@ def _extensions(root: Path) -> list[Path]:
 def _files(folder: Path) -> dict[str, bytes]:
     if not folder.is_dir():
         return {}
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def _provide_extension(tree: Path, repo: Path) -> str:
@@ -81,8 +95,16 @@ def materialise(repo: Path, revision: str, into: Path) -> Tree:
     the commit extracted under ``into`` (nothing is written to the repository)."""
     if revision == WORKTREE:
         head = _git(repo, "rev-parse", "--short=12", "HEAD").decode().strip()
-        changed = len([line for line in _git(repo, "status", "--porcelain", "--untracked-files=no").decode().splitlines() if line])
-        return Tree(f"worktree ({head}" + (f" + {changed} changed files)" if changed else ", clean)"), repo, None)
+        changed = len(
+            [
+                line
+                for line in _git(repo, "status", "--porcelain", "--untracked-files=no").decode().splitlines()
+                if line
+            ]
+        )
+        return Tree(
+            f"worktree ({head}" + (f" + {changed} changed files)" if changed else ", clean)"), repo, None
+        )
     commit = resolve(repo, revision)
     target = into / commit[:12]
     if not target.exists():
@@ -103,8 +125,12 @@ def copy_harness(into: Path) -> Path:
     (``tools/op_specs.py``) under ``into``; returns the folder to put first on the workers' sys.path."""
     source = Path(__file__).resolve().parent
     target = into / "harness"
-    shutil.copytree(source, target / "benchmarks", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "results", "*.json", "*.md"))
+    shutil.copytree(
+        source,
+        target / "benchmarks",
+        dirs_exist_ok=True,
+        ignore=shutil.ignore_patterns("__pycache__", "results", "*.json", "*.md"),
+    )
     (target / "tools").mkdir(exist_ok=True)
     for name in ("__init__.py", "op_specs.py"):
         shutil.copy(source.parent / "tools" / name, target / "tools" / name)

@@ -143,4 +143,3 @@ def named_backend_ran(request):
     yield
     wrong = [r for r in vk.explain() if r.requested == name and r.backend != name]
     assert not wrong, f"asked for {name}, but:\n{vk.explain()}"
-

@@ -37,7 +37,12 @@ def install(fast_s: float = 0.0) -> dict:
     backend.register("linear", "slow", _sleeping(2 * REFERENCE_S))
     backend.register("linear", "fast", _sleeping(fast_s))
     backend.register("linear", "wrong", _sleeping(0.0, offset=1.0))
-    backend.register("linear", "limited", _linear, limits=lambda x, *rest: f"K = {x.shape[-1]} > 4" if x.shape[-1] > 4 else None)
+    backend.register(
+        "linear",
+        "limited",
+        _linear,
+        limits=lambda x, *rest: f"K = {x.shape[-1]} > 4" if x.shape[-1] > 4 else None,
+    )
     return saved
 
 
@@ -59,5 +64,8 @@ if __name__ == "__main__":
         warnings.simplefilter("always")
         vk.linear(torch.randn(4, 8), torch.randn(3, 8))
     row = vk.explain().as_dicts()[0]
-    print(json.dumps({"backend": row["backend"], "source": row["source"],
-                      "warnings": [str(w.message) for w in caught]}))
+    print(
+        json.dumps(
+            {"backend": row["backend"], "source": row["source"], "warnings": [str(w.message) for w in caught]}
+        )
+    )

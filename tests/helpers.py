@@ -76,8 +76,11 @@ def device_backends(cuda: bool = True) -> list:
     """(device, backend_name) parameters: every backend that runs CPU tensors here, then (unless not
     ``cuda``) on CUDA every backend (``gpu`` cases)."""
     cpu = [pytest.param("cpu", name, id=name) for name in CPU_BACKENDS]
-    return cpu + [cuda_param("cuda", name, id=name, skip_reason=device_reason(name, CUDA))
-                  for name in CUDA_BACKENDS if cuda]
+    return cpu + [
+        cuda_param("cuda", name, id=name, skip_reason=device_reason(name, CUDA))
+        for name in CUDA_BACKENDS
+        if cuda
+    ]
 
 
 def skip_unless_offered(op: str, backend_name: str, device: torch.device | str) -> None:
@@ -99,9 +102,15 @@ def cuda_kernel_dtypes(op: str) -> list:
     """(device, backend_name, dtype) ``gpu`` parameters: triton and extension on CUDA in float32,
     float16 and bfloat16, each skipped where it cannot run ``op`` there."""
     return [
-        cuda_param("cuda", name, dt, id=f"{name}-{DTYPE_NAMES[dt]}",
-                   skip_reason=device_reason(name, CUDA) or backend.unsupported_reason(op, name, CUDA, dt))
-        for name in CUDA_BACKENDS[1:] for dt in CUDA_DTYPES
+        cuda_param(
+            "cuda",
+            name,
+            dt,
+            id=f"{name}-{DTYPE_NAMES[dt]}",
+            skip_reason=device_reason(name, CUDA) or backend.unsupported_reason(op, name, CUDA, dt),
+        )
+        for name in CUDA_BACKENDS[1:]
+        for dt in CUDA_DTYPES
     ]
 
 
@@ -155,8 +164,13 @@ def max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
 CUDA_FLOOR_ULPS = {torch.float32: 4}
 
 
-def error_bound(reference: torch.Tensor, own_error: float, dtype: torch.dtype, device: torch.device,
-                sibling_scale: float = 0.0) -> float:
+def error_bound(
+    reference: torch.Tensor,
+    own_error: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    sibling_scale: float = 0.0,
+) -> float:
     """The largest max-abs error allowed against ``reference`` (float64): twice PyTorch's own error
     ``own_error`` in the same dtype, with a floor for results PyTorch happens to get (nearly) exact.
     On CUDA the floor is CUDA_FLOOR_ULPS units in the last place of the largest reference value; on
@@ -173,8 +187,15 @@ def error_bound(reference: torch.Tensor, own_error: float, dtype: torch.dtype, d
     return max(floor, 2 * own_error)
 
 
-def assert_within_pytorch_error(what: str, actual: torch.Tensor, own: torch.Tensor, reference: torch.Tensor,
-                                dtype: torch.dtype, device: torch.device, sibling_scale: float = 0.0) -> None:
+def assert_within_pytorch_error(
+    what: str,
+    actual: torch.Tensor,
+    own: torch.Tensor,
+    reference: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    sibling_scale: float = 0.0,
+) -> None:
     """``actual`` errs against ``reference`` by at most ``error_bound``, PyTorch's own result being ``own``."""
     error, own_error = max_error(actual, reference), max_error(own, reference)
     bound = error_bound(reference, own_error, dtype, device, sibling_scale)
@@ -209,13 +230,25 @@ def outputs_and_grads(
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(actual.to(expected.device, expected.dtype), expected, atol=atol, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.to(expected.device, expected.dtype),
+        expected,
+        atol=atol,
+        rtol=rtol,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 def check_against_formula(
-    fn, formula, inputs, dtype: torch.dtype, names: Sequence[str], device: torch.device | str | None = None,
-    baseline: Optional[Callable] = None, grad_parts: Optional[dict[str, Sequence[str]]] = None, **kwargs,
+    fn,
+    formula,
+    inputs,
+    dtype: torch.dtype,
+    names: Sequence[str],
+    device: torch.device | str | None = None,
+    baseline: Optional[Callable] = None,
+    grad_parts: Optional[dict[str, Sequence[str]]] = None,
+    **kwargs,
 ) -> None:
     """``fn`` in ``dtype`` on ``device`` (by default the inputs' own) against ``formula`` in float64
     on the CPU: every output and every input gradient. On the CPU, and in float64, within TOLERANCES;
@@ -264,6 +297,7 @@ def check_against_formula(
 def fake_timer(time_of: Callable[[object], float] = lambda key: 1.0) -> Callable:
     """A stand-in for ``vit_kernels._timer.time_runs`` where nothing can be timed: each run once,
     its one sample ``time_of(key)`` milliseconds."""
+
     def time_runs(runs, device, **kwargs):
         return {key: [(run(), time_of(key))[1]] for key, run in runs.items()}
 

@@ -26,7 +26,7 @@ from benchmarks import ab, gate, stats
 from benchmarks.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOWDOWN = '''
+SLOWDOWN = """
 
 import time as _time
 
@@ -40,15 +40,36 @@ def layer_norm(*args, **kwargs):  # 25% slower: spin for a quarter of the call's
     while _time.perf_counter() - started < 1.25 * elapsed:
         pass
     return out
-'''
-GATE_ARGS = ["--ops", "layer_norm,linear,bias_gelu", "--shapes", "vit_digits:8", "--modes", "forward",
-             "--models", "none", "--min-rounds", "10", "--budget", "40", "--slice-ms", "15"]
+"""
+GATE_ARGS = [
+    "--ops",
+    "layer_norm,linear,bias_gelu",
+    "--shapes",
+    "vit_digits:8",
+    "--modes",
+    "forward",
+    "--models",
+    "none",
+    "--min-rounds",
+    "10",
+    "--budget",
+    "40",
+    "--slice-ms",
+    "15",
+]
 
 
 def _git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +128,9 @@ def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
     assert code == gate.EXIT_REGRESSION
     regressed = {case for case, verdict in verdicts.items() if verdict.startswith(stats.REGRESSION)}
     assert regressed == {"layer_norm torch", "layer_norm extension"}, verdicts
-    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed by 4 fresh pairs)" for case in regressed), verdicts
+    assert all(verdicts[case] == f"{stats.REGRESSION} (confirmed by 4 fresh pairs)" for case in regressed), (
+        verdicts
+    )
 
 
 class _NoisyWorker:
@@ -124,9 +147,20 @@ class _NoisyWorker:
 def test_noise_adds_rounds_up_to_the_budget_then_is_inconclusive():
     parser = ab.argparse.ArgumentParser()
     ab.add_arguments(parser)
-    args = parser.parse_args(["--baseline", "HEAD", "--budget", "0.5", "--min-rounds", "5", "--threshold", "0.02"])
-    specs = [{"kind": "op", "op": "linear", "model": "vit_digits", "batch": 1, "dtype": "float32",
-              "backend": "torch", "mode": "forward"}]
+    args = parser.parse_args(
+        ["--baseline", "HEAD", "--budget", "0.5", "--min-rounds", "5", "--threshold", "0.02"]
+    )
+    specs = [
+        {
+            "kind": "op",
+            "op": "linear",
+            "model": "vit_digits",
+            "batch": 1,
+            "dtype": "float32",
+            "backend": "torch",
+            "mode": "forward",
+        }
+    ]
     samples, verdicts, rounds, seconds = ab.run_rounds([_NoisyWorker(1), _NoisyWorker(2)], specs, [0], args)
     assert args.min_rounds < rounds < args.max_rounds and rounds == len(samples[0][0]) == len(samples[0][1])
     assert seconds <= args.budget + 0.1
@@ -147,13 +181,18 @@ class _SteadyWorker:
         pass
 
 
-@pytest.mark.parametrize("candidate_ms, expected, pairs", [
-    ((1.0, 1.3, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 1", 1),
-    ((1.3, 1.0, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 2", 2),
-    ((1.3, 1.3, 1.3, 1.0), f"{stats.WITHIN}: regression not confirmed by fresh pair 4", 4),
-    ((1.3, 1.3, 1.3, 1.3), f"{stats.REGRESSION}: confirmed by 4 fresh pairs", 4)])
-def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it(monkeypatch, candidate_ms,
-                                                                               expected, pairs):
+@pytest.mark.parametrize(
+    "candidate_ms, expected, pairs",
+    [
+        ((1.0, 1.3, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 1", 1),
+        ((1.3, 1.0, 1.3, 1.3), f"{stats.WITHIN}: regression not confirmed by fresh pair 2", 2),
+        ((1.3, 1.3, 1.3, 1.0), f"{stats.WITHIN}: regression not confirmed by fresh pair 4", 4),
+        ((1.3, 1.3, 1.3, 1.3), f"{stats.REGRESSION}: confirmed by 4 fresh pairs", 4),
+    ],
+)
+def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it(
+    monkeypatch, candidate_ms, expected, pairs
+):
     """The first run flagged case 0; each confirming pair's fresh processes (stand-ins here) time the
     candidate at 1.0 ms (as fast as the baseline: the flag was a chance one) or at 1.3 ms (slower).
     A process that lands in a slow state can fool one pair; a regression must survive them all, and
@@ -163,24 +202,39 @@ def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it
     def worker(name, tree, harness, folder):
         spawned.append(name)
         pair = int(name[-1]) - 1
-        return _SteadyWorker(name, tree, harness, folder, 1.0 if name.startswith("baseline") else candidate_ms[pair])
+        return _SteadyWorker(
+            name, tree, harness, folder, 1.0 if name.startswith("baseline") else candidate_ms[pair]
+        )
 
     monkeypatch.setattr(ab, "Worker", worker)
     monkeypatch.setattr(ab, "set_up", lambda workers, specs, device, threads: None)
     parser = ab.argparse.ArgumentParser()
     ab.add_arguments(parser)
     args = parser.parse_args(["--baseline", "HEAD", "--budget", "5", "--min-rounds", "5"])
-    specs = [{"kind": "op", "op": "linear", "model": "vit_digits", "batch": 1, "dtype": "float32",
-              "backend": "torch", "mode": "forward"}] * 3
+    specs = [
+        {
+            "kind": "op",
+            "op": "linear",
+            "model": "vit_digits",
+            "batch": 1,
+            "dtype": "float32",
+            "backend": "torch",
+            "mode": "forward",
+        }
+    ] * 3
     verdicts, samples = ab.confirm([0], specs, ["base", "cand"], None, None, "cpu", 1, args)
-    assert spawned == [f"{side}-confirm{k}" for k in range(1, pairs + 1) for side in ("baseline", "candidate")]
+    assert spawned == [
+        f"{side}-confirm{k}" for k in range(1, pairs + 1) for side in ("baseline", "candidate")
+    ]
     assert list(verdicts) == list(samples) == [0] and len(samples[0][0]) == verdicts[0].rounds >= 5
     assert f"{verdicts[0].verdict}: {verdicts[0].note}" == expected
 
 
 def test_unknown_revision_is_refused(repo):
     with pytest.raises(SystemExit, match="not a commit"):
-        main(["ab", "--repo", str(repo), "--baseline", "no-such-branch", "--ops", "linear", "--models", "none"])
+        main(
+            ["ab", "--repo", str(repo), "--baseline", "no-such-branch", "--ops", "linear", "--models", "none"]
+        )
 
 
 def test_bad_options_are_refused(repo):

@@ -10,8 +10,14 @@ import vit_kernels as vk
 from vit_kernels import backend
 from vit_kernels.ops import attention
 from tests.helpers import (
-    CPU_BACKENDS, CUDA_DTYPES, assert_close, check_against_formula, device_backend_dtypes, device_backends,
-    requires_cuda, skip_unless_offered,
+    CPU_BACKENDS,
+    CUDA_DTYPES,
+    assert_close,
+    check_against_formula,
+    device_backend_dtypes,
+    device_backends,
+    requires_cuda,
+    skip_unless_offered,
 )
 
 
@@ -43,7 +49,9 @@ def formula_out(qkv, num_heads, scale=None):
 
 # float16 on the torch backend is PyTorch's own error: test_error_within_twice_pytorch measures it.
 OP = "attention"  # the on_backend fixture skips a backend that does not offer it on the device
-CPU_PAIRS = [("torch", torch.float32)] + [(name, dt) for name in CPU_BACKENDS[1:] for dt in (torch.float32, torch.float16)]
+CPU_PAIRS = [("torch", torch.float32)] + [
+    (name, dt) for name in CPU_BACKENDS[1:] for dt in (torch.float32, torch.float16)
+]
 BACKEND_DTYPES = device_backend_dtypes("attention", CPU_PAIRS)
 
 
@@ -62,8 +70,9 @@ def test_attention_matches_formula(device, backend_name, dtype, length, head_dim
 # interpreter's 32-row tile at L = 32, 64, 96; L = 16 is a single 16-row block), one row past a
 # block (L = 33: a 16-row tail holding 1), one short (L = 31: a lone tail), L = 1; head dims 1
 # (padded to 16), 80 (padded to 128: masked columns) and 256 (unpadded, the largest).
-TAIL_DTYPES = device_backend_dtypes("attention", [("triton", dt) for dt in (torch.float32, torch.float16)
-                                                  if "triton" in CPU_BACKENDS])
+TAIL_DTYPES = device_backend_dtypes(
+    "attention", [("triton", dt) for dt in (torch.float32, torch.float16) if "triton" in CPU_BACKENDS]
+)
 
 
 @pytest.mark.parametrize("length", [1, 16, 31, 32, 33, 64, 96])
@@ -74,8 +83,16 @@ def test_tail_blocks_match_formula(device, backend_name, dtype, length, head_dim
     heads = 2
     qkv = torch.randn(2, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], device,
-                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            device,
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=heads,
+        )
 
 
 # The backward at the ViT head dims, 64 (ViT-B and -L), 80 and 96 (padded to 128: masked columns)
@@ -88,12 +105,31 @@ def test_backward_at_vit_head_dims_matches_formula(device, backend_name, dtype, 
     heads = 2
     qkv = torch.randn(2 if length < 100 else 1, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], device,
-                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            device,
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=heads,
+        )
 
 
-@pytest.mark.parametrize("length,block_n,tail", [(197, 64, 16), (197, 32, 16), (192, 64, 0), (64, 64, 0),
-                                                  (65, 64, 16), (1, 16, 16), (100, 64, 64), (81, 64, 32)])
+@pytest.mark.parametrize(
+    "length,block_n,tail",
+    [
+        (197, 64, 16),
+        (197, 32, 16),
+        (192, 64, 0),
+        (64, 64, 0),
+        (65, 64, 16),
+        (1, 16, 16),
+        (100, 64, 64),
+        (81, 64, 32),
+    ],
+)
 def test_tail_block_is_the_remainder_padded(length, block_n, tail):
     assert attention._tail_block(block_n, length) == tail
 
@@ -112,7 +148,9 @@ def test_gpu_launches_mask_only_a_tail_block(length):
     launches = device.launches
     assert launches
     for launch in launches:
-        looped = launch.kwargs["BLOCK_M" if launch.kernel.fn.__name__ == "_attention_bwd_dkdv_kernel" else "BLOCK_N"]
+        looped = launch.kwargs[
+            "BLOCK_M" if launch.kernel.fn.__name__ == "_attention_bwd_dkdv_kernel" else "BLOCK_N"
+        ]
         assert launch.kwargs["BLOCK_TAIL"] == attention._tail_block(looped, length)
         assert launch.kwargs["EVEN_D"] is True
         assert (launch.kwargs["BLOCK_TAIL"] == 0) == (length % looped == 0)
@@ -161,11 +199,12 @@ def test_attention_scale(on_backend, scale):
 def test_attention_strided_qkv(on_backend):
     """A qkv view with non-unit outer strides (a slice of a wider buffer) is read in place."""
     wide = torch.randn(2, 17, 3 * 24 + 5)
-    qkv = wide[..., 3:3 + 72].requires_grad_(False)
+    qkv = wide[..., 3 : 3 + 72].requires_grad_(False)
     assert not qkv.is_contiguous()
     check_against_formula(out_only, formula_out, [qkv], torch.float32, ["qkv"], num_heads=4)
-    torch.testing.assert_close(vk.attention(qkv, 4), formula_out(qkv.contiguous().double(), 4).float(),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        vk.attention(qkv, 4), formula_out(qkv.contiguous().double(), 4).float(), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_attention_transposed_qkv_view(on_backend):
@@ -173,7 +212,9 @@ def test_attention_transposed_qkv_view(on_backend):
     base = torch.randn(2, 3 * 16, 9)
     qkv = base.transpose(1, 2)
     assert qkv.stride(-1) != 1
-    torch.testing.assert_close(vk.attention(qkv, 2).double(), formula_out(qkv.double(), 2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        vk.attention(qkv, 2).double(), formula_out(qkv.double(), 2), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_attention_huge_logits_stay_finite(on_backend):
@@ -189,7 +230,9 @@ def test_return_probs(on_backend, length):
     out, probs = vk.attention(qkv, 3, return_probs=True)
     ref_out, ref_probs = attention_formula(qkv.detach().double(), 3)
     assert probs.shape == (2, 3, length, length)
-    torch.testing.assert_close(probs.sum(-1).double(), torch.ones(2, 3, length, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        probs.sum(-1).double(), torch.ones(2, 3, length, dtype=torch.float64), atol=1e-6, rtol=0
+    )
     torch.testing.assert_close(probs.detach().double(), ref_probs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.detach().double(), ref_out, atol=1e-5, rtol=1e-5)
     # gradients flow through both outputs
@@ -253,7 +296,9 @@ def test_dropout_kept_fraction_and_reproducible(on_backend, p):
     assert not torch.equal(mask, _dropout_mask(length, p, seed=8))
 
 
-@pytest.mark.parametrize("length", [24, 32, 33])  # a lone tail block, none, a 1-key tail (interpreter tile 32)
+@pytest.mark.parametrize(
+    "length", [24, 32, 33]
+)  # a lone tail block, none, a 1-key tail (interpreter tile 32)
 @pytest.mark.parametrize("return_probs", [True, False])
 def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_probs, length):
     """out = (mask * P / (1 - p)) v with the very mask drawn for that seed; dqkv is its gradient."""
@@ -269,7 +314,7 @@ def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_prob
     (grad,) = torch.autograd.grad(out, qkv, upstream)
 
     wide = qkv.detach().double().requires_grad_(True)
-    q, k, v = wide[..., :length], wide[..., length:2 * length], wide[..., 2 * length:]
+    q, k, v = wide[..., :length], wide[..., length : 2 * length], wide[..., 2 * length :]
     probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(length), dim=-1)
     ref = (probs * mask / (1 - p)) @ v
     (ref_grad,) = torch.autograd.grad(ref, wide, upstream.double())
@@ -279,8 +324,11 @@ def test_dropout_gradient_is_that_of_the_masked_function(on_backend, return_prob
 
 # Every head dim at L = 50; at ViT's L = 197 (about 10 s a case under the interpreter) head dim 64 in
 # the default run, the others in the slow one
-_DROPOUT_SHAPES = [(d, 50) for d in (64, 80, 96, 128)] + [(64, 197)] + [
-    pytest.param(d, 197, marks=pytest.mark.slow) for d in (80, 96, 128)]
+_DROPOUT_SHAPES = (
+    [(d, 50) for d in (64, 80, 96, 128)]
+    + [(64, 197)]
+    + [pytest.param(d, 197, marks=pytest.mark.slow) for d in (80, 96, 128)]
+)
 
 
 @pytest.mark.parametrize("head_dim,length", _DROPOUT_SHAPES)
@@ -340,14 +388,19 @@ def test_registered_ops_pass_opcheck():
     utils = ("test_schema", "test_autograd_registration")
     torch.library.opcheck(torch.ops.vit_kernels.attention_fwd, (qkv, 2, 0.35, 0.0, seed), test_utils=utils)
     _, lse = torch.ops.vit_kernels.attention_fwd(qkv, 2, 0.35, 0.0, seed)
-    torch.library.opcheck(torch.ops.vit_kernels.attention_probs, (qkv, lse.detach(), 2, 0.35), test_utils=utils)
+    torch.library.opcheck(
+        torch.ops.vit_kernels.attention_probs, (qkv, lse.detach(), 2, 0.35), test_utils=utils
+    )
 
 
 # ---- GPU only: bfloat16, the full opcheck, torch.compile --------------------------------------
 
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("length,head_dim", [(1, 4), (17, 8), (65, 15), (197, 64), (257, 64), (577, 64), (50, 128)])
+@pytest.mark.parametrize(
+    "length,head_dim", [(1, 4), (17, 8), (65, 15), (197, 64), (257, 64), (577, 64), (50, 128)]
+)
 def test_cuda_error_within_twice_pytorch(dtype, length, head_dim):
     """Longer sequences and wider heads than the formula test: output and dqkv within twice
     PyTorch's own error (its SDPA on the same 16-bit inputs)."""
@@ -453,5 +506,7 @@ def test_a_loss_on_the_probabilities_alone(on_backend):
     _, probs = vk.attention(mine_input, 2, return_probs=True)
     (mine,) = torch.autograd.grad((probs * upstream).sum(), mine_input)
     exact_input = qkv.double().requires_grad_(True)
-    (exact,) = torch.autograd.grad((attention_formula(exact_input, 2)[1] * upstream.double()).sum(), exact_input)
+    (exact,) = torch.autograd.grad(
+        (attention_formula(exact_input, 2)[1] * upstream.double()).sum(), exact_input
+    )
     torch.testing.assert_close(mine.double(), exact, atol=1e-5, rtol=1e-5)

@@ -20,8 +20,16 @@ TRITON = "triton" in CPU_BACKENDS
 FLOAT32_MIN = torch.finfo(torch.float32).min
 
 
-def masked_formula(qkv, num_heads, attn_mask=None, scale=None, dropout_mask=None, dropout_p=0.0, rope=None,
-                   rope_layout="interleaved"):
+def masked_formula(
+    qkv,
+    num_heads,
+    attn_mask=None,
+    scale=None,
+    dropout_mask=None,
+    dropout_p=0.0,
+    rope=None,
+    rope_layout="interleaved",
+):
     """(out (B, L, D), probs (B, H, L, L)) in the dtype of qkv: S = scale q k^T + b (b = the additive
     mask, or 0 / -inf of a boolean one), P = softmax(S) per row, 0 in a row whose every S is -inf,
     out = (P times the keep mask / (1 - p)) v; q and k rotated first where ``rope`` is given."""
@@ -41,7 +49,11 @@ def masked_formula(qkv, num_heads, attn_mask=None, scale=None, dropout_mask=None
     dead = (scores == float("-inf")).all(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     dropped = probs if dropout_mask is None else probs * dropout_mask / (1 - dropout_p)
-    out = torch.einsum("bhij,bhjd->bhid", dropped, v).transpose(1, 2).reshape(batch, length, num_heads * head_dim)
+    out = (
+        torch.einsum("bhij,bhjd->bhid", dropped, v)
+        .transpose(1, 2)
+        .reshape(batch, length, num_heads * head_dim)
+    )
     return out, probs
 
 
@@ -85,11 +97,18 @@ KINDS = ["key_bool", "key_expanded", "pair_bool", "pair_min", "additive", "strid
 # (length, heads, head dim): one length with a tail block for the interpreter's 32-row tile, one
 # longer than two tiles, a head dim that is not a power of two
 SHAPES = [(17, 2, 8), (50, 2, 12), (70, 1, 72)]
-PARAMS = [pytest.param(name, torch.float32, kind, shape, id=f"{name}-{kind}-{shape[0]}")
-          for name in MASK_BACKENDS for kind in KINDS for shape in SHAPES
-          if not (name == "torch" and kind == "pair_min")]  # torch: see test_finite_mask_rows_stay_finite
-PARAMS += [pytest.param("triton", torch.float16, kind, (33, 2, 16), id=f"triton-fp16-{kind}")
-           for kind in ("key_bool", "pair_min", "additive") if TRITON]
+PARAMS = [
+    pytest.param(name, torch.float32, kind, shape, id=f"{name}-{kind}-{shape[0]}")
+    for name in MASK_BACKENDS
+    for kind in KINDS
+    for shape in SHAPES
+    if not (name == "torch" and kind == "pair_min")
+]  # torch: see test_finite_mask_rows_stay_finite
+PARAMS += [
+    pytest.param("triton", torch.float16, kind, (33, 2, 16), id=f"triton-fp16-{kind}")
+    for kind in ("key_bool", "pair_min", "additive")
+    if TRITON
+]
 
 
 @pytest.mark.parametrize("backend_name,dtype,kind,shape", PARAMS)
@@ -101,8 +120,17 @@ def test_mask_matches_formula(backend_name, dtype, kind, shape):
     mask = make_mask(kind, batch, heads, length)
     qkv = torch.randn(batch, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], "cpu", grad_parts={"qkv": ("q", "k", "v")},
-                              num_heads=heads, attn_mask=mask)
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            "cpu",
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=heads,
+            attn_mask=mask,
+        )
 
 
 @pytest.mark.parametrize("backend_name", MASK_BACKENDS)
@@ -145,14 +173,16 @@ def test_finite_mask_rows_stay_finite(backend_name, mask_dtype):
     with vk.use_backend(backend_name, strict=True):
         out = vk.attention(qkv, heads, attn_mask=mask)
     assert torch.isfinite(out).all()
-    v_mean = qkv.detach()[1, :, 2 * heads * head_dim:].mean(0)  # a padded query: uniform over all keys
+    v_mean = qkv.detach()[1, :, 2 * heads * head_dim :].mean(0)  # a padded query: uniform over all keys
     torch.testing.assert_close(out.detach()[1, 35], v_mean, atol=1e-5, rtol=1e-5)
     mask = mask.float()
     wide = qkv.detach().double().requires_grad_(True)
     ref = formula_out(wide, heads, attn_mask=mask)
     keep = valid[..., None].float()
     upstream = torch.randn_like(out) * keep
-    torch.testing.assert_close((out * keep).detach().double(), (ref * keep.double()).detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        (out * keep).detach().double(), (ref * keep.double()).detach(), atol=1e-5, rtol=1e-5
+    )
     (grad,) = torch.autograd.grad(out, qkv, upstream)
     (ref_grad,) = torch.autograd.grad(ref, wide, upstream.double())
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
@@ -167,7 +197,9 @@ def test_return_probs_with_mask_and_rope(backend_name):
     mask = make_mask("key_bool", 2, heads, length)
     qkv = torch.randn(2, length, 3 * heads * head_dim, requires_grad=True)
     with vk.use_backend(backend_name, strict=True):
-        out, probs = vk.attention(qkv, heads, return_probs=True, rope=(cos, sin), rope_layout="half", attn_mask=mask)
+        out, probs = vk.attention(
+            qkv, heads, return_probs=True, rope=(cos, sin), rope_layout="half", attn_mask=mask
+        )
     wide = qkv.detach().double().requires_grad_(True)
     ref_out, ref_probs = masked_formula(wide, heads, attn_mask=mask, rope=(cos, sin), rope_layout="half")
     assert_out_probs_and_grad(out, probs, qkv, ref_out, ref_probs, wide)
@@ -227,7 +259,9 @@ def test_extension_declares_masks_unsupported():
         vk.attention(qkv, 2, attn_mask=mask)
     with vk.use_backend("extension"), pytest.warns(RuntimeWarning, match="attn_mask"):
         out = vk.attention(qkv, 2, attn_mask=mask)
-    torch.testing.assert_close(out.double(), formula_out(qkv.double(), 2, attn_mask=mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), formula_out(qkv.double(), 2, attn_mask=mask), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_chooser_key_and_launches_tell_masked_calls_apart():
@@ -236,8 +270,10 @@ def test_chooser_key_and_launches_tell_masked_calls_apart():
     from tools.cuda_sim import simulated_cuda
 
     qkv = torch.empty(2, 197, 3 * 2 * 64)
-    keys = {attention._chooser_key(qkv, 2, mask=mask) for mask in (None, torch.ones(197, dtype=torch.bool),
-                                                                     torch.zeros(197))}
+    keys = {
+        attention._chooser_key(qkv, 2, mask=mask)
+        for mask in (None, torch.ones(197, dtype=torch.bool), torch.zeros(197))
+    }
     assert len(keys) == 3
     for dtype, code in ((torch.bool, 2), (torch.float32, 1)):
         with simulated_cuda(90) as device:
@@ -245,15 +281,19 @@ def test_chooser_key_and_launches_tell_masked_calls_apart():
             mask = torch.empty(2, 1, 1, 197, dtype=dtype, device="cuda")
             seed = torch.empty(1, dtype=torch.int64, device="cuda")
             out, stats = attention.attention_fwd(qkv, 2, 0.125, 0.0, seed, None, None, "interleaved", mask)
-            attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, 0.125, 0.0, None, None, "interleaved",
-                                    mask)
+            attention.attention_bwd(
+                torch.empty_like(out), qkv, stats, seed, 2, 0.125, 0.0, None, None, "interleaved", mask
+            )
             attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
         codes = [launch.kwargs["MASK"] for launch in device.launches]
         assert codes and set(codes) == {code, 0}
         names = attention._attention_fwd_kernel.arg_names
         strides = [names.index(f"stride_mask_{axis}") for axis in "bhmn"]
-        masked = [launch for launch in device.launches
-                  if launch.kernel is attention._attention_fwd_kernel and launch.kwargs["MASK"]]
+        masked = [
+            launch
+            for launch in device.launches
+            if launch.kernel is attention._attention_fwd_kernel and launch.kwargs["MASK"]
+        ]
         assert masked and all([launch.args[i] for i in strides] == [197, 0, 0, 1] for launch in masked)
 
 
@@ -270,8 +310,16 @@ def test_tile_validation_checks_against_the_masked_reference():
 
 BAD = [
     (dict(attn_mask=[[True]]), TypeError, r"attn_mask must be None or a torch.Tensor, got list"),
-    (dict(attn_mask=torch.ones(9, 9, dtype=torch.int64)), TypeError, r"attn_mask must be boolean .* got torch.int64"),
-    (dict(attn_mask=torch.ones(9, 8)), ValueError, r"attn_mask must broadcast to \(B, H, L, L\) = \(2, 2, 9, 9\)"),
+    (
+        dict(attn_mask=torch.ones(9, 9, dtype=torch.int64)),
+        TypeError,
+        r"attn_mask must be boolean .* got torch.int64",
+    ),
+    (
+        dict(attn_mask=torch.ones(9, 8)),
+        ValueError,
+        r"attn_mask must broadcast to \(B, H, L, L\) = \(2, 2, 9, 9\)",
+    ),
     (dict(attn_mask=torch.ones(3, 1, 9, 9)), ValueError, r"broadcast to \(B, H, L, L\)"),
     (dict(attn_mask=torch.ones(1, 2, 1, 9, 9)), ValueError, r"broadcast to \(B, H, L, L\) .* got shape"),
     (dict(attn_mask=torch.ones((), dtype=torch.bool)), ValueError, r"broadcast to \(B, H, L, L\)"),
@@ -292,11 +340,15 @@ def test_masked_candidates_fit_the_mask_tile(dtype, head_dim):
     """A masked call's candidates: tiles of at most MASK_MAX_TILE elements at most
     EXTRA_LOADS_MAX_STAGES stages (a 128 x 128 float32 mask tile passes sm_80's shared memory), the
     same first (default) tile as an unmasked call where that one fits."""
-    for candidates in (attention.fwd_candidates(dtype, head_dim, 197, True, True),
-                       [t for pair in attention.bwd_candidates(dtype, head_dim, 197, True, True) for t in pair]):
+    for candidates in (
+        attention.fwd_candidates(dtype, head_dim, 197, True, True),
+        [t for pair in attention.bwd_candidates(dtype, head_dim, 197, True, True) for t in pair],
+    ):
         assert candidates
-        assert all(bm * bn <= attention.MASK_MAX_TILE and stages <= attention.EXTRA_LOADS_MAX_STAGES
-                   for bm, bn, _, stages in candidates)
+        assert all(
+            bm * bn <= attention.MASK_MAX_TILE and stages <= attention.EXTRA_LOADS_MAX_STAGES
+            for bm, bn, _, stages in candidates
+        )
     plain = attention.fwd_candidates(dtype, head_dim, 197)[0]
     if plain[0] * plain[1] <= attention.MASK_MAX_TILE:
         assert attention.fwd_candidates(dtype, head_dim, 197, True, True)[0][:3] == plain[:3]

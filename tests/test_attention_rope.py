@@ -21,7 +21,11 @@ def rotation_matrix(head_dim: int, layout: str) -> torch.Tensor:
     """R (Dh, Dh) float64 with rot(x) = x @ R: the signed pair swap, (x_a, x_b) -> (-x_b, x_a) on
     the pairs (a, b) = (2i, 2i + 1) ("interleaved") or (i, i + Dh/2) ("half")."""
     half = head_dim // 2
-    pairs = [(2 * i, 2 * i + 1) for i in range(half)] if layout == "interleaved" else [(i, i + half) for i in range(half)]
+    pairs = (
+        [(2 * i, 2 * i + 1) for i in range(half)]
+        if layout == "interleaved"
+        else [(i, i + half) for i in range(half)]
+    )
     rot = torch.zeros(head_dim, head_dim, dtype=torch.float64)
     for a, b in pairs:
         rot[b, a] = -1.0  # rot(x)_a = -x_b
@@ -29,7 +33,9 @@ def rotation_matrix(head_dim: int, layout: str) -> torch.Tensor:
     return rot
 
 
-def rope_formula(qkv, num_heads, rope, rope_layout="interleaved", scale=None, dropout_mask=None, dropout_p=0.0):
+def rope_formula(
+    qkv, num_heads, rope, rope_layout="interleaved", scale=None, dropout_mask=None, dropout_p=0.0
+):
     """(out (B, L, D), probs (B, H, L, L)): per head, q and k of the last L_r tokens rotated,
     x' = x cos + (x @ R) sin, then softmax(scale q' k'^T) (times the keep mask / (1 - p)) v."""
     cos, sin = rope
@@ -41,7 +47,7 @@ def rope_formula(qkv, num_heads, rope, rope_layout="interleaved", scale=None, dr
     cos = cos.to(qkv.dtype).expand(batch, num_heads, cos.shape[-2], head_dim)
     sin = sin.to(qkv.dtype).expand(batch, num_heads, sin.shape[-2], head_dim)
     start = length - cos.shape[-2]
-    q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]
+    q, k, v = qkv[..., :dim], qkv[..., dim : 2 * dim], qkv[..., 2 * dim :]
     outs, all_probs = [], []
     for h in range(num_heads):
         cols = slice(h * head_dim, (h + 1) * head_dim)
@@ -67,7 +73,11 @@ def rope_angles(rows: int, head_dim: int, layout: str, theta: float = 100.0) -> 
     half = head_dim // 2
     freqs = theta ** (-torch.arange(half, dtype=torch.float64) / half)
     angles = torch.arange(rows, dtype=torch.float64)[:, None] * freqs[None, :]
-    return angles.repeat_interleave(2, dim=-1) if layout == "interleaved" else torch.cat([angles, angles], dim=-1)
+    return (
+        angles.repeat_interleave(2, dim=-1)
+        if layout == "interleaved"
+        else torch.cat([angles, angles], dim=-1)
+    )
 
 
 def frequency_tables(rows: int, head_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +93,10 @@ def make_tables(kind: str, batch: int, heads: int, rows: int, head_dim: int, lay
     if kind == "LD":
         return cos, sin
     if kind == "HLD":  # per-head tables: each head its own phase
-        angles = rope_angles(rows, head_dim, layout) + torch.arange(heads, dtype=torch.float64)[:, None, None] * 0.3
+        angles = (
+            rope_angles(rows, head_dim, layout)
+            + torch.arange(heads, dtype=torch.float64)[:, None, None] * 0.3
+        )
         return angles.cos().float(), angles.sin().float()
     if kind == "B1LD":
         return cos.expand(batch, 1, rows, head_dim).clone(), sin.expand(batch, 1, rows, head_dim).clone()
@@ -120,9 +133,16 @@ CASES = [
 ]
 # the torch reference in float32; triton in float32 and (a subset) float16, with float32 tables
 PARAMS = [pytest.param("torch", torch.float32, case, id=f"torch-fp32-{i}") for i, case in enumerate(CASES)]
-PARAMS += [pytest.param("triton", torch.float32, case, id=f"triton-fp32-{i}") for i, case in enumerate(CASES) if TRITON]
-PARAMS += [pytest.param("triton", torch.float16, case, id=f"triton-fp16-{i}") for i, case in enumerate(CASES)
-           if TRITON and i in (0, 3, 4, 6)]
+PARAMS += [
+    pytest.param("triton", torch.float32, case, id=f"triton-fp32-{i}")
+    for i, case in enumerate(CASES)
+    if TRITON
+]
+PARAMS += [
+    pytest.param("triton", torch.float16, case, id=f"triton-fp16-{i}")
+    for i, case in enumerate(CASES)
+    if TRITON and i in (0, 3, 4, 6)
+]
 
 
 @pytest.mark.parametrize("backend_name,dtype,case", PARAMS)
@@ -133,8 +153,18 @@ def test_rope_matches_formula(backend_name, dtype, case):
     cos, sin = make_tables(kind, batch, heads, length - prefix, head_dim, layout)
     qkv = torch.randn(batch, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], "cpu", grad_parts={"qkv": ("q", "k", "v")},
-                              num_heads=heads, rope=(cos, sin), rope_layout=layout)
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            "cpu",
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=heads,
+            rope=(cos, sin),
+            rope_layout=layout,
+        )
 
 
 def test_rope_rotates_only_the_last_tokens_and_not_v():
@@ -177,8 +207,9 @@ def assert_out_probs_and_grad(out, probs, qkv, ref_out, ref_probs, wide) -> None
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend_name,return_probs", [("torch", True)] + [("triton", rp) for rp in (False, True)
-                                                                           if TRITON])
+@pytest.mark.parametrize(
+    "backend_name,return_probs", [("torch", True)] + [("triton", rp) for rp in (False, True) if TRITON]
+)
 def test_dropout_with_rope(backend_name, return_probs):
     """Dropout of a rotating call: the same seed gives the same output, and out and dqkv are those of
     (z * P' / (1 - p)) v with the very mask z drawn for that seed (drawn without rope: it depends on
@@ -189,9 +220,13 @@ def test_dropout_with_rope(backend_name, return_probs):
         mask = _dropout_mask(length, p, seed).double()
         qkv = torch.randn(1, length, 3 * head_dim, requires_grad=True)
         torch.manual_seed(seed)
-        result = vk.attention(qkv, 1, dropout_p=p, return_probs=return_probs, rope=(cos, sin), rope_layout=layout)
+        result = vk.attention(
+            qkv, 1, dropout_p=p, return_probs=return_probs, rope=(cos, sin), rope_layout=layout
+        )
         torch.manual_seed(seed)
-        again = vk.attention(qkv, 1, dropout_p=p, return_probs=return_probs, rope=(cos, sin), rope_layout=layout)
+        again = vk.attention(
+            qkv, 1, dropout_p=p, return_probs=return_probs, rope=(cos, sin), rope_layout=layout
+        )
     out = result[0] if return_probs else result
     torch.testing.assert_close(out, again[0] if return_probs else again, atol=0, rtol=0)
     upstream = torch.randn_like(out)
@@ -219,7 +254,10 @@ def test_tables_that_require_grad():
     for name, g, r in zip(("dcos", "dsin"), grads, ref_grads):
         assert_close(g, r, torch.float32, name)
     if TRITON:
-        with vk.use_backend("triton", strict=True), pytest.raises(backend.CannotRunError, match="require grad"):
+        with (
+            vk.use_backend("triton", strict=True),
+            pytest.raises(backend.CannotRunError, match="require grad"),
+        ):
             vk.attention(qkv.float(), heads, rope=(cos, sin))
         with vk.use_backend("triton"), pytest.warns(RuntimeWarning, match="require grad"):
             fallback = vk.attention(qkv.float(), heads, rope=(cos, sin))
@@ -237,7 +275,9 @@ def test_extension_declares_rope_unsupported():
         vk.attention(qkv, 2, rope=(cos, sin))
     with vk.use_backend("extension"), pytest.warns(RuntimeWarning, match="rope"):
         out = vk.attention(qkv, 2, rope=(cos, sin))
-    torch.testing.assert_close(out.double(), formula_out(qkv.double(), 2, rope=(cos, sin)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), formula_out(qkv.double(), 2, rope=(cos, sin)), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_attention_layer_passes_rope_through():
@@ -248,16 +288,20 @@ def test_attention_layer_passes_rope_through():
     with vk.use_backend("torch"):
         out = layer(x, rope=(cos, sin), rope_layout="half")
     qkv = torch.nn.functional.linear(x, layer.qkv.weight, layer.qkv.bias).double()
-    expected = torch.nn.functional.linear(formula_out(qkv, 2, rope=(cos, sin), rope_layout="half"),
-                                          layer.proj.weight.double(), layer.proj.bias.double())
+    expected = torch.nn.functional.linear(
+        formula_out(qkv, 2, rope=(cos, sin), rope_layout="half"),
+        layer.proj.weight.double(),
+        layer.proj.bias.double(),
+    )
     torch.testing.assert_close(out.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)
     with vk.use_backend("torch"):  # rope and a causal mask together: the mask applies to the rotated scores
         causal = layer(x, rope=(cos, sin), rope_layout="half", is_causal=True)
     keep = torch.ones(10, 10, dtype=torch.bool).tril()
     scores = rope_formula(qkv, 2, (cos, sin), "half")[1].log().masked_fill(~keep, float("-inf"))
     heads_out = torch.softmax(scores, -1) @ qkv[..., 48:].unflatten(-1, (2, 12)).transpose(1, 2)
-    expected = torch.nn.functional.linear(heads_out.transpose(1, 2).reshape(2, 10, 24), layer.proj.weight.double(),
-                                          layer.proj.bias.double())
+    expected = torch.nn.functional.linear(
+        heads_out.transpose(1, 2).reshape(2, 10, 24), layer.proj.weight.double(), layer.proj.bias.double()
+    )
     torch.testing.assert_close(causal.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="attn_mask or is_causal=True, not both"):
         layer(x, attn_mask=keep, is_causal=True)
@@ -270,8 +314,10 @@ def test_chooser_key_and_launches_tell_rope_calls_apart():
 
     qkv = torch.empty(2, 197, 3 * 2 * 64)
     plain = attention._chooser_key(qkv, 2)
-    assert attention._chooser_key(qkv, 2, (None, None, "half")) not in (plain, attention._chooser_key(
-        qkv, 2, (None, None, "interleaved")))
+    assert attention._chooser_key(qkv, 2, (None, None, "half")) not in (
+        plain,
+        attention._chooser_key(qkv, 2, (None, None, "interleaved")),
+    )
     for layout, code in (("interleaved", 1), ("half", 2)):
         with simulated_cuda(90) as device:
             qkv = torch.empty(2, 197, 3 * 2 * 64, dtype=torch.bfloat16, device="cuda")
@@ -282,30 +328,53 @@ def test_chooser_key_and_launches_tell_rope_calls_apart():
             attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
         codes = [launch.kwargs["ROPE"] for launch in device.launches]
         assert codes and set(codes) == {code, 0}
-        assert all(launch.args[attention._attention_fwd_kernel.arg_names.index("rope_start")] == 1
-                   for launch in device.launches if launch.kernel is attention._attention_fwd_kernel
-                   and launch.kwargs["ROPE"])
+        assert all(
+            launch.args[attention._attention_fwd_kernel.arg_names.index("rope_start")] == 1
+            for launch in device.launches
+            if launch.kernel is attention._attention_fwd_kernel and launch.kwargs["ROPE"]
+        )
 
 
 BAD = [
     (dict(rope=torch.ones(4, 8)), TypeError, r"rope must be None or a pair \(cos, sin\)"),
     (dict(rope=(torch.ones(8, 8),)), TypeError, r"rope must be None or a pair"),
     (dict(rope=([[1.0]], torch.ones(8, 8))), TypeError, r"rope cos must be a torch.Tensor"),
-    (dict(rope=(torch.ones(8, 8, dtype=torch.int64), torch.ones(8, 8, dtype=torch.int64))), TypeError,
-     r"rope cos must be a floating-point tensor"),
+    (
+        dict(rope=(torch.ones(8, 8, dtype=torch.int64), torch.ones(8, 8, dtype=torch.int64))),
+        TypeError,
+        r"rope cos must be a floating-point tensor",
+    ),
     (dict(rope=(torch.ones(8), torch.ones(8))), ValueError, r"rope cos must have 2 to 4 dimensions"),
     (dict(rope=(torch.ones(1, 1, 1, 8, 8), torch.ones(1, 1, 1, 8, 8))), ValueError, r"2 to 4 dimensions"),
-    (dict(rope=(torch.ones(8, 8), torch.ones(7, 8))), ValueError, r"rope cos and sin must have the same shape"),
+    (
+        dict(rope=(torch.ones(8, 8), torch.ones(7, 8))),
+        ValueError,
+        r"rope cos and sin must have the same shape",
+    ),
     (dict(rope=(torch.ones(8, 8), torch.ones(8, 8, dtype=torch.float64))), TypeError, r"rope cos has dtype"),
-    (dict(rope=(torch.ones(8, 6), torch.ones(8, 6))), ValueError, r"broadcast to \(B, H, L_r, Dh\) = \(2, 2, L_r, 8\)"),
+    (
+        dict(rope=(torch.ones(8, 6), torch.ones(8, 6))),
+        ValueError,
+        r"broadcast to \(B, H, L_r, Dh\) = \(2, 2, L_r, 8\)",
+    ),
     (dict(rope=(torch.ones(3, 8, 8), torch.ones(3, 8, 8))), ValueError, r"broadcast to \(B, H, L_r, Dh\)"),
-    (dict(rope=(torch.ones(3, 1, 8, 8), torch.ones(3, 1, 8, 8))), ValueError, r"broadcast to \(B, H, L_r, Dh\)"),
+    (
+        dict(rope=(torch.ones(3, 1, 8, 8), torch.ones(3, 1, 8, 8))),
+        ValueError,
+        r"broadcast to \(B, H, L_r, Dh\)",
+    ),
     (dict(rope=(torch.ones(10, 8), torch.ones(10, 8))), ValueError, r"1 <= L_r <= L = 9 .* got L_r = 10"),
-    (dict(rope=(torch.ones(8, 8), torch.ones(8, 8)), rope_layout="rotate_half"), ValueError,
-     r"rope_layout must be one of \('interleaved', 'half'\)"),
+    (
+        dict(rope=(torch.ones(8, 8), torch.ones(8, 8)), rope_layout="rotate_half"),
+        ValueError,
+        r"rope_layout must be one of \('interleaved', 'half'\)",
+    ),
     (dict(rope_layout=None), ValueError, r"rope_layout must be one of"),
-    (dict(rope=(torch.ones(8, 8, device="meta"), torch.ones(8, 8, device="meta"))), ValueError,
-     r"rope cos is on meta but qkv is on cpu"),
+    (
+        dict(rope=(torch.ones(8, 8, device="meta"), torch.ones(8, 8, device="meta"))),
+        ValueError,
+        r"rope cos is on meta but qkv is on cpu",
+    ),
 ]
 
 

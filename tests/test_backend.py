@@ -54,8 +54,13 @@ def fake_kernel_linear():
         return torch.nn.functional.linear(x, weight, bias) + (0 if residual is None else residual)
 
     vk.set_autotune(False)
-    backend.register("linear", "kernel", fake, supports=lambda d, t: None if t == torch.float32 else "float32 only",
-                     preferred=lambda d, t, g: True)
+    backend.register(
+        "linear",
+        "kernel",
+        fake,
+        supports=lambda d, t: None if t == torch.float32 else "float32 only",
+        preferred=lambda d, t, g: True,
+    )
     backend.clear_decisions()
     yield calls
     backend.unregister("linear", "kernel")
@@ -73,11 +78,15 @@ def test_auto_takes_the_static_default_and_falls_back(fake_kernel_linear):
 
 def test_explicit_backend_falls_back_with_a_warning_or_raises_when_strict(fake_kernel_linear):
     vk.set_backend("kernel")
-    with pytest.warns(RuntimeWarning, match="backend 'kernel' cannot run linear on cpu torch.float64: float32 only"):
+    with pytest.warns(
+        RuntimeWarning, match="backend 'kernel' cannot run linear on cpu torch.float64: float32 only"
+    ):
         vk.linear(torch.randn(2, 4).double(), torch.randn(3, 4).double())
     assert vk.explain().rows[-1].source == "fallback"
     vk.set_backend("kernel", strict=True)
-    with pytest.raises(RuntimeError, match="backend 'kernel' cannot run linear on cpu torch.float64 .*: float32 only"):
+    with pytest.raises(
+        RuntimeError, match="backend 'kernel' cannot run linear on cpu torch.float64 .*: float32 only"
+    ):
         vk.linear(torch.randn(2, 4).double(), torch.randn(3, 4).double())
     # ops the backend does not implement use the automatic choice, strict or not
     with pytest.raises(RuntimeError, match="backend 'kernel' does not implement layer_norm"):
@@ -87,7 +96,9 @@ def test_explicit_backend_falls_back_with_a_warning_or_raises_when_strict(fake_k
 
 
 def test_auto_skips_implementations_not_preferred(fake_kernel_linear):
-    backend.register("linear", "kernel", backend._registry["linear"]["kernel"].fn, preferred=lambda d, t, g: False)
+    backend.register(
+        "linear", "kernel", backend._registry["linear"]["kernel"].fn, preferred=lambda d, t, g: False
+    )
     vk.linear(torch.randn(2, 4), torch.randn(3, 4))
     assert fake_kernel_linear == []
 
@@ -103,17 +114,22 @@ def test_static_defaults_are_the_measured_winners_else_the_reference():
                 expected_cpu = op == "patch_embed" and name == "extension"
                 assert impl.preferred(cpu, torch.float32, grad) is expected_cpu, (op, name)
                 for dtype in (torch.float16, torch.bfloat16):
-                    expected_cuda = ((op, name) == ("patch_embed", "triton")
-                                     or ((op, name) == ("layer_norm", "extension") and not grad))
+                    expected_cuda = (op, name) == ("patch_embed", "triton") or (
+                        (op, name) == ("layer_norm", "extension") and not grad
+                    )
                     assert impl.preferred(cuda, dtype, grad) is expected_cuda, (op, name, dtype, grad)
                 assert not impl.preferred(cuda, torch.float32, grad), (op, name)
 
 
 def test_shape_limits_are_in_the_tables_not_inside_implementations():
     qkv = torch.randn(1, 3, 3 * 300)
-    assert "head dim 300 > 256" in backend.unsupported_reason("attention", "triton", torch.device("cpu"),
-                                                              torch.float32, (qkv, 1, None, 0.0, False)) or \
-        backend.triton_device_reason(torch.device("cpu")) is not None
+    assert (
+        "head dim 300 > 256"
+        in backend.unsupported_reason(
+            "attention", "triton", torch.device("cpu"), torch.float32, (qkv, 1, None, 0.0, False)
+        )
+        or backend.triton_device_reason(torch.device("cpu")) is not None
+    )
     x = torch.randn(2, 70000)
     reason = backend._registry["layer_norm"]["triton"].limits(x, None, None, 1e-6, None)
     assert reason is not None and "65536" in reason
@@ -122,7 +138,9 @@ def test_shape_limits_are_in_the_tables_not_inside_implementations():
 
 
 def _run_with_env(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
 
 
 def test_environment_variable_sets_initial_backend():

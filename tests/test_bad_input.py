@@ -26,15 +26,40 @@ CASES = [
     (lambda: vk.attention(qkv.numpy(), 2), TypeError, "qkv must be a torch.Tensor"),
     (lambda: vk.attention(torch.randn(2, 0, 24), 2), ValueError, "at least one token"),
     # patch_embed
-    (lambda: vk.patch_embed(torch.randn(3, 16, 16), pw, patch_size=4), ValueError, "images must have 4 dimensions"),
-    (lambda: vk.patch_embed(torch.randn(2, 1, 16, 16), pw, patch_size=4), ValueError, "weight must have shape"),
-    (lambda: vk.patch_embed(torch.randn(2, 3, 18, 16), pw, patch_size=4), ValueError, "positive multiples of patch_size=4"),
+    (
+        lambda: vk.patch_embed(torch.randn(3, 16, 16), pw, patch_size=4),
+        ValueError,
+        "images must have 4 dimensions",
+    ),
+    (
+        lambda: vk.patch_embed(torch.randn(2, 1, 16, 16), pw, patch_size=4),
+        ValueError,
+        "weight must have shape",
+    ),
+    (
+        lambda: vk.patch_embed(torch.randn(2, 3, 18, 16), pw, patch_size=4),
+        ValueError,
+        "positive multiples of patch_size=4",
+    ),
     (lambda: vk.patch_embed(images, pw, patch_size=2), ValueError, "weight must have shape"),
     (lambda: vk.patch_embed(images, pw, torch.randn(7), patch_size=4), ValueError, "bias must have shape"),
-    (lambda: vk.patch_embed(images, pw, patch_size=4, pos_embed=torch.randn(1, 17, 8)), ValueError, "pos_embed must have shape"),
-    (lambda: vk.patch_embed(images, pw, patch_size=4, cls_token=torch.randn(1, 1, 8), pos_embed=torch.randn(1, 16, 8)),
-     ValueError, "pos_embed must have shape"),
-    (lambda: vk.patch_embed(images, pw, patch_size=4, cls_token=torch.randn(1, 8)), ValueError, "cls_token must have shape"),
+    (
+        lambda: vk.patch_embed(images, pw, patch_size=4, pos_embed=torch.randn(1, 17, 8)),
+        ValueError,
+        "pos_embed must have shape",
+    ),
+    (
+        lambda: vk.patch_embed(
+            images, pw, patch_size=4, cls_token=torch.randn(1, 1, 8), pos_embed=torch.randn(1, 16, 8)
+        ),
+        ValueError,
+        "pos_embed must have shape",
+    ),
+    (
+        lambda: vk.patch_embed(images, pw, patch_size=4, cls_token=torch.randn(1, 8)),
+        ValueError,
+        "cls_token must have shape",
+    ),
     (lambda: vk.patch_embed(images, pw.double(), patch_size=4), TypeError, "weight has dtype torch.float64"),
     (lambda: vk.patch_embed(images, pw, patch_size=0), ValueError, "patch_size must be a positive int"),
     # linear family
@@ -48,11 +73,19 @@ CASES = [
     (lambda: vk.linear_gelu(x, w, b, approximate="fast"), ValueError, "approximate must be one of"),
     (lambda: vk.mlp(x, w, b, torch.randn(8, 15), None), ValueError, "fc2_weight must have shape"),
     (lambda: vk.mlp(x, w, b, torch.randn(8, 16), torch.randn(9)), ValueError, "fc2_bias must have shape"),
-    (lambda: vk.mlp(x, w, b, torch.randn(8, 16), None, residual=torch.randn(2, 5, 16)), ValueError, "residual must have shape"),
+    (
+        lambda: vk.mlp(x, w, b, torch.randn(8, 16), None, residual=torch.randn(2, 5, 16)),
+        ValueError,
+        "residual must have shape",
+    ),
     # layer_norm
     (lambda: vk.layer_norm(x, torch.randn(7), None), ValueError, "weight must have shape"),
     (lambda: vk.layer_norm(x, None, torch.randn(9)), ValueError, "bias must have shape"),
-    (lambda: vk.layer_norm(x, None, None, residual=torch.randn(5, 8)), ValueError, "residual must have shape"),
+    (
+        lambda: vk.layer_norm(x, None, None, residual=torch.randn(5, 8)),
+        ValueError,
+        "residual must have shape",
+    ),
     (lambda: vk.layer_norm(x, None, None, eps=0.0), ValueError, "eps must be"),
     (lambda: vk.layer_norm(x, torch.randn(8).double(), None), TypeError, "weight has dtype"),
     (lambda: vk.layer_norm(torch.randn(2, 0), None, None), ValueError, "non-empty last dimension"),

@@ -20,8 +20,18 @@ CASES = 20
 def _row(i: int, samples) -> dict:
     samples = [float(s) for s in samples]
     q20, median, q80 = np.quantile(samples, [0.2, 0.5, 0.8])
-    return {"kind": "op", "op": f"op{i}", "shape": "B=8", "dtype": "float32", "backend": "torch", "mode": "forward",
-            "median_ms": float(median), "q20_ms": float(q20), "q80_ms": float(q80), "samples_ms": samples}
+    return {
+        "kind": "op",
+        "op": f"op{i}",
+        "shape": "B=8",
+        "dtype": "float32",
+        "backend": "torch",
+        "mode": "forward",
+        "median_ms": float(median),
+        "q20_ms": float(q20),
+        "q80_ms": float(q80),
+        "samples_ms": samples,
+    }
 
 
 def _write(path, rows, probe_ms=None):
@@ -36,7 +46,12 @@ def _runs(tmp_path, factor, sigma, n=200, seed=0, probes=(None, None)):
     rng = np.random.default_rng(seed)
     base = [_row(i, rng.lognormal(0.0, sigma, n)) for i in range(CASES)]
     cand = [_row(i, factor * rng.lognormal(0.0, sigma, n)) for i in range(CASES)]
-    return _write(tmp_path / "a.json", base, probes[0]), _write(tmp_path / "b.json", cand, probes[1]), base, cand
+    return (
+        _write(tmp_path / "a.json", base, probes[0]),
+        _write(tmp_path / "b.json", cand, probes[1]),
+        base,
+        cand,
+    )
 
 
 def _verdicts(printed: str) -> list[str]:
@@ -48,14 +63,19 @@ def test_two_runs_apart_by_less_than_their_spread_report_nothing_faster(tmp_path
     each run's times spread by about +-13%: 400 samples pin each median to about 1%, so the
     intervals alone call every case faster; the spread says the runs cannot tell."""
     a, b, base, cand = _runs(tmp_path, 0.92, 0.15, n=400)
-    by_interval = [stats.unpaired_ratio(o["samples_ms"], n["samples_ms"]).verdict(0.05) for o, n in zip(base, cand)]
+    by_interval = [
+        stats.unpaired_ratio(o["samples_ms"], n["samples_ms"]).verdict(0.05) for o, n in zip(base, cand)
+    ]
     assert by_interval.count(stats.FASTER) >= CASES // 2, by_interval  # what the intervals alone would report
     assert main(["--compare", str(a), "--results", str(b)]) == gate.EXIT_OK
     printed = capsys.readouterr().out
     assert "0 faster by more than 5%" in printed and "0 regression(s)" in printed, printed
     noisy = sum("too noisy (faster, but within the runs' own spread)" in line for line in _verdicts(printed))
     assert noisy == by_interval.count(stats.FASTER)
-    assert f"{noisy} of {CASES} cases too noisy to judge: {noisy} with a difference inside either run's own" in printed
+    assert (
+        f"{noisy} of {CASES} cases too noisy to judge: {noisy} with a difference inside either run's own"
+        in printed
+    )
 
 
 def test_slower_within_the_spread_is_inconclusive_not_a_regression(tmp_path, capsys):
@@ -66,8 +86,9 @@ def test_slower_within_the_spread_is_inconclusive_not_a_regression(tmp_path, cap
     assert "inconclusive: noise too high" in printed
 
 
-@pytest.mark.parametrize("factor,code,verdict", [(1.5, gate.EXIT_REGRESSION, stats.REGRESSION),
-                                                 (0.5, gate.EXIT_OK, stats.FASTER)])
+@pytest.mark.parametrize(
+    "factor,code,verdict", [(1.5, gate.EXIT_REGRESSION, stats.REGRESSION), (0.5, gate.EXIT_OK, stats.FASTER)]
+)
 def test_a_change_beyond_both_spreads_is_judged(tmp_path, capsys, factor, code, verdict):
     a, b, _, _ = _runs(tmp_path, factor, 0.1)
     assert main(["--compare", str(a), "--results", str(b)]) == code
@@ -76,11 +97,14 @@ def test_a_change_beyond_both_spreads_is_judged(tmp_path, capsys, factor, code, 
     assert f"0 of {CASES} cases too noisy to judge" in printed
 
 
-@pytest.mark.parametrize("probes,code", [
-    ((None, None), gate.EXIT_REGRESSION),        # no probe: an 8% slowdown of quiet rows is a regression
-    ((1.0, 1.10), gate.EXIT_INCONCLUSIVE),       # the machine itself ran 10% slower: its drift, not the code's
-    ((1.10, 1.0), gate.EXIT_REGRESSION),         # the machine ran faster: the slowdown is the code's
-])
+@pytest.mark.parametrize(
+    "probes,code",
+    [
+        ((None, None), gate.EXIT_REGRESSION),  # no probe: an 8% slowdown of quiet rows is a regression
+        ((1.0, 1.10), gate.EXIT_INCONCLUSIVE),  # the machine itself ran 10% slower: its drift, not the code's
+        ((1.10, 1.0), gate.EXIT_REGRESSION),  # the machine ran faster: the slowdown is the code's
+    ],
+)
 def test_the_machines_drift_between_runs_is_not_blamed_on_the_code(tmp_path, capsys, probes, code):
     a, b, _, _ = _runs(tmp_path, 1.08, 0.005, n=30, probes=probes)
     assert main(["--compare", str(a), "--results", str(b)]) == code
@@ -94,28 +118,51 @@ def test_band_is_the_rows_own_q20_q80_spread():
     samples = list(np.linspace(1.0, 2.0, 11))
     low, high = compare.band({"samples_ms": samples, "median_ms": 1.5})
     assert (low, high) == pytest.approx((math.log(1.2 / 1.5), math.log(1.8 / 1.5)))
-    assert compare.band({"median_ms": 2.0, "q20_ms": 1.0, "q80_ms": 4.0}) == pytest.approx((-math.log(2), math.log(2)))
+    assert compare.band({"median_ms": 2.0, "q20_ms": 1.0, "q80_ms": 4.0}) == pytest.approx(
+        (-math.log(2), math.log(2))
+    )
     assert compare.band({"median_ms": 2.0}) == (0.0, 0.0)
-    quiet, noisy = {"median_ms": 1.0, "q20_ms": 0.99, "q80_ms": 1.01}, {"median_ms": 1.0, "q20_ms": 0.7, "q80_ms": 1.3}
+    quiet, noisy = (
+        {"median_ms": 1.0, "q20_ms": 0.99, "q80_ms": 1.01},
+        {"median_ms": 1.0, "q20_ms": 0.7, "q80_ms": 1.3},
+    )
     assert compare.beyond_noise(quiet, quiet, 1.05) and compare.beyond_noise(quiet, quiet, 0.95)
     assert not compare.beyond_noise(noisy, quiet, 1.05) and not compare.beyond_noise(quiet, noisy, 1.05)
-    assert not compare.beyond_noise(quiet, quiet, 1.05, drift=1.06) and compare.beyond_noise(quiet, quiet, 1.05, 0.9)
+    assert not compare.beyond_noise(quiet, quiet, 1.05, drift=1.06) and compare.beyond_noise(
+        quiet, quiet, 1.05, 0.9
+    )
 
 
-@pytest.mark.parametrize("row,message", [
-    ({"op": "x", "shape": "s", "dtype": "f", "backend": "b", "mode": "m", "median_ms": 1.0}, "row 0 lacks kind"),
-    ({"kind": "op", "shape": "s", "dtype": "f", "backend": "b", "mode": "m", "median_ms": 1.0}, "lacks op or model"),
-    ({**_row(0, [1, 2, 3]), "median_ms": -1.0}, "median_ms -1.0, expected a positive number"),
-    ({**_row(0, [1, 2, 3]), "median_ms": "fast"}, "median_ms 'fast', expected a positive number"),
-    ({**_row(0, [1, 2, 3]), "samples_ms": [1.0, 0.0]}, "samples_ms that are not a list of positive numbers"),
-    ({**_row(0, [1, 2, 3]), "q80_ms": None, "q20_ms": -2}, "q20_ms -2, expected a positive number"),
-    ("a row", "row 0 is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        (
+            {"op": "x", "shape": "s", "dtype": "f", "backend": "b", "mode": "m", "median_ms": 1.0},
+            "row 0 lacks kind",
+        ),
+        (
+            {"kind": "op", "shape": "s", "dtype": "f", "backend": "b", "mode": "m", "median_ms": 1.0},
+            "lacks op or model",
+        ),
+        ({**_row(0, [1, 2, 3]), "median_ms": -1.0}, "median_ms -1.0, expected a positive number"),
+        ({**_row(0, [1, 2, 3]), "median_ms": "fast"}, "median_ms 'fast', expected a positive number"),
+        (
+            {**_row(0, [1, 2, 3]), "samples_ms": [1.0, 0.0]},
+            "samples_ms that are not a list of positive numbers",
+        ),
+        ({**_row(0, [1, 2, 3]), "q80_ms": None, "q20_ms": -2}, "q20_ms -2, expected a positive number"),
+        ("a row", "row 0 is not a JSON object"),
+    ],
+)
 def test_a_malformed_row_is_refused_by_name(tmp_path, row, message):
     bad = _write(tmp_path / "bad.json", [row])
     good = _write(tmp_path / "good.json", [_row(0, [1, 2, 3])])
-    with pytest.raises(SystemExit, match=str(bad).replace(".", r"\.") + ": .*" + message.replace("(", r"\(")
-                       .replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(
+        SystemExit,
+        match=str(bad).replace(".", r"\.")
+        + ": .*"
+        + message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\."),
+    ):
         compare.compare(good, bad, 0.05)
 
 

@@ -39,8 +39,18 @@ def test_the_suite_sets_and_records_its_threads(tmp_path, monkeypatch, restore_t
 
     def probe(device, seconds=1.0, own_load=0.0):  # the threads in force while the suite measures
         seen.append(torch.get_num_threads())
-        return {"workload": "w", "samples": 3, "median_ms": 1.0, "q20_ms": 1.0, "q80_ms": 1.0, "spread": 0.0,
-                "load_1min": 0.0, "cpu_count": 1, "usable_cores": 1, "threads": seen[-1]}
+        return {
+            "workload": "w",
+            "samples": 3,
+            "median_ms": 1.0,
+            "q20_ms": 1.0,
+            "q80_ms": 1.0,
+            "spread": 0.0,
+            "load_1min": 0.0,
+            "cpu_count": 1,
+            "usable_cores": 1,
+            "threads": seen[-1],
+        }
 
     monkeypatch.setattr(noise, "probe", probe)
     torch.set_num_threads(1 if expected is None else 2)  # something other than what the run must set
@@ -53,9 +63,14 @@ def test_the_suite_sets_and_records_its_threads(tmp_path, monkeypatch, restore_t
 
 def test_the_selftest_sets_and_records_its_threads(tmp_path):
     out = tmp_path / "selftest.json"
-    done = subprocess.run([sys.executable, "-m", "tools.selftest", "--ops", "layer_norm", "--threads", "1",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.selftest", "--ops", "layer_norm", "--threads", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["threads"] == 1 and {row["op"] for row in report["checks"]} == {"layer_norm"}

@@ -15,8 +15,21 @@ from benchmarks.__main__ import main
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.json"
-    code = main(["--quick", "--device", "cpu", "--ops", "layer_norm,bias_gelu", "--modes", "forward,backward",
-                 "--no-models", "--no-compile", "--out", str(out)])
+    code = main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--ops",
+            "layer_norm,bias_gelu",
+            "--modes",
+            "forward,backward",
+            "--no-models",
+            "--no-compile",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     return out
 
@@ -26,11 +39,27 @@ def test_rows_carry_every_field(results):
     timed = [r for r in data["rows"] if "median_ms" in r]
     assert timed, data["rows"]
     for row in timed:
-        for field in ("op", "shape", "dtype", "backend", "mode", "median_ms", "q20_ms", "q80_ms", "samples_ms",
-                      "throughput", "device", "torch", "triton", "git_sha"):
+        for field in (
+            "op",
+            "shape",
+            "dtype",
+            "backend",
+            "mode",
+            "median_ms",
+            "q20_ms",
+            "q80_ms",
+            "samples_ms",
+            "throughput",
+            "device",
+            "torch",
+            "triton",
+            "git_sha",
+        ):
             assert field in row, f"{field} missing from {row}"
         assert row["q20_ms"] <= row["median_ms"] <= row["q80_ms"]
-        assert len(row["samples_ms"]) >= 3 and min(row["samples_ms"]) <= row["median_ms"] <= max(row["samples_ms"])
+        assert len(row["samples_ms"]) >= 3 and min(row["samples_ms"]) <= row["median_ms"] <= max(
+            row["samples_ms"]
+        )
         assert row["fraction_of_peak"] is None or 0 < row["fraction_of_peak"] <= 1
     assert data["peaks"]["copy_gbps"] > 0
     backends = {r["backend"] for r in timed if r["op"] == "layer_norm"}
@@ -66,7 +95,9 @@ def quiet_results(results, tmp_path):
 def test_compare_gate(quiet_results, tmp_path, capsys, factor, expected):
     current = tmp_path / "current.json"
     current.write_text(json.dumps(_slowed(json.loads(quiet_results.read_text()), factor)))
-    assert main(["--compare", str(quiet_results), "--results", str(current), "--threshold", "0.05"]) == expected
+    assert (
+        main(["--compare", str(quiet_results), "--results", str(current), "--threshold", "0.05"]) == expected
+    )
     printed = capsys.readouterr().out
     assert ("REGRESSION" in printed) == bool(expected)
     assert "shared cases" in printed
@@ -156,8 +187,11 @@ def test_plots_have_a_panel_per_shape_and_log_axes_for_wide_ranges(results, tmp_
     written = report.plot(rows, tmp_path)
     assert {p.name for p in written} >= {"speedup_layer_norm.png", "speedup_bias_gelu.png"}
     assert all(p.stat().st_size > 10_000 for p in written)
-    fig = report._speedup_figure(plt, "layer_norm", [r for r in rows if r.get("op") == "layer_norm"
-                                                      and "median_ms" in r and r["backend"] != "torch"])
+    fig = report._speedup_figure(
+        plt,
+        "layer_norm",
+        [r for r in rows if r.get("op") == "layer_norm" and "median_ms" in r and r["backend"] != "torch"],
+    )
     assert len(fig.axes) == len({r["shape"] for r in rows if r.get("op") == "layer_norm"})
     plt.close(fig)
     fig, (narrow, wide) = plt.subplots(1, 2)
@@ -174,8 +208,19 @@ def test_model_rows_time_the_first_step_apart():
 
     from benchmarks import e2e
 
-    rows = e2e.run_model("vit_digits", 2, torch.device("cpu"), torch.float32, {}, False, {},
-                         batches={"train": 2}, backends=("torch",))
+    rows = e2e.run_model(
+        "vit_digits",
+        2,
+        torch.device("cpu"),
+        torch.float32,
+        {},
+        False,
+        {},
+        batches={"train": 2},
+        backends=("torch",),
+    )
     (row,) = [r for r in rows if r["backend"] == "eager (torch backend)"]
     assert row["first_step_s"] > 0 and row["throughput"] > 0
-    assert "| first step s |" in report.markdown(rows, {}, {"device": "cpu", "torch": "", "triton": "", "git_sha": ""})
+    assert "| first step s |" in report.markdown(
+        rows, {}, {"device": "cpu", "torch": "", "triton": "", "git_sha": ""}
+    )

@@ -32,8 +32,15 @@ def test_the_triton_block_is_its_kernels_and_makes_no_zero_gradients(counts):
     fused attention; backward: no tensor of zeros for outputs only backward reads (the saved
     pre-activation and hidden of the MLP), the attention backward's two kernels."""
     row = counts["rows"]["triton"]
-    assert names(row, "forward") == ["_layer_norm_fwd_kernel", "_linear_kernel", "_attention_fwd_kernel",
-                                     "_linear_kernel", "_layer_norm_fwd_kernel", "_linear_kernel", "_linear_kernel"]
+    assert names(row, "forward") == [
+        "_layer_norm_fwd_kernel",
+        "_linear_kernel",
+        "_attention_fwd_kernel",
+        "_linear_kernel",
+        "_layer_norm_fwd_kernel",
+        "_linear_kernel",
+        "_linear_kernel",
+    ]
     backward = names(row, "backward")
     assert "zeros" not in backward
     assert backward.count("_attention_bwd_dq_kernel") == backward.count("_attention_bwd_dkdv_kernel") == 1
@@ -55,9 +62,14 @@ def test_bytes_are_the_distinct_elements_each_kernel_touches(counts):
 
 
 def test_the_table_names_every_backend(counts, capsys, tmp_path):
-    assert block_traffic.main(["--model", "vit_tiny", "--batch", "1", "--json", str(tmp_path / "counts.json")]) == 0
+    assert (
+        block_traffic.main(["--model", "vit_tiny", "--batch", "1", "--json", str(tmp_path / "counts.json")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert all(f"\n{name} " in out for name in block_traffic.BACKENDS)
     assert json.loads((tmp_path / "counts.json").read_text())["rows"].keys() == set(block_traffic.BACKENDS)
     markdown = block_traffic.table(counts, markdown=True).splitlines()
-    assert markdown[0].startswith("| backend | fwd kernels") and len(markdown) == 2 + len(block_traffic.BACKENDS)
+    assert markdown[0].startswith("| backend | fwd kernels") and len(markdown) == 2 + len(
+        block_traffic.BACKENDS
+    )

@@ -27,6 +27,7 @@ def host_reads_forbidden(monkeypatch):
     def refuse(name):
         def method(self, *args, **kwargs):
             raise AssertionError(f"Tensor.{name}() in the launch path: a host synchronisation on a GPU")
+
         return method
 
     with monkeypatch.context() as patch:
@@ -36,13 +37,17 @@ def host_reads_forbidden(monkeypatch):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("name", [b for b in CPU_BACKENDS if b != "triton"])  # the interpreter reads the host itself
+@pytest.mark.parametrize(
+    "name", [b for b in CPU_BACKENDS if b != "triton"]
+)  # the interpreter reads the host itself
 def test_decided_calls_read_nothing_back_to_the_host(monkeypatch, name, op):
     reason = backend.unsupported_reason(op, name, torch.device("cpu"), torch.float32)
     if reason is not None:  # the backend's table declares it does not take the op (the extension's SwiGLU)
         pytest.skip(f"{name} does not run {op}: {reason}")
     spec = SPECS[op]
-    inputs = {k: v.requires_grad_() for k, v in spec.make_inputs(SMALL, torch.device("cpu"), torch.float32).items()}
+    inputs = {
+        k: v.requires_grad_() for k, v in spec.make_inputs(SMALL, torch.device("cpu"), torch.float32).items()
+    }
     with vk.use_backend(name, strict=True):
         spec.run(SMALL, **inputs)  # the first call of a signature decides (and may validate)
         with host_reads_forbidden(monkeypatch):

@@ -18,10 +18,15 @@ def contents(step: int, accuracy: float = 0.5, split: str = "split-a") -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return {
-        "model_state": model.state_dict(), "optimizer_state": get_optimizer_state_dict(model, optimizer),
+        "model_state": model.state_dict(),
+        "optimizer_state": get_optimizer_state_dict(model, optimizer),
         "state_tensors": {"rng.cpu": torch.get_rng_state()},
-        "meta": {"model": "vit_digits", "config": {}, "progress": {"step": step},
-                 "evaluation": {"test_accuracy": accuracy, "test_loss": 1.0, "split": split}},
+        "meta": {
+            "model": "vit_digits",
+            "config": {},
+            "progress": {"step": step},
+            "evaluation": {"test_accuracy": accuracy, "test_loss": 1.0, "split": split},
+        },
     }
 
 
@@ -47,7 +52,9 @@ def test_a_truncated_file_is_detected(tmp_path):
     folder = checkpoint.write_checkpoint(tmp_path / "ckpt", **contents(1))
     path = folder / checkpoint.MODEL_FILE
     path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(checkpoint.CheckpointError, match=r"model.safetensors' is damaged: \d+ bytes, \d+ were written"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"model.safetensors' is damaged: \d+ bytes, \d+ were written"
+    ):
         checkpoint.read_meta(folder)
     (folder / checkpoint.META_FILE).write_text("{")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
@@ -80,31 +87,41 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path, monkey
 
 def test_keep_and_best(tmp_path):
     store = checkpoint.RunFolder(tmp_path, keep=2)
-    saved = [store.save(epoch=i, step=10 * i, best=i == 2, **contents(i, accuracy=0.1 * i)) for i in range(1, 6)]
+    saved = [
+        store.save(epoch=i, step=10 * i, best=i == 2, **contents(i, accuracy=0.1 * i)) for i in range(1, 6)
+    ]
     names = sorted(p.name for p in (tmp_path / checkpoint.FOLDERS).iterdir())
     assert names == sorted([saved[1].name, saved[3].name, saved[4].name]), "the 2 latest and the best"
     assert store.linked(checkpoint.BEST_LINK) == saved[1].resolve()
     assert store.linked(checkpoint.LATEST_LINK) == saved[4].resolve()
-    assert os.readlink(tmp_path / checkpoint.LATEST_LINK) == os.path.join(checkpoint.FOLDERS, saved[4].name), "relative link"
+    assert os.readlink(tmp_path / checkpoint.LATEST_LINK) == os.path.join(
+        checkpoint.FOLDERS, saved[4].name
+    ), "relative link"
     # a run folder resolves to its latest checkpoint
     assert checkpoint.resolve(tmp_path) == saved[4].resolve()
     assert json.loads((saved[4] / checkpoint.META_FILE).read_text())["progress"]["step"] == 5
 
 
 def test_resolve_rejects_a_folder_without_a_checkpoint(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="is not a checkpoint: expected a folder holding checkpoint.json"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="is not a checkpoint: expected a folder holding checkpoint.json"
+    ):
         checkpoint.resolve(tmp_path)
 
 
 def test_a_damaged_file_is_refused_with_its_name(tmp_path):
     folder = checkpoint.write_checkpoint(tmp_path / "ckpt", **contents(1))
     recorded = json.loads((folder / checkpoint.META_FILE).read_text())["files"][checkpoint.MODEL_FILE]
-    assert recorded["bytes"] == (folder / checkpoint.MODEL_FILE).stat().st_size and len(recorded["sha256"]) == 64
+    assert (
+        recorded["bytes"] == (folder / checkpoint.MODEL_FILE).stat().st_size and len(recorded["sha256"]) == 64
+    )
     model_file = folder / checkpoint.MODEL_FILE
     data = bytearray(model_file.read_bytes())
     data[-2000:] = os.urandom(2000)  # the header intact, the size unchanged: only the checksum can tell
     model_file.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError, match=r"model.safetensors' is damaged: its sha256 differs"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"model.safetensors' is damaged: its sha256 differs"
+    ):
         checkpoint.read_meta(folder)
     with pytest.raises(checkpoint.CheckpointError, match="is damaged"):
         checkpoint.load_model(folder)

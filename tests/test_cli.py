@@ -49,16 +49,22 @@ def test_resume_continues_from_the_saved_epoch(tmp_path, capsys):
     run_train(capsys, "--epochs", "2", "--out", str(first), "--no-progress", "--seed", "5")
     saved, _ = checkpoint.load_model(first / "checkpoint")
     # the README's form: only --resume, a longer --epochs and an --out
-    resumed = run_train(capsys, "--resume", str(first / "checkpoint"), "--epochs", "3", "--out", str(tmp_path / "second"))
+    resumed = run_train(
+        capsys, "--resume", str(first / "checkpoint"), "--epochs", "3", "--out", str(tmp_path / "second")
+    )
     assert resumed["epochs"] == 3
     rows = json.loads((tmp_path / "second" / "metrics.json").read_text())
     assert [r["epoch"] for r in rows] == [1, 2, 3], "history carries over and training continues at epoch 3"
     model, meta = checkpoint.load_model(tmp_path / "second" / "checkpoint")
     assert meta["progress"]["epoch"] == 3
-    assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values()))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values())
+    )
     steps_per_epoch = -(-1347 // 64)
     optimizer_state = load_file(str(tmp_path / "second" / "checkpoint" / checkpoint.OPTIMIZER_FILE))
-    assert optimizer_state["head.weight.step"].item() == 3 * steps_per_epoch, "the optimizer state was restored, not restarted"
+    assert optimizer_state["head.weight.step"].item() == 3 * steps_per_epoch, (
+        "the optimizer state was restored, not restarted"
+    )
 
 
 def test_bad_arguments_fail_clearly(tmp_path, capsys):
@@ -76,17 +82,44 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
     assert "--dataset cifar10 needs --data-path" in capsys.readouterr().err
     write_cifar(tmp_path / "cifar")
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--dataset", "cifar10", "--data-path", str(tmp_path / "cifar"), "--model", "vit_digits",
-                    "--epochs", "1", "--no-progress", "--out", str(tmp_path / "x")])
+        train.main(
+            [
+                "--dataset",
+                "cifar10",
+                "--data-path",
+                str(tmp_path / "cifar"),
+                "--model",
+                "vit_digits",
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
     assert exit_info.value.code == 2
     assert "gives images (3, 32, 32), but model 'vit_digits' expects (1, 8, 8)" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "vit.train", "--epochs", "1", "--out", str(tmp_path), "--no-progress",
-         "--dataset", "synthetic", "--model", "vit_mnist_sincos"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "vit_mnist_sincos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])

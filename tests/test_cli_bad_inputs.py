@@ -42,10 +42,17 @@ BAD_INPUTS = [
     ("train", ["--batch-size", "-1"], "--batch-size: must be in [1"),
     ("train", ["--lr", "0.01", "--min-lr", "0.1"], "--min-lr 0.1 must not exceed --lr 0.01"),
     ("train", ["--dataset", "cifar10", "--out", "{root}/new"], "--dataset cifar10 needs --data-path"),
-    ("train", ["--dataset", "mnist", "--data-path", "{root}/nowhere"], "--data-path: '{root}/nowhere' does not exist"),
+    (
+        "train",
+        ["--dataset", "mnist", "--data-path", "{root}/nowhere"],
+        "--data-path: '{root}/nowhere' does not exist",
+    ),
     ("train", ["--dataset", "mnist", "--data-path", "{root}/empty", "--out", "{root}/new"], "not found in"),
-    ("train", ["--dataset", "cifar10", "--data-path", "{root}/cifar", "--out", "{root}/new"],
-     "gives images (3, 32, 32), but model 'vit_digits' expects (1, 8, 8)"),
+    (
+        "train",
+        ["--dataset", "cifar10", "--data-path", "{root}/cifar", "--out", "{root}/new"],
+        "gives images (3, 32, 32), but model 'vit_digits' expects (1, 8, 8)",
+    ),
     ("train", ["--device", "cuda:7"], "--device"),
     ("train", ["--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N"),
     ("train", ["--out", "{root}/notes.txt"], "exists and is not a folder"),
@@ -66,13 +73,21 @@ BAD_INPUTS = [
     ("train", ["--resume", "{root}/run", "--out", "{root}/damaged"], "already holds another run"),
     ("predict", ["{root}/empty"], "is not a checkpoint"),
     ("predict", ["{root}/nowhere"], "is not a checkpoint"),
-    ("predict", ["{root}/run", "--image", "{root}/missing.png"], "--image: '{root}/missing.png' does not exist"),
+    (
+        "predict",
+        ["{root}/run", "--image", "{root}/missing.png"],
+        "--image: '{root}/missing.png' does not exist",
+    ),
     ("predict", ["{root}/run", "--image", "{root}/notes.txt"], "cannot read image"),
     ("predict", ["{root}/run", "--dataset", "mnist"], "--dataset mnist needs --data-path"),
     ("predict", ["{root}/damaged"], "is damaged"),
     ("predict", ["{root}/run", "--device", "cuda:7"], "--device"),
     ("predict", ["{root}/run", "--threads", "many"], "--threads: expected a positive integer"),
-    ("predict", ["{root}/run", "--dataset", "cifar10", "--data-path", "{root}/cifar"], "but the model expects"),
+    (
+        "predict",
+        ["{root}/run", "--dataset", "cifar10", "--data-path", "{root}/cifar"],
+        "but the model expects",
+    ),
     ("plots", ["{root}/empty"], "is not a checkpoint"),
     ("plots", ["{root}/run", "--index", "100000", "--out", "{root}/maps.png"], "--index must be in [0, "),
     ("plots", ["{root}/run", "--image", "{root}/notes.txt", "--out", "{root}/maps.png"], "cannot read image"),
@@ -87,8 +102,9 @@ def test_the_table_is_large():
     assert len(BAD_INPUTS) >= 25 and {cmd for cmd, _, _ in BAD_INPUTS} == set(MAINS)
 
 
-@pytest.mark.parametrize("command, arguments, expected", BAD_INPUTS,
-                         ids=[f"{c}-{'_'.join(a)[:40]}" for c, a, _ in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "command, arguments, expected", BAD_INPUTS, ids=[f"{c}-{'_'.join(a)[:40]}" for c, a, _ in BAD_INPUTS]
+)
 def test_a_bad_input_gets_one_line_and_exit_2(files, capsys, command, arguments, expected):
     args = [a.replace("{root}", str(files)) for a in arguments]
     if command == "train" and "--out" not in args and "--resume" not in args:
@@ -104,15 +120,22 @@ def test_a_bad_input_gets_one_line_and_exit_2(files, capsys, command, arguments,
     assert not (files / "new").exists(), "work started before the mistake was found"
 
 
-@pytest.mark.parametrize("command, arguments", [
-    ("vit.train", ["--backend", "triton", "--device", "cpu"]),
-    ("vit.predict", ["{root}/empty"]),
-    ("vit.plots", ["{root}/run", "--index", "-1", "--out", "{root}/maps.png"]),
-])
+@pytest.mark.parametrize(
+    "command, arguments",
+    [
+        ("vit.train", ["--backend", "triton", "--device", "cpu"]),
+        ("vit.predict", ["{root}/empty"]),
+        ("vit.plots", ["{root}/run", "--index", "-1", "--out", "{root}/maps.png"]),
+    ],
+)
 def test_the_module_entry_points_print_one_line(files, command, arguments):
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}  # no TRITON_INTERPRET: Triton cannot run on the CPU
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+    }  # no TRITON_INTERPRET: Triton cannot run on the CPU
     args = [a.replace("{root}", str(files)) for a in arguments]
-    done = subprocess.run([sys.executable, "-m", command, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -22,8 +22,18 @@ TIMEOUT = 120  # a mistake is found before any work: seconds, however loaded the
 
 
 def _row(**fields) -> dict:
-    row = {"kind": "op", "op": "layer_norm", "shape": "B=8", "dtype": "float32", "backend": "torch",
-           "mode": "forward", "median_ms": 1.0, "q20_ms": 0.9, "q80_ms": 1.1, "samples_ms": [0.9, 1.0, 1.1]}
+    row = {
+        "kind": "op",
+        "op": "layer_norm",
+        "shape": "B=8",
+        "dtype": "float32",
+        "backend": "torch",
+        "mode": "forward",
+        "median_ms": 1.0,
+        "q20_ms": 0.9,
+        "q80_ms": 1.1,
+        "samples_ms": [0.9, 1.0, 1.1],
+    }
     return {k: v for k, v in {**row, **fields}.items() if v is not None}
 
 
@@ -42,7 +52,11 @@ def root(tmp_path_factory):
 GOOD = "{root}/good.json"
 # (command, arguments with {root} for the fixture's folder, what the one line must say)
 BAD_INPUTS = [
-    (BENCH, ["--quick", "--ops", "convolution", "--no-models"], "--ops: unknown op 'convolution'; choose from"),
+    (
+        BENCH,
+        ["--quick", "--ops", "convolution", "--no-models"],
+        "--ops: unknown op 'convolution'; choose from",
+    ),
     (BENCH, ["--quick", "--dtypes", "float8"], "--dtypes: unknown dtype 'float8'; choose from float32"),
     (BENCH, ["--quick", "--modes", "sideways"], "--modes: unknown mode 'sideways'; choose from forward"),
     (BENCH, ["--quick", "--threads", "0"], "argument --threads: must be 1 or more, got '0'"),
@@ -52,24 +66,71 @@ BAD_INPUTS = [
     (BENCH, ["--quick", "--bogus"], "unrecognized arguments: --bogus"),
     (BENCH, ["--quick", "--out", "{root}"], "--out {root}: is a folder, expected a file name"),
     (BENCH, ["--quick", "--markdown", "{root}/notes.txt/r.md"], "{root}/notes.txt is a file, not a folder"),
-    (BENCH, ["--quick", "--plots", "{root}/notes.txt"], "--plots {root}/notes.txt: exists and is not a folder"),
+    (
+        BENCH,
+        ["--quick", "--plots", "{root}/notes.txt"],
+        "--plots {root}/notes.txt: exists and is not a folder",
+    ),
     (BENCH, ["--compare", GOOD], "--compare BASELINE and --results CURRENT go together"),
-    (BENCH, ["--compare", "{root}/missing.json", "--results", GOOD],
-     "cannot read benchmark results from {root}/missing.json: No such file or directory"),
-    (BENCH, ["--compare", "{root}", "--results", GOOD], "cannot read benchmark results from {root}: Is a directory"),
-    (BENCH, ["--compare", GOOD, "--results", "{root}/notes.txt"], "{root}/notes.txt is not a benchmark results file: not JSON"),
-    (BENCH, ["--compare", "{root}/list.json", "--results", GOOD], "expected a JSON object with a 'rows' list"),
+    (
+        BENCH,
+        ["--compare", "{root}/missing.json", "--results", GOOD],
+        "cannot read benchmark results from {root}/missing.json: No such file or directory",
+    ),
+    (
+        BENCH,
+        ["--compare", "{root}", "--results", GOOD],
+        "cannot read benchmark results from {root}: Is a directory",
+    ),
+    (
+        BENCH,
+        ["--compare", GOOD, "--results", "{root}/notes.txt"],
+        "{root}/notes.txt is not a benchmark results file: not JSON",
+    ),
+    (
+        BENCH,
+        ["--compare", "{root}/list.json", "--results", GOOD],
+        "expected a JSON object with a 'rows' list",
+    ),
     (BENCH, ["--compare", "{root}/bad-row.json", "--results", GOOD], "{root}/bad-row.json: row 0 lacks kind"),
-    (BENCH, ["--compare", GOOD, "--results", "{root}/bad-median.json"], "row 0 has median_ms -3, expected a positive"),
-    (BENCH, ["--compare", GOOD, "--results", GOOD, "--threshold", "-1"], "--threshold must be a fraction such as 0.05"),
-    (BENCH, ["--compare", GOOD, "--results", GOOD, "--confidence", "2"], "--confidence must be in [0.5, 1), got 2.0"),
+    (
+        BENCH,
+        ["--compare", GOOD, "--results", "{root}/bad-median.json"],
+        "row 0 has median_ms -3, expected a positive",
+    ),
+    (
+        BENCH,
+        ["--compare", GOOD, "--results", GOOD, "--threshold", "-1"],
+        "--threshold must be a fraction such as 0.05",
+    ),
+    (
+        BENCH,
+        ["--compare", GOOD, "--results", GOOD, "--confidence", "2"],
+        "--confidence must be in [0.5, 1), got 2.0",
+    ),
     (BENCH, ["ab"], "the following arguments are required: --baseline"),
     (BENCH, ["ab", "--baseline", "HEAD", "--ops", "nope"], "--ops: unknown ['nope']; choose from"),
-    (BENCH, ["ab", "--baseline", "HEAD", "--shapes", "vit_digits:x"], "--shapes: expected MODEL:BATCH such as vit_digits:8"),
-    (BENCH, ["ab", "--baseline", "HEAD", "--confirmations", "0"], "--confirmations must be at least 1, got 0"),
+    (
+        BENCH,
+        ["ab", "--baseline", "HEAD", "--shapes", "vit_digits:x"],
+        "--shapes: expected MODEL:BATCH such as vit_digits:8",
+    ),
+    (
+        BENCH,
+        ["ab", "--baseline", "HEAD", "--confirmations", "0"],
+        "--confirmations must be at least 1, got 0",
+    ),
     (BENCH, ["ab", "--baseline", "HEAD", "--budget", "-1"], "--budget must be a positive number, got -1.0"),
-    (BENCH, ["ab", "--baseline", "no-such-revision", "--models", "none"], "'no-such-revision' is not a commit in"),
-    (BENCH, ["ab", "--baseline", "HEAD", "--repo", "{root}/missing"], "--repo {root}/missing: expected the folder of a"),
+    (
+        BENCH,
+        ["ab", "--baseline", "no-such-revision", "--models", "none"],
+        "'no-such-revision' is not a commit in",
+    ),
+    (
+        BENCH,
+        ["ab", "--baseline", "HEAD", "--repo", "{root}/missing"],
+        "--repo {root}/missing: expected the folder of a",
+    ),
     (SELFTEST, ["--ops", "convolution"], "argument --ops: expected a comma-separated subset of patch_embed"),
     (SELFTEST, ["--threads", "0"], "argument --threads: must be 1 or more, got '0'"),
     (SELFTEST, ["--out", "{root}"], "argument --out: '{root}' is a folder, expected a file name"),
@@ -94,8 +155,10 @@ def _id(case) -> str:
 def outcomes(root) -> dict[int, subprocess.CompletedProcess]:
     """Every bad input's process, run two at a time (each mostly imports torch: one per core)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {index: pool.submit(_run, command, [a.replace("{root}", str(root)) for a in args])
-                   for index, (command, args, _) in enumerate(BAD_INPUTS)}
+        futures = {
+            index: pool.submit(_run, command, [a.replace("{root}", str(root)) for a in args])
+            for index, (command, args, _) in enumerate(BAD_INPUTS)
+        }
         return {index: future.result() for index, future in futures.items()}
 
 
@@ -128,12 +191,24 @@ def _options_with_values(help_text: str) -> list[str]:
     return [entry for entry in joined if re.match(r"^--[\w-]+ [A-Z_.:,]+", entry)]
 
 
-@pytest.mark.parametrize("command,args,expected", [
-    (BENCH, ["--help"], ["(default: 0.05)", "(default: 0.95)", "(default: forward,backward,full)",
-                         "the cores this process may use"]),
-    (BENCH, ["ab", "--help"], ["(default: 4)", "(default: 300.0)", "(default: 10)", "(default: 400)"]),
-    (SELFTEST, ["--help"], ["(default: build/selftest.json)", "the cores this process may use"]),
-], ids=["benchmarks", "benchmarks ab", "selftest"])
+@pytest.mark.parametrize(
+    "command,args,expected",
+    [
+        (
+            BENCH,
+            ["--help"],
+            [
+                "(default: 0.05)",
+                "(default: 0.95)",
+                "(default: forward,backward,full)",
+                "the cores this process may use",
+            ],
+        ),
+        (BENCH, ["ab", "--help"], ["(default: 4)", "(default: 300.0)", "(default: 10)", "(default: 400)"]),
+        (SELFTEST, ["--help"], ["(default: build/selftest.json)", "the cores this process may use"]),
+    ],
+    ids=["benchmarks", "benchmarks ab", "selftest"],
+)
 def test_help_names_every_default(command, args, expected):
     done = _run(command, args)
     assert done.returncode == 0, done.stderr

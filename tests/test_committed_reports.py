@@ -29,5 +29,7 @@ def test_committed_gpu_report_has_no_failures_and_covers_both_targets():
 def test_docs_show_the_committed_sm90_table():
     committed = sm90_table(REPORT.with_suffix(".md").read_text())
     page = PAGE.read_text()
-    assert sm90_table(page) == committed, f"{PAGE.relative_to(ROOT)}'s sm_90 table differs from the committed report"
+    assert sm90_table(page) == committed, (
+        f"{PAGE.relative_to(ROOT)}'s sm_90 table differs from the committed report"
+    )
     assert f"]({PAGE.relative_to(ROOT)})" in (ROOT / "README.md").read_text(), "README does not link the page"

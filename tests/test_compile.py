@@ -13,8 +13,9 @@ import vit_kernels as vk
 from vit_kernels import _ext, backend
 from tests.helpers import CPU_BACKENDS, requires_cuda
 
-needs_extension = pytest.mark.skipif(_ext.supports(torch.device("cpu"), torch.float32) is not None,
-                                     reason="vit_kernels._C is not built")
+needs_extension = pytest.mark.skipif(
+    _ext.supports(torch.device("cpu"), torch.float32) is not None, reason="vit_kernels._C is not built"
+)
 
 
 class GraphCapture:
@@ -29,9 +30,14 @@ class GraphCapture:
 
     def ops(self, index: int = -1) -> set[str]:
         """The vit_kernels ops and the reference's key ops called by graph ``index``."""
-        names = {str(node.target).removesuffix(".default") for node in self.graphs[index].graph.nodes
-                 if node.op == "call_function"}
-        return {n for n in names if n.startswith("vit_kernels.") or "scaled_dot_product" in n or "layer_norm" in n}
+        names = {
+            str(node.target).removesuffix(".default")
+            for node in self.graphs[index].graph.nodes
+            if node.op == "call_function"
+        }
+        return {
+            n for n in names if n.startswith("vit_kernels.") or "scaled_dot_product" in n or "layer_norm" in n
+        }
 
 
 def block_ops(x, w, b, qkv):

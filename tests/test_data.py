@@ -43,11 +43,15 @@ def test_mnist_loads(mnist_dir):
 
 
 def test_mnist_errors_name_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte not found in .*expected a folder holding"):
+    with pytest.raises(
+        FileNotFoundError, match="train-images-idx3-ubyte not found in .*expected a folder holding"
+    ):
         load_dataset("mnist", tmp_path)
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         load_dataset("mnist", tmp_path / "nope")
-    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + struct.pack(">3I", 5, 28, 28) + b"\x00" * 10)
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(
+        b"\x00\x00\x08\x03" + struct.pack(">3I", 5, 28, 28) + b"\x00" * 10
+    )
     with pytest.raises(ValueError, match="train-images-idx3-ubyte is malformed"):
         read_idx(tmp_path / "train-images-idx3-ubyte")
     (tmp_path / "junk").write_bytes(b"\x12\x34\x56\x78")
@@ -59,7 +63,10 @@ def write_cifar(folder, n=8):
     rng = np.random.default_rng(1)
     folder.mkdir(parents=True, exist_ok=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, n))}
+        batch = {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"labels": list(rng.integers(0, 10, n)),
+        }
         with open(folder / name, "wb") as handle:
             pickle.dump(batch, handle)
     with open(folder / "batches.meta", "wb") as handle:
@@ -146,4 +153,6 @@ def test_augment_shifts_and_flips():
         candidates = [padded[dy : dy + 5, dx : dx + 5] for dy in range(3) for dx in range(3)]
         assert any(torch.equal(shifted[i, 0], c) for c in candidates)
     flipped = augment(images, torch.Generator().manual_seed(0), max_shift=0, flip=True)
-    assert all(torch.equal(flipped[i], images[i]) or torch.equal(flipped[i], images[i].flip(-1)) for i in range(2))
+    assert all(
+        torch.equal(flipped[i], images[i]) or torch.equal(flipped[i], images[i].flip(-1)) for i in range(2)
+    )

@@ -84,7 +84,10 @@ def test_batch_sizes_in_one_bucket_share_a_decision(measured, monkeypatch):
 
 def _second_process(cache: Path, **env) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.dispatch_impls"], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "tests.dispatch_impls"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         env={**os.environ, "VIT_KERNELS_AUTOTUNE": "1", "VIT_KERNELS_CACHE_DIR": str(cache), **env},
     )
     assert done.returncode == 0, done.stderr
@@ -135,8 +138,12 @@ def test_measuring_off_takes_the_static_default(measured, monkeypatch):
 
 def test_environment_variable_turns_measuring_off():
     code = "import vit_kernels as vk; print(vk.autotune_settings()['enabled'])"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "VIT_KERNELS_AUTOTUNE": "0"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VIT_KERNELS_AUTOTUNE": "0"},
+    )
     assert done.stdout.strip() == "False", done.stderr
 
 
@@ -149,7 +156,12 @@ def test_two_threads_never_see_each_others_choice(measured):
             barrier.wait()
             for _ in range(20):
                 seen.setdefault(name, []).append(vk.get_backend())
-                backend.resolve("linear", torch.device("cpu"), torch.float32, (torch.randn(2, 3), torch.randn(3, 3), None, None))
+                backend.resolve(
+                    "linear",
+                    torch.device("cpu"),
+                    torch.float32,
+                    (torch.randn(2, 3), torch.randn(3, 3), None, None),
+                )
             barrier.wait()
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in ("slow", "fast")]
@@ -173,7 +185,9 @@ def test_set_backend_is_the_default_of_other_threads():
 
 def test_strict_raises_naming_the_op_and_the_limit(measured):
     with vk.use_backend("limited", strict=True):
-        with pytest.raises(RuntimeError, match=r"backend 'limited' cannot run linear .*: K = 8 > 4 \(strict=True\)"):
+        with pytest.raises(
+            RuntimeError, match=r"backend 'limited' cannot run linear .*: K = 8 > 4 \(strict=True\)"
+        ):
             _linear_call(8)
         _linear_call(4)  # within the limit
     assert _row().backend == "limited"
@@ -182,7 +196,9 @@ def test_strict_raises_naming_the_op_and_the_limit(measured):
 def test_without_strict_the_fallback_warns_once_and_is_recorded(measured):
     vk.set_autotune(False)
     with vk.use_backend("limited"):
-        with pytest.warns(RuntimeWarning, match="backend 'limited' cannot run linear .*K = 8 > 4; torch runs it instead"):
+        with pytest.warns(
+            RuntimeWarning, match="backend 'limited' cannot run linear .*K = 8 > 4; torch runs it instead"
+        ):
             _linear_call(8)
             _linear_call(8)
     row = _row()

@@ -123,7 +123,10 @@ def test_blocks_run_in_fresh_namespaces(scratch):
 def heading_anchors(page: Path) -> set[str]:
     """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces as -."""
     prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+\s+(.*)$", prose, re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+\s+(.*)$", prose, re.M)
+    }
 
 
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
@@ -139,7 +142,12 @@ def test_cited_files_are_in_the_repository(path):
     missing = [t for t in links if not (path.parent / t).exists()]
     for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
         page = path.parent / target if target else path
-        if "://" not in target and page.suffix == ".md" and page.exists() and anchor not in heading_anchors(page):
+        if (
+            "://" not in target
+            and page.suffix == ".md"
+            and page.exists()
+            and anchor not in heading_anchors(page)
+        ):
             missing.append(f"{target}#{anchor}")
     results = [t.rstrip(".") for t in re.findall(r"benchmarks/results/[\w.*-]+", text)]
     missing += [t for t in results if not any(ROOT.glob(t))]

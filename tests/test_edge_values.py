@@ -14,7 +14,13 @@ import torch.nn.functional as F
 import vit_kernels as vk
 from vit_kernels import _ext
 from tests.helpers import (
-    CPU_BACKENDS, CUDA_DTYPES, DTYPE_NAMES, TOLERANCES, cuda_param, device_backends, exact_float32,
+    CPU_BACKENDS,
+    CUDA_DTYPES,
+    DTYPE_NAMES,
+    TOLERANCES,
+    cuda_param,
+    device_backends,
+    exact_float32,
     skip_unless_offered,
 )
 
@@ -22,7 +28,10 @@ from tests.helpers import (
 def run(fn, inputs, device="cpu"):
     """fn(*leaves) on ``device`` and the gradient of every tensor input for a fixed upstream gradient
     of ones; float32 without TF32 on CUDA (as on the CPU)."""
-    leaves = [t.detach().clone().to(device).requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in inputs]
+    leaves = [
+        t.detach().clone().to(device).requires_grad_(True) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    ]
     with exact_float32(device):
         result = fn(*leaves)
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
@@ -35,12 +44,16 @@ def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, what: str) 
     """NaN where PyTorch has NaN, the same infinities, close finite values."""
     actual = actual.cpu()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.equal(actual.isnan(), expected.isnan()), f"{what}: NaN at {actual.isnan().nonzero().tolist()}, PyTorch at {expected.isnan().nonzero().tolist()}"
+    assert torch.equal(actual.isnan(), expected.isnan()), (
+        f"{what}: NaN at {actual.isnan().nonzero().tolist()}, PyTorch at {expected.isnan().nonzero().tolist()}"
+    )
     assert torch.equal(actual.isposinf(), expected.isposinf()), f"{what}: +inf differs from PyTorch"
     assert torch.equal(actual.isneginf(), expected.isneginf()), f"{what}: -inf differs from PyTorch"
     finite = expected.isfinite()
     atol, rtol = TOLERANCES[expected.dtype]
-    torch.testing.assert_close(actual[finite], expected[finite], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual[finite], expected[finite], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def poke(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
@@ -127,41 +140,97 @@ def linear_residual_reference(x, w, b, r):
 
 
 NON_FINITE_CASES = [
-    ("layer_norm nan", lambda x, w, b: vk.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
-     [poke(x8, (1, 2), NAN), ln_w, ln_b]),
-    ("layer_norm inf", lambda x, w, b: vk.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
-     [poke(x8, (1, 2), INF), ln_w, ln_b]),
-    ("layer_norm 1e30 (variance overflows)", lambda x, w, b: vk.layer_norm(x, w, b),
-     lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6), [x8 * 1e30, ln_w, ln_b]),
+    (
+        "layer_norm nan",
+        lambda x, w, b: vk.layer_norm(x, w, b),
+        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
+        [poke(x8, (1, 2), NAN), ln_w, ln_b],
+    ),
+    (
+        "layer_norm inf",
+        lambda x, w, b: vk.layer_norm(x, w, b),
+        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
+        [poke(x8, (1, 2), INF), ln_w, ln_b],
+    ),
+    (
+        "layer_norm 1e30 (variance overflows)",
+        lambda x, w, b: vk.layer_norm(x, w, b),
+        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
+        [x8 * 1e30, ln_w, ln_b],
+    ),
     # linear with a residual: the extension implements linear only fused with its residual add.
     ("linear nan", linear_residual, linear_residual_reference, [poke(x8, (0, 3), NAN), w5, b5, r5]),
     ("linear inf bias", linear_residual, linear_residual_reference, [x8, w5, poke(b5, (2,), -INF), r5]),
     ("linear inf residual", linear_residual, linear_residual_reference, [x8, w5, b5, poke(r5, (1, 4), INF)]),
-    ("linear_gelu +inf", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: math_gelu(F.linear(x, w, b)),
-     [x8, w5, poke(b5, (1,), INF)]),
-    ("linear_gelu -inf tanh", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
-     lambda x, w, b: math_gelu(F.linear(x, w, b), "tanh"), [x8, w5, poke(b5, (1,), -INF)]),
-    ("linear_gelu +inf quick", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
-     lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"), [x8, w5, poke(b5, (1,), INF)]),
-    ("linear_gelu -inf quick", lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
-     lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"), [x8, w5, poke(b5, (3,), -INF)]),
-    ("linear_gelu nan", lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: math_gelu(F.linear(x, w, b)),
-     [poke(x8, (2, 0), NAN), w5, b5]),
-    ("mlp nan", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), lambda x, w1, w2: F.linear(math_gelu(F.linear(x, w1)), w2),
-     [poke(x8, (3, 7), NAN), w_hidden, w_out]),
-    ("attention nan (probs)", lambda t: vk.attention(t, 2, return_probs=True), lambda t: torch_attention(t, True),
-     [poke(qkv, (0, 1, 0), NAN)]),
-    ("attention +inf key (probs)", lambda t: vk.attention(t, 2, return_probs=True), lambda t: torch_attention(t, True),
-     [poke(qkv, (1, 3, 9), INF)]),
-    ("attention +inf key, all scores -inf (probs)", lambda t: vk.attention(t, 2, return_probs=True),
-     lambda t: torch_attention(t, True), [qkv_inf_key]),
+    (
+        "linear_gelu +inf",
+        lambda x, w, b: vk.linear_gelu(x, w, b),
+        lambda x, w, b: math_gelu(F.linear(x, w, b)),
+        [x8, w5, poke(b5, (1,), INF)],
+    ),
+    (
+        "linear_gelu -inf tanh",
+        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
+        lambda x, w, b: math_gelu(F.linear(x, w, b), "tanh"),
+        [x8, w5, poke(b5, (1,), -INF)],
+    ),
+    (
+        "linear_gelu +inf quick",
+        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
+        lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"),
+        [x8, w5, poke(b5, (1,), INF)],
+    ),
+    (
+        "linear_gelu -inf quick",
+        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
+        lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"),
+        [x8, w5, poke(b5, (3,), -INF)],
+    ),
+    (
+        "linear_gelu nan",
+        lambda x, w, b: vk.linear_gelu(x, w, b),
+        lambda x, w, b: math_gelu(F.linear(x, w, b)),
+        [poke(x8, (2, 0), NAN), w5, b5],
+    ),
+    (
+        "mlp nan",
+        lambda x, w1, w2: vk.mlp(x, w1, None, w2, None),
+        lambda x, w1, w2: F.linear(math_gelu(F.linear(x, w1)), w2),
+        [poke(x8, (3, 7), NAN), w_hidden, w_out],
+    ),
+    (
+        "attention nan (probs)",
+        lambda t: vk.attention(t, 2, return_probs=True),
+        lambda t: torch_attention(t, True),
+        [poke(qkv, (0, 1, 0), NAN)],
+    ),
+    (
+        "attention +inf key (probs)",
+        lambda t: vk.attention(t, 2, return_probs=True),
+        lambda t: torch_attention(t, True),
+        [poke(qkv, (1, 3, 9), INF)],
+    ),
+    (
+        "attention +inf key, all scores -inf (probs)",
+        lambda t: vk.attention(t, 2, return_probs=True),
+        lambda t: torch_attention(t, True),
+        [qkv_inf_key],
+    ),
     ("attention +inf key, all scores -inf", lambda t: vk.attention(t, 2), torch_attention, [qkv_inf_key]),
     ("attention nan", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (0, 1, 0), NAN)]),
     ("attention -inf value", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (1, 2, 20), -INF)]),
-    ("patch_embed nan", lambda x, w: vk.patch_embed(x, w, patch_size=4),
-     lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2), [poke(images, (1, 2, 5, 6), NAN), patch_w]),
-    ("patch_embed inf", lambda x, w: vk.patch_embed(x, w, patch_size=4),
-     lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2), [poke(images, (0, 0, 0, 0), INF), patch_w]),
+    (
+        "patch_embed nan",
+        lambda x, w: vk.patch_embed(x, w, patch_size=4),
+        lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2),
+        [poke(images, (1, 2, 5, 6), NAN), patch_w],
+    ),
+    (
+        "patch_embed inf",
+        lambda x, w: vk.patch_embed(x, w, patch_size=4),
+        lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2),
+        [poke(images, (0, 0, 0, 0), INF), patch_w],
+    ),
 ]
 
 
@@ -203,14 +272,38 @@ def test_non_finite_values_propagate_as_in_pytorch(device, backend_name, name, o
 EMPTY_CASES = [
     ("linear no rows", linear_residual, [torch.randn(0, 8), w5, b5, torch.randn(0, 5)], (0, 5)),
     ("linear K = 0", linear_residual, [torch.randn(3, 0), torch.randn(5, 0), b5, torch.randn(3, 5)], (3, 5)),
-    ("linear N = 0", lambda x, w, r: vk.linear(x, w, residual=r), [torch.randn(3, 8), torch.randn(0, 8), torch.randn(3, 0)], (3, 0)),
-    ("linear_gelu K = 0", lambda x, w, b: vk.linear_gelu(x, w, b), [torch.randn(2, 3, 0), torch.randn(5, 0), b5], (2, 3, 5)),
-    ("mlp no rows", lambda x, w1, w2: vk.mlp(x, w1, None, w2, None), [torch.randn(0, 8), w_hidden, w_out], (0, 8)),
-    ("mlp hidden = 0", lambda x, w1, w2, b2: vk.mlp(x, w1, None, w2, b2),
-     [torch.randn(2, 8), torch.randn(0, 8), torch.randn(8, 0), ln_b], (2, 8)),
+    (
+        "linear N = 0",
+        lambda x, w, r: vk.linear(x, w, residual=r),
+        [torch.randn(3, 8), torch.randn(0, 8), torch.randn(3, 0)],
+        (3, 0),
+    ),
+    (
+        "linear_gelu K = 0",
+        lambda x, w, b: vk.linear_gelu(x, w, b),
+        [torch.randn(2, 3, 0), torch.randn(5, 0), b5],
+        (2, 3, 5),
+    ),
+    (
+        "mlp no rows",
+        lambda x, w1, w2: vk.mlp(x, w1, None, w2, None),
+        [torch.randn(0, 8), w_hidden, w_out],
+        (0, 8),
+    ),
+    (
+        "mlp hidden = 0",
+        lambda x, w1, w2, b2: vk.mlp(x, w1, None, w2, b2),
+        [torch.randn(2, 8), torch.randn(0, 8), torch.randn(8, 0), ln_b],
+        (2, 8),
+    ),
     ("layer_norm no rows", lambda x, w, b: vk.layer_norm(x, w, b), [torch.randn(0, 8), ln_w, ln_b], (0, 8)),
     ("attention no images", lambda t: vk.attention(t, 2), [torch.randn(0, 5, 24)], (0, 5, 8)),
-    ("patch_embed no images", lambda x, w: vk.patch_embed(x, w, patch_size=4), [torch.randn(0, 3, 8, 8), patch_w], (0, 4, 8)),
+    (
+        "patch_embed no images",
+        lambda x, w: vk.patch_embed(x, w, patch_size=4),
+        [torch.randn(0, 3, 8, 8), patch_w],
+        (0, 4, 8),
+    ),
 ]
 
 
@@ -232,9 +325,21 @@ def test_empty_inputs_give_what_pytorch_gives(device, backend_name, name, op, in
 # Inputs PyTorch refuses (F.conv2d on an image smaller than a patch; a LayerNorm over zero features is
 # refused here as meaningless) raise the same ValueError, naming the argument, on every backend.
 REFUSED_CASES = [
-    ("patch_embed 0x0 images", lambda: vk.patch_embed(torch.randn(2, 3, 0, 0), patch_w, patch_size=4), "images height and width"),
-    ("attention without tokens", lambda: vk.attention(torch.randn(2, 0, 24), 2), "qkv must hold at least one token"),
-    ("layer_norm of width 0", lambda: vk.layer_norm(torch.randn(3, 0), None, None), "x must have a non-empty last dimension"),
+    (
+        "patch_embed 0x0 images",
+        lambda: vk.patch_embed(torch.randn(2, 3, 0, 0), patch_w, patch_size=4),
+        "images height and width",
+    ),
+    (
+        "attention without tokens",
+        lambda: vk.attention(torch.randn(2, 0, 24), 2),
+        "qkv must hold at least one token",
+    ),
+    (
+        "layer_norm of width 0",
+        lambda: vk.layer_norm(torch.randn(3, 0), None, None),
+        "x must have a non-empty last dimension",
+    ),
 ]
 
 
@@ -246,25 +351,34 @@ def test_refused_inputs_raise_the_same_error_everywhere(backend_name, name, call
 
 
 @pytest.mark.skipif(_ext.extension_unavailable_reason() is not None, reason="vit_kernels._C is not built")
-@pytest.mark.parametrize("device,dtype", [
-    *[pytest.param("cpu", dt, id=f"dtype{i}")
-      for i, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16))],
-    *[cuda_param("cuda", dt, id=DTYPE_NAMES[dt], skip_reason=_ext.supports(torch.device("cuda"), dt)) for dt in CUDA_DTYPES],
-])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        *[
+            pytest.param("cpu", dt, id=f"dtype{i}")
+            for i, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+        ],
+        *[
+            cuda_param("cuda", dt, id=DTYPE_NAMES[dt], skip_reason=_ext.supports(torch.device("cuda"), dt))
+            for dt in CUDA_DTYPES
+        ],
+    ],
+)
 def test_extension_softmax_non_finite_rows_as_torch(device, dtype):
     """NaN anywhere in a row, +inf, or a row of -inf give NaN rows as torch.softmax does; large
     finite logits stay exact."""
-    rows = torch.tensor([
-        [NAN, 1.0, 2.0, 0.5],
-        [INF, 1.0, 2.0, 0.5],
-        [-INF, -INF, -INF, -INF],
-        [-INF, 1.0, -INF, 3.0],
-        [80.0, -80.0, 0.0, 1.0],
-        [1e4, 1.0, -1e4, 2.0],
-    ]).to(dtype)
+    rows = torch.tensor(
+        [
+            [NAN, 1.0, 2.0, 0.5],
+            [INF, 1.0, 2.0, 0.5],
+            [-INF, -INF, -INF, -INF],
+            [-INF, 1.0, -INF, 3.0],
+            [80.0, -80.0, 0.0, 1.0],
+            [1e4, 1.0, -1e4, 2.0],
+        ]
+    ).to(dtype)
     ours = torch.ops.vit_kernels.softmax(rows.to(device))
     assert_same_values(ours, torch.softmax(rows, dim=-1), f"softmax {dtype} on {device}")
     x = torch.linspace(-120.0, 100.0, 4096, dtype=torch.float32, device=device).reshape(-1, 4)
     assert torch.isfinite(torch.ops.vit_kernels.softmax(x)).all()
     torch.testing.assert_close(torch.ops.vit_kernels.softmax(x), torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
-

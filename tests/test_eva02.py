@@ -16,11 +16,20 @@ from vit.weights import load_pretrained, rename_keys
 
 # A CPU-sized EVA02: 4 x 4 patches of 4 x 4 pixels (positions rescaled to timm's 16 x 16 grid),
 # head dim 16, SwiGLU hidden 40.
-SMALL = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "num_heads": 2, "depth": 2, "mlp_hidden_dim": 40,
-         "num_classes": 3}
+SMALL = {
+    "img_size": 16,
+    "patch_size": 4,
+    "embed_dim": 32,
+    "num_heads": 2,
+    "depth": 2,
+    "mlp_hidden_dim": 40,
+    "num_classes": 3,
+}
 
 
-@pytest.mark.parametrize("grid,head_dim,ref_grid", [((4, 4), 16, (16, 16)), ((3, 5), 8, None), ((2, 6), 24, (4, 4))])
+@pytest.mark.parametrize(
+    "grid,head_dim,ref_grid", [((4, 4), 16, (16, 16)), ((3, 5), 8, None), ((2, 6), 24, (4, 4))]
+)
 def test_axial_rope_tables_match_their_formula(grid, head_dim, ref_grid):
     """cos[n, 2m] = cos[n, 2m+1] = cos(f_m), f = [i w_0 .. i w_{Dh/4-1}, j w_0 .. j w_{Dh/4-1}],
     w_k = 10000^(-k / (Dh/4)), (i, j) the patch's row and column (rescaled to ref_grid)."""
@@ -43,7 +52,7 @@ def test_axial_rope_tables_match_their_formula(grid, head_dim, ref_grid):
 
 def _rotate_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, L, Dh), the last L_r tokens: (x_{2m}, x_{2m+1}) -> (x_{2m} c - x_{2m+1} s, x_{2m+1} c + x_{2m} s)."""
-    prefix, tail = x[..., : x.shape[-2] - cos.shape[0], :], x[..., x.shape[-2] - cos.shape[0]:, :]
+    prefix, tail = x[..., : x.shape[-2] - cos.shape[0], :], x[..., x.shape[-2] - cos.shape[0] :, :]
     even, odd = tail[..., 0::2], tail[..., 1::2]
     c, s = cos[:, 0::2], sin[:, 0::2]
     rotated = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2)
@@ -55,14 +64,18 @@ def _eva02_formula(model, images: torch.Tensor) -> torch.Tensor:
     per block x += proj(softmax(rot(q) rot(k)^T / sqrt(Dh)) v) on LN1(x), x += fc2(LN(silu(g) * u)) on
     LN2(x); mean of the patch tokens -> fc_norm -> head."""
     config, eps = model.config, model.config.norm_eps
-    patches = F.conv2d(images, model.patch_embed.proj.weight, model.patch_embed.proj.bias, stride=config.patch_size)
+    patches = F.conv2d(
+        images, model.patch_embed.proj.weight, model.patch_embed.proj.bias, stride=config.patch_size
+    )
     x = torch.cat([model.cls_token.expand(len(images), -1, -1), patches.flatten(2).transpose(1, 2)], 1)
     x = x + model.pos_embed
     batch, length, dim = x.shape
     heads = config.num_heads
     for block in model.blocks:
         h = F.layer_norm(x, (dim,), block.norm1.weight, block.norm1.bias, eps)
-        q, k, v = (h @ block.attn.qkv.weight.T + block.attn.qkv.bias).reshape(batch, length, 3, heads, -1).unbind(2)
+        q, k, v = (
+            (h @ block.attn.qkv.weight.T + block.attn.qkv.bias).reshape(batch, length, 3, heads, -1).unbind(2)
+        )
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = (_rotate_formula(t, model.rope_cos, model.rope_sin) for t in (q, k))
         probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
@@ -106,8 +119,13 @@ def test_eva02_model_matches_its_formula(name, backend, dtype):
     tolerance = 1e-10 if dtype == torch.float64 else 2e-4
     torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance)
     for (key, _), got, want in zip(model.named_parameters(), grads, expected_grads):
-        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item(),
-                                   msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(
+            got.double(),
+            want,
+            rtol=tolerance,
+            atol=tolerance * want.abs().max().item(),
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
 
 
 def _timm_eva02_layout(state: dict[str, torch.Tensor], fused_qkv: bool, packed_mlp: bool) -> dict:
@@ -127,23 +145,29 @@ def _timm_eva02_layout(state: dict[str, torch.Tensor], fused_qkv: bool, packed_m
                     if not (name == "k" and param == "bias"):
                         out[f"{prefix}.attn.{name}_proj.{param}"] = part
         elif packed_mlp and ".mlp.fc1_g." in key:
-            out[key.replace(".fc1_g.", ".fc1.")] = torch.cat([value, state[key.replace(".fc1_g.", ".fc1_x.")]])
+            out[key.replace(".fc1_g.", ".fc1.")] = torch.cat(
+                [value, state[key.replace(".fc1_g.", ".fc1_x.")]]
+            )
         elif not (packed_mlp and ".mlp.fc1_x." in key):
             out[key] = value
     return out
 
 
-@pytest.mark.parametrize("name,fused_qkv,packed_mlp", [
-    ("eva02_tiny_patch14_224", True, True), ("eva02_base_patch14_224", False, False)])
+@pytest.mark.parametrize(
+    "name,fused_qkv,packed_mlp",
+    [("eva02_tiny_patch14_224", True, True), ("eva02_base_patch14_224", False, False)],
+)
 def test_timm_eva02_layouts_load_into_the_same_model(tmp_path, name, fused_qkv, packed_mlp):
     from safetensors.torch import save_file
 
     source = vit.create_model(name, **SMALL)
     state = source.state_dict()
     for key in [k for k in state if k.endswith(".attn.qkv.bias")]:
-        state[key][SMALL["embed_dim"]:2 * SMALL["embed_dim"]] = 0  # EVA02 has no k bias
+        state[key][SMALL["embed_dim"] : 2 * SMALL["embed_dim"]] = 0  # EVA02 has no k bias
     timm_state = _timm_eva02_layout(state, fused_qkv, packed_mlp)
-    assert ("blocks.0.attn.q_bias" in timm_state) == fused_qkv and ("blocks.0.mlp.fc1.weight" in timm_state) == packed_mlp
+    assert ("blocks.0.attn.q_bias" in timm_state) == fused_qkv and (
+        "blocks.0.mlp.fc1.weight" in timm_state
+    ) == packed_mlp
     renamed, origin, _ = rename_keys(timm_state, "timm")
     assert set(renamed) == set(state)
     save_file({k: v.contiguous() for k, v in timm_state.items()}, str(tmp_path / "eva.safetensors"))
@@ -157,29 +181,43 @@ def test_timm_eva02_layouts_load_into_the_same_model(tmp_path, name, fused_qkv, 
 def test_eva02_architecture_mismatches_are_named(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in vit.create_model("eva02_base_patch14_224", **SMALL).state_dict().items()},
-              str(tmp_path / "eva.safetensors"))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in vit.create_model("eva02_base_patch14_224", **SMALL).state_dict().items()
+        },
+        str(tmp_path / "eva.safetensors"),
+    )
     with pytest.raises(ValueError, match="mlp_norm: checkpoint True, model False"):
         vit.create_model("eva02_tiny_patch14_224", checkpoint_path=tmp_path / "eva.safetensors", **SMALL)
     with pytest.raises(ValueError, match="mlp_type: checkpoint 'swiglu', model 'mlp'"):
-        vit.create_model("vit_base_patch16_224", checkpoint_path=tmp_path / "eva.safetensors",
-                         **{**SMALL, "fc_norm": True, "final_norm": False, "global_pool": "avg"})
+        vit.create_model(
+            "vit_base_patch16_224",
+            checkpoint_path=tmp_path / "eva.safetensors",
+            **{**SMALL, "fc_norm": True, "final_norm": False, "global_pool": "avg"},
+        )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"mlp_norm": True}, "mlp_norm=True needs mlp_type='swiglu'"),
-    ({"mlp_type": "geglu"}, "mlp_type must be one of"),
-    ({"rope": True, "embed_dim": 36, "num_heads": 6}, "head dim .* divisible by 4, got 6"),
-    ({"rope_ref_grid": 0}, "rope_ref_grid must be None or a positive int"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"mlp_norm": True}, "mlp_norm=True needs mlp_type='swiglu'"),
+        ({"mlp_type": "geglu"}, "mlp_type must be one of"),
+        ({"rope": True, "embed_dim": 36, "num_heads": 6}, "head dim .* divisible by 4, got 6"),
+        ({"rope_ref_grid": 0}, "rope_ref_grid must be None or a positive int"),
+    ],
+)
 def test_eva02_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         vit.create_model("vit_tiny_patch16_224", **overrides)
 
 
 # timm 1.0.31's eva02_*_patch14_224 at 1000 classes: parameter count, depth, width
-EVA02_TIMM = {"eva02_tiny_patch14_224": (5_695_144, 12, 192), "eva02_small_patch14_224": (22_006_120, 12, 384),
-              "eva02_base_patch14_224": (86_527_720, 12, 768)}
+EVA02_TIMM = {
+    "eva02_tiny_patch14_224": (5_695_144, 12, 192),
+    "eva02_small_patch14_224": (22_006_120, 12, 384),
+    "eva02_base_patch14_224": (86_527_720, 12, 768),
+}
 
 
 @pytest.mark.parametrize("name", sorted(EVA02_TIMM))

@@ -8,16 +8,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import (CUDA_DTYPES, CUDA_FLOOR_ULPS, DTYPE_NAMES, GELU_APPROXIMATIONS, TOLERANCES, check_against_formula, cuda_param,
-                           gelu_formula, requires_cuda)
+from tests.helpers import (
+    CUDA_DTYPES,
+    CUDA_FLOOR_ULPS,
+    DTYPE_NAMES,
+    GELU_APPROXIMATIONS,
+    TOLERANCES,
+    check_against_formula,
+    cuda_param,
+    gelu_formula,
+    requires_cuda,
+)
 from vit_kernels import _ext
 
 BUILT = _ext.extension_unavailable_reason() is None
-pytestmark = pytest.mark.skipif(not BUILT, reason=f"vit_kernels._C is not built: {_ext.extension_unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not BUILT, reason=f"vit_kernels._C is not built: {_ext.extension_unavailable_reason()}"
+)
 ops = torch.ops.vit_kernels if BUILT else None
 
 
-@pytest.mark.skipif(os.environ.get("VIT_KERNELS_SKIP_EXT", "0") not in ("", "0"), reason="VIT_KERNELS_SKIP_EXT is set")
+@pytest.mark.skipif(
+    os.environ.get("VIT_KERNELS_SKIP_EXT", "0") not in ("", "0"), reason="VIT_KERNELS_SKIP_EXT is set"
+)
 def test_extension_is_built():
     """`pip install -e .` builds the extension wherever a C++ compiler is found: a failed build must not
     pass silently as "extension unavailable"."""
@@ -65,8 +78,9 @@ def test_fused_layer_norm(dtype, shape, parts):
     x = torch.randn(shape) * 2 + 0.5
     residual = torch.randn(shape) if "residual" in parts else None
     weight, bias = (torch.randn(dim), torch.randn(dim)) if "affine" in parts else (None, None)
-    check_against_formula(fused_layer_norm, layer_norm_formula, [x, residual, weight, bias], dtype, LAYER_NORM_INPUTS,
-                          eps=1e-5)
+    check_against_formula(
+        fused_layer_norm, layer_norm_formula, [x, residual, weight, bias], dtype, LAYER_NORM_INPUTS, eps=1e-5
+    )
 
 
 def test_fused_layer_norm_statistics():
@@ -81,12 +95,21 @@ def test_fused_layer_norm_statistics():
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 17, 96), (5, 1536)])
 def test_bias_gelu(dtype, approximate, shape):
     x = torch.randn(shape) * 3  # covers the tails, where erf and tanh saturate
-    check_against_formula(ops.bias_gelu, bias_gelu_formula, [x, torch.randn(shape[-1])], dtype, ["x", "bias"], approximate=approximate)
+    check_against_formula(
+        ops.bias_gelu,
+        bias_gelu_formula,
+        [x, torch.randn(shape[-1])],
+        dtype,
+        ["x", "bias"],
+        approximate=approximate,
+    )
 
 
 def test_bias_gelu_without_bias():
     x = torch.randn(4, 33)
-    check_against_formula(ops.bias_gelu, bias_gelu_formula, [x, None], torch.float32, ["x", "bias"], approximate="none")
+    check_against_formula(
+        ops.bias_gelu, bias_gelu_formula, [x, None], torch.float32, ["x", "bias"], approximate="none"
+    )
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -103,7 +126,9 @@ def test_softmax_large_logits():
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("geometry", [(2, 3, 8, 12, 4), (1, 1, 7, 7, 7), (3, 2, 11, 10, 3), (2, 3, 32, 32, 16)])
+@pytest.mark.parametrize(
+    "geometry", [(2, 3, 8, 12, 4), (1, 1, 7, 7, 7), (3, 2, 11, 10, 3), (2, 3, 32, 32, 16)]
+)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_patchify(dtype, geometry, layout):
     """im2col from either layout, and its adjoint as the gradient; 11x10 with P=3 leaves a border no
@@ -124,8 +149,17 @@ def test_unpatchify(geometry):
     n, c, h, w, p = geometry
     patches = torch.randn(n, (h // p) * (w // p), c * p * p)
     for dtype in (torch.float64, torch.float32):
-        check_against_formula(ops.unpatchify, unpatchify_formula, [patches], dtype, ["patches"], channels=c, height=h,
-                              width=w, patch_size=p)
+        check_against_formula(
+            ops.unpatchify,
+            unpatchify_formula,
+            [patches],
+            dtype,
+            ["patches"],
+            channels=c,
+            height=h,
+            width=w,
+            patch_size=p,
+        )
 
 
 # ---- opcheck: schema, fake tensors, autograd registration, AOT dispatch ----------------------------
@@ -142,25 +176,59 @@ def opcheck_cases():
         "fused_layer_norm": (ops.fused_layer_norm, (x, r, w, b, 1e-5)),
         "fused_layer_norm_plain": (ops.fused_layer_norm, (x, None, None, None, 1e-5)),
         "fused_layer_norm_backward": (
-            ops.fused_layer_norm_backward, (torch.randn_like(y), torch.randn_like(s), s, w.detach(), mean, rstd, True),
+            ops.fused_layer_norm_backward,
+            (torch.randn_like(y), torch.randn_like(s), s, w.detach(), mean, rstd, True),
         ),
-        "bias_gelu": (ops.bias_gelu, (torch.randn(3, 11, requires_grad=True), torch.randn(11, requires_grad=True), "tanh")),
-        "bias_gelu_backward": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), torch.randn(11), "none", True)),
-        "bias_gelu_backward_no_bias_grad": (ops.bias_gelu_backward, (torch.randn(3, 11), torch.randn(3, 11), None, "tanh", False)),
+        "bias_gelu": (
+            ops.bias_gelu,
+            (torch.randn(3, 11, requires_grad=True), torch.randn(11, requires_grad=True), "tanh"),
+        ),
+        "bias_gelu_backward": (
+            ops.bias_gelu_backward,
+            (torch.randn(3, 11), torch.randn(3, 11), torch.randn(11), "none", True),
+        ),
+        "bias_gelu_backward_no_bias_grad": (
+            ops.bias_gelu_backward,
+            (torch.randn(3, 11), torch.randn(3, 11), None, "tanh", False),
+        ),
         "softmax": (ops.softmax, (torch.randn(2, 3, 17, 17, requires_grad=True),)),
         "softmax_backward": (ops.softmax_backward, (torch.randn(4, 9), torch.softmax(torch.randn(4, 9), -1))),
         "patchify": (ops.patchify, (images, 4)),
-        "patchify_channels_last": (ops.patchify, (images.detach().contiguous(memory_format=torch.channels_last).requires_grad_(), 4)),
+        "patchify_channels_last": (
+            ops.patchify,
+            (images.detach().contiguous(memory_format=torch.channels_last).requires_grad_(), 4),
+        ),
         "unpatchify": (ops.unpatchify, (torch.randn(2, 6, 48, requires_grad=True), 3, 8, 12, 4)),
         # the compositions (csrc/compositions.cpp)
-        "linear_residual": (ops.linear_residual, (x, torch.randn(6, 7, dtype=torch.float64, requires_grad=True),
-                                                  torch.randn(6, dtype=torch.float64, requires_grad=True),
-                                                  torch.randn(5, 6, dtype=torch.float64, requires_grad=True))),
-        "linear_gelu": (ops.linear_gelu, (x, torch.randn(6, 7, dtype=torch.float64, requires_grad=True), None, "none")),
-        "mlp": (ops.mlp, (x, torch.randn(9, 7, dtype=torch.float64, requires_grad=True),
-                          torch.randn(9, dtype=torch.float64, requires_grad=True),
-                          torch.randn(7, 9, dtype=torch.float64, requires_grad=True), None, "tanh", r)),
-        "attention_explicit": (ops.attention_explicit, (torch.randn(2, 5, 24, requires_grad=True), 2, 0.3, 0.0)),
+        "linear_residual": (
+            ops.linear_residual,
+            (
+                x,
+                torch.randn(6, 7, dtype=torch.float64, requires_grad=True),
+                torch.randn(6, dtype=torch.float64, requires_grad=True),
+                torch.randn(5, 6, dtype=torch.float64, requires_grad=True),
+            ),
+        ),
+        "linear_gelu": (
+            ops.linear_gelu,
+            (x, torch.randn(6, 7, dtype=torch.float64, requires_grad=True), None, "none"),
+        ),
+        "mlp": (
+            ops.mlp,
+            (
+                x,
+                torch.randn(9, 7, dtype=torch.float64, requires_grad=True),
+                torch.randn(9, dtype=torch.float64, requires_grad=True),
+                torch.randn(7, 9, dtype=torch.float64, requires_grad=True),
+                None,
+                "tanh",
+                r,
+            ),
+        ),
+        "attention_explicit": (
+            ops.attention_explicit,
+            (torch.randn(2, 5, 24, requires_grad=True), 2, 0.3, 0.0),
+        ),
     }
 
 
@@ -173,15 +241,25 @@ def test_opcheck(case):
 # ---- the C++ autograd (csrc/autograd.cpp) ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("present,needs", [(present, needs) for present in ("", "r", "w", "b", "rw", "rb", "wb", "rwb")
-                                            for needs in ("x", "r", "w", "b", "all") if needs in present + "x" + "all"])
+@pytest.mark.parametrize(
+    "present,needs",
+    [
+        (present, needs)
+        for present in ("", "r", "w", "b", "rw", "rb", "wb", "rwb")
+        for needs in ("x", "r", "w", "b", "all")
+        if needs in present + "x" + "all"
+    ],
+)
 def test_layer_norm_gradients_of_every_argument_subset(present, needs):
     """Autograd gives edges only to the tensors present; each gradient asked for is the formula's and
     the others are not computed, whichever optional arguments are absent."""
     dim = 6
-    made = {"x": torch.randn(4, dim, dtype=torch.float64), "r": torch.randn(4, dim, dtype=torch.float64) if "r" in present else None,
-            "w": torch.randn(dim, dtype=torch.float64) if "w" in present else None,
-            "b": torch.randn(dim, dtype=torch.float64) if "b" in present else None}
+    made = {
+        "x": torch.randn(4, dim, dtype=torch.float64),
+        "r": torch.randn(4, dim, dtype=torch.float64) if "r" in present else None,
+        "w": torch.randn(dim, dtype=torch.float64) if "w" in present else None,
+        "b": torch.randn(dim, dtype=torch.float64) if "b" in present else None,
+    }
     for name, t in made.items():
         if t is not None and needs in (name, "all"):
             t.requires_grad_()
@@ -193,7 +271,9 @@ def test_layer_norm_gradients_of_every_argument_subset(present, needs):
     leaves = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in args]
     expected = layer_norm_formula(*leaves, 1e-5)
     expected_y, expected_s = expected if made["r"] is not None else (expected, None)
-    reference_loss = (expected_y * upstream_y).sum() + ((expected_s * upstream_s).sum() if expected_s is not None else 0)
+    reference_loss = (expected_y * upstream_y).sum() + (
+        (expected_s * upstream_s).sum() if expected_s is not None else 0
+    )
     reference = torch.autograd.grad(reference_loss, [t for t in leaves if t is not None and t.requires_grad])
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got, want)
@@ -220,12 +300,14 @@ def bias_gelu_backward_formula(grad_out, x, bias, approximate):
 
 BIAS_GELU_BACKWARD_CASES = [
     pytest.param("cpu", dtype, shape, id=f"cpu-{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}")
-    for dtype in CPU_DTYPES for shape in [(1, 1), (3, 1023), (2, 17, 96), (0, 8)]
+    for dtype in CPU_DTYPES
+    for shape in [(1, 1), (3, 1023), (2, 17, 96), (0, 8)]
 ] + [
     # one column tile and one row slice; scalar columns (1023); a partial last column tile (1000
     # columns: 125 16-bit packs) over several row slices; thousands of rows in ~130 slices
     cuda_param("cuda", dtype, shape, id=f"{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}")
-    for dtype in CUDA_DTYPES for shape in [(1, 1), (3, 1023), (2, 197, 1000), (128, 197, 96), (0, 8)]
+    for dtype in CUDA_DTYPES
+    for shape in [(1, 1), (3, 1023), (2, 197, 1000), (128, 197, 96), (0, 8)]
 ]
 
 
@@ -253,7 +335,9 @@ def test_bias_gelu_backward_reduces_the_bias_gradient(device, dtype, shape, appr
     dz_only, nothing = ops.bias_gelu_backward(*args, approximate, False)
     assert torch.equal(dz_only, dz) and nothing.numel() == 0
     no_bias_dz, no_bias_db = ops.bias_gelu_backward(args[0], args[1], None, approximate, True)
-    want_no_bias_dz, want_no_bias_db = bias_gelu_backward_formula(args[0].cpu(), args[1].cpu(), None, approximate)
+    want_no_bias_dz, want_no_bias_db = bias_gelu_backward_formula(
+        args[0].cpu(), args[1].cpu(), None, approximate
+    )
     torch.testing.assert_close(no_bias_dz.cpu().double(), want_no_bias_dz, atol=atol, rtol=rtol)
     torch.testing.assert_close(no_bias_db.cpu().double(), want_no_bias_db, atol=atol * rows**0.5, rtol=rtol)
 
@@ -261,8 +345,11 @@ def test_bias_gelu_backward_reduces_the_bias_gradient(device, dtype, shape, appr
 @pytest.mark.parametrize("op", ["fused_layer_norm", "bias_gelu", "softmax"])
 def test_a_second_derivative_through_a_kernel_backward_raises(op):
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
-    call = {"fused_layer_norm": lambda: ops.fused_layer_norm(x, None, None, None, 1e-5)[0],
-            "bias_gelu": lambda: ops.bias_gelu(x, None, "none"), "softmax": lambda: ops.softmax(x)}[op]
+    call = {
+        "fused_layer_norm": lambda: ops.fused_layer_norm(x, None, None, None, 1e-5)[0],
+        "bias_gelu": lambda: ops.bias_gelu(x, None, "none"),
+        "softmax": lambda: ops.softmax(x),
+    }[op]
     (grad,) = torch.autograd.grad(call().square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match=f"differentiate twice vit_kernels::{op}"):
         grad.sum().backward()
@@ -282,7 +369,9 @@ def test_compositions_decompose_into_the_kernels():
 
     x = torch.randn(2, 5, 8, requires_grad=True)
     weight, bias = torch.randn(12, 8, requires_grad=True), torch.randn(12, requires_grad=True)
-    compiled = torch.compile(lambda *a: ops.linear_gelu(*a, "none"), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled = torch.compile(
+        lambda *a: ops.linear_gelu(*a, "none"), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    )
     out = compiled(x, weight, bias)
     out.sum().backward()
     forward, backward = graphs
@@ -295,17 +384,39 @@ def test_compositions_decompose_into_the_kernels():
 
 
 BAD_INPUTS = [
-    (lambda: ops.fused_layer_norm(torch.randint(0, 5, (3, 4)), None, None, None, 1e-5), "x must be float32, float16 or bfloat16"),
+    (
+        lambda: ops.fused_layer_norm(torch.randint(0, 5, (3, 4)), None, None, None, 1e-5),
+        "x must be float32, float16 or bfloat16",
+    ),
     (lambda: ops.fused_layer_norm(torch.randn(4, 3).t(), None, None, None, 1e-5), "x must be contiguous"),
-    (lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 5), None, None, 1e-5), "residual must have the input's shape"),
-    (lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 4).double(), None, None, 1e-5), "residual has dtype"),
-    (lambda: ops.fused_layer_norm(torch.randn(3, 4), None, torch.randn(5), None, 1e-5), r"weight must have shape \(4,\)"),
+    (
+        lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 5), None, None, 1e-5),
+        "residual must have the input's shape",
+    ),
+    (
+        lambda: ops.fused_layer_norm(torch.randn(3, 4), torch.randn(3, 4).double(), None, None, 1e-5),
+        "residual has dtype",
+    ),
+    (
+        lambda: ops.fused_layer_norm(torch.randn(3, 4), None, torch.randn(5), None, 1e-5),
+        r"weight must have shape \(4,\)",
+    ),
     (lambda: ops.fused_layer_norm(torch.randn(3, 0), None, None, None, 1e-5), "C > 0"),
-    (lambda: ops.fused_layer_norm_backward(torch.randn(3, 4), None, torch.randn(3, 4), None, torch.randn(2), torch.randn(3), True),
-     r"mean must be a contiguous \(3,\)"),
+    (
+        lambda: ops.fused_layer_norm_backward(
+            torch.randn(3, 4), None, torch.randn(3, 4), None, torch.randn(2), torch.randn(3), True
+        ),
+        r"mean must be a contiguous \(3,\)",
+    ),
     (lambda: ops.bias_gelu(torch.randn(3, 4), torch.randn(3), "none"), r"bias must have shape \(4,\)"),
-    (lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"), "approximate must be 'none', 'tanh' or 'quick'"),
-    (lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none", True), "grad_out must have the input's shape"),
+    (
+        lambda: ops.bias_gelu(torch.randn(3, 4), None, "sigmoid"),
+        "approximate must be 'none', 'tanh' or 'quick'",
+    ),
+    (
+        lambda: ops.bias_gelu_backward(torch.randn(3, 5), torch.randn(3, 4), None, "none", True),
+        "grad_out must have the input's shape",
+    ),
     (lambda: ops.softmax(torch.randn(4, 6)[:, ::2]), "x must be contiguous"),
     (lambda: ops.softmax_backward(torch.randn(4, 6), torch.randn(4, 6).half()), "grad_out has dtype"),
     (lambda: ops.patchify(torch.randn(2, 3, 8), 4), r"images must have shape \(N, C, H, W\)"),
@@ -327,7 +438,9 @@ def test_bad_input_is_a_clear_error(index):
 
 # Each CUDA kernel within twice PyTorch's own error in the same dtype: its formula, a PyTorch
 # composition, run on the same CUDA inputs in that dtype, is the baseline.
-needs_cuda_kernels = pytest.mark.skipif(not _ext.HAS_CUDA_KERNELS, reason="vit_kernels._C has no CUDA kernels")
+needs_cuda_kernels = pytest.mark.skipif(
+    not _ext.HAS_CUDA_KERNELS, reason="vit_kernels._C has no CUDA kernels"
+)
 
 
 @requires_cuda
@@ -337,8 +450,16 @@ needs_cuda_kernels = pytest.mark.skipif(not _ext.HAS_CUDA_KERNELS, reason="vit_k
 def test_cuda_fused_layer_norm(dtype, shape):
     dim = shape[-1]
     inputs = [torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim)]
-    check_against_formula(fused_layer_norm, layer_norm_formula, inputs, dtype, LAYER_NORM_INPUTS, device="cuda",
-                          baseline=layer_norm_formula, eps=1e-5)
+    check_against_formula(
+        fused_layer_norm,
+        layer_norm_formula,
+        inputs,
+        dtype,
+        LAYER_NORM_INPUTS,
+        device="cuda",
+        baseline=layer_norm_formula,
+        eps=1e-5,
+    )
 
 
 def _layer_norm_grads(fn, inputs, upstream):
@@ -359,7 +480,9 @@ def test_cuda_layer_norm_param_grads(dtype, shape):
     floor of one rounding of the result. The reduction is deterministic: a second run gives the
     same bits. (8191 and 100 columns take the scalar kernels, 8192 the widest vector ones.)"""
     dim = shape[-1]
-    inputs = [t.to(dtype) for t in (torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim))]
+    inputs = [
+        t.to(dtype) for t in (torch.randn(shape), torch.randn(shape), torch.randn(dim), torch.randn(dim))
+    ]
     upstream = [torch.randn(shape).to(dtype) for _ in range(2)]
 
     def torch_layer_norm(x, residual, weight, bias):
@@ -380,7 +503,9 @@ def test_cuda_layer_norm_param_grads(dtype, shape):
         error = (m.double().cpu() - e).abs().max().item()
         reference = (t.double().cpu() - e).abs().max().item()
         floor = CUDA_FLOOR_ULPS.get(dtype, 1) * torch.finfo(dtype).eps * e.abs().max().item()
-        assert error <= 2 * reference + floor, f"d{name}: error {error:.3g}, PyTorch's {reference:.3g}, floor {floor:.3g}"
+        assert error <= 2 * reference + floor, (
+            f"d{name}: error {error:.3g}, PyTorch's {reference:.3g}, floor {floor:.3g}"
+        )
 
 
 @requires_cuda
@@ -390,8 +515,16 @@ def test_cuda_layer_norm_param_grads(dtype, shape):
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (197, 3072), (2, 197, 1000), (8192, 96)])
 def test_cuda_bias_gelu(dtype, approximate, shape):
     inputs = [torch.randn(shape) * 3, torch.randn(shape[-1])]
-    check_against_formula(ops.bias_gelu, bias_gelu_formula, inputs, dtype, ["x", "bias"], device="cuda",
-                          baseline=bias_gelu_formula, approximate=approximate)
+    check_against_formula(
+        ops.bias_gelu,
+        bias_gelu_formula,
+        inputs,
+        dtype,
+        ["x", "bias"],
+        device="cuda",
+        baseline=bias_gelu_formula,
+        approximate=approximate,
+    )
 
 
 @requires_cuda
@@ -402,7 +535,9 @@ def test_cuda_softmax(dtype, shape):
     def softmax(t):
         return torch.softmax(t, -1)
 
-    check_against_formula(ops.softmax, softmax, [torch.randn(shape) * 4], dtype, ["x"], device="cuda", baseline=softmax)
+    check_against_formula(
+        ops.softmax, softmax, [torch.randn(shape) * 4], dtype, ["x"], device="cuda", baseline=softmax
+    )
 
 
 @requires_cuda
@@ -418,8 +553,16 @@ def test_cuda_patchify(dtype, geometry, layout):
             images = images.contiguous(memory_format=torch.channels_last)
         return ops.patchify(images, patch_size)
 
-    check_against_formula(op, patchify_formula, [torch.randn(n, c, h, w)], dtype, ["images"], device="cuda",
-                          baseline=patchify_formula, patch_size=p)
+    check_against_formula(
+        op,
+        patchify_formula,
+        [torch.randn(n, c, h, w)],
+        dtype,
+        ["images"],
+        device="cuda",
+        baseline=patchify_formula,
+        patch_size=p,
+    )
 
 
 @requires_cuda
@@ -429,7 +572,9 @@ def test_cuda_opcheck(case):
     op, args = opcheck_cases()[case]
     # float32 on the GPU (its kernels take no float64); channels_last survives .to().
     args = tuple(
-        a.detach().to("cuda", torch.float32).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        a.detach().to("cuda", torch.float32).requires_grad_(a.requires_grad)
+        if isinstance(a, torch.Tensor)
+        else a
         for a in args
     )
     torch.library.opcheck(op, args)
@@ -462,7 +607,9 @@ def test_compositions_stay_symbolic_under_dynamic_shapes(op):
         fn = torch.compile(lambda x, r: ops.linear_residual(x, w, b, r), backend=counter, dynamic=True)
         calls = [(torch.randn(n, 5, 8), torch.randn(n, 5, 6)) for n in (2, 3, 4)]
     else:
-        fn = torch.compile(lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0], backend=counter, dynamic=True)
+        fn = torch.compile(
+            lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0], backend=counter, dynamic=True
+        )
         calls = [(torch.randn(n, 5, 24),) for n in (2, 3, 4)]
     for args in calls:
         fn(*args)
@@ -494,7 +641,10 @@ def test_attention_explicit_gradient_through_either_output(through, dtype):
     upstream = torch.randn(3, 7, 12), torch.randn(3, 2, 7, 7)
 
     def loss(out, probs):
-        terms = {"out": (out * upstream[0].to(out.dtype)).sum(), "probs": (probs * upstream[1].to(probs.dtype)).sum()}
+        terms = {
+            "out": (out * upstream[0].to(out.dtype)).sum(),
+            "probs": (probs * upstream[1].to(probs.dtype)).sum(),
+        }
         return sum(terms[name] for name in terms if through in (name, "both"))
 
     mine_input = qkv.to(dtype).requires_grad_(True)
@@ -502,7 +652,9 @@ def test_attention_explicit_gradient_through_either_output(through, dtype):
     exact_input = qkv.to(dtype).double().requires_grad_(True)
     (exact,) = torch.autograd.grad(loss(*explicit_attention_formula(exact_input, 2, 0.4)), exact_input)
     assert mine.dtype == dtype and mine.shape == qkv.shape
-    atol, rtol = {torch.float64: (1e-10, 1e-8), torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+    atol, rtol = {torch.float64: (1e-10, 1e-8), torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}[
+        dtype
+    ]
     torch.testing.assert_close(mine.double(), exact, atol=atol, rtol=rtol)
 
 
@@ -513,8 +665,9 @@ def test_attention_explicit_backward_stays_symbolic_under_dynamic_shapes():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
-    fn = torch.compile(lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0].square().sum(), backend=counter,
-                       dynamic=True)
+    fn = torch.compile(
+        lambda qkv: ops.attention_explicit(qkv, 2, 0.5, 0.0)[0].square().sum(), backend=counter, dynamic=True
+    )
     for n in (2, 3, 4):
         qkv = torch.randn(n, 5, 24, requires_grad=True)
         (compiled,) = torch.autograd.grad(fn(qkv), qkv)

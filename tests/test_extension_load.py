@@ -87,7 +87,11 @@ def test_the_warning_is_shown_by_default_at_import(tmp_path):
 
 
 def test_rebuild_command_names_this_interpreter_and_the_checkout(tmp_path):
-    assert _ext.rebuild_command() == f"{sys.executable} -m pip install --no-build-isolation --no-deps -e {ROOT}"
+    assert (
+        _ext.rebuild_command() == f"{sys.executable} -m pip install --no-build-isolation --no-deps -e {ROOT}"
+    )
     installed = tmp_path / "site-packages" / "vit_kernels"  # a wheel install: no setup.py beside the package
     installed.mkdir(parents=True)
-    assert "--force-reinstall" in _ext.rebuild_command(installed) and " -e " not in _ext.rebuild_command(installed)
+    assert "--force-reinstall" in _ext.rebuild_command(installed) and " -e " not in _ext.rebuild_command(
+        installed
+    )

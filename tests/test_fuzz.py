@@ -32,13 +32,24 @@ from vit_kernels import backend
 from vit_kernels.activations import gelu
 from vit_kernels._tiles import sibling_scale
 from tests.helpers import (
-    CPU_BACKENDS, CUDA, CUDA_BACKENDS, GELU_APPROXIMATIONS, assert_within_pytorch_error, cuda_kernel_dtypes, cuda_param,
-    device_reason, gelu_formula,
+    CPU_BACKENDS,
+    CUDA,
+    CUDA_BACKENDS,
+    GELU_APPROXIMATIONS,
+    assert_within_pytorch_error,
+    cuda_kernel_dtypes,
+    cuda_param,
+    device_reason,
+    gelu_formula,
 )
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
-QUICK = settings(max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_QUICK", "30")), derandomize=True, **SETTINGS)
-THOROUGH = settings(max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_THOROUGH", "600")), derandomize=False, **SETTINGS)
+QUICK = settings(
+    max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_QUICK", "30")), derandomize=True, **SETTINGS
+)
+THOROUGH = settings(
+    max_examples=int(os.environ.get("VIT_KERNELS_FUZZ_THOROUGH", "600")), derandomize=False, **SETTINGS
+)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS_2D = ("contiguous", "transposed", "sliced", "offset")
@@ -49,8 +60,16 @@ RESIDUAL_LAYOUTS = ("contiguous", "transposed", "sliced", "expanded", "offset")
 # ----------------------------------------------------------------------------- inputs
 
 
-def make(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0,
-         shift: float = 0.0, *, device: str = "cpu") -> torch.Tensor:
+def make(
+    shape: tuple[int, ...],
+    layout: str,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    scale: float = 1.0,
+    shift: float = 0.0,
+    *,
+    device: str = "cpu",
+) -> torch.Tensor:
     """Random N(shift, scale^2) values of ``shape`` in ``dtype`` on ``device`` (drawn on the CPU from
     ``gen``, so that a case has the same values on every device), laid out as ``layout``:
 
@@ -98,7 +117,9 @@ def wide(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().double().requires_grad_(True)
 
 
-def run(fn: Callable, inputs: list, upstream: Optional[list] = None, seed: int = 0) -> tuple[list, list, list]:
+def run(
+    fn: Callable, inputs: list, upstream: Optional[list] = None, seed: int = 0
+) -> tuple[list, list, list]:
     """fn(*inputs) and the gradients of every input that requires grad for ``upstream`` (random
     N(0, 1) from ``seed`` when not given). Returns (outputs, grads, upstream)."""
     result = fn(*inputs)
@@ -107,13 +128,23 @@ def run(fn: Callable, inputs: list, upstream: Optional[list] = None, seed: int =
         gen = torch.Generator().manual_seed(seed)
         upstream = [torch.randn(o.shape, dtype=torch.float64, generator=gen) for o in outs]
     targets = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(outs, targets, [g.to(o.device, o.dtype) for g, o in zip(upstream, outs)],
-                                allow_unused=True)
+    grads = torch.autograd.grad(
+        outs, targets, [g.to(o.device, o.dtype) for g, o in zip(upstream, outs)], allow_unused=True
+    )
     return [o.detach() for o in outs], list(grads), upstream
 
 
-def check_case(name: str, backend_name: str, op: Callable, formula: Callable, baseline: Callable,
-               inputs: list, dtype: torch.dtype, input_names: list[str], seed: int) -> None:
+def check_case(
+    name: str,
+    backend_name: str,
+    op: Callable,
+    formula: Callable,
+    baseline: Callable,
+    inputs: list,
+    dtype: torch.dtype,
+    input_names: list[str],
+    seed: int,
+) -> None:
     """``op`` on ``backend_name`` against ``formula`` (float64), bounded by ``baseline``'s error;
     the upstream gradients are drawn from ``seed``, so that a case reproduces exactly."""
     ours_in = [leaf(t) for t in inputs]
@@ -128,16 +159,22 @@ def check_case(name: str, backend_name: str, op: Callable, formula: Callable, ba
         # dispatch would hand the call to another backend, so there is nothing of this one to check.
         return
     base_outs, base_grads, _ = run(baseline, base_in, upstream)
-    names = [f"output {i}" for i in range(len(outs))] + [f"d{n}" for n, t in zip(input_names, inputs) if t is not None]
+    names = [f"output {i}" for i in range(len(outs))] + [
+        f"d{n}" for n, t in zip(input_names, inputs) if t is not None
+    ]
     device = next(t.device for t in inputs if t is not None)
     least_scale = sibling_scale(ref_outs + ref_grads)
     for what, ours, base, ref in zip(names, outs + grads, base_outs + base_grads, ref_outs + ref_grads):
         if ref is None:
             continue
         assert ours is not None, f"{name} on {backend_name}: no {what}"
-        assert ours.shape == ref.shape, f"{name} on {backend_name}: {what} shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+        assert ours.shape == ref.shape, (
+            f"{name} on {backend_name}: {what} shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+        )
         assert ours.dtype == dtype, f"{name} on {backend_name}: {what} dtype {ours.dtype}, expected {dtype}"
-        assert_within_pytorch_error(f"{name} on {backend_name}: {what}", ours, base, ref, dtype, device, least_scale)
+        assert_within_pytorch_error(
+            f"{name} on {backend_name}: {what}", ours, base, ref, dtype, device, least_scale
+        )
 
 
 def runnable(op: str, backend_name: str, dtype: torch.dtype, device: str = "cpu") -> bool:
@@ -149,7 +186,9 @@ def runnable(op: str, backend_name: str, dtype: torch.dtype, device: str = "cpu"
     return backend.unsupported_reason(op, backend_name, torch.device(device), dtype) is None
 
 
-def fuzz(op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict]) -> tuple[Callable, Callable, Callable]:
+def fuzz(
+    op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict]
+) -> tuple[Callable, Callable, Callable]:
     """A quick (fixed seed, ``make test``) and a thorough (``slow``) test of ``check`` over every
     CPU backend, and the quick one on CUDA over every backend (``gpu`` cases), with the regression
     ``examples`` run first. A drawn case the backend cannot run (its dtype) has nothing to check."""
@@ -175,8 +214,11 @@ def fuzz(op: str, cases: st.SearchStrategy, check: Callable, examples: list[dict
         return test
 
     on_cuda = [cuda_param(name, id=name, skip_reason=device_reason(name, CUDA)) for name in CUDA_BACKENDS]
-    return (build(body, QUICK, CPU_BACKENDS), build(body, THOROUGH, CPU_BACKENDS, (pytest.mark.slow,)),
-            build(body_on_cuda, QUICK, on_cuda))
+    return (
+        build(body, QUICK, CPU_BACKENDS),
+        build(body, THOROUGH, CPU_BACKENDS, (pytest.mark.slow,)),
+        build(body_on_cuda, QUICK, on_cuda),
+    )
 
 
 sizes = st.integers
@@ -231,11 +273,15 @@ def linear_inputs(case: dict, second: bool = False) -> tuple[list, torch.Size]:
 def check_linear(case: dict, backend_name: str) -> None:
     inputs, _ = linear_inputs(case)
     check_case(
-        "linear", backend_name,
+        "linear",
+        backend_name,
         lambda x, w, b, r: vk.linear(x, w, b, residual=r),
         lambda x, w, b, r: x @ w.T + (0 if b is None else b) + (0 if r is None else r),
         lambda x, w, b, r: F.linear(x, w, b) + (0 if r is None else r),
-        inputs, case["dtype"], ["x", "weight", "bias", "residual"], case["seed"],
+        inputs,
+        case["dtype"],
+        ["x", "weight", "bias", "residual"],
+        case["seed"],
     )
 
 
@@ -243,11 +289,15 @@ def check_linear_gelu(case: dict, backend_name: str) -> None:
     inputs, _ = linear_inputs(case)
     approximate = case["approximate"]
     check_case(
-        "linear_gelu", backend_name,
+        "linear_gelu",
+        backend_name,
         lambda x, w, b: vk.linear_gelu(x, w, b, approximate=approximate),
         lambda x, w, b: gelu_formula(x @ w.T + (0 if b is None else b), approximate),
         lambda x, w, b: gelu(F.linear(x, w, b), approximate),
-        inputs[:3], case["dtype"], ["x", "weight", "bias"], case["seed"],
+        inputs[:3],
+        case["dtype"],
+        ["x", "weight", "bias"],
+        case["seed"],
     )
 
 
@@ -260,30 +310,58 @@ def check_mlp(case: dict, backend_name: str) -> None:
         return h @ w2.T + (0 if b2 is None else b2) + (0 if r is None else r)
 
     check_case(
-        "mlp", backend_name,
+        "mlp",
+        backend_name,
         lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r),
         formula,
-        lambda x, w1, b1, w2, b2, r: F.linear(gelu(F.linear(x, w1, b1), approximate), w2, b2)
-        + (0 if r is None else r),
-        inputs, case["dtype"], ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], case["seed"],
+        lambda x, w1, b1, w2, b2, r: (
+            F.linear(gelu(F.linear(x, w1, b1), approximate), w2, b2) + (0 if r is None else r)
+        ),
+        inputs,
+        case["dtype"],
+        ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+        case["seed"],
     )
 
 
-LINEAR_BASE = dict(batch=[3, 5], k=13, n=11, hidden=23, dtype=torch.float32, x_layout="contiguous",
-                   w_layout="contiguous", w2_layout="contiguous", bias="contiguous", bias2="contiguous",
-                   residual=None, scale=1.0, approximate="none", seed=1)
+LINEAR_BASE = dict(
+    batch=[3, 5],
+    k=13,
+    n=11,
+    hidden=23,
+    dtype=torch.float32,
+    x_layout="contiguous",
+    w_layout="contiguous",
+    w2_layout="contiguous",
+    bias="contiguous",
+    bias2="contiguous",
+    residual=None,
+    scale=1.0,
+    approximate="none",
+    seed=1,
+)
 LINEAR_EXAMPLES = [  # the failure classes found so far: strided biases, non-unit-stride residuals
     {**LINEAR_BASE, "bias": "strided", "bias2": "strided"},
     {**LINEAR_BASE, "residual": "transposed"},
     {**LINEAR_BASE, "residual": "expanded", "bias": "expanded"},
-    {**LINEAR_BASE, "x_layout": "transposed", "w_layout": "transposed", "dtype": torch.float16, "approximate": "tanh"},
+    {
+        **LINEAR_BASE,
+        "x_layout": "transposed",
+        "w_layout": "transposed",
+        "dtype": torch.float16,
+        "approximate": "tanh",
+    },
 ]
 
 test_linear_fuzz, test_linear_fuzz_thorough, test_linear_fuzz_on_cuda = fuzz(
-    "linear", linear_cases(), check_linear, LINEAR_EXAMPLES)
+    "linear", linear_cases(), check_linear, LINEAR_EXAMPLES
+)
 test_linear_gelu_fuzz, test_linear_gelu_fuzz_thorough, test_linear_gelu_fuzz_on_cuda = fuzz(
-    "linear_gelu", linear_cases(), check_linear_gelu, LINEAR_EXAMPLES)
-test_mlp_fuzz, test_mlp_fuzz_thorough, test_mlp_fuzz_on_cuda = fuzz("mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES)
+    "linear_gelu", linear_cases(), check_linear_gelu, LINEAR_EXAMPLES
+)
+test_mlp_fuzz, test_mlp_fuzz_thorough, test_mlp_fuzz_on_cuda = fuzz(
+    "mlp", linear_cases(), check_mlp, LINEAR_EXAMPLES
+)
 
 
 def swiglu_inputs(case: dict) -> list:
@@ -304,9 +382,15 @@ def swiglu_formula(x, wg, bg, wu, bu):
 def check_swiglu(case: dict, backend_name: str) -> None:
     inputs = swiglu_inputs(case)
     check_case(
-        "swiglu", backend_name, vk.swiglu, swiglu_formula,
+        "swiglu",
+        backend_name,
+        vk.swiglu,
+        swiglu_formula,
         lambda x, wg, bg, wu, bu: F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu),
-        inputs[:5], case["dtype"], ["x", "gate_weight", "gate_bias", "up_weight", "up_bias"], case["seed"],
+        inputs[:5],
+        case["dtype"],
+        ["x", "gate_weight", "gate_bias", "up_weight", "up_bias"],
+        case["seed"],
     )
 
 
@@ -317,20 +401,26 @@ def check_swiglu_mlp(case: dict, backend_name: str) -> None:
         return swiglu_formula(x, wg, bg, wu, bu) @ wd.T + (0 if bd is None else bd) + (0 if r is None else r)
 
     check_case(
-        "swiglu_mlp", backend_name,
+        "swiglu_mlp",
+        backend_name,
         lambda x, wg, bg, wu, bu, wd, bd, r: vk.swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual=r),
         formula,
-        lambda x, wg, bg, wu, bu, wd, bd, r: F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
-        + (0 if r is None else r),
-        inputs, case["dtype"],
-        ["x", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias", "residual"], case["seed"],
+        lambda x, wg, bg, wu, bu, wd, bd, r: (
+            F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd) + (0 if r is None else r)
+        ),
+        inputs,
+        case["dtype"],
+        ["x", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias", "residual"],
+        case["seed"],
     )
 
 
 test_swiglu_fuzz, test_swiglu_fuzz_thorough, test_swiglu_fuzz_on_cuda = fuzz(
-    "swiglu", linear_cases(), check_swiglu, LINEAR_EXAMPLES)
+    "swiglu", linear_cases(), check_swiglu, LINEAR_EXAMPLES
+)
 test_swiglu_mlp_fuzz, test_swiglu_mlp_fuzz_thorough, test_swiglu_mlp_fuzz_on_cuda = fuzz(
-    "swiglu_mlp", linear_cases(), check_swiglu_mlp, LINEAR_EXAMPLES)
+    "swiglu_mlp", linear_cases(), check_swiglu_mlp, LINEAR_EXAMPLES
+)
 
 
 # ----------------------------------------------------------------------------- layer_norm
@@ -384,13 +474,31 @@ def check_layer_norm(case: dict, backend_name: str) -> None:
         return y if r is None else (y, s)
 
     check_case(
-        "layer_norm", backend_name, lambda x, w, b, r: vk.layer_norm(x, w, b, eps, residual=r),
-        formula, baseline, [x, w, b, r], dtype, ["x", "weight", "bias", "residual"], case["seed"],
+        "layer_norm",
+        backend_name,
+        lambda x, w, b, r: vk.layer_norm(x, w, b, eps, residual=r),
+        formula,
+        baseline,
+        [x, w, b, r],
+        dtype,
+        ["x", "weight", "bias", "residual"],
+        case["seed"],
     )
 
 
-LAYER_NORM_BASE = dict(batch=[4], dim=33, dtype=torch.float32, x_layout="contiguous", weight="contiguous",
-                       bias="contiguous", residual=None, shift=0.0, scale=1.0, eps=1e-6, seed=2)
+LAYER_NORM_BASE = dict(
+    batch=[4],
+    dim=33,
+    dtype=torch.float32,
+    x_layout="contiguous",
+    weight="contiguous",
+    bias="contiguous",
+    residual=None,
+    shift=0.0,
+    scale=1.0,
+    eps=1e-6,
+    seed=2,
+)
 LAYER_NORM_EXAMPLES = [  # strided weight/bias; rows with a large mean
     {**LAYER_NORM_BASE, "weight": "strided", "bias": "strided"},
     {**LAYER_NORM_BASE, "residual": "transposed", "x_layout": "expanded"},
@@ -399,7 +507,8 @@ LAYER_NORM_EXAMPLES = [  # strided weight/bias; rows with a large mean
 ]
 
 test_layer_norm_fuzz, test_layer_norm_fuzz_thorough, test_layer_norm_fuzz_on_cuda = fuzz(
-    "layer_norm", layer_norm_cases(), check_layer_norm, LAYER_NORM_EXAMPLES)
+    "layer_norm", layer_norm_cases(), check_layer_norm, LAYER_NORM_EXAMPLES
+)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -410,10 +519,14 @@ def attention64(qkv: torch.Tensor, heads: int, scale: float, mask=None) -> torch
     A boolean mask keeps its True keys, a float one is added (the drawn masks never empty a row)."""
     b, length, three_d = qkv.shape
     dim = three_d // 3
-    q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
+    q, k, v = (
+        qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3)
+    )
     scores = (q @ k.transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+        )
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
     probs = probs / probs.sum(-1, keepdim=True)
     return (probs @ v).transpose(1, 2).reshape(b, length, dim), probs
@@ -424,10 +537,15 @@ def attention_pytorch(qkv: torch.Tensor, heads: int, scale: float, return_probs:
     probabilities (which it does not return), softmax(scale q k^T + mask) and its product with v."""
     b, length, three_d = qkv.shape
     dim = three_d // 3
-    q, k, v = (qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3))
+    q, k, v = (
+        qkv[..., i * dim : (i + 1) * dim].reshape(b, length, heads, -1).transpose(1, 2) for i in range(3)
+    )
     if not return_probs:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2).reshape(b, length,
-                                                                                                             dim)
+        return (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            .transpose(1, 2)
+            .reshape(b, length, dim)
+        )
     scores = (q @ k.transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
@@ -491,16 +609,32 @@ def check_attention(case: dict, backend_name: str) -> None:
     probs = case["return_probs"]
     mask = attention_mask(case)
     check_case(
-        "attention", backend_name,
+        "attention",
+        backend_name,
         lambda qkv: vk.attention(qkv, heads, scale=case["scale"], return_probs=probs, attn_mask=mask),
-        lambda qkv: attention64(qkv, heads, scale, mask) if probs else attention64(qkv, heads, scale, mask)[0],
+        lambda qkv: (
+            attention64(qkv, heads, scale, mask) if probs else attention64(qkv, heads, scale, mask)[0]
+        ),
         lambda qkv: attention_pytorch(qkv, heads, scale, probs, mask),
-        [attention_qkv(case)], case["dtype"], ["qkv"], case["seed"],
+        [attention_qkv(case)],
+        case["dtype"],
+        ["qkv"],
+        case["seed"],
     )
 
 
-ATTENTION_BASE = dict(batch=2, length=17, heads=2, head_dim=8, dtype=torch.float32, layout="contiguous",
-                      magnitude=1.0, scale=None, return_probs=False, seed=3)
+ATTENTION_BASE = dict(
+    batch=2,
+    length=17,
+    heads=2,
+    head_dim=8,
+    dtype=torch.float32,
+    layout="contiguous",
+    magnitude=1.0,
+    scale=None,
+    return_probs=False,
+    seed=3,
+)
 ATTENTION_EXAMPLES = [  # saturated softmax (logits ~1e4), L = 1 (dq = dk = 0), sliced qkv
     {**ATTENTION_BASE, "magnitude": 30.0, "head_dim": 16},
     {**ATTENTION_BASE, "magnitude": 30.0, "head_dim": 64, "length": 5, "return_probs": True},
@@ -511,14 +645,21 @@ ATTENTION_EXAMPLES = [  # saturated softmax (logits ~1e4), L = 1 (dq = dk = 0), 
 ]
 
 test_attention_fuzz, test_attention_fuzz_thorough, test_attention_fuzz_on_cuda = fuzz(
-    "attention", attention_cases(), check_attention, ATTENTION_EXAMPLES)
+    "attention", attention_cases(), check_attention, ATTENTION_EXAMPLES
+)
 
 
-@pytest.mark.parametrize("device,backend_name,dtype", [
-    *[pytest.param("cpu", name, dt, id=f"dtype{i}-{name}") for i, dt in enumerate((torch.float32, torch.float16))
-      for name in CPU_BACKENDS[1:]],
-    *cuda_kernel_dtypes("attention"),
-])
+@pytest.mark.parametrize(
+    "device,backend_name,dtype",
+    [
+        *[
+            pytest.param("cpu", name, dt, id=f"dtype{i}-{name}")
+            for i, dt in enumerate((torch.float32, torch.float16))
+            for name in CPU_BACKENDS[1:]
+        ],
+        *cuda_kernel_dtypes("attention"),
+    ],
+)
 def test_attention_single_token_gradients_are_exact_zeros(device, backend_name, dtype):
     """With one token the softmax is the constant 1: out = v, so dq = dk = 0 exactly. (The kernel
     backends; the torch backend is PyTorch's scaled_dot_product_attention, whose CPU backward
@@ -589,15 +730,35 @@ def check_patch_embed(case: dict, backend_name: str) -> None:
         return out if pos is None else out + pos
 
     check_case(
-        "patch_embed", backend_name,
-        lambda images, w, b, cls, pos: vk.patch_embed(images, w, b, patch_size=p, cls_token=cls, pos_embed=pos),
-        formula, baseline, [images, w, b, cls, pos], dtype, ["images", "weight", "bias", "cls_token", "pos_embed"],
+        "patch_embed",
+        backend_name,
+        lambda images, w, b, cls, pos: vk.patch_embed(
+            images, w, b, patch_size=p, cls_token=cls, pos_embed=pos
+        ),
+        formula,
+        baseline,
+        [images, w, b, cls, pos],
+        dtype,
+        ["images", "weight", "bias", "cls_token", "pos_embed"],
         case["seed"],
     )
 
 
-PATCH_BASE = dict(batch=2, channels=3, patch=4, grid=(3, 2), dim=13, dtype=torch.float32, image_layout="contiguous",
-                  weight_layout="contiguous", bias="contiguous", cls=True, pos="contiguous", scale=1.0, seed=4)
+PATCH_BASE = dict(
+    batch=2,
+    channels=3,
+    patch=4,
+    grid=(3, 2),
+    dim=13,
+    dtype=torch.float32,
+    image_layout="contiguous",
+    weight_layout="contiguous",
+    bias="contiguous",
+    cls=True,
+    pos="contiguous",
+    scale=1.0,
+    seed=4,
+)
 PATCH_EXAMPLES = [  # strided bias; sliced images; broadcast position embedding
     {**PATCH_BASE, "bias": "strided"},
     {**PATCH_BASE, "image_layout": "sliced", "weight_layout": "transposed", "pos": "expanded_tokens"},
@@ -605,4 +766,5 @@ PATCH_EXAMPLES = [  # strided bias; sliced images; broadcast position embedding
 ]
 
 test_patch_embed_fuzz, test_patch_embed_fuzz_thorough, test_patch_embed_fuzz_on_cuda = fuzz(
-    "patch_embed", patch_embed_cases(), check_patch_embed, PATCH_EXAMPLES)
+    "patch_embed", patch_embed_cases(), check_patch_embed, PATCH_EXAMPLES
+)

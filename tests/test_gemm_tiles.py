@@ -16,7 +16,12 @@ import torch.nn.functional as F
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_linear import mlp_formula
-from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
+from tests.test_patch_embed import (
+    NAMES as PATCH_EMBED_NAMES,
+    make_inputs,
+    patch_embed_formula,
+    run_patch_embed,
+)
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
 from vit_kernels import _tiles
 from tools.cuda_sim import simulated_cuda
@@ -26,7 +31,9 @@ from vit_kernels.ops import linear, patch_embed
 if "triton" not in CPU_BACKENDS:
     pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
-FP32_FAST_TO_SLOW = tuple(linear.GemmTile(*tile) for tile in ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3)))
+FP32_FAST_TO_SLOW = tuple(
+    linear.GemmTile(*tile) for tile in ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3))
+)
 
 
 @pytest.fixture
@@ -69,8 +76,25 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
     torch.testing.assert_close(y, F.gelu(F.linear(x, w, b)), atol=1e-5, rtol=1e-5)
     (row,) = linear.tile_report()
     # no gradient asked for: the inference GEMM, which does not write the pre-activation (SAVE_PREACT off)
-    assert row["key"] == ["cpu", "torch.float32", "torch.float32", True, linear.EPILOGUE_GELU, False, False, False, False,
-                          64, 72, 64, 1, False, True, True, False]
+    assert row["key"] == [
+        "cpu",
+        "torch.float32",
+        "torch.float32",
+        True,
+        linear.EPILOGUE_GELU,
+        False,
+        False,
+        False,
+        False,
+        64,
+        72,
+        64,
+        1,
+        False,
+        True,
+        True,
+        False,
+    ]
     assert row["chosen"] == repr(fast)
     assert row["candidates"][repr(fast)] == 0.2 and row["candidates"][repr(middle)] == 0.3
     assert row["candidates"][repr(wrong)].startswith("invalid: out: relative error")
@@ -98,19 +122,32 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
     tiles = linear.GEMM_TILES_FP32 if dtype == torch.float32 else linear.GEMM_TILES_16BIT
     gpu_path.update({tile: 1.0 + i for i, tile in enumerate(tiles)})
     gpu_path.update({tile: 0.5 + i / 10 for i, tile in enumerate(linear.GEMM_TILES_TMA)})
-    gpu_path.update({"separate": 2.0, "fused": 1.0})  # fc2's bias gradient: the dW GEMM's row sums time faster
+    gpu_path.update(
+        {"separate": 2.0, "fused": 1.0}
+    )  # fc2's bias gradient: the dW GEMM's row sums time faster
     linear.BIAS_GRAD_CHOOSER.forget()
     spy_launches(monkeypatch)
     d, hidden = 24, 130
-    inputs = [torch.randn(4, 33, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
-              torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d), torch.randn(4, 33, d)]
+    inputs = [
+        torch.randn(4, 33, d),
+        torch.randn(hidden, d) / math.sqrt(d),
+        torch.randn(hidden),
+        torch.randn(d, hidden) / math.sqrt(hidden),
+        torch.randn(d),
+        torch.randn(4, 33, d),
+    ]
 
     def run(x, w1, b1, w2, b2, r):
         return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
 
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
-                              inputs, dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+        check_against_formula(
+            run,
+            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
+            inputs,
+            dtype,
+            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+        )
     rows = linear.tile_report()
     # (bias, epilogue, tanh, aux, residual, sums, K slices) of each GEMM key
     kinds = {(*r["key"][3:9], r["key"][12] > 1) for r in rows}
@@ -136,7 +173,9 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
         assert tma_chosen == {(True, linear.EPILOGUE_GELU, tanh, True, False, none)}
 
 
-TMA_TILE = linear.GemmTile(32, 32, 32, 1, 1, linear.TMA)  # walked by 2 persistent programs under the interpreter
+TMA_TILE = linear.GemmTile(
+    32, 32, 32, 1, 1, linear.TMA
+)  # walked by 2 persistent programs under the interpreter
 
 
 def spy_kernels(monkeypatch) -> list:
@@ -162,15 +201,26 @@ def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, a
     kernels = spy_kernels(monkeypatch)
     d, hidden, rows = 24, 40, (4, 33)
     assert linear.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
-    inputs = [torch.randn(*rows, d), torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden),
-              torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d), torch.randn(*rows, d)]
+    inputs = [
+        torch.randn(*rows, d),
+        torch.randn(hidden, d) / math.sqrt(d),
+        torch.randn(hidden),
+        torch.randn(d, hidden) / math.sqrt(hidden),
+        torch.randn(d),
+        torch.randn(*rows, d),
+    ]
 
     def run(x, w1, b1, w2, b2, r):
         return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
 
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
-                              inputs, torch.float16, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+        check_against_formula(
+            run,
+            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
+            inputs,
+            torch.float16,
+            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+        )
     gemms = [name for name in kernels if "linear" in name]
     assert gemms == ["_linear_tma_kernel"] * 6, kernels
 
@@ -178,8 +228,12 @@ def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, a
 def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
     """The same tile dimensions through descriptors and through pointers: the same float32 sums in
     the same order, so the same bits (linear + residual forward, both gradients)."""
-    x, w, b, r = (torch.randn(70, 48).half(), (torch.randn(56, 48) / 7).half(), torch.randn(56).half(),
-                  torch.randn(70, 56).half())
+    x, w, b, r = (
+        torch.randn(70, 48).half(),
+        (torch.randn(56, 48) / 7).half(),
+        torch.randn(56).half(),
+        torch.randn(70, 56).half(),
+    )
     results = []
     for tile in (TMA_TILE, TMA_TILE._replace(kernel="pointer")):
         monkeypatch.setattr(linear, "_matmul_tile", lambda gemm, tile=tile: tile)
@@ -207,7 +261,9 @@ def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(
     x, w, b = torch.randn(50, 20).half(), (torch.randn(36, 20) / 5).half(), torch.randn(36).half()
     with vk.use_backend("triton", strict=True):
         y = vk.linear_gelu(x, w, b)
-    torch.testing.assert_close(y.float(), F.gelu(F.linear(x.float(), w.float(), b.float())), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(
+        y.float(), F.gelu(F.linear(x.float(), w.float(), b.float())), atol=2e-3, rtol=2e-3
+    )
     assert kernels == ["_linear_kernel"]
 
 
@@ -230,17 +286,31 @@ def test_the_gemm_check_names_a_wrong_output(epilogue):
     m, k, n = 40, 24, 36
     a, b = torch.randn(m, k), torch.randn(n, k).t() / 5
     bias, residual, aux = torch.randn(n), torch.randn(m, n), torch.empty(m, n)
-    kwargs = {"bias+residual": dict(bias=bias, residual=residual), "gelu": dict(bias=bias, epilogue=linear.EPILOGUE_GELU,
-                                                                                  aux=aux, tanh=True),
-              "gelu_grad": dict(epilogue=linear.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)), "split": {}}[epilogue]
+    kwargs = {
+        "bias+residual": dict(bias=bias, residual=residual),
+        "gelu": dict(bias=bias, epilogue=linear.EPILOGUE_GELU, aux=aux, tanh=True),
+        "gelu_grad": dict(epilogue=linear.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)),
+        "split": {},
+    }[epilogue]
     slices, k_per_split = (3, 8) if epilogue == "split" else (1, k)  # K = 24 in three slices, or one
-    gemm = linear._Gemm(a, b, torch.float32, kwargs.get("bias"), kwargs.get("epilogue", linear.EPILOGUE_NONE),
-                        kwargs.get("tanh", False), kwargs.get("aux"), kwargs.get("residual"), False, slices, k_per_split)
+    gemm = linear._Gemm(
+        a,
+        b,
+        torch.float32,
+        kwargs.get("bias"),
+        kwargs.get("epilogue", linear.EPILOGUE_NONE),
+        kwargs.get("tanh", False),
+        kwargs.get("aux"),
+        kwargs.get("residual"),
+        False,
+        slices,
+        k_per_split,
+    )
     run, check = gemm.trial()
     outputs = run(linear.GEMM_INTERPRETER_TILE)
     assert len(outputs) == (2 if epilogue == "gelu" else 1)
     assert check(outputs) is None
-    for index, name in enumerate(["out", "preact"][:len(outputs)]):
+    for index, name in enumerate(["out", "preact"][: len(outputs)]):
         wrong = [t * 1.02 if i == index else t for i, t in enumerate(outputs)]
         problem = check(wrong)
         assert problem is not None and problem.startswith(f"{name}: relative error"), problem
@@ -252,8 +322,19 @@ def test_only_the_validation_rows_are_checked(monkeypatch):
     rows = linear.validation_rows(10_000, torch.device("cpu"))
     assert rows.tolist() == list(range(2048)) + list(range(10_000 - 2048, 10_000))
     monkeypatch.setattr(linear, "VALIDATION_ROWS", 8)
-    gemm = linear._Gemm(torch.randn(40, 16), torch.randn(16, 24), torch.float32, None, linear.EPILOGUE_NONE, False,
-                        None, None, False, 1, 16)
+    gemm = linear._Gemm(
+        torch.randn(40, 16),
+        torch.randn(16, 24),
+        torch.float32,
+        None,
+        linear.EPILOGUE_NONE,
+        False,
+        None,
+        None,
+        False,
+        1,
+        16,
+    )
     run, check = gemm.trial()
     (out,) = run(linear.GEMM_INTERPRETER_TILE)
     assert check([out]) is None
@@ -279,7 +360,9 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
     tile; small outputs leave the tiles much larger than them out."""
     dt = torch.bfloat16
     with simulated_cuda(90) as device:
-        x, w1, w2 = (torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072)))
+        x, w1, w2 = (
+            torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072))
+        )
         out, hidden, preact = linear.mlp_fwd(x, w1, None, w2, None, None, GELU)
         linear.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
     per_gemm: dict = {}  # the GEMM (its operand shapes and flags) -> the tiles it launched
@@ -287,11 +370,20 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
         if launch.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel"):
             gemm = (launch.args[-3:], launch.kwargs["EPILOGUE"], launch.kwargs["SUMS"])
             kernel = linear.TMA if launch.kernel.fn.__name__ == "_linear_tma_kernel" else "pointer"
-            per_gemm.setdefault(repr(gemm), set()).add(linear.GemmTile(
-                launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_K"],
-                launch.kwargs["num_warps"], launch.kwargs["num_stages"], kernel))
+            per_gemm.setdefault(repr(gemm), set()).add(
+                linear.GemmTile(
+                    launch.kwargs["BLOCK_M"],
+                    launch.kwargs["BLOCK_N"],
+                    launch.kwargs["BLOCK_K"],
+                    launch.kwargs["num_warps"],
+                    launch.kwargs["num_stages"],
+                    kernel,
+                )
+            )
     # the ViT's 16-bit operands are all readable by descriptors: the TMA kernel's tiles too, each GEMM
-    assert per_gemm and all(tiles == set(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA) for tiles in per_gemm.values())
+    assert per_gemm and all(
+        tiles == set(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA) for tiles in per_gemm.values()
+    )
     small = linear.gemm_candidates(dt, 50, 3072)
     assert small and all(tile.block_m <= 64 for tile in small)
     assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32
@@ -306,7 +398,9 @@ def test_gemm_keys_are_concrete_under_dynamic_shapes():
     a = mode.from_tensor(torch.empty(1576, 768, dtype=torch.bfloat16), symbolic_context=context)
     b = mode.from_tensor(torch.empty(3072, 768, dtype=torch.bfloat16), symbolic_context=context).t()
     assert isinstance(a.shape[0], torch.SymInt)
-    key = linear._Gemm(a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, False, 1, 768).key()
+    key = linear._Gemm(
+        a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, False, 1, 768
+    ).key()
     hash(key)
     assert key[9:] == (2048, 3072, 1024, 1, False, True, True, False)
     assert all(type(part) in (bool, int, torch.dtype, torch.device) for part in key)
@@ -317,8 +411,9 @@ def test_patch_embed_forward_tile_is_chosen(gpu_path):
     gpu_path.update({fast: 0.1, middle: 0.2, slow: 0.3})
     inputs = make_inputs(6, 3, 32, 32, 8, 20)  # more images than are validated: the first and last two
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run_patch_embed, patch_embed_formula, inputs, torch.float32, PATCH_EMBED_NAMES,
-                              patch_size=8)
+        check_against_formula(
+            run_patch_embed, patch_embed_formula, inputs, torch.float32, PATCH_EMBED_NAMES, patch_size=8
+        )
     (row,) = patch_embed.tile_report()
     assert row["kernel"] == "patch_embed forward" and row["chosen"] == repr(fast)
     assert row["candidates"] == {repr(fast): 0.1, repr(middle): 0.2, repr(slow): 0.3}

@@ -11,8 +11,10 @@ import torch
 pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.aot,
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="compiles for GPU targets: run without TRITON_INTERPRET (make test runs it so)"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        reason="compiles for GPU targets: run without TRITON_INTERPRET (make test runs it so)",
+    ),
 ]
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -62,13 +64,28 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
     validate and time), each with its grid computed from its tile: the pointer kernel's table, then
     the persistent TMA kernel's (one program per SM of an H100, at most one per tile)."""
     shapes = []
-    launches = recorded(lambda: shapes.append(linear.linear_gelu_triton(
-        meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)).shape))
+    launches = recorded(
+        lambda: shapes.append(
+            linear.linear_gelu_triton(
+                meta(torch.bfloat16, 64, 197, 768),
+                meta(torch.bfloat16, 3072, 768),
+                meta(torch.bfloat16, 3072),
+            ).shape
+        )
+    )
     assert shapes == [(64, 197, 3072)]
     variants = [v for launch in launches for v in expand(launch)]
-    tiles = first_seen(linear.GemmTile(v.kwargs["BLOCK_M"], v.kwargs["BLOCK_N"], v.kwargs["BLOCK_K"], v.kwargs["num_warps"],
-                                       v.kwargs["num_stages"], linear.TMA if v.name == "_linear_tma_kernel" else "pointer")
-                       for v in variants)
+    tiles = first_seen(
+        linear.GemmTile(
+            v.kwargs["BLOCK_M"],
+            v.kwargs["BLOCK_N"],
+            v.kwargs["BLOCK_K"],
+            v.kwargs["num_warps"],
+            v.kwargs["num_stages"],
+            linear.TMA if v.name == "_linear_tma_kernel" else "pointer",
+        )
+        for v in variants
+    )
     assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
     assert tiles == list(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA)
     for v in variants:
@@ -80,6 +97,7 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
 
 def test_attention_grid_stays_within_cuda_limits_at_large_batch():
     """ViT-L/16 at batch 16,384 (262,144 batch x heads): every attention grid fits axis x, y = z = 1."""
+
     def call():
         qkv = meta(torch.float16, 16384, 197, 3 * 1024)
         seed = torch.empty(1, dtype=torch.int64, device="cuda")
@@ -104,6 +122,7 @@ def test_sweep_covers_every_op_and_flag():
 def test_a_recorded_launch_compiles_for_a_real_gpu(capability):
     """A layer_norm forward (fp16, ViT-B width) compiled for sm_80/sm_90: registers and shared memory
     read back from the cubin, no spills, and an occupancy figure."""
+
     def call():
         x, w = meta(torch.float16, 8, 197, 768), meta(torch.float16, 768)
         layer_norm.layer_norm_fwd(x, w, w, 1e-6, None)
@@ -119,14 +138,23 @@ def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
     """The persistent TMA GEMM's 128 x 128 x 64 tile (bf16, ViT-B fc1 with bias + GELU) compiled for
     sm_90: its A and B tiles arrive by bulk tensor copies (TMA) and feed wgmma, with no spills; the
     pointer kernel's same tile has no TMA copy. The gate compiles the TMA kernel for sm_90 only."""
-    launches = recorded(lambda: linear.linear_gelu_triton(
-        meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)))
+    launches = recorded(
+        lambda: linear.linear_gelu_triton(
+            meta(torch.bfloat16, 64, 197, 768), meta(torch.bfloat16, 3072, 768), meta(torch.bfloat16, 3072)
+        )
+    )
     picked = {}
     for launch in launches:
         (variant,) = expand(launch)
-        if (variant.kwargs["BLOCK_M"], variant.kwargs["BLOCK_N"], variant.kwargs["num_warps"]) == (128, 128, 8):
+        if (variant.kwargs["BLOCK_M"], variant.kwargs["BLOCK_N"], variant.kwargs["num_warps"]) == (
+            128,
+            128,
+            8,
+        ):
             picked.setdefault(variant.name, variant)
-    tma, pointer = (compile_variant(v, 90, bind(v, 90)) for v in (picked["_linear_tma_kernel"], picked["_linear_kernel"]))
+    tma, pointer = (
+        compile_variant(v, 90, bind(v, 90)) for v in (picked["_linear_tma_kernel"], picked["_linear_kernel"])
+    )
     assert tma.error is None and tma.spill_bytes == 0 and tma.tma and tma.tensor_cores == "wgmma"
     assert pointer.error is None and not pointer.tma
     assert linear._linear_tma_kernel.min_capability == 90
@@ -141,7 +169,7 @@ def test_float32_gemms_sum_each_k_block_from_zero_on_sm90(dtype):
     (variant, *_) = expand(launches[0])
     compiled = compile_variant(variant, 90, bind(variant, 90))
     assert compiled.error is None
-    loop = compiled.ttir[compiled.ttir.index("scf.for"):]
+    loop = compiled.ttir[compiled.ttir.index("scf.for") :]
     dot = re.search(r"(%\S+) = tt\.dot \S+, \S+, (%\S+)", loop)
     assert dot is not None, loop[:3000]
     constant_zeros = set(re.findall(r"(%\S+) = arith\.constant dense<0\.0+e\+00>", compiled.ttir))
@@ -230,12 +258,20 @@ def test_float_scalars_passed_as_fp64_stay_fp32_arithmetic():
         bound.signature.update({arg: "fp64" for arg in floats})
         resources = compile_variant(variant, 90, bound)
         assert resources.error is None, f"{name} with fp64 {floats}: {resources.error}"
-        fp64_ops = {line.split("=", 1)[1].split()[0] for line in resources.ttir.splitlines()
-                    if "f64" in line and line.lstrip().startswith("%")}
+        fp64_ops = {
+            line.split("=", 1)[1].split()[0]
+            for line in resources.ttir.splitlines()
+            if "f64" in line and line.lstrip().startswith("%")
+        }
         assert fp64_ops <= {"arith.truncf"}, f"{name} computes in fp64: {fp64_ops}"
         checked.append(name)
-    assert {"_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel",
-            "_attention_probs_kernel", "_layer_norm_fwd_kernel"} <= set(checked)
+    assert {
+        "_attention_fwd_kernel",
+        "_attention_bwd_dq_kernel",
+        "_attention_bwd_dkdv_kernel",
+        "_attention_probs_kernel",
+        "_layer_norm_fwd_kernel",
+    } <= set(checked)
 
 
 NONE, LOADED, COMPUTED = 0, 1, 2  # what _transpose_kernel transposes
@@ -268,9 +304,13 @@ def _transpose_kernel(A, B, C, Out, n, SOURCE: tl.constexpr, B_SIDE: tl.constexp
 
 def _transpose_variant(source: int, b_side: bool) -> Variant:
     blocks = on_meta(torch.float16, 8, 64, 64)
-    return Variant(_transpose_kernel, (1, 1, 1), (blocks, blocks, on_meta(torch.float16, 64, 64),
-                                                  on_meta(torch.float32, 64, 64), 8),
-                   {"SOURCE": source, "B_SIDE": b_side, "num_warps": 4, "num_stages": 3}, "")
+    return Variant(
+        _transpose_kernel,
+        (1, 1, 1),
+        (blocks, blocks, on_meta(torch.float16, 64, 64), on_meta(torch.float32, 64, 64), 8),
+        {"SOURCE": source, "B_SIDE": b_side, "num_warps": 4, "num_stages": 3},
+        "",
+    )
 
 
 def _compile_transpose_kernel(source: int, b_side: bool, capability: int):
@@ -304,8 +344,11 @@ def test_transposes_of_loaded_tiles_pass(source, b_side, capability):
     if source == LOADED and capability == 80:
         variant = _transpose_variant(source, b_side)
         bound = bind(variant, 80)
-        compiled = triton.compile(ASTSource(variant.kernel, bound.signature, bound.constexprs, bound.attrs),
-                                  target=GPUTarget("cuda", 80, 32), options=bound.options.__dict__)
+        compiled = triton.compile(
+            ASTSource(variant.kernel, bound.signature, bound.constexprs, bound.attrs),
+            target=GPUTarget("cuda", 80, 32),
+            options=bound.options.__dict__,
+        )
         (seen,) = transposes_into_dots(compiled.asm["ttgir"])
         assert seen.origins == ("load",) and not seen.computed and seen.dot == "tt.dot"
 
@@ -314,6 +357,7 @@ def test_the_attention_kernels_transpose_no_computed_tile():
     """Forward, dQ and dK/dV (16-bit, head dim 128 with its padding-free tiles, a tail, dropout) on
     sm_90 and sm_80: the dK/dV kernel computes dV = P~^T dO and dK = dS^T Q key-major, so no
     computed tile is transposed into a dot; the loaded tiles' transposes pass."""
+
     def call():
         qkv = meta(torch.float16, 2, 197, 3 * 2 * 128)
         seed = torch.empty(1, dtype=torch.int64, device="cuda")
@@ -334,10 +378,25 @@ def test_the_attention_kernels_transpose_no_computed_tile():
 
 
 def test_the_report_counts_computed_transposes_per_kernel():
-    row = {"target": "sm_90", "error": None, "registers": 128, "spill_bytes": 0, "shared_bytes": 1024,
-           "ctas_per_sm": 2, "tensor_cores": "wgmma", "tma": False}
-    rows = [{**row, "kernel": "_k", "computed_transposes": ["tt.trans of arith.truncf -> ttng.warp_group_dot"] * 2},
-            {**row, "kernel": "_k", "computed_transposes": []}, {**row, "kernel": "_clean", "computed_transposes": []}]
+    row = {
+        "target": "sm_90",
+        "error": None,
+        "registers": 128,
+        "spill_bytes": 0,
+        "shared_bytes": 1024,
+        "ctas_per_sm": 2,
+        "tensor_cores": "wgmma",
+        "tma": False,
+    }
+    rows = [
+        {
+            **row,
+            "kernel": "_k",
+            "computed_transposes": ["tt.trans of arith.truncf -> ttng.warp_group_dot"] * 2,
+        },
+        {**row, "kernel": "_k", "computed_transposes": []},
+        {**row, "kernel": "_clean", "computed_transposes": []},
+    ]
     table = summary_table(rows, "sm_90").splitlines()
     assert table[0].endswith("| computed-tile transposes |")
     assert table[2].startswith("| `_clean` |") and table[2].endswith("| 0 |")

@@ -28,7 +28,10 @@ def written(tmp_path_factory):
 
 
 def test_files_are_written_whole_and_well_formed(written):
-    assert sorted(p.name for p in written.iterdir()) == ["gpu-report.json", "gpu-report.md"]  # no partial file left
+    assert sorted(p.name for p in written.iterdir()) == [
+        "gpu-report.json",
+        "gpu-report.md",
+    ]  # no partial file left
     data = json.loads((written / "gpu-report.json").read_text())
     assert list(data["sections"]) == CPU_PART.split(",")
     assert all(s["status"].startswith("ok") for s in data["sections"].values()), data["sections"]
@@ -44,16 +47,24 @@ def test_files_are_written_whole_and_well_formed(written):
     markdown = (written / "gpu-report.md").read_text()
     traffic = data["sections"]["block_traffic"]["result"]
     assert traffic["model"] == "vit_tiny" and set(traffic["rows"]) == {"torch", "triton", "extension"}
-    for heading in ("# vit-kernels GPU report", "## Sections", "## Targets", "## GPU tests", "## Selftest",
-                    "## Host cost per call", "## Kernels and bytes of one block"):
+    for heading in (
+        "# vit-kernels GPU report",
+        "## Sections",
+        "## Targets",
+        "## GPU tests",
+        "## Selftest",
+        "## Host cost per call",
+        "## Kernels and bytes of one block",
+    ):
         assert heading in markdown
     if not torch.cuda.is_available():
         assert not data["gpu"] and gpu_report.NO_GPU in markdown
 
 
 def test_spent_budget_is_reported_not_run():
-    sections = gpu_report.run_sections(Context(torch.device("cpu"), quick=True, ops=("layer_norm", "linear")),
-                                       ["host_overhead"], total_s=0.0)
+    sections = gpu_report.run_sections(
+        Context(torch.device("cpu"), quick=True, ops=("layer_norm", "linear")), ["host_overhead"], total_s=0.0
+    )
     section = sections["host_overhead"]
     assert section["result"]["rows"] == [] and section["skipped"] == ["layer_norm", "linear"]
     assert "budget spent" in section["status"]
@@ -75,13 +86,41 @@ def test_budget_admits_while_the_expected_item_fits():
 def test_targets_compare_measured_rows():
     shape = "vit_base_patch16_224 B=128 L=197 D=768"
     rows = [
-        {"kind": "op", "op": "attention", "shape": shape, "dtype": "bfloat16", "mode": "forward", "backend": "triton", "median_ms": 0.08},
-        {"kind": "op", "op": "attention", "shape": shape, "dtype": "bfloat16", "mode": "forward", "backend": "sdpa_cudnn", "median_ms": 0.01},
-        {"kind": "model", "model": targets.VIT_B, "shape": "B=128", "dtype": "bfloat16", "mode": "train",
-         "backend": "vit_kernels (auto)", "median_ms": 50.0, "throughput": 2560.0},
+        {
+            "kind": "op",
+            "op": "attention",
+            "shape": shape,
+            "dtype": "bfloat16",
+            "mode": "forward",
+            "backend": "triton",
+            "median_ms": 0.08,
+        },
+        {
+            "kind": "op",
+            "op": "attention",
+            "shape": shape,
+            "dtype": "bfloat16",
+            "mode": "forward",
+            "backend": "sdpa_cudnn",
+            "median_ms": 0.01,
+        },
+        {
+            "kind": "model",
+            "model": targets.VIT_B,
+            "shape": "B=128",
+            "dtype": "bfloat16",
+            "mode": "train",
+            "backend": "vit_kernels (auto)",
+            "median_ms": 50.0,
+            "throughput": 2560.0,
+        },
     ]
     found = {t["target"]: t for t in targets.compare(rows)}
-    assert found["attention fwd"]["measured"] == 0.08 and found["attention fwd"]["met"] and found["attention fwd"]["by"] == "triton"
+    assert (
+        found["attention fwd"]["measured"] == 0.08
+        and found["attention fwd"]["met"]
+        and found["attention fwd"]["by"] == "triton"
+    )
     assert found["training ViT-B/16 eager"]["met"] is False
     assert found["mlp fwd+bwd"]["measured"] is None and found["mlp fwd+bwd"]["met"] is None
 
@@ -99,8 +138,23 @@ def test_host_overhead_table():
 
 
 def test_host_overhead_cli(tmp_path, capsys):
-    assert host_overhead.main(["--device", "cpu", "--ops", "layer_norm", "--calls", "3", "--rounds", "1",
-                               "--json", str(tmp_path / "h.json")]) == 0
+    assert (
+        host_overhead.main(
+            [
+                "--device",
+                "cpu",
+                "--ops",
+                "layer_norm",
+                "--calls",
+                "3",
+                "--rounds",
+                "1",
+                "--json",
+                str(tmp_path / "h.json"),
+            ]
+        )
+        == 0
+    )
     assert "layer_norm" in capsys.readouterr().out
     assert json.loads((tmp_path / "h.json").read_text())["rows"][0]["op"] == "layer_norm"
 
@@ -111,8 +165,17 @@ def test_a_gpu_test_run_stopped_by_its_budget_reports_what_ran():
 
     output = "....F.s.. [ 10%]\n.E........ [ 20%]\n"
     assert gpu_tests.progress(output) == {"passed": 16, "failed": 1, "errors": 1, "skipped": 1}
-    text = "\n".join(gpu_report_markdown._gpu_tests({"ran": True, "timed_out": True, "why": "stopped after 90 s",
-                                                      "counts_so_far": gpu_tests.progress(output), "tail": []}))
+    text = "\n".join(
+        gpu_report_markdown._gpu_tests(
+            {
+                "ran": True,
+                "timed_out": True,
+                "why": "stopped after 90 s",
+                "counts_so_far": gpu_tests.progress(output),
+                "tail": [],
+            }
+        )
+    )
     assert "by then 16 passed, 1 failed, 1 errors, 1 skipped" in text
     assert gpu_tests.FIRST[0] == "test_tiles.py"
 
@@ -123,8 +186,23 @@ def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():
     from tools import gpu_tests
 
     def collected(paths: list[str]) -> list[str]:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                               "-m", "gpu", *paths], capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--collect-only",
+                "-m",
+                "gpu",
+                *paths,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -132,5 +210,5 @@ def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():
     assert ordered[0].startswith("tests/" + gpu_tests.FIRST[0] + "::")
     files = list(dict.fromkeys(node.split("::")[0] for node in ordered))
     first = ["tests/" + name for name in gpu_tests.FIRST]
-    assert files[:len(first)] == first
+    assert files[: len(first)] == first
     assert sorted(ordered) == sorted(collected(["tests"]))

@@ -26,9 +26,25 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def train_args(out: Path, epochs: int) -> list[str]:
     return [
-        "--model", "vit_digits", "--dataset", "synthetic", "--epochs", str(epochs), "--batch-size", "64",
-        "--backend", "torch", "--seed", "7", "--checkpoint-every", "2steps", "--keep", "2", "--no-progress",
-        "--out", str(out),
+        "--model",
+        "vit_digits",
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "64",
+        "--backend",
+        "torch",
+        "--seed",
+        "7",
+        "--checkpoint-every",
+        "2steps",
+        "--keep",
+        "2",
+        "--no-progress",
+        "--out",
+        str(out),
     ]
 
 
@@ -37,8 +53,12 @@ class Run:
 
     def __init__(self, args: list[str]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vit.train", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "vit.train", *args],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -133,7 +153,9 @@ def test_killed_runs_resume_and_end_like_an_uninterrupted_run(tmp_path, kills, e
         "2 steps of work lost a kill; final weights equal the uninterrupted run's"
     )
     assert rounds >= min(kills, 3), "the kills came too late: the run finished first"
-    reference_weights = checkpoint.load_tensors(checkpoint.resolve(tmp_path / "reference"), checkpoint.MODEL_FILE)
+    reference_weights = checkpoint.load_tensors(
+        checkpoint.resolve(tmp_path / "reference"), checkpoint.MODEL_FILE
+    )
     final_weights = checkpoint.load_tensors(checkpoint.resolve(out), checkpoint.MODEL_FILE)
     for name, tensor in reference_weights.items():
         assert torch.equal(final_weights[name], tensor), name

@@ -23,33 +23,66 @@ def run_layer_norm(x, weight, bias, residual, eps):
     return vk.layer_norm(x, weight, bias, eps, residual=residual)
 
 
-@pytest.mark.parametrize("shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)])
+@pytest.mark.parametrize(
+    "shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)]
+)
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("device,backend_name,dtype",
-                         device_backend_dtypes("layer_norm", backend_dtypes([torch.float32, torch.float16, torch.bfloat16])))
+@pytest.mark.parametrize(
+    "device,backend_name,dtype",
+    device_backend_dtypes("layer_norm", backend_dtypes([torch.float32, torch.float16, torch.bfloat16])),
+)
 def test_layer_norm(device, backend_name, dtype, shape, with_residual):
     dim = shape[-1]
-    inputs = [torch.randn(shape) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(shape) if with_residual else None]
+    inputs = [
+        torch.randn(shape) * 3 + 1,
+        torch.randn(dim),
+        torch.randn(dim),
+        torch.randn(shape) if with_residual else None,
+    ]
     with vk.use_backend(backend_name):
-        check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"],
-                              device, eps=1e-5)
+        check_against_formula(
+            run_layer_norm,
+            layer_norm_formula,
+            inputs,
+            dtype,
+            ["x", "weight", "bias", "residual"],
+            device,
+            eps=1e-5,
+        )
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("affine", ["none", "weight", "bias"])
 def test_layer_norm_partial_affine(on_backend, with_residual, affine):
     dim = 10
-    inputs = [torch.randn(3, dim), torch.randn(dim) if affine == "weight" else None,
-              torch.randn(dim) if affine == "bias" else None, torch.randn(3, dim) if with_residual else None]
-    check_against_formula(run_layer_norm, layer_norm_formula, inputs, torch.float32, ["x", "weight", "bias", "residual"], eps=1e-6)
+    inputs = [
+        torch.randn(3, dim),
+        torch.randn(dim) if affine == "weight" else None,
+        torch.randn(dim) if affine == "bias" else None,
+        torch.randn(3, dim) if with_residual else None,
+    ]
+    check_against_formula(
+        run_layer_norm,
+        layer_norm_formula,
+        inputs,
+        torch.float32,
+        ["x", "weight", "bias", "residual"],
+        eps=1e-6,
+    )
 
 
 def test_layer_norm_strided_rows(on_backend):
     """Rows of a wider buffer (outer stride > D) are read in place."""
     wide = torch.randn(6, 40)
     x = wide[:, 4:36]
-    check_against_formula(run_layer_norm, layer_norm_formula, [x, torch.randn(32), torch.randn(32), None],
-                          torch.float32, ["x", "weight", "bias", "residual"], eps=1e-5)
+    check_against_formula(
+        run_layer_norm,
+        layer_norm_formula,
+        [x, torch.randn(32), torch.randn(32), None],
+        torch.float32,
+        ["x", "weight", "bias", "residual"],
+        eps=1e-5,
+    )
 
 
 def test_only_the_sum_is_used(on_backend):

@@ -32,7 +32,9 @@ def test_a_first_call_on_a_gpu_launches_every_candidate(dim):
 
     block_d = triton.next_power_of_2(dim)
     assert tiles("_layer_norm_fwd_kernel") == set(layer_norm.fwd_candidates(block_d))
-    assert tiles("_layer_norm_bwd_kernel") == {(rows, warps) for rows, _, warps in layer_norm.bwd_candidates(block_d)}
+    assert tiles("_layer_norm_bwd_kernel") == {
+        (rows, warps) for rows, _, warps in layer_norm.bwd_candidates(block_d)
+    }
 
 
 def test_the_backward_grid_fits_the_gpu_and_covers_every_row():
@@ -97,9 +99,14 @@ def test_every_candidate_is_validated_and_the_fastest_kept(choosing_on_the_cpu):
 def test_the_forward_check_catches_a_wrong_output(part):
     x, residual = torch.randn(9, 40), torch.randn(9, 40)
     weight, bias = torch.randn(40), torch.randn(40)
-    check = layer_norm._check_parts(("y", "s"), lambda: (
-        layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float64),
-        layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float32)), torch.float32)
+    check = layer_norm._check_parts(
+        ("y", "s"),
+        lambda: (
+            layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float64),
+            layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float32),
+        ),
+        torch.float32,
+    )
     right = layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float32)
     assert check(right) is None
     wrong = [t.clone() for t in right]
@@ -113,9 +120,14 @@ def test_the_backward_check_catches_a_wrong_gradient(part):
     s, dy, dsum = torch.randn(9, 40) * 2 + 1, torch.randn(9, 40), torch.randn(9, 40)
     weight = torch.randn(40)
     mean, rstd = s.mean(-1), (s.var(-1, unbiased=False) + 1e-5).rsqrt()
-    check = layer_norm._check_parts(("ds", "dweight", "dbias"), lambda: tuple(
-        layer_norm._pytorch_backward(dy, dsum, s, weight, mean, rstd, True, dtype)
-        for dtype in (torch.float64, torch.float32)), torch.float32)
+    check = layer_norm._check_parts(
+        ("ds", "dweight", "dbias"),
+        lambda: tuple(
+            layer_norm._pytorch_backward(dy, dsum, s, weight, mean, rstd, True, dtype)
+            for dtype in (torch.float64, torch.float32)
+        ),
+        torch.float32,
+    )
     right = layer_norm._pytorch_backward(dy, dsum, s, weight, mean, rstd, True, torch.float32)
     leaf = s.double().requires_grad_()
     w = weight.double().requires_grad_()

@@ -53,17 +53,51 @@ def _inputs(op: str, rows=(2, 9), dim=24, hidden=40, out=16):
     if op == "linear":
         return [x, torch.randn(out, dim) / dim**0.5, torch.randn(out), residual, gamma]
     if op == "mlp":
-        return [x, torch.randn(hidden, dim) / dim**0.5, torch.randn(hidden), torch.randn(out, hidden) / hidden**0.5,
-                torch.randn(out), residual, gamma]
-    return [x, torch.randn(hidden, dim) / dim**0.5, torch.randn(hidden), torch.randn(hidden, dim) / dim**0.5,
-            torch.randn(hidden), torch.randn(out, hidden) / hidden**0.5, torch.randn(out), residual, gamma]
+        return [
+            x,
+            torch.randn(hidden, dim) / dim**0.5,
+            torch.randn(hidden),
+            torch.randn(out, hidden) / hidden**0.5,
+            torch.randn(out),
+            residual,
+            gamma,
+        ]
+    return [
+        x,
+        torch.randn(hidden, dim) / dim**0.5,
+        torch.randn(hidden),
+        torch.randn(hidden, dim) / dim**0.5,
+        torch.randn(hidden),
+        torch.randn(out, hidden) / hidden**0.5,
+        torch.randn(out),
+        residual,
+        gamma,
+    ]
 
 
-OPS = {"linear": (_linear, linear_formula, ["x", "weight", "bias", "residual", "gamma"]),
-       "mlp": (_mlp, mlp_formula, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual", "gamma"]),
-       "swiglu_mlp": (_swiglu_mlp, swiglu_mlp_formula,
-                      ["x", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias", "residual",
-                       "gamma"])}
+OPS = {
+    "linear": (_linear, linear_formula, ["x", "weight", "bias", "residual", "gamma"]),
+    "mlp": (
+        _mlp,
+        mlp_formula,
+        ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual", "gamma"],
+    ),
+    "swiglu_mlp": (
+        _swiglu_mlp,
+        swiglu_mlp_formula,
+        [
+            "x",
+            "gate_weight",
+            "gate_bias",
+            "up_weight",
+            "up_bias",
+            "down_weight",
+            "down_bias",
+            "residual",
+            "gamma",
+        ],
+    ),
+}
 
 
 @pytest.mark.parametrize("backend_name", CPU_BACKENDS)
@@ -83,8 +117,11 @@ def test_layer_scale_matches_formula(backend_name, op):
 
 def test_layer_scale_without_residual_and_bias():
     """gamma * (x W^T) alone: no residual, no bias."""
-    x, weight, gamma = torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64), torch.randn(
-        5, dtype=torch.float64)
+    x, weight, gamma = (
+        torch.randn(3, 8, dtype=torch.float64),
+        torch.randn(5, 8, dtype=torch.float64),
+        torch.randn(5, dtype=torch.float64),
+    )
     with vk.use_backend("torch"):
         torch.testing.assert_close(vk.linear(x, weight, layer_scale=gamma), gamma * (x @ weight.t()))
 
@@ -127,9 +164,17 @@ def test_vit_with_init_values_has_layer_scale_and_resets_it():
 
 BAD = [
     (dict(layer_scale=[1.0] * 5), TypeError, r"layer_scale must be a torch.Tensor \(N,\), got list"),
-    (dict(layer_scale=torch.ones(5, dtype=torch.int64)), TypeError, r"layer_scale must be a floating-point tensor"),
+    (
+        dict(layer_scale=torch.ones(5, dtype=torch.int64)),
+        TypeError,
+        r"layer_scale must be a floating-point tensor",
+    ),
     (dict(layer_scale=torch.ones(1, 5)), ValueError, r"layer_scale must have 1 dimensions \(N,\)"),
-    (dict(layer_scale=torch.ones(4)), ValueError, r"layer_scale must have shape \(N,\) with N = weight.shape\[0\]"),
+    (
+        dict(layer_scale=torch.ones(4)),
+        ValueError,
+        r"layer_scale must have shape \(N,\) with N = weight.shape\[0\]",
+    ),
     (dict(layer_scale=torch.ones(5, dtype=torch.float64)), TypeError, r"layer_scale"),
     (dict(layer_scale=torch.ones(5, device="meta")), ValueError, r"layer_scale"),
 ]

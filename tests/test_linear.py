@@ -7,11 +7,17 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels.activations import GELU_FORMS, gelu_act
-from tests.helpers import (CPU_BACKENDS, GELU_APPROXIMATIONS, assert_within_pytorch_error, backend_dtypes,
-                           check_against_formula, device_backend_dtypes, gelu_formula)
+from tests.helpers import (
+    CPU_BACKENDS,
+    GELU_APPROXIMATIONS,
+    assert_within_pytorch_error,
+    backend_dtypes,
+    check_against_formula,
+    device_backend_dtypes,
+    gelu_formula,
+)
 
 CPU_PAIRS = backend_dtypes([torch.float32, torch.float16])
-
 
 
 def linear_formula(x, weight, bias, residual):
@@ -28,7 +34,13 @@ def mlp_formula(x, w1, b1, w2, b2, residual, approximate):
     return linear_formula(linear_gelu_formula(x, w1, b1, approximate), w2, b2, residual)
 
 
-SHAPES = [((5, 48), 48, 192), ((2, 17, 64), 64, 1023), ((3, 7, 13), 13, 31), ((1, 1, 1), 1, 3), ((2, 197, 48), 48, 48)]
+SHAPES = [
+    ((5, 48), 48, 192),
+    ((2, 17, 64), 64, 1023),
+    ((3, 7, 13), 13, 31),
+    ((1, 1, 1), 1, 3),
+    ((2, 197, 48), 48, 48),
+]
 
 
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
@@ -53,7 +65,9 @@ def test_linear(device, backend_name, dtype, x_shape, k, n, with_bias, with_resi
 
 # The 1,023-column shape (about 4 s a case under the interpreter) in the slow run; test_linear and
 # test_mlp keep an odd wide GEMM in the default one
-_GELU_SHAPES = [pytest.param(*shape, marks=pytest.mark.slow) if shape[2] == 1023 else shape for shape in SHAPES]
+_GELU_SHAPES = [
+    pytest.param(*shape, marks=pytest.mark.slow) if shape[2] == 1023 else shape for shape in SHAPES
+]
 
 
 @pytest.mark.parametrize("x_shape,k,n", _GELU_SHAPES)
@@ -65,7 +79,12 @@ def test_linear_gelu(device, backend_name, dtype, x_shape, k, n, approximate, wi
     with vk.use_backend(backend_name):
         check_against_formula(
             lambda x, w, b, approximate: vk.linear_gelu(x, w, b, approximate=approximate),
-            linear_gelu_formula, inputs, dtype, ["x", "weight", "bias"], device, approximate=approximate,
+            linear_gelu_formula,
+            inputs,
+            dtype,
+            ["x", "weight", "bias"],
+            device,
+            approximate=approximate,
         )
 
 
@@ -86,15 +105,19 @@ def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate)
     assert_within_pytorch_error("output", out, own, exact, dtype, torch.device(device))
 
 
-@pytest.mark.parametrize("x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)])
+@pytest.mark.parametrize(
+    "x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)]
+)
 @pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
 def test_mlp(device, backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
     inputs = [
         torch.randn(x_shape),
-        torch.randn(hidden, d) / math.sqrt(d), torch.randn(hidden) if with_bias else None,
-        torch.randn(d, hidden) / math.sqrt(hidden), torch.randn(d) if with_bias else None,
+        torch.randn(hidden, d) / math.sqrt(d),
+        torch.randn(hidden) if with_bias else None,
+        torch.randn(d, hidden) / math.sqrt(hidden),
+        torch.randn(d) if with_bias else None,
         torch.randn(x_shape) if with_residual else None,
     ]
 
@@ -102,17 +125,28 @@ def test_mlp(device, backend_name, dtype, x_shape, d, hidden, approximate, with_
         return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
 
     with vk.use_backend(backend_name):
-        check_against_formula(run, mlp_formula, inputs, dtype,
-                              ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], device,
-                              approximate=approximate)
+        check_against_formula(
+            run,
+            mlp_formula,
+            inputs,
+            dtype,
+            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+            device,
+            approximate=approximate,
+        )
 
 
 def test_strided_input_is_read_in_place(on_backend):
     wide = torch.randn(2, 9, 40)
     x = wide[:, :, 3:35]  # rows with an outer stride of 40
     w, b = torch.randn(24, 32) / 6, torch.randn(24)
-    check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b), lambda x, w, b: linear_gelu_formula(x, w, b, "none"),
-                          [x, w, b], torch.float32, ["x", "weight", "bias"])
+    check_against_formula(
+        lambda x, w, b: vk.linear_gelu(x, w, b),
+        lambda x, w, b: linear_gelu_formula(x, w, b, "none"),
+        [x, w, b],
+        torch.float32,
+        ["x", "weight", "bias"],
+    )
 
 
 def test_gelu_saturates_without_nan(on_backend):
@@ -150,13 +184,20 @@ def test_strided_bias_and_residual_are_read_by_strides(on_backend, residual_layo
     else:
         residual = torch.randn(1, 1, 16).expand(3, 5, 16)
     assert b1.stride() == (2,) and (residual.stride(-1) != 1 or residual.stride(0) == 0)
-    check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula,
-                          [x, torch.randn(16, 16) / 4, b2, residual],
-                          torch.float32, ["x", "weight", "bias", "residual"])
+    check_against_formula(
+        lambda x, w, b, r: vk.linear(x, w, b, residual=r),
+        linear_formula,
+        [x, torch.randn(16, 16) / 4, b2, residual],
+        torch.float32,
+        ["x", "weight", "bias", "residual"],
+    )
     check_against_formula(
         lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, residual=r),
         lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
-        [x, w1, b1, w2, b2, residual], torch.float32, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"])
+        [x, w1, b1, w2, b2, residual],
+        torch.float32,
+        ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+    )
 
 
 def test_deep_weight_gradient_is_split_over_k():
@@ -169,8 +210,13 @@ def test_deep_weight_gradient_is_split_over_k():
     assert split_k_slices(48, 40, 4 * 197, torch.device("cpu")) > 1
     inputs = [torch.randn(4, 197, 40), torch.randn(48, 40) / 7, torch.randn(48), None]
     with vk.use_backend("triton"):
-        check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs,
-                              torch.float32, ["x", "weight", "bias", "residual"])
+        check_against_formula(
+            lambda x, w, b, r: vk.linear(x, w, b, residual=r),
+            linear_formula,
+            inputs,
+            torch.float32,
+            ["x", "weight", "bias", "residual"],
+        )
 
 
 @pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
@@ -178,8 +224,14 @@ def test_deep_weight_gradient_is_split_over_k():
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
 def test_mlp_without_gradients(device, backend_name, dtype, approximate, with_residual):
     """Inference takes its own path on Triton (the pre-activation is not written): same formula."""
-    inputs = [torch.randn(2, 33, 48), torch.randn(96, 48) / 7, torch.randn(96), torch.randn(40, 96) / 10,
-              torch.randn(40), torch.randn(2, 33, 40) if with_residual else None]
+    inputs = [
+        torch.randn(2, 33, 48),
+        torch.randn(96, 48) / 7,
+        torch.randn(96),
+        torch.randn(40, 96) / 10,
+        torch.randn(40),
+        torch.randn(2, 33, 40) if with_residual else None,
+    ]
     exact = mlp_formula(*(None if t is None else t.double() for t in inputs), approximate)
     cast = [None if t is None else t.to(device, dtype) for t in inputs]
     with torch.no_grad():
@@ -205,7 +257,9 @@ def test_triton_inference_writes_no_preactivation():
             w2, b2 = torch.empty(64, 256, device="cuda"), torch.empty(64, device="cuda")
             linear.linear_gelu_triton(x, w1, b1)
             linear.mlp_triton(x, w1, b1, w2, b2)
-        return {launch.kwargs["SAVE_PREACT"] for launch in device.launches if launch.kwargs.get("EPILOGUE") == 1}
+        return {
+            launch.kwargs["SAVE_PREACT"] for launch in device.launches if launch.kwargs.get("EPILOGUE") == 1
+        }
 
     assert saved(grad=False) == {False}
     assert saved(grad=True) == {True}
@@ -228,7 +282,9 @@ def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
     assert dz.dtype == dtype and db.dtype == torch.float32 and db.shape == (37,)
     torch.testing.assert_close(dz.double(), want, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(db.double(), want.sum(0), atol=tolerance * 10, rtol=tolerance)
-    dz_only, nothing = linear._gelu_backward(grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], False)
+    dz_only, nothing = linear._gelu_backward(
+        grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], False
+    )
     assert torch.equal(dz_only, dz) and nothing is None
 
 
@@ -267,10 +323,15 @@ def test_both_ways_of_the_bias_gradient_match_the_formula(monkeypatch, way, dtyp
     linear and mlp backwards (the first of BIAS_GRAD_WAYS is what runs without a measurement)."""
     from vit_kernels.ops import linear
 
-    monkeypatch.setattr(linear, "BIAS_GRAD_WAYS", (way,) + tuple(w for w in linear.BIAS_GRAD_WAYS if w != way))
+    monkeypatch.setattr(
+        linear, "BIAS_GRAD_WAYS", (way,) + tuple(w for w in linear.BIAS_GRAD_WAYS if w != way)
+    )
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(3, 37, 48, generator=generator, dtype=torch.float64)
-    w, b = torch.randn(40, 48, generator=generator, dtype=torch.float64) / 7, torch.randn(40, generator=generator, dtype=torch.float64)
+    w, b = (
+        torch.randn(40, 48, generator=generator, dtype=torch.float64) / 7,
+        torch.randn(40, generator=generator, dtype=torch.float64),
+    )
     dy = torch.randn(3, 37, 40, generator=generator, dtype=torch.float64)
     leaves = [t.to(dtype).requires_grad_() for t in (x, w, b)]
     with vk.use_backend("triton", strict=True):
@@ -279,6 +340,12 @@ def test_both_ways_of_the_bias_gradient_match_the_formula(monkeypatch, way, dtyp
     expected = (dy @ w, dy.flatten(0, 1).t() @ x.flatten(0, 1), dy.sum((0, 1)))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(grads, expected, strict=True):
-        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-    dw, db = linear._weight_and_bias_grads_by(way, dy.flatten(0, 1).to(dtype), x.flatten(0, 1).to(dtype), dtype)
-    torch.testing.assert_close(db.double(), expected[2], rtol=tolerance, atol=tolerance * expected[2].abs().max().item())
+        torch.testing.assert_close(
+            got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item()
+        )
+    dw, db = linear._weight_and_bias_grads_by(
+        way, dy.flatten(0, 1).to(dtype), x.flatten(0, 1).to(dtype), dtype
+    )
+    torch.testing.assert_close(
+        db.double(), expected[2], rtol=tolerance, atol=tolerance * expected[2].abs().max().item()
+    )

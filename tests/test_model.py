@@ -20,29 +20,49 @@ TIMM_COUNTS = {
 }
 
 
-def timm_vit_keys(dim: int, depth: int, classes: int = 1000, tokens: int = 197, patch: int = 16) -> dict[str, tuple]:
+def timm_vit_keys(
+    dim: int, depth: int, classes: int = 1000, tokens: int = 197, patch: int = 16
+) -> dict[str, tuple]:
     """The state-dict keys and shapes of timm's VisionTransformer for the vit_*_patch16_224 models."""
     keys = {
-        "cls_token": (1, 1, dim), "pos_embed": (1, tokens, dim),
-        "patch_embed.proj.weight": (dim, 3, patch, patch), "patch_embed.proj.bias": (dim,),
-        "norm.weight": (dim,), "norm.bias": (dim,), "head.weight": (classes, dim), "head.bias": (classes,),
+        "cls_token": (1, 1, dim),
+        "pos_embed": (1, tokens, dim),
+        "patch_embed.proj.weight": (dim, 3, patch, patch),
+        "patch_embed.proj.bias": (dim,),
+        "norm.weight": (dim,),
+        "norm.bias": (dim,),
+        "head.weight": (classes, dim),
+        "head.bias": (classes,),
     }
     for i in range(depth):
-        keys.update({
-            f"blocks.{i}.norm1.weight": (dim,), f"blocks.{i}.norm1.bias": (dim,),
-            f"blocks.{i}.attn.qkv.weight": (3 * dim, dim), f"blocks.{i}.attn.qkv.bias": (3 * dim,),
-            f"blocks.{i}.attn.proj.weight": (dim, dim), f"blocks.{i}.attn.proj.bias": (dim,),
-            f"blocks.{i}.norm2.weight": (dim,), f"blocks.{i}.norm2.bias": (dim,),
-            f"blocks.{i}.mlp.fc1.weight": (4 * dim, dim), f"blocks.{i}.mlp.fc1.bias": (4 * dim,),
-            f"blocks.{i}.mlp.fc2.weight": (dim, 4 * dim), f"blocks.{i}.mlp.fc2.bias": (dim,),
-        })
+        keys.update(
+            {
+                f"blocks.{i}.norm1.weight": (dim,),
+                f"blocks.{i}.norm1.bias": (dim,),
+                f"blocks.{i}.attn.qkv.weight": (3 * dim, dim),
+                f"blocks.{i}.attn.qkv.bias": (3 * dim,),
+                f"blocks.{i}.attn.proj.weight": (dim, dim),
+                f"blocks.{i}.attn.proj.bias": (dim,),
+                f"blocks.{i}.norm2.weight": (dim,),
+                f"blocks.{i}.norm2.bias": (dim,),
+                f"blocks.{i}.mlp.fc1.weight": (4 * dim, dim),
+                f"blocks.{i}.mlp.fc1.bias": (4 * dim,),
+                f"blocks.{i}.mlp.fc2.weight": (dim, 4 * dim),
+                f"blocks.{i}.mlp.fc2.bias": (dim,),
+            }
+        )
     return keys
 
 
-@pytest.mark.parametrize("name,dim,depth", [
-    ("vit_tiny_patch16_224", 192, 12), ("vit_small_patch16_224", 384, 12),
-    ("vit_base_patch16_224", 768, 12), ("vit_large_patch16_224", 1024, 24),
-])
+@pytest.mark.parametrize(
+    "name,dim,depth",
+    [
+        ("vit_tiny_patch16_224", 192, 12),
+        ("vit_small_patch16_224", 384, 12),
+        ("vit_base_patch16_224", 768, 12),
+        ("vit_large_patch16_224", 1024, 24),
+    ],
+)
 def test_timm_presets_have_timm_keys_and_counts(name, dim, depth):
     with torch.device("meta"):
         model = vit.create_model(name)
@@ -74,24 +94,53 @@ def test_create_model_overrides_and_errors():
         vit.create_model("vit_digits", num_heads=5)
     with pytest.raises(ValueError, match="img_size=30 must be divisible by patch_size=4"):
         vit.create_model("vit_digits", img_size=30)
-    assert set(vit.list_models()) >= {"vit_digits", "vit_mnist_postnorm", "vit_cifar10_small", "vit_mnist_sincos"}
+    assert set(vit.list_models()) >= {
+        "vit_digits",
+        "vit_mnist_postnorm",
+        "vit_cifar10_small",
+        "vit_mnist_sincos",
+    }
 
 
 def test_small_presets_configuration():
     postnorm = vit.get_config("vit_mnist_postnorm")
-    assert (postnorm.img_size, postnorm.patch_size, postnorm.in_chans, postnorm.embed_dim, postnorm.depth,
-            postnorm.num_heads, postnorm.mlp_hidden_dim, postnorm.act) == (28, 7, 1, 64, 3, 8, 2048, "relu")
-    assert not postnorm.norm_first and not postnorm.final_norm and postnorm.drop_rate == postnorm.attn_drop_rate == 0.1
+    assert (
+        postnorm.img_size,
+        postnorm.patch_size,
+        postnorm.in_chans,
+        postnorm.embed_dim,
+        postnorm.depth,
+        postnorm.num_heads,
+        postnorm.mlp_hidden_dim,
+        postnorm.act,
+    ) == (28, 7, 1, 64, 3, 8, 2048, "relu")
+    assert (
+        not postnorm.norm_first
+        and not postnorm.final_norm
+        and postnorm.drop_rate == postnorm.attn_drop_rate == 0.1
+    )
     cifar = vit.get_config("vit_cifar10_small")
-    assert (cifar.img_size, cifar.patch_size, cifar.embed_dim, cifar.depth, cifar.num_heads, cifar.mlp_hidden_dim,
-            cifar.act, cifar.norm_first, cifar.final_norm, cifar.qkv_bias) == (32, 4, 48, 4, 4, 192, "gelu_tanh", True, False, True)
+    assert (
+        cifar.img_size,
+        cifar.patch_size,
+        cifar.embed_dim,
+        cifar.depth,
+        cifar.num_heads,
+        cifar.mlp_hidden_dim,
+        cifar.act,
+        cifar.norm_first,
+        cifar.final_norm,
+        cifar.qkv_bias,
+    ) == (32, 4, 48, 4, 4, 192, "gelu_tanh", True, False, True)
     for name in ("vit_mnist_postnorm", "vit_cifar10_small", "vit_mnist_sincos", "vit_digits"):
         assert vit.get_config(name).norm_eps == 1e-5
 
 
 def test_postnorm_preset_blocks_equal_transformer_encoder_layer():
     model = vit.create_model("vit_mnist_postnorm").double().eval()
-    layer = nn.TransformerEncoderLayer(64, 8, 2048, dropout=0.1, activation="relu", batch_first=True, norm_first=False)
+    layer = nn.TransformerEncoderLayer(
+        64, 8, 2048, dropout=0.1, activation="relu", batch_first=True, norm_first=False
+    )
     layer = layer.double().eval()
     from tests.test_nn import copy_encoder_layer
 
@@ -129,9 +178,15 @@ def test_attention_maps_and_avg_pool():
         vit.create_model("vit_digits", class_token=False)
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("vit_digits", {}), ("vit_mnist_sincos", {}), ("vit_cifar10_small", {"depth": 1}), ("vit_mnist_postnorm", {"depth": 1}),
-])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("vit_digits", {}),
+        ("vit_mnist_sincos", {}),
+        ("vit_cifar10_small", {"depth": 1}),
+        ("vit_mnist_postnorm", {"depth": 1}),
+    ],
+)
 def test_model_on_triton_backend_matches_torch(name, overrides):
     """The whole model (tiny configurations of the presets) gives the same logits and parameter
     gradients with the Triton kernels as with the reference."""
@@ -153,7 +208,9 @@ def test_model_on_triton_backend_matches_torch(name, overrides):
         results[choice] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-4, rtol=1e-4)
     for n, g in results["torch"][1].items():
-        torch.testing.assert_close(results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            results["triton"][1][n], g, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
@@ -183,7 +240,9 @@ def _compare_loss_curves(steps: int, learned: float) -> None:
     if backend.triton_device_reason(torch.device("cpu")) is not None:
         pytest.skip("the Triton backend does not run here")
     reference, kernels = _loss_curve("torch", steps), _loss_curve("triton", steps)
-    assert reference[-1] < learned * reference[0], "the run must actually learn for the comparison to mean anything"
+    assert reference[-1] < learned * reference[0], (
+        "the run must actually learn for the comparison to mean anything"
+    )
     gaps = [abs(a - b) for a, b in zip(reference, kernels)]
     assert max(gaps[:20]) < 1e-3 and max(gaps) < 5e-2, (max(gaps[:20]), max(gaps))
 
@@ -218,14 +277,25 @@ def test_whole_vit_compiles_fullgraph_and_matches_eager_on_cuda(dtype):
 def test_attention_pooling_matches_its_formula():
     """SigLIP's MAP head against the formula in float64: one latent query attends over the tokens
     (no class token), then projection, and a residual MLP on its LayerNorm."""
-    model = vit.create_model("vit_base_patch16_siglip_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
-                             num_heads=4, num_classes=3).double().eval()
+    model = (
+        vit.create_model(
+            "vit_base_patch16_siglip_224",
+            img_size=32,
+            patch_size=8,
+            embed_dim=32,
+            depth=1,
+            num_heads=4,
+            num_classes=3,
+        )
+        .double()
+        .eval()
+    )
     pool = model.attn_pool
     for p in pool.parameters():
         torch.nn.init.normal_(p, std=0.3)
     tokens = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
-    q = (pool.latent[0, 0] @ pool.q.weight.T + pool.q.bias).reshape(4, 8)               # (heads, Dh)
-    kv = tokens @ pool.kv.weight.T + pool.kv.bias                                       # (N, T, 2D)
+    q = (pool.latent[0, 0] @ pool.q.weight.T + pool.q.bias).reshape(4, 8)  # (heads, Dh)
+    kv = tokens @ pool.kv.weight.T + pool.kv.bias  # (N, T, 2D)
     k, v = kv[..., :32].reshape(2, 16, 4, 8), kv[..., 32:].reshape(2, 16, 4, 8)
     weights = torch.softmax(torch.einsum("hd,nthd->nht", q, k) / math.sqrt(8), dim=-1)
     pooled = torch.einsum("nht,nthd->nhd", weights, v).reshape(2, 32) @ pool.proj.weight.T + pool.proj.bias

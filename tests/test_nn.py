@@ -9,20 +9,31 @@ from vit_kernels.nn import Attention, Block, LayerNorm, Mlp, PatchEmbed
 
 def copy_encoder_layer(block: Block, layer: nn.TransformerEncoderLayer) -> None:
     """Load an nn.TransformerEncoderLayer's weights into a Block (same math, timm names)."""
-    block.load_state_dict({
-        "norm1.weight": layer.norm1.weight, "norm1.bias": layer.norm1.bias,
-        "norm2.weight": layer.norm2.weight, "norm2.bias": layer.norm2.bias,
-        "attn.qkv.weight": layer.self_attn.in_proj_weight, "attn.qkv.bias": layer.self_attn.in_proj_bias,
-        "attn.proj.weight": layer.self_attn.out_proj.weight, "attn.proj.bias": layer.self_attn.out_proj.bias,
-        "mlp.fc1.weight": layer.linear1.weight, "mlp.fc1.bias": layer.linear1.bias,
-        "mlp.fc2.weight": layer.linear2.weight, "mlp.fc2.bias": layer.linear2.bias,
-    }, strict=True)
+    block.load_state_dict(
+        {
+            "norm1.weight": layer.norm1.weight,
+            "norm1.bias": layer.norm1.bias,
+            "norm2.weight": layer.norm2.weight,
+            "norm2.bias": layer.norm2.bias,
+            "attn.qkv.weight": layer.self_attn.in_proj_weight,
+            "attn.qkv.bias": layer.self_attn.in_proj_bias,
+            "attn.proj.weight": layer.self_attn.out_proj.weight,
+            "attn.proj.bias": layer.self_attn.out_proj.bias,
+            "mlp.fc1.weight": layer.linear1.weight,
+            "mlp.fc1.bias": layer.linear1.bias,
+            "mlp.fc2.weight": layer.linear2.weight,
+            "mlp.fc2.bias": layer.linear2.bias,
+        },
+        strict=True,
+    )
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_block_equals_transformer_encoder_layer(norm_first, act):
-    layer = nn.TransformerEncoderLayer(32, 4, 80, dropout=0.0, activation=act, batch_first=True, norm_first=norm_first).double()
+    layer = nn.TransformerEncoderLayer(
+        32, 4, 80, dropout=0.0, activation=act, batch_first=True, norm_first=norm_first
+    ).double()
     block = Block(32, 4, mlp_hidden_dim=80, act=act, norm_first=norm_first, eps=1e-5).double()
     copy_encoder_layer(block, layer)
     x = torch.randn(3, 17, 32, dtype=torch.float64, requires_grad=True)
@@ -33,11 +44,23 @@ def test_block_equals_transformer_encoder_layer(norm_first, act):
     out.backward(upstream)
     ref.backward(upstream)
     torch.testing.assert_close(x.grad, x_ref.grad)
-    for (name, p), q in zip(block.named_parameters(), [
-        layer.norm1.weight, layer.norm1.bias, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
-        layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
-        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
-    ]):
+    for (name, p), q in zip(
+        block.named_parameters(),
+        [
+            layer.norm1.weight,
+            layer.norm1.bias,
+            layer.self_attn.in_proj_weight,
+            layer.self_attn.in_proj_bias,
+            layer.self_attn.out_proj.weight,
+            layer.self_attn.out_proj.bias,
+            layer.norm2.weight,
+            layer.norm2.bias,
+            layer.linear1.weight,
+            layer.linear1.bias,
+            layer.linear2.weight,
+            layer.linear2.bias,
+        ],
+    ):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -67,8 +90,15 @@ def test_attention_module_matches_multihead_attention():
     torch.testing.assert_close(attn(x, attn_mask=mask), mha(x, x, x, attn_mask=mask)[0])
 
 
-@pytest.mark.parametrize("act,fn", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU("tanh")),
-                                    ("quick_gelu", lambda z: z * torch.sigmoid(1.702 * z)), ("relu", nn.ReLU())])
+@pytest.mark.parametrize(
+    "act,fn",
+    [
+        ("gelu", nn.GELU()),
+        ("gelu_tanh", nn.GELU("tanh")),
+        ("quick_gelu", lambda z: z * torch.sigmoid(1.702 * z)),
+        ("relu", nn.ReLU()),
+    ],
+)
 def test_mlp_module(act, fn):
     mlp = Mlp(12, 40, act=act).double()
     x = torch.randn(3, 12, dtype=torch.float64)
@@ -78,11 +108,14 @@ def test_mlp_module(act, fn):
     torch.testing.assert_close(mlp(x, residual=residual), expected + residual)
 
 
-@pytest.mark.parametrize("module_factory", [
-    lambda: Mlp(16, 32, drop=0.5),
-    lambda: Attention(16, 2, attn_drop=0.5, proj_drop=0.5),
-    lambda: Block(16, 2, drop=0.3, attn_drop=0.3),
-])
+@pytest.mark.parametrize(
+    "module_factory",
+    [
+        lambda: Mlp(16, 32, drop=0.5),
+        lambda: Attention(16, 2, attn_drop=0.5, proj_drop=0.5),
+        lambda: Block(16, 2, drop=0.3, attn_drop=0.3),
+    ],
+)
 def test_dropout_only_in_training(module_factory):
     module = module_factory()
     x = torch.randn(4, 9, 16)
@@ -145,15 +178,20 @@ def test_attention_with_a_mask_computes_masked_softmax_attention(return_probs):
         out = (probs @ v).transpose(1, 2).reshape(2, 5, 8) @ attention.proj.weight.T + attention.proj.bias
         return out, probs
 
-    causal_add = torch.zeros(5, 5, dtype=torch.float64).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
-    for kwargs, mask_add in (({"attn_mask": keep}, additive), ({"attn_mask": additive}, additive),
-                             ({"is_causal": True}, causal_add)):
+    causal_add = torch.zeros(5, 5, dtype=torch.float64).masked_fill(
+        torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf")
+    )
+    for kwargs, mask_add in (
+        ({"attn_mask": keep}, additive),
+        ({"attn_mask": additive}, additive),
+        ({"is_causal": True}, causal_add),
+    ):
         result = attention(x, return_probs=return_probs, **kwargs)
         out, probs = result if return_probs else (result, None)
         expected, expected_probs = formula(x, mask_add)
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
         if return_probs:
             torch.testing.assert_close(probs, expected_probs, rtol=1e-10, atol=1e-12)
-        grad, = torch.autograd.grad(out.square().sum(), x)
-        expected_grad, = torch.autograd.grad(expected.square().sum(), x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
         torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)

@@ -46,7 +46,9 @@ def test_reference_matches_the_formula(op):
     _check(SPECS[op], SPECS[op].reference)
 
 
-@pytest.mark.skipif(_ext.supports(torch.device("cpu"), DTYPE) is not None, reason="the C++ extension is not built")
+@pytest.mark.skipif(
+    _ext.supports(torch.device("cpu"), DTYPE) is not None, reason="the C++ extension is not built"
+)
 @pytest.mark.parametrize("op", KERNELS)
 def test_kernel_matches_its_formula(op):
     _check(SPECS[op], SPECS[op].run)

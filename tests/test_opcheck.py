@@ -21,21 +21,59 @@ def cases(device: str = "cpu"):
         "layer_norm_fwd": (lambda: ops.layer_norm_fwd, (x, _grad(12), _grad(12), 1e-5, _grad(2, 5, 12))),
         "linear_fwd": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), _grad(2, 5, 8), "none")),
         "linear_fwd_gelu": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), None, "gelu_tanh")),
-        "mlp_fwd": (lambda: ops.mlp_fwd, (x, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12), "gelu")),
+        "mlp_fwd": (
+            lambda: ops.mlp_fwd,
+            (x, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12), "gelu"),
+        ),
         # the inference ops (no gradient will be asked for: inputs that do not require it)
-        "linear_gelu_infer": (lambda: ops.linear_gelu_infer, (x.detach(), torch.randn(8, 12, device=device), None, "gelu")),
-        "mlp_infer": (lambda: ops.mlp_infer, (x.detach(), torch.randn(16, 12, device=device), torch.randn(16, device=device),
-                                              torch.randn(12, 16, device=device), None, x.detach(), "gelu_tanh")),
+        "linear_gelu_infer": (
+            lambda: ops.linear_gelu_infer,
+            (x.detach(), torch.randn(8, 12, device=device), None, "gelu"),
+        ),
+        "mlp_infer": (
+            lambda: ops.mlp_infer,
+            (
+                x.detach(),
+                torch.randn(16, 12, device=device),
+                torch.randn(16, device=device),
+                torch.randn(12, 16, device=device),
+                None,
+                x.detach(),
+                "gelu_tanh",
+            ),
+        ),
         "swiglu_fwd": (lambda: ops.swiglu_fwd, (x, _grad(16, 12), _grad(16), _grad(16, 12), None)),
-        "swiglu_mlp_fwd": (lambda: ops.swiglu_mlp_fwd, (x, _grad(16, 12), None, _grad(16, 12), _grad(16), _grad(12, 16),
-                                                        _grad(12), _grad(2, 5, 12))),
-        "swiglu_infer": (lambda: ops.swiglu_infer, (x.detach(), torch.randn(16, 12, device=device), None,
-                                                    torch.randn(16, 12, device=device), torch.randn(16, device=device))),
-        "swiglu_mlp_infer": (lambda: ops.swiglu_mlp_infer, (
-            x.detach(), torch.randn(16, 12, device=device), torch.randn(16, device=device),
-            torch.randn(16, 12, device=device), None, torch.randn(12, 16, device=device), None, x.detach())),
-        "patch_embed_fwd": (lambda: ops.patch_embed_fwd,
-                            (_grad(2, 3, 8, 8), _grad(12, 3, 4, 4), _grad(12), _grad(1, 1, 12), _grad(1, 5, 12), 4)),
+        "swiglu_mlp_fwd": (
+            lambda: ops.swiglu_mlp_fwd,
+            (x, _grad(16, 12), None, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12)),
+        ),
+        "swiglu_infer": (
+            lambda: ops.swiglu_infer,
+            (
+                x.detach(),
+                torch.randn(16, 12, device=device),
+                None,
+                torch.randn(16, 12, device=device),
+                torch.randn(16, device=device),
+            ),
+        ),
+        "swiglu_mlp_infer": (
+            lambda: ops.swiglu_mlp_infer,
+            (
+                x.detach(),
+                torch.randn(16, 12, device=device),
+                torch.randn(16, device=device),
+                torch.randn(16, 12, device=device),
+                None,
+                torch.randn(12, 16, device=device),
+                None,
+                x.detach(),
+            ),
+        ),
+        "patch_embed_fwd": (
+            lambda: ops.patch_embed_fwd,
+            (_grad(2, 3, 8, 8), _grad(12, 3, 4, 4), _grad(12), _grad(1, 1, 12), _grad(1, 5, 12), 4),
+        ),
     }
 
 

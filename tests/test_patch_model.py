@@ -19,7 +19,9 @@ def _assert_same_outputs_and_grads(model, reference, x):
     (out * weights).sum().backward()
     (expected * weights).sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -29,16 +31,23 @@ def _assert_same_outputs_and_grads(model, reference, x):
 def test_transformer_encoder_is_exact(batch_first, norm_first, activation, training):
     vk.set_backend("torch")
     dropout = 0.0 if training else 0.1  # dropout masks come from different random streams
-    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=dropout, activation=activation,
-                                       batch_first=batch_first, norm_first=norm_first)
+    layer = nn.TransformerEncoderLayer(
+        16, 4, 24, dropout=dropout, activation=activation, batch_first=batch_first, norm_first=norm_first
+    )
     reference = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().train(training)
     model = copy.deepcopy(reference)
     params_before = dict(model.named_parameters())
     report = vk.patch_model(model)
     assert report.skipped == []
     assert [new.rsplit(".", 1)[-1] for _, _, new in report.replaced[:4]] == [
-        "FusedTransformerEncoderLayer", "FusedMultiheadAttention", "LayerNorm", "LayerNorm"]
-    assert all(p is params_before[n] for n, p in model.named_parameters()), "parameters must be the same tensors"
+        "FusedTransformerEncoderLayer",
+        "FusedMultiheadAttention",
+        "LayerNorm",
+        "LayerNorm",
+    ]
+    assert all(p is params_before[n] for n, p in model.named_parameters()), (
+        "parameters must be the same tensors"
+    )
     assert model.state_dict().keys() == reference.state_dict().keys()
     _assert_same_outputs_and_grads(model, reference, torch.randn(5, 3, 16, dtype=torch.float64))
 
@@ -69,10 +78,13 @@ def test_masks_and_cross_attention_run_as_unpatched():
     x, y = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
     probe = torch.randn(2, 1, 8, dtype=torch.float64)
     padding = torch.tensor([[False, False, True, False], [False, False, False, True]])
-    calls = [((x, x, x), {"attn_mask": torch.randn(4, 4, dtype=torch.float64)}),
-             ((x, x, x), {"key_padding_mask": padding}),
-             ((x, x, x), {"attn_mask": torch.ones(4, 4, dtype=torch.bool).triu(1), "is_causal": True}),
-             ((x, y, y), {}), ((probe, y, y), {"need_weights": False})]
+    calls = [
+        ((x, x, x), {"attn_mask": torch.randn(4, 4, dtype=torch.float64)}),
+        ((x, x, x), {"key_padding_mask": padding}),
+        ((x, x, x), {"attn_mask": torch.ones(4, 4, dtype=torch.bool).triu(1), "is_causal": True}),
+        ((x, y, y), {}),
+        ((probe, y, y), {"need_weights": False}),
+    ]
     for args, kwargs in calls:
         out, weights = model(*args, **kwargs)
         expected, expected_weights = reference(*args, **kwargs)
@@ -81,8 +93,12 @@ def test_masks_and_cross_attention_run_as_unpatched():
     layer_reference = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0).double()
     layer = copy.deepcopy(layer_reference)
     vk.patch_model(layer)
-    torch.testing.assert_close(layer(x, src_key_padding_mask=padding), layer_reference(x, src_key_padding_mask=padding),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        layer(x, src_key_padding_mask=padding),
+        layer_reference(x, src_key_padding_mask=padding),
+        rtol=1e-12,
+        atol=1e-12,
+    )
     torch.testing.assert_close(layer(x), layer_reference(x), rtol=1e-12, atol=1e-12)
 
 
@@ -91,8 +107,13 @@ def test_layer_norms_are_swapped_with_their_tensors_and_unknown_layers_reported(
         def forward(self, x):
             return x
 
-    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm((4, 8)), RMSNorm(), nn.Conv2d(3, 8, 4, stride=4),
-                          nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    model = nn.Sequential(
+        nn.LayerNorm(8),
+        nn.LayerNorm((4, 8)),
+        RMSNorm(),
+        nn.Conv2d(3, 8, 4, stride=4),
+        nn.MultiheadAttention(8, 2, kdim=4, vdim=4),
+    )
     weight = model[0].weight
     report = vk.patch_model(model)
     assert isinstance(model[0], vkn.LayerNorm) and model[0].weight is weight

@@ -41,7 +41,9 @@ def fill_run(out):
     return run
 
 
-def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven(children, monkeypatch, tmp_path):
+def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven(
+    children, monkeypatch, tmp_path
+):
     monkeypatch.setattr(_proof, "SECONDS_PER_CANDIDATE", 10)  # the hang's; others take well under a second
     out = torch.zeros(3)
     tiles = ["first", "abort", "second", "raise", "hang", "last"]
@@ -87,6 +89,7 @@ def test_the_number_of_children_at_once_is_read_from_the_environment(monkeypatch
     assert 1 <= _proof._children_from_environment() <= 4
     assert _proof._children(CPU, 2, {}) == 1  # the tests' stand-in replays in this process: one at a time
 
+
 def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
     packed = torch.randn(4, 7, 9)
     a = packed[1:, ::2, 3:5].transpose(0, 1)  # strided, offset by 264 bytes, transposed
@@ -96,9 +99,18 @@ def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
 
     def run(tile):
         b = packed if tile == "shared" else unshared
-        launch(proof_kernels.expect_layout, (3, 2), a, b, SHAPE=tuple(a.shape), STRIDE=a.stride(),
-               ALIGNMENT=a.data_ptr() % 16, SHARED=tile == "shared", GRID=(3, 2),
-               STORAGE_BYTES=packed.untyped_storage().nbytes() if tile == "shared" else -(-reached // 16) * 16)
+        launch(
+            proof_kernels.expect_layout,
+            (3, 2),
+            a,
+            b,
+            SHAPE=tuple(a.shape),
+            STRIDE=a.stride(),
+            ALIGNMENT=a.data_ptr() % 16,
+            SHARED=tile == "shared",
+            GRID=(3, 2),
+            STORAGE_BYTES=packed.untyped_storage().nbytes() if tile == "shared" else -(-reached // 16) * 16,
+        )
         return [a]
 
     # apart: the candidates of one key share one set of storages
@@ -119,7 +131,10 @@ def test_a_chooser_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):
     chooser = _tiles.TileChooser("proof test")
     chosen = chooser.choose(("k",), CPU, ["raise", "fine"], run, lambda outputs: None)
     assert chosen == "fine"
-    assert chooser.report()[("k",)].trials["raise"] == "invalid: raised in a child process: ValueError: tile raise refused"
+    assert (
+        chooser.report()[("k",)].trials["raise"]
+        == "invalid: raised in a child process: ValueError: tile raise refused"
+    )
     assert ran.count("raise") == 1  # recorded once for the proof, never run for real here
 
 
@@ -141,8 +156,19 @@ def test_a_real_gemm_replays_in_a_child(children):
     from vit_kernels.ops import linear
 
     a, b = torch.randn(13, 40), torch.randn(9, 40).t()
-    gemm = linear._Gemm(a, b, torch.float32, torch.randn(9), linear.EPILOGUE_GELU, 0, torch.empty(13, 9), None,
-                        linear.SUMS_NONE, 1, 64)
+    gemm = linear._Gemm(
+        a,
+        b,
+        torch.float32,
+        torch.randn(9),
+        linear.EPILOGUE_GELU,
+        0,
+        torch.empty(13, 9),
+        None,
+        linear.SUMS_NONE,
+        1,
+        64,
+    )
     run, _ = gemm.trial()
     tiles = [linear.GEMM_INTERPRETER_TILE, linear.GemmTile(16, 16, 32, 1, 1)]
     assert _proof.verdicts("GEMM", gemm.key(), CPU, tiles, run) == dict.fromkeys(tiles)
@@ -168,8 +194,9 @@ def test_every_attention_candidate_is_proven_in_a_child_on_the_gpu(children, dty
         finally:
             attention.FWD_CHOOSER.forget()
 
-    assert _proof.verdicts("attention forward", ("proof", dtype), qkv.device, candidates, run) == \
-        dict.fromkeys(candidates)
+    assert _proof.verdicts(
+        "attention forward", ("proof", dtype), qkv.device, candidates, run
+    ) == dict.fromkeys(candidates)
     assert len(children) == 1
 
 
@@ -204,5 +231,8 @@ def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(ch
         return fill_run(torch.zeros(1))(tile)
 
     verdicts = _proof.verdicts("test", ("refusal",), CPU, ["refused", "first"], run)
-    assert verdicts == {"refused": "raised while recording its launches: MemoryError: out of memory", "first": None}
+    assert verdicts == {
+        "refused": "raised while recording its launches: MemoryError: out of memory",
+        "first": None,
+    }
     assert not any(" | 'refused'" in key for key in _proof._verdicts)  # not kept: may pass next time

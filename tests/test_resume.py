@@ -43,7 +43,19 @@ def assert_same_run(first, second):
         # mid-epoch (11 steps an epoch): sampler position, schedule, partial epoch metrics
         (["--model", "vit_digits", "--batch-size", "128"], 7),
         # a dropout model at an epoch boundary: the RNG state is restored
-        (["--model", "vit_mnist_postnorm", "--dataset", "synthetic", "--img-size", "14", "--batch-size", "128"], 4),
+        (
+            [
+                "--model",
+                "vit_mnist_postnorm",
+                "--dataset",
+                "synthetic",
+                "--img-size",
+                "14",
+                "--batch-size",
+                "128",
+            ],
+            4,
+        ),
     ],
     ids=["digits-mid-epoch", "dropout-epoch-boundary"],
 )
@@ -68,7 +80,12 @@ def test_resume_refuses_fewer_epochs_and_a_changed_course(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--epochs 1 is fewer than the 2 epochs the checkpoint" in err[0]
-    for option, value in (("--lr", "0.1"), ("--model", "vit_cifar10_small"), ("--seed", "9"), ("--batch-size", "64")):
+    for option, value in (
+        ("--lr", "0.1"),
+        ("--model", "vit_cifar10_small"),
+        ("--seed", "9"),
+        ("--batch-size", "64"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             train.main([*resume, option, value])
         assert exit_info.value.code == 2

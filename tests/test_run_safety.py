@@ -58,8 +58,12 @@ def test_training_again_into_a_finished_run_is_refused(finished, capsys):
     # the same command as a process: refused; and killed a couple of seconds in: nothing changes either
     command = [sys.executable, "-m", "vit.train", *FAST, "--epochs", "3", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "already holds a run" in done.stderr and "Traceback" not in done.stderr, done.stderr
-    process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert done.returncode == 2 and "already holds a run" in done.stderr and "Traceback" not in done.stderr, (
+        done.stderr
+    )
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     time.sleep(2.0)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -136,14 +140,33 @@ def test_a_non_finite_loss_stops_training_and_moves_no_link(tmp_path, capsys, mo
     assert exit_info.value.code == 2
     assert f"error: the training loss is not finite at step {steps_per_epoch + 4};" in last_line, last_line
     assert (out / checkpoint.BEST_LINK).resolve() == links[checkpoint.BEST_LINK]
-    assert checkpoint.read_meta(out)["progress"]["step"] == steps_per_epoch + 3, "the last finite step is saved"
+    assert checkpoint.read_meta(out)["progress"]["step"] == steps_per_epoch + 3, (
+        "the last finite step is saved"
+    )
 
 
 def test_the_backend_is_checked_before_any_work(tmp_path):
     env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "vit.train", *FAST, "--backend", "triton", "--device", "cpu",
-                           "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            *FAST,
+            "--backend",
+            "triton",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--backend triton cannot run here" in done.stderr and "TRITON_INTERPRET" in done.stderr
     assert not (tmp_path / "run").exists(), "nothing was started"
@@ -159,7 +182,13 @@ def test_a_resumed_runs_own_backend_is_checked_before_any_work(tmp_path, capsys)
     meta["progress"]["args"]["backend"] = "triton"  # as if trained on a GPU
     meta_file.write_text(json.dumps(meta))
     env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "vit.train", "--resume", str(out), "--epochs", "2", "--device", "cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "vit.train", "--resume", str(out), "--epochs", "2", "--device", "cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--backend triton cannot run here" in done.stderr

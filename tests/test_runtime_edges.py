@@ -34,11 +34,19 @@ def test_an_explanation_counts_its_rows_and_says_when_nothing_ran():
     assert len(empty) == 0 and empty.ran() == set()
     assert str(empty) == "vit_kernels.explain(): no op has run yet"
     journal = _explain.Journal()
-    first = journal.add(("k",), _explain.Record("linear", "cpu", "torch.float32", "(x)", False, "auto", "torch",
-                                                 "static default", "a reason"))
+    first = journal.add(
+        ("k",),
+        _explain.Record(
+            "linear", "cpu", "torch.float32", "(x)", False, "auto", "torch", "static default", "a reason"
+        ),
+    )
     first.calls = 5
-    newer = journal.add(("k",), _explain.Record("linear", "cpu", "torch.float32", "(x)", False, "auto", "triton",
-                                                 "measured", "faster"))
+    newer = journal.add(
+        ("k",),
+        _explain.Record(
+            "linear", "cpu", "torch.float32", "(x)", False, "auto", "triton", "measured", "faster"
+        ),
+    )
     assert newer is not first and newer.calls == 5  # a newer decision carries the calls over
 
 
@@ -54,11 +62,15 @@ def test_the_extension_says_why_it_cannot_run(monkeypatch):
 def test_validation_names_a_missing_or_misshapen_result():
     t = torch.ones(2, 3)
     exact = ([t.double()], [t.double()])
-    assert _measure._mismatch(([t, t], [t]), exact, exact, torch.float32) == "2 outputs, the reference gives 1"
+    assert (
+        _measure._mismatch(([t, t], [t]), exact, exact, torch.float32) == "2 outputs, the reference gives 1"
+    )
     assert _measure._mismatch(([t], [None]), ([t], [t]), exact, torch.float32) == "gradient 0 is missing"
     assert _measure._mismatch(([t], [None]), ([t], [None]), ([t.double()], [None]), torch.float32) is None
-    assert _measure._mismatch(([t.t()], [t]), ([t], [t]), exact, torch.float32) == \
-        "output 0 has shape (3, 2), the reference (2, 3)"
+    assert (
+        _measure._mismatch(([t.t()], [t]), ([t], [t]), exact, torch.float32)
+        == "output 0 has shape (3, 2), the reference (2, 3)"
+    )
 
 
 def test_a_time_that_is_not_finite_excludes_the_candidate(monkeypatch):
@@ -95,7 +107,9 @@ def test_recorded_launches_nest():
         _triton.launch("outer again", (1,))
         assert _triton.recording()
     assert not _triton.recording()
-    assert [k for k, *_ in outer] == ["outer kernel", "outer again"] and [k for k, *_ in inner] == ["inner kernel"]
+    assert [k for k, *_ in outer] == ["outer kernel", "outer again"] and [k for k, *_ in inner] == [
+        "inner kernel"
+    ]
 
 
 def test_the_cache_folder_follows_xdg_then_home(monkeypatch, tmp_path):
@@ -114,13 +128,22 @@ def test_the_cache_folder_follows_xdg_then_home(monkeypatch, tmp_path):
 
 
 def test_backend_reasons_and_the_fast_paths_limits(monkeypatch):
-    assert backend.triton_device_reason(META) in (f"Triton kernels do not run on {META.type} tensors",
-                                                  "triton is not installed (pip install triton)")
-    monkeypatch.setitem(backend._registry, "layer_norm", {k: v for k, v in backend._registry["layer_norm"].items()
-                                                          if k != "extension"})
-    assert backend.unsupported_reason("layer_norm", "extension", torch.device("cpu"), torch.float32) == \
-        "extension does not implement layer_norm"
-    monkeypatch.setattr(backend, "backend_unavailable_reason", lambda name: "gone" if name == "triton" else None)
+    assert backend.triton_device_reason(META) in (
+        f"Triton kernels do not run on {META.type} tensors",
+        "triton is not installed (pip install triton)",
+    )
+    monkeypatch.setitem(
+        backend._registry,
+        "layer_norm",
+        {k: v for k, v in backend._registry["layer_norm"].items() if k != "extension"},
+    )
+    assert (
+        backend.unsupported_reason("layer_norm", "extension", torch.device("cpu"), torch.float32)
+        == "extension does not implement layer_norm"
+    )
+    monkeypatch.setattr(
+        backend, "backend_unavailable_reason", lambda name: "gone" if name == "triton" else None
+    )
     available = backend.available_backends()
     assert available["extension"]["layer_norm"] == "not implemented by this backend"
     assert available["triton"]["layer_norm"] == "gone"
@@ -138,8 +161,9 @@ def test_gemms_with_no_rows_or_columns_still_give_their_sums():
     a = torch.randn(3, 5)
     c, sums = linear._matmul_and_sums(a, torch.randn(5, 0), torch.float32, sums=linear.SUMS_OF_A_ROWS)
     assert c.shape == (3, 0) and torch.allclose(sums, a.sum(1))
-    c, sums = linear._matmul_and_sums(torch.randn(0, 5), torch.randn(5, 4), torch.float32,
-                                      sums=linear.SUMS_OF_C_COLUMNS)
+    c, sums = linear._matmul_and_sums(
+        torch.randn(0, 5), torch.randn(5, 4), torch.float32, sums=linear.SUMS_OF_C_COLUMNS
+    )
     assert c.shape == (0, 4) and torch.equal(sums, torch.zeros(4))
     dz, bias_grad = linear._gelu_backward(torch.randn(0, 4), torch.randn(0, 4), 0, True)
     assert dz.shape == (0, 4) and torch.equal(bias_grad, torch.zeros(4))
@@ -216,8 +240,10 @@ def test_the_adapters_helpers_refuse_what_they_do_not_compute():
     module = nn.Linear(4, 4)
     module.extra = nn.ReLU()
     module.register_buffer("scale", torch.ones(1))
-    assert _common.unknown_parts(module, ["other"], ["weight", "bias"]) == \
-        "has submodules ['extra'] and parameters/buffers ['scale'] the fused layer does not compute"
+    assert (
+        _common.unknown_parts(module, ["other"], ["weight", "bias"])
+        == "has submodules ['extra'] and parameters/buffers ['scale'] the fused layer does not compute"
+    )
     assert _common.dropout_p(nn.ReLU()) is None
     assert not _common.fusable_mask(torch.ones(2, 2, dtype=torch.int64), torch.device("cpu"), 1, 1, 2)
     assert not _common.fusable_mask([[True]], torch.device("cpu"), 1, 1, 1)
@@ -243,7 +269,9 @@ def test_patching_refuses_unknown_forward_arguments_and_parts(monkeypatch):
 
     # as under a torch whose MultiheadAttention.forward takes an argument the fused layer does not
     monkeypatch.setattr(torch_nn, "MHA_ARGS", [a for a in torch_nn.MHA_ARGS if a != "need_weights"])
-    skipped = dict(vk.patch_model(nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))).skipped)
+    skipped = dict(
+        vk.patch_model(nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))).skipped
+    )
     assert "self_attn forward takes argument(s) ['need_weights']" in skipped["0"]
     monkeypatch.undo()
     extra_part = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32))

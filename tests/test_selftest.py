@@ -72,7 +72,10 @@ def test_exact_implementation_passes(registered):
     registered("exact", _exact)
     row = selftest.check_op("layer_norm", "exact", torch.float32, CPU, timed=False)
     assert row["passed"], row
-    assert row["max_error"] <= row["pytorch_error"] * selftest.ERROR_RATIO or row["max_error"] <= row["error_floor"]
+    assert (
+        row["max_error"] <= row["pytorch_error"] * selftest.ERROR_RATIO
+        or row["max_error"] <= row["error_floor"]
+    )
 
 
 def test_torch_backend_is_pytorchs_own_error():
@@ -91,15 +94,25 @@ def test_floor_spares_exact_cases_only():
 
 
 def test_pytest_exit_5_is_a_failure():
-    assert gpu_tests.passed(0) and not gpu_tests.passed(gpu_tests.NO_TESTS_COLLECTED) and not gpu_tests.passed(1)
+    assert (
+        gpu_tests.passed(0) and not gpu_tests.passed(gpu_tests.NO_TESTS_COLLECTED) and not gpu_tests.passed(1)
+    )
     assert gpu_tests.counts("3 failed, 40 passed, 2 skipped, 1 error in 9.1s") == {
-        "passed": 40, "failed": 3, "skipped": 2, "errors": 1, "deselected": 0}
+        "passed": 40,
+        "failed": 3,
+        "skipped": 2,
+        "errors": 1,
+        "deselected": 0,
+    }
 
 
 def test_main_fails_when_no_gpu_test_ran(monkeypatch, tmp_path):
     """On a GPU, a ``pytest -m gpu`` run that collects nothing fails the selftest."""
     monkeypatch.setattr(selftest, "header", lambda: {"gpu": True})
     monkeypatch.setattr(selftest, "cases", lambda: iter(()))
-    monkeypatch.setattr(gpu_tests, "run_gpu_tests", lambda: {
-        "ran": True, "exit_code": 5, "summary": "no tests ran", "passed": gpu_tests.passed(5)})
+    monkeypatch.setattr(
+        gpu_tests,
+        "run_gpu_tests",
+        lambda: {"ran": True, "exit_code": 5, "summary": "no tests ran", "passed": gpu_tests.passed(5)},
+    )
     assert selftest.main(["--out", str(tmp_path / "r.json")]) == 1

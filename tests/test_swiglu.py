@@ -11,15 +11,28 @@ import vit_kernels as vk
 from vit_kernels import backend
 from vit_kernels.nn import SwiGLU
 from vit_kernels.ops import swiglu as swiglu_ops
-from tests.helpers import (CPU_BACKENDS, CUDA, DTYPE_NAMES, assert_within_pytorch_error, check_against_formula,
-                           cuda_kernel_dtypes, cuda_param, device_reason)
+from tests.helpers import (
+    CPU_BACKENDS,
+    CUDA,
+    DTYPE_NAMES,
+    assert_within_pytorch_error,
+    check_against_formula,
+    cuda_kernel_dtypes,
+    cuda_param,
+    device_reason,
+)
 
 HAS_TRITON_CPU = "triton" in CPU_BACKENDS
-needs_triton = pytest.mark.skipif(not HAS_TRITON_CPU, reason="the Triton backend needs TRITON_INTERPRET=1 on the CPU")
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON_CPU, reason="the Triton backend needs TRITON_INTERPRET=1 on the CPU"
+)
 # (backend, dtype) on the CPU: the reference in float64 and float32, Triton (interpreted) in float32
 # and float16, and auto (which never picks interpreted Triton) in float32.
-CPU_PAIRS = [("torch", torch.float64), ("torch", torch.float32)] + (
-    [("triton", torch.float32), ("triton", torch.float16)] if HAS_TRITON_CPU else []) + [("auto", torch.float32)]
+CPU_PAIRS = (
+    [("torch", torch.float64), ("torch", torch.float32)]
+    + ([("triton", torch.float32), ("triton", torch.float16)] if HAS_TRITON_CPU else [])
+    + [("auto", torch.float32)]
+)
 
 
 def device_backend_dtypes(op: str) -> list:
@@ -54,10 +67,16 @@ def make_inputs(x_shape, hidden, out, with_bias, with_residual, gen=None):
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen) * scale
 
-    return [randn(*x_shape), randn(hidden, d, scale=1 / math.sqrt(max(d, 1))), randn(hidden) if with_bias else None,
-            randn(hidden, d, scale=1 / math.sqrt(max(d, 1))), randn(hidden) if with_bias else None,
-            randn(out, hidden, scale=1 / math.sqrt(hidden)), randn(out) if with_bias else None,
-            randn(*x_shape[:-1], out) if with_residual else None]
+    return [
+        randn(*x_shape),
+        randn(hidden, d, scale=1 / math.sqrt(max(d, 1))),
+        randn(hidden) if with_bias else None,
+        randn(hidden, d, scale=1 / math.sqrt(max(d, 1))),
+        randn(hidden) if with_bias else None,
+        randn(out, hidden, scale=1 / math.sqrt(hidden)),
+        randn(out) if with_bias else None,
+        randn(*x_shape[:-1], out) if with_residual else None,
+    ]
 
 
 def swiglu_call(x, wg, bg, wu, bu):
@@ -97,10 +116,12 @@ def test_strided_and_transposed_operands(backend_name):
     residual = torch.randn(3, 16, 9).transpose(1, 2)
     assert not wg.is_contiguous() and bg.stride() == (2,) and residual.stride(-1) != 1
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(swiglu_mlp_call, swiglu_mlp_formula, [x, wg, bg, wu, bu, wd, bd, residual],
-                              torch.float32, NAMES)
-        check_against_formula(swiglu_call, swiglu_formula, [x.transpose(0, 1), wg, bg, wu, None], torch.float32,
-                              NAMES[:5])
+        check_against_formula(
+            swiglu_mlp_call, swiglu_mlp_formula, [x, wg, bg, wu, bu, wd, bd, residual], torch.float32, NAMES
+        )
+        check_against_formula(
+            swiglu_call, swiglu_formula, [x.transpose(0, 1), wg, bg, wu, None], torch.float32, NAMES[:5]
+        )
 
 
 @pytest.mark.parametrize("backend_name", ["torch"] + (["triton"] if HAS_TRITON_CPU else []))
@@ -118,8 +139,14 @@ def test_without_gradients(backend_name, dtype):
             own, own_hidden = swiglu_mlp_call(*cast), swiglu_call(*cast[:5])
     assert out.dtype == dtype and out.shape == exact.shape
     assert_within_pytorch_error("output", out, own, exact, dtype, torch.device("cpu"))
-    assert_within_pytorch_error("hidden", hidden, own_hidden, swiglu_formula(*(t.double() for t in inputs[:5])),
-                                dtype, torch.device("cpu"))
+    assert_within_pytorch_error(
+        "hidden",
+        hidden,
+        own_hidden,
+        swiglu_formula(*(t.double() for t in inputs[:5])),
+        dtype,
+        torch.device("cpu"),
+    )
 
 
 @needs_triton
@@ -133,8 +160,11 @@ def test_triton_inference_writes_no_preactivations():
     def launches(grad: bool) -> list:
         with simulated_cuda(90) as device:
             x = torch.empty(4, 197, 64, device="cuda", requires_grad=grad)
-            wg, wu, b = (torch.empty(171, 64, device="cuda"), torch.empty(171, 64, device="cuda"),
-                         torch.empty(171, device="cuda"))
+            wg, wu, b = (
+                torch.empty(171, 64, device="cuda"),
+                torch.empty(171, 64, device="cuda"),
+                torch.empty(171, device="cuda"),
+            )
             wd, r = torch.empty(64, 171, device="cuda"), torch.empty(4, 197, 64, device="cuda")
             swiglu.swiglu_triton(x, wg, b, wu, b)
             swiglu.swiglu_mlp_triton(x, wg, b, wu, b, wd, None, r)
@@ -173,7 +203,9 @@ def test_triton_gating_backward_and_bias_sums(dtype):
 def timm_swiglu(state: dict, x: torch.Tensor, norm_eps=None) -> torch.Tensor:
     """timm.layers.mlp.SwiGLU.forward in float64, from its state dict: fc2(norm(silu(fc1_g(x)) * fc1_x(x)))."""
     s = {k: v.double() for k, v in state.items()}
-    h = silu(F.linear(x, s["fc1_g.weight"], s.get("fc1_g.bias"))) * F.linear(x, s["fc1_x.weight"], s.get("fc1_x.bias"))
+    h = silu(F.linear(x, s["fc1_g.weight"], s.get("fc1_g.bias"))) * F.linear(
+        x, s["fc1_x.weight"], s.get("fc1_x.bias")
+    )
     if norm_eps is not None:
         h = F.layer_norm(h, h.shape[-1:], s["norm.weight"], s["norm.bias"], norm_eps)
     return F.linear(h, s["fc2.weight"], s.get("fc2.bias"))
@@ -187,8 +219,11 @@ def test_layer_loads_timm_state_dict(backend_name, norm, bias):
     computes timm's formula, with the residual added."""
     d, hidden, out = 24, 64, 24
     keys = ["fc1_g.weight", "fc1_x.weight", "fc2.weight"]
-    state = {"fc1_g.weight": torch.randn(hidden, d) / 5, "fc1_x.weight": torch.randn(hidden, d) / 5,
-             "fc2.weight": torch.randn(out, hidden) / 8}
+    state = {
+        "fc1_g.weight": torch.randn(hidden, d) / 5,
+        "fc1_x.weight": torch.randn(hidden, d) / 5,
+        "fc2.weight": torch.randn(out, hidden) / 8,
+    }
     hidden_bias, out_bias = bias if isinstance(bias, tuple) else (bias, bias)
     if hidden_bias:
         state.update({"fc1_g.bias": torch.randn(hidden), "fc1_x.bias": torch.randn(hidden)})
@@ -203,7 +238,9 @@ def test_layer_loads_timm_state_dict(backend_name, norm, bias):
     exact = timm_swiglu(state, x.double(), 1e-6 if norm else None)
     with vk.use_backend(backend_name, strict=True), torch.no_grad():
         torch.testing.assert_close(layer(x).double(), exact, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(layer(x, residual=residual).double(), exact + residual, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            layer(x, residual=residual).double(), exact + residual, atol=1e-4, rtol=1e-4
+        )
     y = layer.train()(x.requires_grad_())
     y.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
@@ -228,11 +265,24 @@ BAD_CALLS = [
     ("swiglu", (torch.randn(2, 4), W, None, W.double(), None), TypeError, "up_weight"),
     ("swiglu", (torch.randn(2, 4), W, None, "W", None), TypeError, "up_weight"),
     ("swiglu_mlp", (torch.randn(2, 4), W, None, W, None, torch.randn(3, 5), None), ValueError, "down_weight"),
-    ("swiglu_mlp", (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), torch.randn(4)), ValueError, "down_bias"),
-    ("swiglu_mlp", (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), None, torch.randn(2, 4)), ValueError,
-     "residual"),
-    ("swiglu_mlp", (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), None, torch.randn(2, 3).half()),
-     TypeError, "residual"),
+    (
+        "swiglu_mlp",
+        (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), torch.randn(4)),
+        ValueError,
+        "down_bias",
+    ),
+    (
+        "swiglu_mlp",
+        (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), None, torch.randn(2, 4)),
+        ValueError,
+        "residual",
+    ),
+    (
+        "swiglu_mlp",
+        (torch.randn(2, 4), W, None, W, None, torch.randn(3, 6), None, torch.randn(2, 3).half()),
+        TypeError,
+        "residual",
+    ),
 ]
 
 
@@ -248,7 +298,9 @@ def test_bad_inputs_name_the_argument(op, args, error, name):
 def test_extension_declares_no_kernel():
     """The extension has no SwiGLU kernel: its table says so (strict raises naming it), auto runs another."""
     for op in ("swiglu", "swiglu_mlp"):
-        assert "no SwiGLU kernel" in backend.unsupported_reason(op, "extension", torch.device("cpu"), torch.float32)
+        assert "no SwiGLU kernel" in backend.unsupported_reason(
+            op, "extension", torch.device("cpu"), torch.float32
+        )
     with vk.use_backend("extension", strict=True), pytest.raises(backend.CannotRunError, match="SwiGLU"):
         vk.swiglu(torch.randn(2, 4), W, None, W, None)
 
@@ -283,10 +335,13 @@ def test_non_finite_and_saturating_values_match_pytorch(backend_name, value):
         actual = run(ours)
     for what, a, e in zip(["output"] + [f"d{n}" for n in NAMES[:7]], actual, expected):
         assert torch.equal(a.isnan(), e.isnan()), (
-            f"{what}: NaN at {a.isnan().nonzero().tolist()}, PyTorch at {e.isnan().nonzero().tolist()}")
+            f"{what}: NaN at {a.isnan().nonzero().tolist()}, PyTorch at {e.isnan().nonzero().tolist()}"
+        )
         assert torch.equal(a.isposinf(), e.isposinf()) and torch.equal(a.isneginf(), e.isneginf()), what
         finite = e.isfinite()
-        torch.testing.assert_close(a[finite], e[finite], atol=1e-3, rtol=1e-4, msg=lambda m, what=what: f"{what}: {m}")
+        torch.testing.assert_close(
+            a[finite], e[finite], atol=1e-3, rtol=1e-4, msg=lambda m, what=what: f"{what}: {m}"
+        )
 
 
 @pytest.mark.parametrize("backend_name", ["torch"] + (["triton"] if HAS_TRITON_CPU else []))
@@ -308,10 +363,15 @@ CUDA_SKIP = device_reason("triton", CUDA)
 
 
 def dual_tile_cases() -> list:
-    return [cuda_param(dtype, tile, id=f"{DTYPE_NAMES[dtype]}-{'x'.join(map(str, tile))}", skip_reason=CUDA_SKIP)
-            for dtypes, tiles in (((torch.float16, torch.bfloat16), swiglu_ops.SWIGLU_TILES_16BIT),
-                                  ((torch.float32,), swiglu_ops.SWIGLU_TILES_FP32))
-            for dtype in dtypes for tile in tiles]
+    return [
+        cuda_param(dtype, tile, id=f"{DTYPE_NAMES[dtype]}-{'x'.join(map(str, tile))}", skip_reason=CUDA_SKIP)
+        for dtypes, tiles in (
+            ((torch.float16, torch.bfloat16), swiglu_ops.SWIGLU_TILES_16BIT),
+            ((torch.float32,), swiglu_ops.SWIGLU_TILES_FP32),
+        )
+        for dtype in dtypes
+        for tile in tiles
+    ]
 
 
 @pytest.mark.parametrize("dtype,tile", dual_tile_cases())
@@ -324,8 +384,13 @@ def test_dual_gemm_tile_on_the_gpu(monkeypatch, dtype, tile):
     assert launched, "the dual GEMM did not run the pinned tile"
 
 
-@pytest.mark.parametrize("dtype", [cuda_param(torch.bfloat16, id="bf16", skip_reason=CUDA_SKIP),
-                                   cuda_param(torch.float32, id="fp32", skip_reason=CUDA_SKIP)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        cuda_param(torch.bfloat16, id="bf16", skip_reason=CUDA_SKIP),
+        cuda_param(torch.float32, id="fp32", skip_reason=CUDA_SKIP),
+    ],
+)
 def test_dual_gemm_tile_choice_on_the_gpu(dtype):
     """As a user's first call makes it: every candidate validated and timed, the fastest right one kept."""
     swiglu_ops.SWIGLU_CHOOSER.forget()

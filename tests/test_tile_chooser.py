@@ -71,8 +71,11 @@ def test_a_first_call_on_a_gpu_launches_every_candidate(dtype, head_dim):
     launches = device.launches
 
     def tiles(name, block):
-        return {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
-                for l in launches if l.kernel.fn.__name__ == name}
+        return {
+            (l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
+            for l in launches
+            if l.kernel.fn.__name__ == name
+        }
 
     assert tiles("_attention_fwd_kernel", 0) == set(attention.fwd_candidates(dtype, head_dim, 197))
     pairs = attention.bwd_candidates(dtype, head_dim, 197)
@@ -96,8 +99,9 @@ def test_the_attention_check_catches_a_wrong_dk(dtype):
     scale = 16**-0.5
     exact = attention._reference_attention(qkv, 2, scale, grad_out, torch.float64)
     right = torch.cat(exact, dim=-1).to(dtype)
-    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outs: list(outs[0].chunk(3, dim=-1)),
-                                             qkv, 2, scale, grad_out)
+    check = attention._check_against_pytorch(
+        ["dq", "dk", "dv"], lambda outs: list(outs[0].chunk(3, dim=-1)), qkv, 2, scale, grad_out
+    )
     assert check([right]) is None
     dq, dk, dv = (t.double() for t in exact)
     noise = torch.randn_like(dk) * dk.abs().max() * 0.02
@@ -112,12 +116,22 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
     measurable.update({(64, 64, 4, 3): 0.2, (128, 64, 8, 3): 0.1})
     attention.FWD_CHOOSER.forget()
     try:
-        attention.FWD_CHOOSER.choose(("torch.bfloat16", 64, 197, 256), torch.device("cpu"),
-                                     [(64, 64, 4, 3), (128, 64, 8, 3)], lambda tile: [torch.zeros(1)],
-                                     lambda outputs: None)
+        attention.FWD_CHOOSER.choose(
+            ("torch.bfloat16", 64, 197, 256),
+            torch.device("cpu"),
+            [(64, 64, 4, 3), (128, 64, 8, 3)],
+            lambda tile: [torch.zeros(1)],
+            lambda outputs: None,
+        )
         rows = attention.tile_report()
-        assert rows == [{"kernel": "forward", "key": ["torch.bfloat16", 64, 197, 256], "chosen": "(128, 64, 8, 3)",
-                         "candidates": {"(64, 64, 4, 3)": 0.2, "(128, 64, 8, 3)": 0.1}}]
+        assert rows == [
+            {
+                "kernel": "forward",
+                "key": ["torch.bfloat16", 64, 197, 256],
+                "chosen": "(128, 64, 8, 3)",
+                "candidates": {"(64, 64, 4, 3)": 0.2, "(128, 64, 8, 3)": 0.1},
+            }
+        ]
         text = "\n".join(gpu_report_markdown._tiles({"attention_tiles": rows}))
         assert "| forward | torch.bfloat16, 64, 197, 256 | (128, 64, 8, 3) |" in text
     finally:
@@ -147,8 +161,13 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
     measurable.update({"a": 1.0})
     chooser = _tiles.TileChooser("test")
     qkv = torch.empty(2, 17, 3 * 2 * 16, device="meta")
-    chooser.choose(attention._chooser_key(qkv, 2), torch.device("cpu"), ["a"], lambda t: [torch.zeros(1)],
-                   lambda outputs: None)
+    chooser.choose(
+        attention._chooser_key(qkv, 2),
+        torch.device("cpu"),
+        ["a"],
+        lambda t: [torch.zeros(1)],
+        lambda outputs: None,
+    )
 
     def trial():
         raise AssertionError("built the trial of a decided key")
@@ -178,9 +197,10 @@ def test_validation_rejects_the_wrong_dk_the_h100_found(dtype, relative_error):
     to 8.4e-2 of its largest magnitude), while the right dK, rounded to the dtype, passes."""
     qkv = (torch.randn(2, 50, 3 * 128, dtype=torch.float64) * 2).to(dtype)
     grad_out = torch.randn(2, 50, 128, dtype=torch.float64).to(dtype)
-    scale = 64 ** -0.5
-    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)),
-                                             qkv, 2, scale, grad_out)
+    scale = 64**-0.5
+    check = attention._check_against_pytorch(
+        ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, scale, grad_out
+    )
     exact = torch.cat(attention._reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
     assert check([exact.to(dtype)]) is None
     dq, dk, dv = exact.chunk(3, dim=-1)
@@ -196,9 +216,12 @@ def test_validation_passes_exact_zero_gradients_at_length_1(dtype):
     candidate was refused against those residues), and a dQ as large as dV still fails."""
     qkv = torch.randn(4, 1, 3 * 32, dtype=torch.float64).to(dtype)
     grad_out = torch.randn(4, 1, 32, dtype=torch.float64).to(dtype)
-    check = attention._check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)),
-                                             qkv, 2, 16 ** -0.5, grad_out)
-    _, _, dv = torch.cat(attention._reference_attention(qkv, 2, 16 ** -0.5, grad_out, torch.float64), -1).chunk(3, -1)
+    check = attention._check_against_pytorch(
+        ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, 16**-0.5, grad_out
+    )
+    _, _, dv = torch.cat(attention._reference_attention(qkv, 2, 16**-0.5, grad_out, torch.float64), -1).chunk(
+        3, -1
+    )
     zeros = torch.zeros_like(dv)
     assert check([torch.cat([zeros, zeros, dv], dim=-1).to(dtype)]) is None
     problem = check([torch.cat([dv, zeros, dv], dim=-1).to(dtype)])
@@ -209,12 +232,17 @@ def test_a_part_is_judged_against_at_least_a_share_of_its_siblings_scale():
     exact = torch.tensor([1e-17, -1e-17], dtype=torch.float64)
     big = torch.full((2,), 3.0, dtype=torch.float64)
     residue = torch.tensor([2e-9, 0.0])  # 2e-9 / (1e-3 x 3) = 6.7e-7 relative: below float32's floor
-    assert _tiles.first_problem([("small", residue, torch.zeros(2), exact), ("big", big.float(), big.float(), big)],
-                                1e-5) is None
+    assert (
+        _tiles.first_problem(
+            [("small", residue, torch.zeros(2), exact), ("big", big.float(), big.float(), big)], 1e-5
+        )
+        is None
+    )
     assert _tiles.first_problem([("small", residue, torch.zeros(2), exact)], 1e-5).startswith("small")
     wrong = torch.tensor([1e-4, 0.0])  # 3.3e-2 relative to the siblings' scale
-    assert _tiles.first_problem([("small", wrong, torch.zeros(2), exact), ("big", big.float(), big.float(), big)],
-                                1e-5).startswith("small")
+    assert _tiles.first_problem(
+        [("small", wrong, torch.zeros(2), exact), ("big", big.float(), big.float(), big)], 1e-5
+    ).startswith("small")
 
 
 def test_an_empty_problem_decides_nothing(measurable):
@@ -228,10 +256,17 @@ def test_an_empty_problem_decides_nothing(measurable):
         return None
 
     device = torch.device("cpu")
-    assert chooser.choose(("k",), device, ["a", "b"], lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check) == "a"
+    assert (
+        chooser.choose(("k",), device, ["a", "b"], lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check)
+        == "a"
+    )
     assert chooser.chosen(("k",)) is None and checked == []
-    assert _tiles.first_problem([("dW", torch.zeros(5, 0), torch.zeros(5, 0), torch.zeros(5, 0, dtype=torch.float64))],
-                                1e-5) is None
+    assert (
+        _tiles.first_problem(
+            [("dW", torch.zeros(5, 0), torch.zeros(5, 0), torch.zeros(5, 0, dtype=torch.float64))], 1e-5
+        )
+        is None
+    )
 
 
 def test_tile_validation_runs_without_autocast():
@@ -244,8 +279,11 @@ def test_tile_validation_runs_without_autocast():
         seen.append(torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
         return []
 
-    with torch.autocast("cpu", dtype=torch.bfloat16), mock.patch.object(_tiles, "can_measure", lambda device: True), \
-            mock.patch.object(_timer, "time_runs", fake_timer()):
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        mock.patch.object(_tiles, "can_measure", lambda device: True),
+        mock.patch.object(_timer, "time_runs", fake_timer()),
+    ):
         chooser.choose(("key",), torch.device("cpu"), [(1,)], run, lambda outputs: None)
     assert seen and not any(seen)
 
@@ -259,22 +297,27 @@ def test_tile_choices_persist_on_disk(tmp_path):
         calls.append(tile)
         return []
 
-    patches = (mock.patch.object(_tiles, "can_measure", lambda device: True),
-               mock.patch.object(_timer, "time_runs", fake_timer(lambda tile: float(tile[0]))))
+    patches = (
+        mock.patch.object(_tiles, "can_measure", lambda device: True),
+        mock.patch.object(_timer, "time_runs", fake_timer(lambda tile: float(tile[0]))),
+    )
     previous = _tiles._disk
     _tiles.set_cache_folder(tmp_path)
     try:
         with patches[0], patches[1]:
-            first = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))],
-                                                           run, lambda outputs: None)
+            first = _tiles.TileChooser("persisted").choose(
+                ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
+            )
             assert first == (2, (1, 2))
             calls.clear()
             _tiles.set_cache_folder(tmp_path)  # a new process reads the file
-            again = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))],
-                                                           run, lambda outputs: None)
+            again = _tiles.TileChooser("persisted").choose(
+                ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
+            )
             assert again == (2, (1, 2)) and calls == []
-            changed = _tiles.TileChooser("persisted").choose(("k",), torch.device("cpu"), [(5, (1, 2))],
-                                                             run, lambda outputs: None)
+            changed = _tiles.TileChooser("persisted").choose(
+                ("k",), torch.device("cpu"), [(5, (1, 2))], run, lambda outputs: None
+            )
             assert changed == (5, (1, 2)) and calls
     finally:
         _tiles._disk = previous

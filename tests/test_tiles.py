@@ -31,7 +31,12 @@ from tests.helpers import CUDA, DTYPE_NAMES, check_against_formula, cuda_param, 
 from tests.test_attention import formula_out, out_only
 from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
-from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES, make_inputs, patch_embed_formula, run_patch_embed
+from tests.test_patch_embed import (
+    NAMES as PATCH_EMBED_NAMES,
+    make_inputs,
+    patch_embed_formula,
+    run_patch_embed,
+)
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import attention, layer_norm, linear, patch_embed
 
@@ -91,6 +96,7 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
         def choose(*args):
             launched.append(tiles)
             return tiles
+
         return choose
 
     fitted = attention._fitted(fwd, LENGTH), tuple(attention._fitted(t, LENGTH) for t in pair)
@@ -99,8 +105,16 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
     heads = 2
     qkv = torch.randn(2, LENGTH, 3 * heads * head_dim)
     with vk.use_backend("triton", strict=True):
-        check_against_formula(out_only, formula_out, [qkv], dtype, ["qkv"], CUDA,
-                              grad_parts={"qkv": ("q", "k", "v")}, num_heads=heads)
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            CUDA,
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=heads,
+        )
     assert set(launched) == set(fitted), "the launchers did not run the pinned tiles"
 
 
@@ -110,9 +124,13 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
 def gemm_cases(op: str) -> list:
     return [
         cuda_param(dtype, tile, id=f"{op}-{DTYPE_NAMES[dtype]}-{tile_id(tile)}", skip_reason=SKIP)
-        for dtypes, tiles in (((torch.float16, torch.bfloat16),
-                               linear.GEMM_TILES_16BIT + (linear.GEMM_TILES_TMA if op != "patch_embed" else ())),
-                              ((torch.float32,), linear.GEMM_TILES_FP32))
+        for dtypes, tiles in (
+            (
+                (torch.float16, torch.bfloat16),
+                linear.GEMM_TILES_16BIT + (linear.GEMM_TILES_TMA if op != "patch_embed" else ()),
+            ),
+            ((torch.float32,), linear.GEMM_TILES_FP32),
+        )
         for dtype in dtypes
         for tile in tiles
     ]
@@ -131,11 +149,19 @@ def linear_inputs(n_out: int = N) -> list:
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear"))
 def test_linear_tile(monkeypatch, dtype, tile):
     launched = pin(monkeypatch, linear, "_matmul_tile", tile)
-    assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, "the weight gradient must take the split-K path"
+    assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, (
+        "the weight gradient must take the split-K path"
+    )
     inputs = linear_inputs() + [torch.randn(*ROWS, N)]
     with vk.use_backend("triton", strict=True):
-        check_against_formula(lambda x, w, b, r: vk.linear(x, w, b, residual=r), linear_formula, inputs, dtype,
-                              ["x", "weight", "bias", "residual"], CUDA)
+        check_against_formula(
+            lambda x, w, b, r: vk.linear(x, w, b, residual=r),
+            linear_formula,
+            inputs,
+            dtype,
+            ["x", "weight", "bias", "residual"],
+            CUDA,
+        )
     assert launched, "the GEMMs did not run the pinned tile"
 
 
@@ -143,9 +169,14 @@ def test_linear_tile(monkeypatch, dtype, tile):
 def test_linear_gelu_tile(monkeypatch, dtype, tile):
     launched = pin(monkeypatch, linear, "_matmul_tile", tile)
     with vk.use_backend("triton", strict=True):
-        check_against_formula(lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
-                              lambda x, w, b: linear_gelu_formula(x, w, b, "tanh"), linear_inputs(), dtype,
-                              ["x", "weight", "bias"], CUDA)
+        check_against_formula(
+            lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
+            lambda x, w, b: linear_gelu_formula(x, w, b, "tanh"),
+            linear_inputs(),
+            dtype,
+            ["x", "weight", "bias"],
+            CUDA,
+        )
     assert launched, "the GEMMs did not run the pinned tile"
 
 
@@ -161,8 +192,14 @@ def test_mlp_tile(monkeypatch, dtype, tile):
         return vk.mlp(x, w1, b1, w2, b2, residual=r)
 
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run, lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"), inputs,
-                              dtype, ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"], CUDA)
+        check_against_formula(
+            run,
+            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
+            inputs,
+            dtype,
+            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+            CUDA,
+        )
     assert launched, "the GEMMs did not run the pinned tile"
 
 
@@ -172,13 +209,19 @@ def test_patch_embed_tile(monkeypatch, dtype, tile):
     launched = pin(monkeypatch, patch_embed, "fwd_tile", tile)
     inputs = make_inputs(6, 3, 96, 96, 16, N)
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA,
-                              patch_size=16)
+        check_against_formula(
+            run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA, patch_size=16
+        )
     assert launched, "the forward did not run the pinned tile"
 
 
-@pytest.mark.parametrize("dtype", [cuda_param(torch.bfloat16, id="bf16", skip_reason=SKIP),
-                                   cuda_param(torch.float32, id="fp32", skip_reason=SKIP)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        cuda_param(torch.bfloat16, id="bf16", skip_reason=SKIP),
+        cuda_param(torch.float32, id="fp32", skip_reason=SKIP),
+    ],
+)
 def test_gemm_tile_choice_on_the_gpu(dtype):
     """The choice as a user's first call makes it: the fused bias + GELU GEMM of a ViT-B fc1 at batch 24
     (with more rows than are validated), every candidate validated and timed, the fastest one kept
@@ -237,6 +280,13 @@ def test_layer_norm_tile(monkeypatch, dtype, dim, fwd_tile, bwd_tile):
     rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
     inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
     with vk.use_backend("triton", strict=True):
-        check_against_formula(run_layer_norm, layer_norm_formula, inputs, dtype, ["x", "weight", "bias", "residual"],
-                              CUDA, eps=1e-5)
+        check_against_formula(
+            run_layer_norm,
+            layer_norm_formula,
+            inputs,
+            dtype,
+            ["x", "weight", "bias", "residual"],
+            CUDA,
+            eps=1e-5,
+        )
     assert set(launched) == {fwd_tile, bwd_tile}, "the launchers did not run the pinned tiles"

@@ -64,8 +64,10 @@ class _Events:
         self.log.append("sync")
 
     def patches(self):
-        return (mock.patch.object(torch.cuda, "Event", self.Event),
-                mock.patch.object(torch.cuda, "synchronize", self.synchronize))
+        return (
+            mock.patch.object(torch.cuda, "Event", self.Event),
+            mock.patch.object(torch.cuda, "synchronize", self.synchronize),
+        )
 
 
 def _on_cuda(back_to_back: bool):

@@ -40,13 +40,16 @@ def images(model: vit.ViT, batch: int = 2) -> torch.Tensor:
 # ---- round trips ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("vit_tiny_patch16_224", TINY),
-    ("vit_mnist_postnorm", {"depth": 1}),
-    ("vit_mnist_sincos", {}),
-    ("vit_digits", {"depth": 1}),
-    ("vit_base_patch16_siglip_224", {**TINY, "num_heads": 2}),
-])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("vit_tiny_patch16_224", TINY),
+        ("vit_mnist_postnorm", {"depth": 1}),
+        ("vit_mnist_sincos", {}),
+        ("vit_digits", {"depth": 1}),
+        ("vit_base_patch16_siglip_224", {**TINY, "num_heads": 2}),
+    ],
+)
 def test_own_state_dict_round_trips(tmp_path, name, overrides):
     source = vit.create_model(name, **overrides).eval()
     path = saved(tmp_path, source.state_dict())
@@ -62,7 +65,12 @@ def test_load_pretrained_reports_and_casts_to_the_model_dtype(tmp_path):
     path = saved(tmp_path, {k: v.float() for k, v in source.state_dict().items()})
     target = vit.create_model("vit_tiny_patch16_224", **TINY).double()
     report = load_pretrained(target, path)
-    assert (report.source, report.pos_embed_resampled, report.head_loaded, report.unused) == ("timm", None, True, ())
+    assert (report.source, report.pos_embed_resampled, report.head_loaded, report.unused) == (
+        "timm",
+        None,
+        True,
+        (),
+    )
     assert target.pos_embed.dtype == torch.float64
     torch.testing.assert_close(target.pos_embed, source.pos_embed.float().double(), rtol=0, atol=0)
 
@@ -84,7 +92,9 @@ def test_resampling_keeps_a_constant_grid_and_the_class_token(old, new):
     out = resample_pos_embed(embed, (new, new), (old, old))
     assert out.shape == (1, 1 + new * new, 3) and out.dtype == torch.float64
     torch.testing.assert_close(out[:, 0], embed[:, 0], rtol=0, atol=0)
-    torch.testing.assert_close(out[:, 1:], torch.full((1, new * new, 3), -2.5, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        out[:, 1:], torch.full((1, new * new, 3), -2.5, dtype=torch.float64), rtol=0, atol=1e-6
+    )
 
 
 def test_resampling_a_linear_ramp_is_linear_inside_the_grid():
@@ -98,7 +108,9 @@ def test_resampling_a_linear_ramp_is_linear_inside_the_grid():
     expected = 0.5 * coords[:, None] - 1.25 * coords[None, :] + 3.0
     assert inside.sum() >= 6
     torch.testing.assert_close(out[inside][:, inside], expected[inside][:, inside], rtol=0, atol=1e-5)
-    assert (out.diff(dim=0) > 0).all() and (out.diff(dim=1) < 0).all(), "the ramp stays monotonic up to the borders"
+    assert (out.diff(dim=0) > 0).all() and (out.diff(dim=1) < 0).all(), (
+        "the ramp stays monotonic up to the borders"
+    )
 
 
 def test_resampling_without_a_class_token_and_in_half_precision():
@@ -150,7 +162,9 @@ def test_another_num_classes_keeps_the_model_head_and_loads_the_rest(tmp_path, n
     x = images(source)
     assert torch.equal(target.forward_features(x), source.forward_features(x))
     if num_classes:
-        assert torch.equal(target.head.weight, fresh.head.weight) and torch.equal(target.head.bias, fresh.head.bias)
+        assert torch.equal(target.head.weight, fresh.head.weight) and torch.equal(
+            target.head.bias, fresh.head.bias
+        )
         assert target(x).shape == (2, num_classes)
     else:
         assert isinstance(target.head, nn.Identity) and target(x).shape == (2, TINY["embed_dim"])
@@ -178,7 +192,9 @@ def test_pickled_checkpoints_are_refused_by_name(tmp_path, suffix):
 def test_pickled_or_broken_contents_are_refused(tmp_path):
     disguised = tmp_path / "disguised.safetensors"
     torch.save(tiny().state_dict(), disguised)
-    with pytest.raises(ValueError, match=r"is a pickled \(torch.save\) checkpoint, which is not loaded: convert it"):
+    with pytest.raises(
+        ValueError, match=r"is a pickled \(torch.save\) checkpoint, which is not loaded: convert it"
+    ):
         load_pretrained(tiny(), disguised)
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
@@ -190,7 +206,9 @@ def test_pickled_or_broken_contents_are_refused(tmp_path):
 
 def test_unknown_formats_are_refused_with_their_keys(tmp_path):
     path = saved(tmp_path, {"backbone.stem.weight": torch.zeros(2), "fc.weight": torch.zeros(2, 2)})
-    with pytest.raises(ValueError, match="cannot tell its format .* its keys start backbone.stem.weight, fc.weight"):
+    with pytest.raises(
+        ValueError, match="cannot tell its format .* its keys start backbone.stem.weight, fc.weight"
+    ):
         load_pretrained(tiny(), path)
 
 
@@ -207,19 +225,33 @@ def test_missing_unexpected_and_mis_shaped_keys_are_named(tmp_path):
     assert "missing (1): blocks.1.mlp.fc2.bias" in message
     assert "unexpected (1): blocks.0.attn.q_norm.weight" in message
     assert "shape mismatch (1): blocks.0.norm1.bias: (23,) (model's blocks.0.norm1.bias: (24,))" in message
-    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items()), "nothing may be copied"
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items()), (
+        "nothing may be copied"
+    )
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ({"depth": 1}, r"depth: checkpoint 2, model 1\). .*create_model\(name, checkpoint_path=\.\.\., depth=2\)"),
-    ({"embed_dim": 12, "num_heads": 2}, r"embed_dim: checkpoint 24, model 12; mlp_hidden_dim: checkpoint 96, model 48"),
-    ({"patch_size": 8}, r"patch_size: checkpoint 4, model 8\).*patch_size=4\) \(with an img_size .* not supported"),
-    ({"in_chans": 1}, r"in_chans: checkpoint 3, model 1"),
-    ({"mlp_ratio": 2.0}, r"mlp_hidden_dim: checkpoint 96, model 48"),
-    ({"qkv_bias": False}, r"qkv_bias: checkpoint True, model False"),
-    ({"final_norm": False}, r"final_norm: checkpoint True, model False"),
-    ({"class_token": False, "global_pool": "avg"}, r"class_token: checkpoint True, model False"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            {"depth": 1},
+            r"depth: checkpoint 2, model 1\). .*create_model\(name, checkpoint_path=\.\.\., depth=2\)",
+        ),
+        (
+            {"embed_dim": 12, "num_heads": 2},
+            r"embed_dim: checkpoint 24, model 12; mlp_hidden_dim: checkpoint 96, model 48",
+        ),
+        (
+            {"patch_size": 8},
+            r"patch_size: checkpoint 4, model 8\).*patch_size=4\) \(with an img_size .* not supported",
+        ),
+        ({"in_chans": 1}, r"in_chans: checkpoint 3, model 1"),
+        ({"mlp_ratio": 2.0}, r"mlp_hidden_dim: checkpoint 96, model 48"),
+        ({"qkv_bias": False}, r"qkv_bias: checkpoint True, model False"),
+        ({"final_norm": False}, r"final_norm: checkpoint True, model False"),
+        ({"class_token": False, "global_pool": "avg"}, r"class_token: checkpoint True, model False"),
+    ],
+)
 def test_another_architecture_is_refused_naming_the_fields(tmp_path, overrides, expected):
     path = saved(tmp_path, tiny().state_dict())
     prefix = r"checkpoint_path .* \(timm\) holds another architecture than the model \("
@@ -233,12 +265,20 @@ def test_another_architecture_is_refused_naming_the_fields(tmp_path, overrides, 
 def test_a_siglip_checkpoint_into_a_model_without_attention_pooling_is_refused(tmp_path):
     siglip = vit.create_model("vit_base_patch16_siglip_224", **TINY)
     with pytest.raises(ValueError, match=r"global_pool: checkpoint 'map', model 'avg'"):
-        vit.create_model("vit_tiny_patch16_224", checkpoint_path=saved(tmp_path, siglip.state_dict()),
-                         **{**TINY, "class_token": False, "global_pool": "avg"})
+        vit.create_model(
+            "vit_tiny_patch16_224",
+            checkpoint_path=saved(tmp_path, siglip.state_dict()),
+            **{**TINY, "class_token": False, "global_pool": "avg"},
+        )
     plain = vit.create_model("vit_tiny_patch16_224", **{**TINY, "class_token": False, "global_pool": "avg"})
-    with pytest.raises(ValueError, match=r"does not fit the model; missing \(13\): attn_pool.latent, attn_pool.q"):
-        vit.create_model("vit_base_patch16_siglip_224", checkpoint_path=saved(tmp_path, plain.state_dict(), "plain.st"),
-                         **TINY)
+    with pytest.raises(
+        ValueError, match=r"does not fit the model; missing \(13\): attn_pool.latent, attn_pool.q"
+    ):
+        vit.create_model(
+            "vit_base_patch16_siglip_224",
+            checkpoint_path=saved(tmp_path, plain.state_dict(), "plain.st"),
+            **TINY,
+        )
 
 
 def test_get_and_reset_classifier():
@@ -260,7 +300,9 @@ def test_get_and_reset_classifier():
         model.reset_classifier(3, global_pool="max")
     with pytest.raises(ValueError, match="ViTConfig.num_classes must be >= 0"):
         model.reset_classifier(-1)
-    no_token = vit.create_model("vit_tiny_patch16_224", **{**TINY, "class_token": False, "global_pool": "avg"})
+    no_token = vit.create_model(
+        "vit_tiny_patch16_224", **{**TINY, "class_token": False, "global_pool": "avg"}
+    )
     with pytest.raises(ValueError, match="global_pool='token' needs class_token=True"):
         no_token.reset_classifier(3, global_pool="token")
 
@@ -289,7 +331,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(drop_path_rate, drop_ra
 
     plain_out, plain_grads, plain_calls = run(False)
     out, grads, calls = run(True)
-    assert (plain_calls, calls) == (1, 2), "checkpointing recomputes each block (its first layer at least) in backward"
+    assert (plain_calls, calls) == (1, 2), (
+        "checkpointing recomputes each block (its first layer at least) in backward"
+    )
     torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")

@@ -59,20 +59,43 @@ from vit_kernels import _ext, _measure, _proof, _signature, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
 
 ARCHITECTURES = {
-    90: dict(name="NVIDIA H100 80GB HBM3 (simulated)", major=9, minor=0, multi_processor_count=132,
-             total_memory=80 * 2**30, L2_cache_size=50 * 2**20, shared_memory_per_block_optin=232448,
-             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, warp_size=32),
-    80: dict(name="NVIDIA A100-SXM4-80GB (simulated)", major=8, minor=0, multi_processor_count=108,
-             total_memory=80 * 2**30, L2_cache_size=40 * 2**20, shared_memory_per_block_optin=166912,
-             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, warp_size=32),
+    90: dict(
+        name="NVIDIA H100 80GB HBM3 (simulated)",
+        major=9,
+        minor=0,
+        multi_processor_count=132,
+        total_memory=80 * 2**30,
+        L2_cache_size=50 * 2**20,
+        shared_memory_per_block_optin=232448,
+        regs_per_multiprocessor=65536,
+        max_threads_per_multi_processor=2048,
+        warp_size=32,
+    ),
+    80: dict(
+        name="NVIDIA A100-SXM4-80GB (simulated)",
+        major=8,
+        minor=0,
+        multi_processor_count=108,
+        total_memory=80 * 2**30,
+        L2_cache_size=40 * 2**20,
+        shared_memory_per_block_optin=166912,
+        regs_per_multiprocessor=65536,
+        max_threads_per_multi_processor=2048,
+        warp_size=32,
+    ),
 }
 
 _inside_torch = threading.local()
 _clock = threading.local()  # .depth: inside a clocked call; .recorder: where its seconds go
 CALL_KINDS = ("torch", "device", "launch")  # a torch-function call, a tensor's device, a Triton launch
 _tensor_device = torch._C.TensorBase.device.__get__
-_VALUE_READS = {torch.Tensor.item: 0, torch.Tensor.__bool__: False, torch.Tensor.__float__: 0.0,
-                torch.Tensor.__int__: 0, torch.Tensor.__index__: 0}
+_VALUE_READS = {
+    torch.Tensor.item: 0,
+    torch.Tensor.__bool__: False,
+    torch.Tensor.__float__: 0.0,
+    torch.Tensor.__int__: 0,
+    torch.Tensor.__index__: 0,
+}
 
 
 _saved_tensors = torch._C._FunctionBase.saved_tensors.__get__
@@ -87,28 +110,52 @@ def _seeds(outputs: tuple, grad_outputs) -> tuple:
     return tuple(torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs, strict=True))
 
 
-def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
-          allow_unused=None, is_grads_batched=False, materialize_grads=False):
+def _grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph=None,
+    create_graph=False,
+    only_inputs=True,
+    allow_unused=None,
+    is_grads_batched=False,
+    materialize_grads=False,
+):
     """torch.autograd.grad, run by the engine directly: the backward functions it calls (our code)
     see simulated tensors, where the torch-function path would run them with subclasses disabled."""
     from torch.autograd.graph import _engine_run_backward
 
     outputs, inputs = _as_tuple(outputs), _as_tuple(inputs)
-    grads = _engine_run_backward(outputs, _seeds(outputs, grad_outputs), create_graph if retain_graph is None
-                                 else retain_graph, create_graph, inputs, bool(allow_unused or materialize_grads),
-                                 accumulate_grad=False)
+    grads = _engine_run_backward(
+        outputs,
+        _seeds(outputs, grad_outputs),
+        create_graph if retain_graph is None else retain_graph,
+        create_graph,
+        inputs,
+        bool(allow_unused or materialize_grads),
+        accumulate_grad=False,
+    )
     if materialize_grads:
         grads = tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True))
     return tuple(_simulated(g) for g in grads)
 
 
-def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+def _backward(
+    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
+):
     """torch.autograd.backward (and Tensor.backward), run by the engine directly, as ``_grad``."""
     from torch.autograd.graph import _engine_run_backward
 
     tensors = _as_tuple(tensors)
-    _engine_run_backward(tensors, _seeds(tensors, grad_tensors), create_graph if retain_graph is None else retain_graph,
-                         create_graph, _as_tuple(inputs) if inputs is not None else (), True, accumulate_grad=True)
+    _engine_run_backward(
+        tensors,
+        _seeds(tensors, grad_tensors),
+        create_graph if retain_graph is None else retain_graph,
+        create_graph,
+        _as_tuple(inputs) if inputs is not None else (),
+        True,
+        accumulate_grad=True,
+    )
 
 
 def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
@@ -117,8 +164,11 @@ def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=Fals
 
 # The engine's entry points run our backward functions: they are called here directly, not inside
 # PyTorch's torch-function handling (which would hide the simulated device from them).
-_RUNS_OUR_CODE = {torch.autograd.grad: _grad, torch.autograd.backward: _backward,
-                  torch.Tensor.backward: _tensor_backward}
+_RUNS_OUR_CODE = {
+    torch.autograd.grad: _grad,
+    torch.autograd.backward: _backward,
+    torch.Tensor.backward: _tensor_backward,
+}
 
 
 def _depth() -> int:
@@ -167,13 +217,24 @@ def _is_cuda(device) -> bool:
 
 
 def _simulated(t):
-    if isinstance(t, torch.Tensor) and not isinstance(t, SimulatedCudaTensor) and _tensor_device(t).type == "meta":
+    if (
+        isinstance(t, torch.Tensor)
+        and not isinstance(t, SimulatedCudaTensor)
+        and _tensor_device(t).type == "meta"
+    ):
         return t.as_subclass(SimulatedCudaTensor)
     return t
 
 
-_MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.new_empty, torch.Tensor.new_zeros,
-          torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_tensor)
+_MOVES = (
+    torch.Tensor.to,
+    torch.Tensor.cuda,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_full,
+    torch.Tensor.new_tensor,
+)
 
 
 def _cuda0() -> torch.device:
@@ -218,7 +279,9 @@ class _CudaAsMeta(TorchFunctionMode):
                 args = (args[0], *("meta" if _is_cuda(a) else a for a in args[1:]))
                 if func is torch.Tensor.cuda:
                     func, args = torch.Tensor.to, (args[0], "meta")
-            elif isinstance(args[0], SimulatedCudaTensor) or any(isinstance(a, SimulatedCudaTensor) for a in args[1:]):
+            elif isinstance(args[0], SimulatedCudaTensor) or any(
+                isinstance(a, SimulatedCudaTensor) for a in args[1:]
+            ):
                 moved = True  # .to(dtype) / .to(other_tensor) of a simulated tensor stays simulated
         if not moved and func in _MOVES and isinstance(args[0], SimulatedCudaTensor):
             moved = True
@@ -285,11 +348,19 @@ class Recorder:
 def exceptions_caught() -> list[str]:
     """Every candidate that auto or a tile chooser excluded because it raised: on the simulated
     device every value reads 0 and every candidate validates, so any exclusion is an exception."""
-    found = [f"auto, {signature}, {name}: {outcome}" for signature, entry in backend._measured.items()
-             for name, outcome in entry["candidates"].items() if isinstance(outcome, str) and "raised" in outcome]
-    found += [f"{chooser.name}, {key}, {tile}: {trial}" for chooser in _tiles.TileChooser.instances
-              for key, choice in chooser.report().items() for tile, trial in choice.trials.items()
-              if isinstance(trial, str) and "raised" in trial]
+    found = [
+        f"auto, {signature}, {name}: {outcome}"
+        for signature, entry in backend._measured.items()
+        for name, outcome in entry["candidates"].items()
+        if isinstance(outcome, str) and "raised" in outcome
+    ]
+    found += [
+        f"{chooser.name}, {key}, {tile}: {trial}"
+        for chooser in _tiles.TileChooser.instances
+        for key, choice in chooser.report().items()
+        for tile, trial in choice.trials.items()
+        if isinstance(trial, str) and "raised" in trial
+    ]
     return found
 
 
@@ -328,6 +399,7 @@ def _backward_on_the_device(apply):
     """A custom Function's backward as the engine calls it, on the simulated device: the gradients
     the engine made in C++ (plain meta tensors) are simulated CUDA tensors, as the inputs were, and
     factory calls inside it make simulated tensors (the block's mode is not active in the engine)."""
+
     def backward(self, *args):
         with _CudaAsMeta():
             return apply(self, *tree_map(_simulated, args))
@@ -350,7 +422,9 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
 
     def record(self, *args, grid, warmup, **kwargs):
         def launch():
-            recorder.launches.append(Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs))
+            recorder.launches.append(
+                Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs)
+            )
 
         _clocked(launch, "launch")
 
@@ -369,8 +443,12 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(cuda, "manual_seed", lambda seed: None),
         mock.patch.object(cuda, "Event", _Event),
         mock.patch.object(BackwardCFunction, "apply", _backward_on_the_device(BackwardCFunction.apply)),
-        mock.patch.object(BackwardCFunction, "saved_tensors",
-                          property(lambda ctx: tuple(_simulated(t) for t in _saved_tensors(ctx))), create=True),
+        mock.patch.object(
+            BackwardCFunction,
+            "saved_tensors",
+            property(lambda ctx: tuple(_simulated(t) for t in _saved_tensors(ctx))),
+            create=True,
+        ),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
         mock.patch.object(_measure, "CUDA_REPEATS", 2),

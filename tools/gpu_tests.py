@@ -44,8 +44,14 @@ def _environment() -> dict[str, str]:
 
 # Run first (here and by `make test-gpu`), so that a run stopped by its time budget
 # has covered them: every tile of every table, then the ops whose kernels the GPU runs found wrong.
-FIRST = ("test_tiles.py", "test_attention.py", "test_extension.py", "test_layer_norm.py", "test_compile.py",
-         "test_capture_rules.py")
+FIRST = (
+    "test_tiles.py",
+    "test_attention.py",
+    "test_extension.py",
+    "test_layer_norm.py",
+    "test_compile.py",
+    "test_capture_rules.py",
+)
 
 
 def ordered_test_files() -> list[str]:
@@ -61,8 +67,12 @@ _PROGRESS = re.compile(r"^([.FEsxX]+)\s*\[\s*\d+%\]$")
 def progress(output: str) -> dict[str, int]:
     """Counts from pytest -q's progress lines (``..F.s [ 12%]``), for a run stopped before its summary."""
     marks = "".join(m.group(1) for m in map(_PROGRESS.match, output.splitlines()) if m)
-    return {"passed": marks.count("."), "failed": marks.count("F"), "errors": marks.count("E"),
-            "skipped": marks.count("s")}
+    return {
+        "passed": marks.count("."),
+        "failed": marks.count("F"),
+        "errors": marks.count("E"),
+        "skipped": marks.count("s"),
+    }
 
 
 def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
@@ -74,18 +84,34 @@ def _pytest(args: list[str], timeout_s: Optional[float]) -> dict:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, *ordered_test_files()]
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=TESTS.parent, env=_environment(), capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run(
+            command, cwd=TESTS.parent, env=_environment(), capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired as expired:
-        out = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        return {"ran": True, "exit_code": None, "timed_out": True, "seconds": round(time.perf_counter() - started, 1),
-                "why": f"stopped after its budget of {timeout_s:.0f} s", "counts_so_far": progress(out),
-                "tail": out.strip().splitlines()[-20:]}
+        out = (
+            expired.stdout.decode(errors="replace")
+            if isinstance(expired.stdout, bytes)
+            else (expired.stdout or "")
+        )
+        return {
+            "ran": True,
+            "exit_code": None,
+            "timed_out": True,
+            "seconds": round(time.perf_counter() - started, 1),
+            "why": f"stopped after its budget of {timeout_s:.0f} s",
+            "counts_so_far": progress(out),
+            "tail": out.strip().splitlines()[-20:],
+        }
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else ""
-    return {"ran": True, "command": " ".join(["python", *command[1:]]), "exit_code": done.returncode,
-            "summary": summary, "seconds": round(time.perf_counter() - started, 1),
-            "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:]}
+    return {
+        "ran": True,
+        "command": " ".join(["python", *command[1:]]),
+        "exit_code": done.returncode,
+        "summary": summary,
+        "seconds": round(time.perf_counter() - started, 1),
+        "tail": (lines[-20:] if done.returncode else []) + done.stderr.strip().splitlines()[-5:],
+    }
 
 
 # pytest-xdist's worker processes, where it is installed (GPU_TEST_WORKERS, default one per core, 8

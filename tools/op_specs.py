@@ -96,7 +96,8 @@ def _patch_embed_inputs(s: Shape, device, dtype):
     return {
         "images": _randn(device, dtype, s.batch, s.channels, s.image, s.image),
         "weight": _randn(device, dtype, s.dim, s.channels, s.patch, s.patch, scale=0.05),
-        "bias": _randn(device, dtype, s.dim), "cls_token": _randn(device, dtype, 1, 1, s.dim),
+        "bias": _randn(device, dtype, s.dim),
+        "cls_token": _randn(device, dtype, 1, 1, s.dim),
         "pos_embed": _randn(device, dtype, 1, s.tokens, s.dim),
     }
 
@@ -126,12 +127,18 @@ def attention_extras(s: Shape, device: torch.device) -> dict:
     if key not in _EXTRAS:
         head_dim = s.dim // s.heads
         if s.attention.startswith("rope_"):
-            layout = s.attention[len("rope_"):]
+            layout = s.attention[len("rope_") :]
             freqs = 100.0 ** (-torch.arange(head_dim // 2, dtype=torch.float64) / (head_dim // 2))
             angles = torch.arange(s.patches, dtype=torch.float64)[:, None] * freqs[None, :]
-            angles = angles.repeat_interleave(2, -1) if layout == "interleaved" else torch.cat([angles, angles], -1)
-            _EXTRAS[key] = {"rope": (angles.cos().float().to(device), angles.sin().float().to(device)),
-                            "rope_layout": layout}
+            angles = (
+                angles.repeat_interleave(2, -1)
+                if layout == "interleaved"
+                else torch.cat([angles, angles], -1)
+            )
+            _EXTRAS[key] = {
+                "rope": (angles.cos().float().to(device), angles.sin().float().to(device)),
+                "rope_layout": layout,
+            }
         elif s.attention == "key_padding":
             counts = torch.tensor([s.tokens - (s.tokens // 4) * (i % 2) for i in range(s.batch)])
             valid = torch.arange(s.tokens)[None, :] < counts[:, None]
@@ -144,8 +151,14 @@ def attention_extras(s: Shape, device: torch.device) -> dict:
 def _attention_reference(s: Shape, qkv):
     extras = attention_extras(s, qkv.device)
     cos, sin = extras.get("rope", (None, None))
-    return attention_ref(qkv, s.heads, cos=cos, sin=sin, rope_layout=extras.get("rope_layout", "interleaved"),
-                         attn_mask=extras.get("attn_mask"))
+    return attention_ref(
+        qkv,
+        s.heads,
+        cos=cos,
+        sin=sin,
+        rope_layout=extras.get("rope_layout", "interleaved"),
+        attn_mask=extras.get("attn_mask"),
+    )
 
 
 def _attention_formula(s: Shape, qkv):
@@ -178,11 +191,14 @@ SPECS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
         OpSpec(
-            "patch_embed", _patch_embed_inputs,
+            "patch_embed",
+            _patch_embed_inputs,
             run=lambda s, images, weight, bias, cls_token, pos_embed: vk.patch_embed(
-                images, weight, bias, patch_size=s.patch, cls_token=cls_token, pos_embed=pos_embed),
+                images, weight, bias, patch_size=s.patch, cls_token=cls_token, pos_embed=pos_embed
+            ),
             reference=lambda s, images, weight, bias, cls_token, pos_embed: patch_embed_ref(
-                images, weight, bias, s.patch, cls_token, pos_embed),
+                images, weight, bias, s.patch, cls_token, pos_embed
+            ),
             formula=_patch_embed_formula,
             flops=lambda s: 2.0 * s.batch * s.patches * s.dim * s.channels * s.patch**2,
             bytes_per_element=lambda s: 0,
@@ -200,8 +216,10 @@ SPECS: dict[str, OpSpec] = {
         OpSpec(
             "linear_gelu",
             lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.rows, s.dim), "weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-                "bias": _randn(device, dtype, s.hidden)},
+                "x": _randn(device, dtype, s.rows, s.dim),
+                "weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
+                "bias": _randn(device, dtype, s.hidden),
+            },
             run=lambda s, **inputs: vk.linear_gelu(**inputs),
             reference=lambda s, **inputs: linear_gelu_ref(**inputs),
             formula=lambda s, x, weight, bias: _gelu(x @ weight.t() + bias),
@@ -211,8 +229,11 @@ SPECS: dict[str, OpSpec] = {
         OpSpec(  # the attention output projection with its residual add
             "linear",
             lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.rows, s.dim), "weight": _randn(device, dtype, s.dim, s.dim, scale=s.dim**-0.5),
-                "bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)},
+                "x": _randn(device, dtype, s.rows, s.dim),
+                "weight": _randn(device, dtype, s.dim, s.dim, scale=s.dim**-0.5),
+                "bias": _randn(device, dtype, s.dim),
+                "residual": _randn(device, dtype, s.rows, s.dim),
+            },
             run=lambda s, **inputs: vk.linear(**inputs),
             reference=lambda s, **inputs: linear_ref(**inputs),
             formula=lambda s, x, weight, bias, residual: x @ weight.t() + bias + residual,
@@ -226,28 +247,41 @@ SPECS: dict[str, OpSpec] = {
                 "fc1_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
                 "fc1_bias": _randn(device, dtype, s.hidden),
                 "fc2_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
-                "fc2_bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)},
+                "fc2_bias": _randn(device, dtype, s.dim),
+                "residual": _randn(device, dtype, s.rows, s.dim),
+            },
             run=lambda s, **inputs: vk.mlp(**inputs),
             reference=lambda s, **inputs: mlp_ref(**inputs),
             formula=lambda s, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual: (
-                _gelu(x @ fc1_weight.t() + fc1_bias) @ fc2_weight.t() + fc2_bias + residual),
+                _gelu(x @ fc1_weight.t() + fc1_bias) @ fc2_weight.t() + fc2_bias + residual
+            ),
             flops=lambda s: 4.0 * s.rows * s.dim * s.hidden,
             bytes_per_element=lambda s: 0,
         ),
         OpSpec(  # with the fused residual add: reads x, r; writes y, s
             "layer_norm",
             lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.batch, s.tokens, s.dim), "weight": _randn(device, dtype, s.dim),
-                "bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.batch, s.tokens, s.dim)},
-            run=lambda s, x, weight, bias, residual: vk.layer_norm(x, weight, bias, LAYER_NORM_EPS, residual=residual),
-            reference=lambda s, x, weight, bias, residual: layer_norm_ref(x, weight, bias, LAYER_NORM_EPS, residual),
+                "x": _randn(device, dtype, s.batch, s.tokens, s.dim),
+                "weight": _randn(device, dtype, s.dim),
+                "bias": _randn(device, dtype, s.dim),
+                "residual": _randn(device, dtype, s.batch, s.tokens, s.dim),
+            },
+            run=lambda s, x, weight, bias, residual: vk.layer_norm(
+                x, weight, bias, LAYER_NORM_EPS, residual=residual
+            ),
+            reference=lambda s, x, weight, bias, residual: layer_norm_ref(
+                x, weight, bias, LAYER_NORM_EPS, residual
+            ),
             formula=_layer_norm_formula,
             flops=lambda s: 0,
             bytes_per_element=lambda s: 4,
         ),
         OpSpec(  # the C++/CUDA epilogue of linear_gelu: reads z, writes gelu(z + b)
             "bias_gelu",
-            lambda s, device, dtype: {"x": _randn(device, dtype, s.rows, s.hidden), "bias": _randn(device, dtype, s.hidden)},
+            lambda s, device, dtype: {
+                "x": _randn(device, dtype, s.rows, s.hidden),
+                "bias": _randn(device, dtype, s.hidden),
+            },
             run=lambda s, x, bias: torch.ops.vit_kernels.bias_gelu(x, bias, "none"),
             reference=lambda s, x, bias: torch.nn.functional.gelu(x + bias),
             formula=lambda s, x, bias: _gelu(x + bias),
@@ -270,13 +304,17 @@ def _swiglu_inputs(s: Shape, device, dtype):
         "gate_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
         "gate_bias": _randn(device, dtype, s.hidden),
         "up_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-        "up_bias": _randn(device, dtype, s.hidden)}
+        "up_bias": _randn(device, dtype, s.hidden),
+    }
 
 
 def _swiglu_mlp_inputs(s: Shape, device, dtype):
-    return {**_swiglu_inputs(s, device, dtype),
-            "down_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
-            "down_bias": _randn(device, dtype, s.dim), "residual": _randn(device, dtype, s.rows, s.dim)}
+    return {
+        **_swiglu_inputs(s, device, dtype),
+        "down_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
+        "down_bias": _randn(device, dtype, s.dim),
+        "residual": _randn(device, dtype, s.rows, s.dim),
+    }
 
 
 def _swiglu_formula(s: Shape, x, gate_weight, gate_bias, up_weight, up_bias):
@@ -285,7 +323,8 @@ def _swiglu_formula(s: Shape, x, gate_weight, gate_bias, up_weight, up_bias):
 
 
 SPECS["swiglu"] = OpSpec(
-    "swiglu", _swiglu_inputs,
+    "swiglu",
+    _swiglu_inputs,
     run=lambda s, **inputs: vk.swiglu(**inputs),
     reference=lambda s, **inputs: swiglu_ref(**inputs),
     formula=_swiglu_formula,
@@ -293,11 +332,15 @@ SPECS["swiglu"] = OpSpec(
     bytes_per_element=lambda s: 0,
 )
 SPECS["swiglu_mlp"] = OpSpec(
-    "swiglu_mlp", _swiglu_mlp_inputs,
+    "swiglu_mlp",
+    _swiglu_mlp_inputs,
     run=lambda s, **inputs: vk.swiglu_mlp(**inputs),
     reference=lambda s, **inputs: swiglu_mlp_ref(**inputs),
     formula=lambda s, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual: (
-        _swiglu_formula(s, x, gate_weight, gate_bias, up_weight, up_bias) @ down_weight.t() + down_bias + residual),
+        _swiglu_formula(s, x, gate_weight, gate_bias, up_weight, up_bias) @ down_weight.t()
+        + down_bias
+        + residual
+    ),
     flops=lambda s: 6.0 * s.rows * s.dim * s.hidden,
     bytes_per_element=lambda s: 0,
 )

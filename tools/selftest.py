@@ -44,8 +44,17 @@ from vit_kernels._timer import time_runs
 # PyTorch's own in the same dtype, or at most the dtype's floor: the tile choosers' rule and table.
 ERROR_FLOORS = FLOORS
 # ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
-SHAPE = Shape("vit_small_patch16_224", batch=4, tokens=197, dim=384, heads=6, hidden=1536, channels=3, image=224,
-              patch=16)
+SHAPE = Shape(
+    "vit_small_patch16_224",
+    batch=4,
+    tokens=197,
+    dim=384,
+    heads=6,
+    hidden=1536,
+    channels=3,
+    image=224,
+    patch=16,
+)
 
 
 def _inputs(op: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -64,7 +73,9 @@ def _call(op: str) -> Callable[..., object]:
     return lambda **inputs: spec.run(SHAPE, **inputs)
 
 
-def _run(fn: Callable, inputs: dict[str, torch.Tensor], cotangents: Optional[list] = None) -> list[torch.Tensor]:
+def _run(
+    fn: Callable, inputs: dict[str, torch.Tensor], cotangents: Optional[list] = None
+) -> list[torch.Tensor]:
     """Outputs, then the gradient of every input, for a fixed random cotangent."""
     leaves = list(inputs.values())
     outputs = fn(**inputs)
@@ -90,7 +101,9 @@ def _errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[fl
 _truth: dict[tuple[str, str, str], tuple[list[str], list[torch.Tensor], list[float]]] = {}
 
 
-def ground_truth(op: str, dtype: torch.dtype, device: torch.device) -> tuple[list[str], list[torch.Tensor], list[float]]:
+def ground_truth(
+    op: str, dtype: torch.dtype, device: torch.device
+) -> tuple[list[str], list[torch.Tensor], list[float]]:
     """(tensor names, the float64 formula's outputs and gradients, PyTorch's own error per tensor):
     the op's eager reference run in ``dtype`` on ``device`` with PyTorch's defaults (nothing here
     changes TF32 or reduction settings), against the formula in float64 on the same rounded inputs.
@@ -113,28 +126,46 @@ def judge(names: list[str], errors: list[float], pytorch_errors: list[float], dt
     tensors = []
     for name, error, own in zip(names, errors, pytorch_errors):
         bound = max(ERROR_RATIO * own, floor)
-        tensors.append({"tensor": name, "error": error, "pytorch_error": own, "bound": bound,
-                        "ratio": error / own if own > 0 else (0.0 if error == 0 else float("inf")),
-                        "passed": error <= bound})
+        tensors.append(
+            {
+                "tensor": name,
+                "error": error,
+                "pytorch_error": own,
+                "bound": bound,
+                "ratio": error / own if own > 0 else (0.0 if error == 0 else float("inf")),
+                "passed": error <= bound,
+            }
+        )
     worst = max(tensors, key=lambda t: t["error"] / t["bound"])
-    return {"passed": all(t["passed"] for t in tensors), "worst_tensor": worst["tensor"], "max_error": worst["error"],
-            "pytorch_error": worst["pytorch_error"], "error_ratio": worst["ratio"], "bound": worst["bound"],
-            "allowed_ratio": ERROR_RATIO, "error_floor": floor, "tensors": tensors}
+    return {
+        "passed": all(t["passed"] for t in tensors),
+        "worst_tensor": worst["tensor"],
+        "max_error": worst["error"],
+        "pytorch_error": worst["pytorch_error"],
+        "error_ratio": worst["ratio"],
+        "bound": worst["bound"],
+        "allowed_ratio": ERROR_RATIO,
+        "error_floor": floor,
+        "tensors": tensors,
+    }
 
 
 def _time(fn: Callable, inputs: dict[str, torch.Tensor], device: torch.device) -> float:
     """Median milliseconds of forward + backward."""
     outputs = fn(**inputs)  # the cotangents once, here: drawn on the CPU per step they outweigh the kernels
     g = torch.Generator(device="cpu").manual_seed(1)
-    cotangents = [torch.randn(o.shape, generator=g).to(o.device, o.dtype)
-                  for o in (outputs if isinstance(outputs, tuple) else [outputs])]
+    cotangents = [
+        torch.randn(o.shape, generator=g).to(o.device, o.dtype)
+        for o in (outputs if isinstance(outputs, tuple) else [outputs])
+    ]
 
     def step():
         _run(fn, inputs, cotangents)
 
     cuda = device.type == "cuda"
-    samples = time_runs({"step": step}, device, rounds=25 if cuda else 3, budget_s=0.5, min_rounds=3,
-                        warmup=3 if cuda else 1)
+    samples = time_runs(
+        {"step": step}, device, rounds=25 if cuda else 3, budget_s=0.5, min_rounds=3, warmup=3 if cuda else 1
+    )
     return statistics.median(samples["step"])
 
 
@@ -148,7 +179,9 @@ def check_op(op: str, name: str, dtype: torch.dtype, device: torch.device, timed
             actual = _run(fn, inputs)
         names, expected, pytorch_errors = ground_truth(op, dtype, device)
         if len(actual) != len(expected):
-            raise RuntimeError(f"{len(actual)} outputs and gradients, expected {len(expected)} ({', '.join(names)})")
+            raise RuntimeError(
+                f"{len(actual)} outputs and gradients, expected {len(expected)} ({', '.join(names)})"
+            )
     except backend.CannotRunError as error:  # outside the backend's limits: not a failure
         row.update(passed=True, skipped=str(error)[:500])
         return row
@@ -172,8 +205,11 @@ def _backends_for(device: torch.device, dtype: torch.dtype, op: str) -> list[str
 def devices_and_dtypes() -> tuple[list[torch.device], tuple[torch.dtype, ...]]:
     """Every CUDA device with float32, float16 and bfloat16; without one, the CPU in float32."""
     if torch.cuda.is_available():
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())], (torch.float32, torch.float16,
-                                                                                       torch.bfloat16)
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())], (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+        )
     return [torch.device("cpu")], (torch.float32,)
 
 
@@ -189,11 +225,17 @@ def cases(ops: tuple[str, ...] = backend.OPS) -> Iterator[tuple[str, str, torch.
 
 def describe_row(row: dict) -> str:
     """One printed line per check: PASS/FAIL, op, backend, dtype, device, error vs PyTorch's, speed."""
-    errors = (f"error {row['max_error']:.2g} = {row['error_ratio']:.2f}x PyTorch's {row['pytorch_error']:.2g} "
-              f"({row['worst_tensor']})" if "max_error" in row else row.get("skipped", "")[:60])
+    errors = (
+        f"error {row['max_error']:.2g} = {row['error_ratio']:.2f}x PyTorch's {row['pytorch_error']:.2g} "
+        f"({row['worst_tensor']})"
+        if "max_error" in row
+        else row.get("skipped", "")[:60]
+    )
     speed = f"; {row['speedup_vs_reference']:.2f}x reference" if "speedup_vs_reference" in row else ""
-    return (f"{'PASS' if row['passed'] else 'FAIL'} {row['op']:12s} {row['backend']:10s} {row['dtype']:9s} "
-            f"{row['device']:7s} {errors}{speed} {row.get('error', '')}")
+    return (
+        f"{'PASS' if row['passed'] else 'FAIL'} {row['op']:12s} {row['backend']:10s} {row['dtype']:9s} "
+        f"{row['device']:7s} {errors}{speed} {row.get('error', '')}"
+    )
 
 
 def header() -> dict:
@@ -203,13 +245,23 @@ def header() -> dict:
     devices, _ = devices_and_dtypes()
     return {
         "gpu": torch.cuda.is_available(),
-        "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu" for d in devices],
-        "versions": {"vit_kernels": vk.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "triton": sys.modules["triton"].__version__, "python": platform.python_version()},
-        "pytorch_defaults": {"cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-                             "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32},
+        "devices": [
+            torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
+            for d in devices
+        ],
+        "versions": {
+            "vit_kernels": vk.__version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": sys.modules["triton"].__version__,
+            "python": platform.python_version(),
+        },
+        "pytorch_defaults": {
+            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+            "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        },
         "rule": f"pass when relative error <= max({ERROR_RATIO:g} x PyTorch's own, floor) per output and gradient; "
-                f"floors {({str(k).removeprefix('torch.'): v for k, v in ERROR_FLOORS.items()})}",
+        f"floors { ({str(k).removeprefix('torch.'): v for k, v in ERROR_FLOORS.items()}) }",
         "available_backends": backend.available_backends(),
     }
 
@@ -239,15 +291,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=_writable_file, default=str(DEFAULT_OUT), help="results file (JSON)")
     parser.add_argument("--no-pytest", action="store_true", help="skip the CUDA test suite")
     parser.add_argument("--ops", default=",".join(backend.OPS), help="comma-separated ops to check")
-    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help=f"torch intra-op CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
-                        f"may use, {usable_cores()} here)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"torch intra-op CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
+        f"may use, {usable_cores()} here)",
+    )
     args = parser.parse_args(argv)
     args.ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
     unknown = [op for op in args.ops if op not in backend.OPS]
     if unknown or not args.ops:
-        parser.error(f"argument --ops: expected a comma-separated subset of {', '.join(backend.OPS)}, got "
-                     f"{', '.join(map(repr, unknown)) or 'none'}")
+        parser.error(
+            f"argument --ops: expected a comma-separated subset of {', '.join(backend.OPS)}, got "
+            f"{', '.join(map(repr, unknown)) or 'none'}"
+        )
     return args
 
 
@@ -281,9 +340,11 @@ def main(argv=None) -> int:
         return 2
     failed = [r for r in report["checks"] if not r["passed"]]
     pytest_failed = "pytest_gpu" in report and not report["pytest_gpu"].get("passed", True)
-    print(f"selftest: {len(report['checks']) - len(failed)} passed, {len(failed)} failed"
-          f"{'; CUDA tests failed: ' + report['pytest_gpu'].get('summary', '') if pytest_failed else ''}; "
-          f"results in {args.out}")
+    print(
+        f"selftest: {len(report['checks']) - len(failed)} passed, {len(failed)} failed"
+        f"{'; CUDA tests failed: ' + report['pytest_gpu'].get('summary', '') if pytest_failed else ''}; "
+        f"results in {args.out}"
+    )
     return 1 if failed or pytest_failed else 0
 
 

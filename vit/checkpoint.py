@@ -120,8 +120,10 @@ def write_checkpoint(
     for name, tensors in files.items():
         save_file(tensors, str(temporary / name))
         _fsync_path(temporary / name)
-    meta["files"] = {name: {"bytes": (temporary / name).stat().st_size, "sha256": sha256_of(temporary / name)}
-                     for name in files}
+    meta["files"] = {
+        name: {"bytes": (temporary / name).stat().st_size, "sha256": sha256_of(temporary / name)}
+        for name in files
+    }
     with open(temporary / META_FILE, "w") as handle:
         json.dump(meta, handle, indent=2)
         handle.flush()
@@ -147,8 +149,15 @@ def save_checkpoint(
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         optimizer_state = get_optimizer_state_dict(model, optimizer)
-    meta = {"model": model_name, "config": dataclasses.asdict(model.config), "dataset": dataset, "progress": progress}
-    return write_checkpoint(folder, model_state=model.state_dict(), meta=meta, optimizer_state=optimizer_state)
+    meta = {
+        "model": model_name,
+        "config": dataclasses.asdict(model.config),
+        "dataset": dataset,
+        "progress": progress,
+    }
+    return write_checkpoint(
+        folder, model_state=model.state_dict(), meta=meta, optimizer_state=optimizer_state
+    )
 
 
 def run_folder_of(checkpoint_folder: str | Path) -> Path:
@@ -191,7 +200,9 @@ def _verify(folder: Path, name: str, recorded) -> None:
     path = folder / name
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(folder)!r} is incomplete: {name} is missing")
-    size, digest = (recorded.get("bytes"), recorded.get("sha256")) if isinstance(recorded, dict) else (recorded, None)
+    size, digest = (
+        (recorded.get("bytes"), recorded.get("sha256")) if isinstance(recorded, dict) else (recorded, None)
+    )
     stat = path.stat()
     if size is not None and stat.st_size != size:
         raise CheckpointError(f"{str(path)!r} is damaged: {stat.st_size} bytes, {size} were written")
@@ -199,14 +210,18 @@ def _verify(folder: Path, name: str, recorded) -> None:
     if digest is None or key in _verified:
         return
     if sha256_of(path) != digest:
-        raise CheckpointError(f"{str(path)!r} is damaged: its sha256 differs from the one recorded when it was written")
+        raise CheckpointError(
+            f"{str(path)!r} is damaged: its sha256 differs from the one recorded when it was written"
+        )
     _verified.add(key)
 
 
 def finite_evaluation(meta: dict) -> bool:
     """Whether the checkpoint's recorded test metrics (if any) are finite numbers."""
     evaluation = meta.get("evaluation") or {}
-    return all(isinstance(v, (int, float)) and math.isfinite(v) for k, v in evaluation.items() if k != "split")
+    return all(
+        isinstance(v, (int, float)) and math.isfinite(v) for k, v in evaluation.items() if k != "split"
+    )
 
 
 def load_tensors(folder: str | Path, name: str) -> dict[str, torch.Tensor]:
@@ -262,7 +277,11 @@ class RunFolder:
 
     def holds_run(self) -> bool:
         """Whether a run has saved a checkpoint here (a folder a new run must not write into)."""
-        return bool(self._numbered()) or (self.root / LATEST_LINK).exists() or (self.root / LATEST_LINK).is_symlink()
+        return (
+            bool(self._numbered())
+            or (self.root / LATEST_LINK).exists()
+            or (self.root / LATEST_LINK).is_symlink()
+        )
 
     def newest_intact(self, at_most: Optional[str | Path] = None) -> Optional[Path]:
         """The newest checkpoint whose files all match their recorded sizes and sha256, or None;
@@ -327,7 +346,10 @@ class RunFolder:
             previous = None  # an unreadable best is no best
         if not previous or "test_accuracy" not in previous:
             return True
-        return previous.get("split") == evaluation.get("split") and evaluation["test_accuracy"] > previous["test_accuracy"]
+        return (
+            previous.get("split") == evaluation.get("split")
+            and evaluation["test_accuracy"] > previous["test_accuracy"]
+        )
 
     def _point(self, link: str, target: Path) -> None:
         path = self.root / link

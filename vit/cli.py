@@ -43,7 +43,10 @@ def run(prog: str, work: Callable[[], T], debug: bool = False) -> T:
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--threads", type=positive_int, default=None, metavar="N",
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help="PyTorch intra-op CPU threads (default: OMP_NUM_THREADS if set, else the cores this process may "
-             "use, shared among torchrun's local processes; 1 is fastest for small models on a busy machine)",
+        "use, shared among torchrun's local processes; 1 is fastest for small models on a busy machine)",
     )

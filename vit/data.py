@@ -43,7 +43,9 @@ class ImageData:
         return len(self.classes)
 
 
-def _normalise(train_images: torch.Tensor, test_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+def _normalise(
+    train_images: torch.Tensor, test_images: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list, list]:
     mean = train_images.mean(dim=(0, 2, 3), keepdim=True)
     std = train_images.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
     return (
@@ -61,7 +63,12 @@ def normalise_with(images: torch.Tensor, mean: list[float], std: list[float]) ->
 
 
 def _pair(
-    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, classes: list[str], flip_ok: bool,
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    classes: list[str],
+    flip_ok: bool,
     sources: tuple[str, str] = ("", ""),
 ) -> tuple[ImageData, ImageData]:
     """uint8 or [0, 1] float arrays (N, C, H, W) -> normalised train and test ImageData."""
@@ -70,8 +77,12 @@ def _pair(
     test_t = torch.from_numpy(np.ascontiguousarray(test_x)).float() / scale
     train_t, test_t, mean, std = _normalise(train_t, test_t)
     return (
-        ImageData(train_t, torch.from_numpy(np.asarray(train_y)).long(), classes, mean, std, flip_ok, sources[0]),
-        ImageData(test_t, torch.from_numpy(np.asarray(test_y)).long(), classes, mean, std, flip_ok, sources[1]),
+        ImageData(
+            train_t, torch.from_numpy(np.asarray(train_y)).long(), classes, mean, std, flip_ok, sources[0]
+        ),
+        ImageData(
+            test_t, torch.from_numpy(np.asarray(test_y)).long(), classes, mean, std, flip_ok, sources[1]
+        ),
     )
 
 
@@ -85,7 +96,15 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[ImageData, 
     train_x, test_x, train_y, test_y = train_test_split(
         images, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=seed
     )
-    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(10)], flip_ok=False, sources=("digits (train split)", "digits (test split)"))
+    return _pair(
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        [str(i) for i in range(10)],
+        flip_ok=False,
+        sources=("digits (train split)", "digits (test split)"),
+    )
 
 
 MNIST_LAYOUT = (
@@ -95,7 +114,12 @@ MNIST_LAYOUT = (
 
 
 def _find(folder: Path, stem: str) -> Optional[Path]:
-    for candidate in (folder / stem, folder / f"{stem}.gz", folder / "MNIST" / "raw" / stem, folder / "MNIST" / "raw" / f"{stem}.gz"):
+    for candidate in (
+        folder / stem,
+        folder / f"{stem}.gz",
+        folder / "MNIST" / "raw" / stem,
+        folder / "MNIST" / "raw" / f"{stem}.gz",
+    ):
         if candidate.is_file():
             return candidate
     return None
@@ -115,7 +139,9 @@ def read_idx(path: Path) -> np.ndarray:
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     expected = header + int(np.prod(shape))
     if len(raw) != expected:
-        raise ValueError(f"{path} is malformed: header says shape {shape} ({expected} bytes), file has {len(raw)}")
+        raise ValueError(
+            f"{path} is malformed: header says shape {shape} ({expected} bytes), file has {len(raw)}"
+        )
     return np.frombuffer(bytearray(raw), dtype=np.uint8, offset=header).reshape(shape)
 
 
@@ -125,7 +151,12 @@ def load_mnist(path: str | Path) -> tuple[ImageData, ImageData]:
     if not folder.is_dir():
         raise FileNotFoundError(f"MNIST path {str(folder)!r} is not a directory; expected {MNIST_LAYOUT}")
     arrays, found_at = {}, {}
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for stem in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         found = _find(folder, stem)
         if found is None:
             raise FileNotFoundError(f"{stem} not found in {str(folder)!r}; expected {MNIST_LAYOUT}")
@@ -138,10 +169,20 @@ def load_mnist(path: str | Path) -> tuple[ImageData, ImageData]:
                 f"MNIST {split} files in {str(folder)!r} disagree: images {images.shape} (N, H, W), labels {labels.shape} (N,)"
             )
     sources = (found_at["train-labels-idx1-ubyte"], found_at["t10k-labels-idx1-ubyte"])
-    return _pair(train_x[:, None], train_y, test_x[:, None], test_y, [str(i) for i in range(10)], flip_ok=False, sources=sources)
+    return _pair(
+        train_x[:, None],
+        train_y,
+        test_x[:, None],
+        test_y,
+        [str(i) for i in range(10)],
+        flip_ok=False,
+        sources=sources,
+    )
 
 
-CIFAR_LAYOUT = "the extracted cifar-10-batches-py folder: data_batch_1 .. data_batch_5 and test_batch (python pickles)"
+CIFAR_LAYOUT = (
+    "the extracted cifar-10-batches-py folder: data_batch_1 .. data_batch_5 and test_batch (python pickles)"
+)
 
 
 # The only globals a CIFAR-10 python batch refers to: numpy's array and scalar reconstructors (the
@@ -159,7 +200,9 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) not in CIFAR_PICKLE_GLOBALS:
-            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}: a CIFAR-10 batch holds only numpy arrays, lists and bytes")
+            raise pickle.UnpicklingError(
+                f"refusing to load global {module}.{name}: a CIFAR-10 batch holds only numpy arrays, lists and bytes"
+            )
         return super().find_class(module, name)
 
 
@@ -169,13 +212,17 @@ def read_cifar_pickle(path: Path) -> object:
         try:
             return RestrictedUnpickler(handle, encoding="bytes").load()
         except Exception as error:
-            raise ValueError(f"{path} is not a CIFAR-10 python batch ({error}); expected {CIFAR_LAYOUT}") from error
+            raise ValueError(
+                f"{path} is not a CIFAR-10 python batch ({error}); expected {CIFAR_LAYOUT}"
+            ) from error
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     batch = read_cifar_pickle(path)
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
-        raise ValueError(f"{path} lacks the b'data' / b'labels' entries of a CIFAR-10 batch; expected {CIFAR_LAYOUT}")
+        raise ValueError(
+            f"{path} lacks the b'data' / b'labels' entries of a CIFAR-10 batch; expected {CIFAR_LAYOUT}"
+        )
     data = np.asarray(batch[b"data"], dtype=np.uint8)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise ValueError(f"{path}: data has shape {data.shape}, expected (N, 3072); expected {CIFAR_LAYOUT}")
@@ -220,7 +267,9 @@ def read_image(path: str | Path, img_size: int, in_chans: int) -> np.ndarray:
 
     try:
         with Image.open(path) as image:
-            image = image.convert("L" if in_chans == 1 else "RGB").resize((img_size, img_size), Image.BILINEAR)
+            image = image.convert("L" if in_chans == 1 else "RGB").resize(
+                (img_size, img_size), Image.BILINEAR
+            )
             array = np.array(image, dtype=np.uint8)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read image {str(path)!r}: {error}") from error
@@ -260,14 +309,18 @@ def load_image_folder(
             raise ValueError(f"no images found under {str(root / 'train')!r}; expected {FOLDER_LAYOUT}")
         unknown = sorted(set(test_by_class) - set(classes))
         if unknown:
-            raise ValueError(f"{str(test_dir)!r} has classes {unknown} that train/ lacks; expected {FOLDER_LAYOUT}")
+            raise ValueError(
+                f"{str(test_dir)!r} has classes {unknown} that train/ lacks; expected {FOLDER_LAYOUT}"
+            )
         train_x, train_y = _read_split(train_by_class, classes, img_size, in_chans)
         test_x, test_y = _read_split(test_by_class, classes, img_size, in_chans)
     else:
         by_class = _scan_classes(root)
         classes = sorted(by_class)
         if len(classes) < 2:
-            raise ValueError(f"{str(root)!r} holds {len(classes)} class folder(s) with images, need 2 or more; expected {FOLDER_LAYOUT}")
+            raise ValueError(
+                f"{str(root)!r} holds {len(classes)} class folder(s) with images, need 2 or more; expected {FOLDER_LAYOUT}"
+            )
         images, labels = _read_split(by_class, classes, img_size, in_chans)
         from sklearn.model_selection import train_test_split
 
@@ -292,11 +345,25 @@ def load_synthetic(
 
     train_x, train_y = draw(train_size)
     test_x, test_y = draw(test_size)
-    return _pair(train_x, train_y, test_x, test_y, [str(i) for i in range(num_classes)], flip_ok=True, sources=("synthetic", "synthetic"))
+    return _pair(
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        [str(i) for i in range(num_classes)],
+        flip_ok=True,
+        sources=("synthetic", "synthetic"),
+    )
 
 
 def load_dataset(
-    name: str, path: Optional[str | Path] = None, *, img_size: int = 32, in_chans: int = 3, num_classes: int = 10, seed: int = 0
+    name: str,
+    path: Optional[str | Path] = None,
+    *,
+    img_size: int = 32,
+    in_chans: int = 3,
+    num_classes: int = 10,
+    seed: int = 0,
 ) -> tuple[ImageData, ImageData]:
     """(train, test) for ``name`` in DATASETS; ``path`` for mnist, cifar10 and folder.
     ``img_size``/``in_chans`` shape folder and synthetic images; ``num_classes`` and ``seed`` the
@@ -333,7 +400,9 @@ def resize(data: ImageData, img_size: int) -> ImageData:
     antialiased; a no-op at the same size)."""
     if data.images.shape[-2:] == (img_size, img_size):
         return data
-    images = torch.nn.functional.interpolate(data.images, size=(img_size, img_size), mode="bilinear", antialias=True, align_corners=False)
+    images = torch.nn.functional.interpolate(
+        data.images, size=(img_size, img_size), mode="bilinear", antialias=True, align_corners=False
+    )
     return dataclasses.replace(data, images=images)
 
 

@@ -61,13 +61,18 @@ def setup(mode: str, device_name: str, timeout_seconds: float) -> tuple[Context,
     if mode == "none":
         return Context(), _device(device_name, 0)
     if not launched_by_torchrun():
-        raise SystemExit(f"--distributed {mode} needs torchrun: torchrun --nproc_per_node N -m vit.train ... --distributed {mode}")
-    context = Context(mode, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+        raise SystemExit(
+            f"--distributed {mode} needs torchrun: torchrun --nproc_per_node N -m vit.train ... --distributed {mode}"
+        )
+    context = Context(
+        mode, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    )
     device = _device(device_name, context.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_seconds),
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_seconds),
         device_id=device if device.type == "cuda" else None,
     )
     return context, device
@@ -86,7 +91,9 @@ def wrap(model: nn.Module, context: Context, device: torch.device) -> nn.Module:
     """The module to train: ``model`` itself, wrapped in DDP, or sharded by FSDP2 (each block,
     then the root; in place)."""
     if context.mode == "ddp":
-        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if context.mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -145,11 +152,19 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, context: Cont
 
 
 def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict, context: Context
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict,
+    optimizer_state: dict,
+    context: Context,
 ) -> None:
     """Load full state dicts (as :func:`full_state` returns) into a plain, DDP or FSDP2 model; every
     process passes the same full dicts."""
-    options = StateDictOptions(full_state_dict=True, strict=True) if context.active else StateDictOptions(strict=True)
+    options = (
+        StateDictOptions(full_state_dict=True, strict=True)
+        if context.active
+        else StateDictOptions(strict=True)
+    )
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 

@@ -45,7 +45,9 @@ class ViTConfig:
     mlp_type: str = "mlp"  # mlp (fc1 -> act -> fc2) | swiglu (timm's SwiGLU, EVA02: act unused)
     mlp_norm: bool = False  # swiglu only: LayerNorm on the hidden features (EVA02-B/L's scale_mlp)
     rope: bool = False  # 2-D rotary position embedding of the patch tokens in attention (EVA02; vit/rope.py)
-    rope_ref_grid: Optional[int] = None  # rope positions rescaled to this square grid (EVA02's ref_feat_shape)
+    rope_ref_grid: Optional[int] = (
+        None  # rope positions rescaled to this square grid (EVA02's ref_feat_shape)
+    )
     norm_first: bool = True  # pre-norm (ViT); False = post-norm (nn.TransformerEncoderLayer)
     norm_eps: float = 1e-6
     final_norm: bool = True
@@ -67,16 +69,28 @@ class ViTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
         if self.img_size % self.patch_size:
-            raise ValueError(f"ViTConfig.img_size={self.img_size} must be divisible by patch_size={self.patch_size}")
+            raise ValueError(
+                f"ViTConfig.img_size={self.img_size} must be divisible by patch_size={self.patch_size}"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"ViTConfig.num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
-        if isinstance(self.drop_path_rate, bool) or not isinstance(self.drop_path_rate, (int, float)) or not (
-            0.0 <= self.drop_path_rate < 1.0
+        if (
+            isinstance(self.drop_path_rate, bool)
+            or not isinstance(self.drop_path_rate, (int, float))
+            or not (0.0 <= self.drop_path_rate < 1.0)
         ):
-            raise ValueError(f"ViTConfig.drop_path_rate must be a float in [0, 1), got {self.drop_path_rate!r}")
-        if self.init_values is not None and (isinstance(self.init_values, bool) or not isinstance(
-                self.init_values, (int, float)) or not math.isfinite(self.init_values) or self.init_values <= 0):
-            raise ValueError(f"ViTConfig.init_values must be None or a positive float, got {self.init_values!r}")
+            raise ValueError(
+                f"ViTConfig.drop_path_rate must be a float in [0, 1), got {self.drop_path_rate!r}"
+            )
+        if self.init_values is not None and (
+            isinstance(self.init_values, bool)
+            or not isinstance(self.init_values, (int, float))
+            or not math.isfinite(self.init_values)
+            or self.init_values <= 0
+        ):
+            raise ValueError(
+                f"ViTConfig.init_values must be None or a positive float, got {self.init_values!r}"
+            )
         if self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be >= 0 (0 = no head), got {self.num_classes}")
         if self.act not in ACTIVATIONS:
@@ -84,7 +98,9 @@ class ViTConfig:
         if self.pos_embed not in POS_EMBED_KINDS:
             raise ValueError(f"ViTConfig.pos_embed must be one of {POS_EMBED_KINDS}, got {self.pos_embed!r}")
         if self.pos_embed == "sincos" and self.embed_dim % 4:
-            raise ValueError(f"sincos position embedding needs embed_dim divisible by 4, got {self.embed_dim}")
+            raise ValueError(
+                f"sincos position embedding needs embed_dim divisible by 4, got {self.embed_dim}"
+            )
         if self.global_pool not in POOLS:
             raise ValueError(f"ViTConfig.global_pool must be one of {POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
@@ -94,11 +110,18 @@ class ViTConfig:
         if self.mlp_norm and self.mlp_type != "swiglu":
             raise ValueError(f"ViTConfig.mlp_norm=True needs mlp_type='swiglu', got {self.mlp_type!r}")
         if self.rope and (self.embed_dim // self.num_heads) % 4:
-            raise ValueError(f"ViTConfig.rope=True needs a head dim (embed_dim // num_heads) divisible by 4, got "
-                             f"{self.embed_dim // self.num_heads}")
-        if self.rope_ref_grid is not None and (isinstance(self.rope_ref_grid, bool) or not isinstance(
-                self.rope_ref_grid, int) or self.rope_ref_grid <= 0):
-            raise ValueError(f"ViTConfig.rope_ref_grid must be None or a positive int, got {self.rope_ref_grid!r}")
+            raise ValueError(
+                f"ViTConfig.rope=True needs a head dim (embed_dim // num_heads) divisible by 4, got "
+                f"{self.embed_dim // self.num_heads}"
+            )
+        if self.rope_ref_grid is not None and (
+            isinstance(self.rope_ref_grid, bool)
+            or not isinstance(self.rope_ref_grid, int)
+            or self.rope_ref_grid <= 0
+        ):
+            raise ValueError(
+                f"ViTConfig.rope_ref_grid must be None or a positive int, got {self.rope_ref_grid!r}"
+            )
 
     @property
     def num_patches(self) -> int:
@@ -115,7 +138,9 @@ class ViTConfig:
     def drop_path_rates(self) -> list[float]:
         """Per block, as timm: ``linspace(0, drop_path_rate, depth)`` in float32, so the rates (and the
         1 / (1 - rate) scaling) are the very numbers timm uses."""
-        return torch.linspace(0.0, self.drop_path_rate, self.depth, dtype=torch.float32, device="cpu").tolist()
+        return torch.linspace(
+            0.0, self.drop_path_rate, self.depth, dtype=torch.float32, device="cpu"
+        ).tolist()
 
 
 def sincos_pos_embed(grid: int, dim: int, class_token: bool) -> torch.Tensor:
@@ -124,7 +149,9 @@ def sincos_pos_embed(grid: int, dim: int, class_token: bool) -> torch.Tensor:
     The class token gets zeros."""
     quarter = dim // 4
     omega = 1.0 / (10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter))
-    rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij"
+    )
 
     def encode(positions: torch.Tensor) -> torch.Tensor:
         angles = positions.reshape(-1, 1) * omega
@@ -181,14 +208,20 @@ class ViT(nn.Module):
                 attn_drop=config.attn_drop_rate,
                 drop_path=rate,
                 **({"init_values": config.init_values} if config.init_values is not None else {}),
-                **({"mlp_type": config.mlp_type, "mlp_norm": config.mlp_norm} if config.mlp_type != "mlp" else {}),
+                **(
+                    {"mlp_type": config.mlp_type, "mlp_norm": config.mlp_norm}
+                    if config.mlp_type != "mlp"
+                    else {}
+                ),
             )
             for rate in config.drop_path_rates()
         )
         self.norm = norm_layer(dim, eps=config.norm_eps) if config.final_norm else nn.Identity()
         self.attn_pool = None
         if config.global_pool == "map":
-            self.attn_pool = AttentionPool(dim, config.num_heads, config.mlp_hidden_features, config.act, config.norm_eps)
+            self.attn_pool = AttentionPool(
+                dim, config.num_heads, config.mlp_hidden_features, config.act, config.norm_eps
+            )
         self.fc_norm = norm_layer(dim, eps=config.norm_eps) if config.fc_norm else nn.Identity()
         self.head = self._new_head(config.num_classes)
         self.grad_checkpointing = False
@@ -279,7 +312,8 @@ class ViT(nn.Module):
             if "map" in (global_pool, self.config.global_pool) and global_pool != self.config.global_pool:
                 raise ValueError(
                     f"global_pool cannot change from {self.config.global_pool!r} to {global_pool!r}: attention "
-                    "pooling ('map') has weights of its own; create the model with the pooling it needs")
+                    "pooling ('map') has weights of its own; create the model with the pooling it needs"
+                )
             changes["global_pool"] = global_pool
         self.config = dataclasses.replace(self.config, **changes)  # validates both
         reference = self.patch_embed.proj.weight
@@ -303,9 +337,20 @@ def _timm(embed_dim: int, depth: int, num_heads: int) -> ViTConfig:
 
 
 def _eva02(embed_dim: int, num_heads: int, mlp_norm: bool) -> ViTConfig:
-    return ViTConfig(patch_size=14, embed_dim=embed_dim, depth=12, num_heads=num_heads,
-                     mlp_hidden_dim=int(embed_dim * 4 * 2 / 3), mlp_type="swiglu", mlp_norm=mlp_norm, rope=True,
-                     rope_ref_grid=16, global_pool="avg", fc_norm=True, final_norm=False)
+    return ViTConfig(
+        patch_size=14,
+        embed_dim=embed_dim,
+        depth=12,
+        num_heads=num_heads,
+        mlp_hidden_dim=int(embed_dim * 4 * 2 / 3),
+        mlp_type="swiglu",
+        mlp_norm=mlp_norm,
+        rope=True,
+        rope_ref_grid=16,
+        global_pool="avg",
+        fc_norm=True,
+        final_norm=False,
+    )
 
 
 PRESETS: dict[str, ViTConfig] = {
@@ -314,10 +359,18 @@ PRESETS: dict[str, ViTConfig] = {
     "vit_base_patch16_224": _timm(768, 12, 12),
     "vit_large_patch16_224": _timm(1024, 24, 16),
     # SigLIP image towers as timm builds them: no class token, attention pooling (MAP), exact GELU
-    "vit_base_patch16_siglip_224": ViTConfig(embed_dim=768, depth=12, num_heads=12, class_token=False,
-                                             global_pool="map"),
-    "vit_so400m_patch14_siglip_224": ViTConfig(patch_size=14, embed_dim=1152, depth=27, num_heads=16,
-                                               mlp_hidden_dim=4304, class_token=False, global_pool="map"),
+    "vit_base_patch16_siglip_224": ViTConfig(
+        embed_dim=768, depth=12, num_heads=12, class_token=False, global_pool="map"
+    ),
+    "vit_so400m_patch14_siglip_224": ViTConfig(
+        patch_size=14,
+        embed_dim=1152,
+        depth=27,
+        num_heads=16,
+        mlp_hidden_dim=4304,
+        class_token=False,
+        global_pool="map",
+    ),
     # EVA02 as timm builds it: SwiGLU MLP (hidden int(D * 8/3)), 2-D RoPE of the patch tokens in every
     # block's attention (positions on the 16 x 16 grid of pretraining), mean of the patch tokens -> fc_norm
     "eva02_tiny_patch14_224": _eva02(192, 3, mlp_norm=False),
@@ -325,23 +378,59 @@ PRESETS: dict[str, ViTConfig] = {
     "eva02_base_patch14_224": _eva02(768, 12, mlp_norm=True),
     # Post-norm blocks computed exactly as nn.TransformerEncoderLayer(norm_first=False, activation="relu").
     "vit_mnist_postnorm": ViTConfig(
-        img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=8,
-        mlp_hidden_dim=2048, act="relu", norm_first=False, norm_eps=1e-5, final_norm=False,
-        drop_rate=0.1, attn_drop_rate=0.1,
+        img_size=28,
+        patch_size=7,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=64,
+        depth=3,
+        num_heads=8,
+        mlp_hidden_dim=2048,
+        act="relu",
+        norm_first=False,
+        norm_eps=1e-5,
+        final_norm=False,
+        drop_rate=0.1,
+        attn_drop_rate=0.1,
     ),
     "vit_cifar10_small": ViTConfig(
-        img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48, depth=4, num_heads=4,
-        mlp_hidden_dim=192, act="gelu_tanh", norm_eps=1e-5, final_norm=False,
+        img_size=32,
+        patch_size=4,
+        in_chans=3,
+        num_classes=10,
+        embed_dim=48,
+        depth=4,
+        num_heads=4,
+        mlp_hidden_dim=192,
+        act="gelu_tanh",
+        norm_eps=1e-5,
+        final_norm=False,
     ),
     "vit_mnist_sincos": ViTConfig(
-        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=8, depth=2, num_heads=2,
-        mlp_ratio=4.0, pos_embed="sincos", norm_eps=1e-5,
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=8,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=4.0,
+        pos_embed="sincos",
+        norm_eps=1e-5,
     ),
     # 8x8 digits in 4x4 patches: 4 patches + class token = 5 tokens. Smaller patches leave a model
     # this size too little data to learn where each patch sits.
     "vit_digits": ViTConfig(
-        img_size=8, patch_size=4, in_chans=1, num_classes=10, embed_dim=64, depth=3, num_heads=4,
-        mlp_ratio=2.0, norm_eps=1e-5, init_std=None,
+        img_size=8,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=64,
+        depth=3,
+        num_heads=4,
+        mlp_ratio=2.0,
+        norm_eps=1e-5,
+        init_std=None,
     ),
 }
 

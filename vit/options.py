@@ -29,12 +29,35 @@ from vit.model import list_models
 
 # Options a resumed run may change; every other one is part of the run's course.
 CHANGEABLE_ON_RESUME = {
-    "epochs", "out", "resume", "device", "backend", "no_progress", "debug", "checkpoint_every", "keep",
-    "stop_at_step", "eval_every", "distributed", "dist_timeout", "data_path", "threads", "overwrite", "resume_fallback",
+    "epochs",
+    "out",
+    "resume",
+    "device",
+    "backend",
+    "no_progress",
+    "debug",
+    "checkpoint_every",
+    "keep",
+    "stop_at_step",
+    "eval_every",
+    "distributed",
+    "dist_timeout",
+    "data_path",
+    "threads",
+    "overwrite",
+    "resume_fallback",
 }
 # Options that describe this launch, not the run: never taken from the checkpoint.
 LAUNCH_OPTIONS = {
-    "resume", "stop_at_step", "out", "device", "distributed", "debug", "no_progress", "threads", "overwrite",
+    "resume",
+    "stop_at_step",
+    "out",
+    "device",
+    "distributed",
+    "debug",
+    "no_progress",
+    "threads",
+    "overwrite",
     "resume_fallback",
 }
 _INTERVAL = re.compile(r"^(\d+)\s*(steps?|epochs?)?$")
@@ -47,11 +70,15 @@ def _number(kind: type, low: float, high: float, low_open: bool = False) -> Call
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
         if value < low or value > high or (low_open and value == low):
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text!r}"
+            )
         return value
 
     return parse
@@ -61,7 +88,9 @@ def interval(text: str) -> tuple[int, str]:
     """``N``, ``Nepochs`` or ``Nsteps`` -> (N, "epochs" | "steps")."""
     match = _INTERVAL.match(text.strip().lower())
     if not match or int(match.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive count of epochs or steps such as 2, 2epochs or 500steps, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive count of epochs or steps such as 2, 2epochs or 500steps, got {text!r}"
+        )
     unit = "steps" if (match.group(2) or "").startswith("step") else "epochs"
     return int(match.group(1)), unit
 
@@ -77,7 +106,9 @@ def device(text: str) -> str:
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     elif parsed.type != "cpu":
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
@@ -97,7 +128,9 @@ def creatable_folder(text: str) -> str:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {str(parent)!r} is not a writable folder")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be created: {str(parent)!r} is not a writable folder"
+        )
     return str(path)
 
 
@@ -114,37 +147,121 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser = cli.OneLineErrors(prog="python -m vit.train", description=description)
     add = parser.add_argument
     add("--model", default="vit_digits", choices=list_models(), help="preset name")
-    add("--num-classes", type=_number(int, 1, 1_000_000), default=None, help="classifier size (default: the dataset's class count)")
-    add("--img-size", type=_number(int, 1, 8192), default=None,
-        help="the model's image side (default: the preset's); the data set's images are resized to it")
+    add(
+        "--num-classes",
+        type=_number(int, 1, 1_000_000),
+        default=None,
+        help="classifier size (default: the dataset's class count)",
+    )
+    add(
+        "--img-size",
+        type=_number(int, 1, 8192),
+        default=None,
+        help="the model's image side (default: the preset's); the data set's images are resized to it",
+    )
     add("--dataset", default="digits", choices=DATASETS, help="where the images come from")
-    add("--data-path", type=existing_path, default=None, help="folder of the dataset (mnist, cifar10, folder)")
+    add(
+        "--data-path", type=existing_path, default=None, help="folder of the dataset (mnist, cifar10, folder)"
+    )
     add("--epochs", type=_number(int, 1, 1_000_000), default=60, help="passes over the training split")
     add("--batch-size", type=_number(int, 1, 1 << 24), default=64, help="global batch (split over processes)")
     add("--lr", type=_number(float, 0.0, 10.0, low_open=True), default=2e-3, help="peak learning rate")
-    add("--min-lr", type=_number(float, 0.0, 10.0), default=1e-5, help="learning rate at the end of the cosine (<= --lr)")
-    add("--weight-decay", type=_number(float, 0.0, 10.0), default=0.05, help="AdamW decay of the weight matrices")
+    add(
+        "--min-lr",
+        type=_number(float, 0.0, 10.0),
+        default=1e-5,
+        help="learning rate at the end of the cosine (<= --lr)",
+    )
+    add(
+        "--weight-decay",
+        type=_number(float, 0.0, 10.0),
+        default=0.05,
+        help="AdamW decay of the weight matrices",
+    )
     add("--warmup-epochs", type=_number(float, 0.0, 1_000_000.0), default=3.0, help="linear warm-up")
     add("--label-smoothing", type=_number(float, 0.0, 0.999), default=0.1)
-    add("--shift", type=_number(int, 0, 8192), default=1, help="random translation in pixels, below the image size (0 disables)")
+    add(
+        "--shift",
+        type=_number(int, 0, 8192),
+        default=1,
+        help="random translation in pixels, below the image size (0 disables)",
+    )
     add("--no-augment", action="store_true", help="no shift and no flip")
-    add("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="auto = bf16 on CUDA only; fp16 uses a gradient scaler")
+    add(
+        "--amp",
+        choices=("auto", "bf16", "fp16", "off"),
+        default="auto",
+        help="auto = bf16 on CUDA only; fp16 uses a gradient scaler",
+    )
     add("--device", type=device, default="auto", help="auto | cpu | cuda | cuda:N")
     add("--backend", default="auto", choices=vk.backend.CHOICES, help="vit_kernels backend for every op")
-    add("--seed", type=_number(int, 0, 2**62), default=0, help="fixes initialisation, order, augmentation and dropout")
-    add("--out", type=creatable_folder, default=None, help="run folder for metrics and checkpoints (default runs/<model>-<dataset>)")
-    add("--resume", type=checkpoint_path, default=None, help="checkpoint (or run folder) to continue from; its options are the defaults")
-    add("--resume-fallback", action="store_true",
-        help="with --resume of a run folder whose latest checkpoint is damaged: continue from its newest intact one")
-    add("--overwrite", action="store_true", help="replace the run --out already holds (its checkpoints and metrics)")
-    add("--eval-every", type=_number(int, 1, 1_000_000), default=1, help="evaluate every N epochs (and after the last)")
-    add("--checkpoint-every", type=interval, action="append", default=None, metavar="N[epochs|steps]",
+    add(
+        "--seed",
+        type=_number(int, 0, 2**62),
+        default=0,
+        help="fixes initialisation, order, augmentation and dropout",
+    )
+    add(
+        "--out",
+        type=creatable_folder,
+        default=None,
+        help="run folder for metrics and checkpoints (default runs/<model>-<dataset>)",
+    )
+    add(
+        "--resume",
+        type=checkpoint_path,
+        default=None,
+        help="checkpoint (or run folder) to continue from; its options are the defaults",
+    )
+    add(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume of a run folder whose latest checkpoint is damaged: continue from its newest intact one",
+    )
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace the run --out already holds (its checkpoints and metrics)",
+    )
+    add(
+        "--eval-every",
+        type=_number(int, 1, 1_000_000),
+        default=1,
+        help="evaluate every N epochs (and after the last)",
+    )
+    add(
+        "--checkpoint-every",
+        type=interval,
+        action="append",
+        default=None,
+        metavar="N[epochs|steps]",
         help="save a checkpoint every N epochs and/or steps (repeat for both; default 1epochs); also at the end, "
-             "at a new best test accuracy and on SIGTERM/SIGINT")
-    add("--keep", type=_number(int, 1, 1_000_000), default=2, help="how many latest checkpoints to keep (plus the best)")
-    add("--stop-at-step", type=_number(int, 1, 1 << 62), default=None, help="save and stop once this global step is done")
-    add("--distributed", choices=distributed.MODES, default="none", help="ddp or fsdp, under torchrun --nproc_per_node N")
-    add("--dist-timeout", type=_number(float, 1.0, 86_400.0), default=300.0, help="seconds before a stalled collective fails")
+        "at a new best test accuracy and on SIGTERM/SIGINT",
+    )
+    add(
+        "--keep",
+        type=_number(int, 1, 1_000_000),
+        default=2,
+        help="how many latest checkpoints to keep (plus the best)",
+    )
+    add(
+        "--stop-at-step",
+        type=_number(int, 1, 1 << 62),
+        default=None,
+        help="save and stop once this global step is done",
+    )
+    add(
+        "--distributed",
+        choices=distributed.MODES,
+        default="none",
+        help="ddp or fsdp, under torchrun --nproc_per_node N",
+    )
+    add(
+        "--dist-timeout",
+        type=_number(float, 1.0, 86_400.0),
+        default=300.0,
+        help="seconds before a stalled collective fails",
+    )
     add("--no-progress", action="store_true", help="no progress bar")
     add("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
     cli.add_threads_option(parser)
@@ -172,11 +289,15 @@ def _resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
         return read_meta(args.resume)
     except CheckpointError as error:
         if not args.resume_fallback:
-            parser.error(f"--resume {args.resume}: {error}; --resume-fallback continues from the newest intact "
-                         "checkpoint of its run instead (or name an older checkpoint folder)")
+            parser.error(
+                f"--resume {args.resume}: {error}; --resume-fallback continues from the newest intact "
+                "checkpoint of its run instead (or name an older checkpoint folder)"
+            )
         intact = RunFolder(run_folder_of(args.resume)).newest_intact(at_most=args.resume)
         if intact is None:
-            parser.error(f"--resume {args.resume}: {error}, and its run holds no intact checkpoint to fall back to")
+            parser.error(
+                f"--resume {args.resume}: {error}, and its run holds no intact checkpoint to fall back to"
+            )
         print(f"python -m vit.train: {error}; falling back to {intact}", file=sys.stderr, flush=True)
         args.resume = str(intact)
         return read_meta(intact)
@@ -196,9 +317,13 @@ def _explicit(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> set
     """The options given on the command line (not defaulted)."""
     unset = object()
     # an append action extends its default, so it is told apart by being non-empty instead
-    probe = argparse.Namespace(**{dest: unset for dest in vars(parser.parse_args([])) if dest != "checkpoint_every"})
+    probe = argparse.Namespace(
+        **{dest: unset for dest in vars(parser.parse_args([])) if dest != "checkpoint_every"}
+    )
     parsed = vars(parser.parse_args(argv, probe))
-    return {dest for dest, value in parsed.items() if value is not unset and (dest != "checkpoint_every" or value)}
+    return {
+        dest for dest, value in parsed.items() if value is not unset and (dest != "checkpoint_every" or value)
+    }
 
 
 def parse(argv: Optional[list[str]], description: str) -> argparse.Namespace:
@@ -247,7 +372,11 @@ def _refuse_to_replace_a_run(parser: argparse.ArgumentParser, args: argparse.Nam
     if args.resume:
         if run_folder_of(args.resume).resolve() == out.resolve():
             return
-        parser.error(f"--out {out} already holds another run; resuming {args.resume} there would mix the two runs "
-                     "(choose a new --out)")
-    parser.error(f"{out} already holds a run; continue it with --resume {out}, replace it with --overwrite, "
-                 "or choose a new --out")
+        parser.error(
+            f"--out {out} already holds another run; resuming {args.resume} there would mix the two runs "
+            "(choose a new --out)"
+        )
+    parser.error(
+        f"{out} already holds a run; continue it with --resume {out}, replace it with --overwrite, "
+        "or choose a new --out"
+    )

@@ -28,7 +28,9 @@ def class_token_maps(model: ViT, images: torch.Tensor) -> torch.Tensor:
     grid = model.config.img_size // model.config.patch_size
     with torch.no_grad():
         maps = model.attention_maps(images)  # depth x (N, heads, T, T)
-    return torch.stack([m[:, :, 0, 1:].mean(dim=1) for m in maps], dim=1).reshape(images.shape[0], -1, grid, grid)
+    return torch.stack([m[:, :, 0, 1:].mean(dim=1) for m in maps], dim=1).reshape(
+        images.shape[0], -1, grid, grid
+    )
 
 
 def plot_attention(image: torch.Tensor, maps: torch.Tensor, out: str | Path, title: str = "") -> Path:
@@ -57,15 +59,28 @@ def plot_attention(image: torch.Tensor, maps: torch.Tensor, out: str | Path, tit
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = cli.OneLineErrors(prog="python -m vit.plots", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=options.checkpoint_path,
-                        help="checkpoint folder written by python -m vit.train (or its run folder)")
-    parser.add_argument("--image", type=options.existing_path, default=None,
-                        help="an image file; default: a test image of the checkpoint's dataset")
+    parser.add_argument(
+        "checkpoint",
+        type=options.checkpoint_path,
+        help="checkpoint folder written by python -m vit.train (or its run folder)",
+    )
+    parser.add_argument(
+        "--image",
+        type=options.existing_path,
+        default=None,
+        help="an image file; default: a test image of the checkpoint's dataset",
+    )
     parser.add_argument("--index", type=int, default=0, help="which test image")
-    parser.add_argument("--data-path", type=options.existing_path, default=None,
-                        help="the data set's folder (default: the one it was trained on)")
+    parser.add_argument(
+        "--data-path",
+        type=options.existing_path,
+        default=None,
+        help="the data set's folder (default: the one it was trained on)",
+    )
     parser.add_argument("--out", type=_png_path, default="attention.png", help="the PNG to write")
-    parser.add_argument("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    parser.add_argument(
+        "--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors"
+    )
     cli.add_threads_option(parser)
     args = parser.parse_args(argv)
     cli.set_threads(args.threads)
@@ -87,12 +102,19 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     model.eval()
     config, stats = model.config, meta["dataset"]
     if args.image is not None:
-        pixels = torch.from_numpy(read_image(args.image, config.img_size, config.in_chans)).float()[None] / 255.0
+        pixels = (
+            torch.from_numpy(read_image(args.image, config.img_size, config.in_chans)).float()[None] / 255.0
+        )
         images = normalise_with(pixels, stats["mean"], stats["std"])
         title = Path(args.image).name
     else:
-        _, test = load_dataset(stats["name"], args.data_path or stats.get("path"), img_size=config.img_size,
-                               in_chans=config.in_chans, num_classes=config.num_classes)
+        _, test = load_dataset(
+            stats["name"],
+            args.data_path or stats.get("path"),
+            img_size=config.img_size,
+            in_chans=config.in_chans,
+            num_classes=config.num_classes,
+        )
         if not 0 <= args.index < len(test):
             parser.error(f"--index must be in [0, {len(test)}), got {args.index}")
         images = test.images[args.index : args.index + 1]

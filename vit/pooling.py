@@ -27,7 +27,9 @@ from vit_kernels.nn import LayerNorm, Mlp
 class AttentionPool(nn.Module):
     """tokens (N, T, D) -> pooled (N, D)."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_hidden_dim: int, act: str = "gelu", eps: float = 1e-6) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, mlp_hidden_dim: int, act: str = "gelu", eps: float = 1e-6
+    ) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide dim={dim}")

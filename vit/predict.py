@@ -23,15 +23,30 @@ from vit.train import evaluate, pick_device
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = cli.OneLineErrors(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=options.checkpoint_path,
-                        help="checkpoint folder written by python -m vit.train (or its run folder)")
-    parser.add_argument("--dataset", default=None, choices=DATASETS, help="default: the one it was trained on")
-    parser.add_argument("--data-path", type=options.existing_path, default=None,
-                        help="the data set's folder (default: the one it was trained on)")
-    parser.add_argument("--image", type=options.existing_path, default=None, help="classify this image file instead")
+    parser.add_argument(
+        "checkpoint",
+        type=options.checkpoint_path,
+        help="checkpoint folder written by python -m vit.train (or its run folder)",
+    )
+    parser.add_argument(
+        "--dataset", default=None, choices=DATASETS, help="default: the one it was trained on"
+    )
+    parser.add_argument(
+        "--data-path",
+        type=options.existing_path,
+        default=None,
+        help="the data set's folder (default: the one it was trained on)",
+    )
+    parser.add_argument(
+        "--image", type=options.existing_path, default=None, help="classify this image file instead"
+    )
     parser.add_argument("--device", type=options.device, default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--backend", default="auto", choices=vk.backend.CHOICES, help="vit_kernels backend for every op")
-    parser.add_argument("--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors")
+    parser.add_argument(
+        "--backend", default="auto", choices=vk.backend.CHOICES, help="vit_kernels backend for every op"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="full tracebacks for data-set and checkpoint errors"
+    )
     cli.add_threads_option(parser)
     args = parser.parse_args(argv)
     problem = options.backend_problem(args)
@@ -50,7 +65,12 @@ def classify_image(model: torch.nn.Module, meta: dict, path: str, device: torch.
     index = int(probabilities.argmax())
     classes = meta["dataset"].get("classes") or []
     label = classes[index] if index < len(classes) else str(index)
-    return {"image": path, "class": index, "label": label, "probabilities": [round(p, 6) for p in probabilities.tolist()]}
+    return {
+        "image": path,
+        "class": index,
+        "label": label,
+        "probabilities": [round(p, 6) for p in probabilities.tolist()],
+    }
 
 
 def predict(args: argparse.Namespace) -> dict:
@@ -66,7 +86,11 @@ def predict(args: argparse.Namespace) -> dict:
     path = args.data_path or (meta["dataset"].get("path") if name == meta["dataset"]["name"] else None)
     config = model.config
     _, test = load_dataset(
-        name, path, img_size=config.img_size, in_chans=config.in_chans, num_classes=config.num_classes,
+        name,
+        path,
+        img_size=config.img_size,
+        in_chans=config.in_chans,
+        num_classes=config.num_classes,
         seed=meta["progress"]["args"].get("seed", 0),
     )
     test = resize(test, config.img_size)
@@ -75,7 +99,13 @@ def predict(args: argparse.Namespace) -> dict:
         raise cli.UsageError(f"--dataset {name} gives images {shape}, but the model expects {expected}")
     check_labels(test, config.num_classes)
     result = evaluate(model, test, device, "auto")
-    return {"checkpoint": args.checkpoint, "dataset": name, "images": len(test), "accuracy": result.accuracy, "loss": result.loss}
+    return {
+        "checkpoint": args.checkpoint,
+        "dataset": name,
+        "images": len(test),
+        "accuracy": result.accuracy,
+        "loss": result.loss,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -20,7 +20,10 @@ import torch
 
 
 def axial_rope_tables(
-    grid: tuple[int, int], head_dim: int, temperature: float = 10000.0, ref_grid: Optional[tuple[int, int]] = None
+    grid: tuple[int, int],
+    head_dim: int,
+    temperature: float = 10000.0,
+    ref_grid: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, w) patch grid -> (cos, sin), each (h * w, head_dim) float32, interleaved layout."""
     if head_dim % 4:

@@ -89,7 +89,9 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: ImageData, device: torch.device, amp: str, batch_size: int = 512) -> Evaluation:
+def evaluate(
+    model: torch.nn.Module, data: ImageData, device: torch.device, amp: str, batch_size: int = 512
+) -> Evaluation:
     """Mean cross-entropy and accuracy of ``model`` over ``data``."""
     was_training = model.training
     model.eval()
@@ -158,7 +160,15 @@ class StopSignal:
 def _progress_bar(total: int, initial: int, disable: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=disable, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=disable,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
 
 
 def _log(message: str, context: distributed.Context) -> None:
@@ -182,8 +192,10 @@ def _first_non_finite(bad_step: torch.Tensor, context: distributed.Context, devi
     first = int(bad_step.item())
     if distributed.any_true(first >= 0, context, device):
         at = f"step {first}" if first >= 0 else "a step of another process"
-        raise UsageError(f"the training loss is not finite at {at}; nothing after it was saved "
-                         "(lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)")
+        raise UsageError(
+            f"the training loss is not finite at {at}; nothing after it was saved "
+            "(lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)"
+        )
 
 
 def _model_config(args: argparse.Namespace, meta: Optional[dict], train_classes: int) -> ViTConfig:
@@ -202,8 +214,12 @@ def _load_data(args: argparse.Namespace, meta: Optional[dict]) -> tuple[ImageDat
     preset = ViTConfig(**meta["config"]) if meta else get_config(args.model)
     img_size = args.img_size or preset.img_size
     train_data, test_data = load_dataset(
-        args.dataset, args.data_path, img_size=img_size, in_chans=preset.in_chans,
-        num_classes=args.num_classes or preset.num_classes, seed=args.seed,
+        args.dataset,
+        args.data_path,
+        img_size=img_size,
+        in_chans=preset.in_chans,
+        num_classes=args.num_classes or preset.num_classes,
+        seed=args.seed,
     )
     config = _model_config(args, meta, train_data.num_classes)
     if args.img_size is not None or meta is not None and meta["progress"]["args"].get("img_size") is not None:
@@ -265,8 +281,10 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     test_split = split_fingerprint(test_data)
     recorded_split = meta["dataset"].get("test_split") if meta else None
     if recorded_split not in (None, test_split):
-        raise UsageError(f"the test split of --dataset {args.dataset} differs from the one {args.resume} was evaluated "
-                         "on (other files behind --data-path?): its accuracies would not compare")
+        raise UsageError(
+            f"the test split of --dataset {args.dataset} differs from the one {args.resume} was evaluated "
+            "on (other files behind --data-path?): its accuracies would not compare"
+        )
     model = ViT(config).to(device)
     progress = meta["progress"] if meta else {"step": 0, "history": [], "best_accuracy": None}
 
@@ -278,7 +296,11 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
             f"--epochs {args.epochs} is fewer than the {start_step / steps_per_epoch:g} epochs the checkpoint "
             f"{args.resume} has done; pass --epochs {math.ceil(start_step / steps_per_epoch)} or more"
         )
-    if meta and start_step % steps_per_epoch and meta["progress"].get("steps_per_epoch") not in (None, steps_per_epoch):
+    if (
+        meta
+        and start_step % steps_per_epoch
+        and meta["progress"].get("steps_per_epoch") not in (None, steps_per_epoch)
+    ):
         raise UsageError(f"the data set behind {args.resume} changed size: it cannot resume mid-epoch")
 
     trained = distributed.wrap(model, context, device)
@@ -287,8 +309,11 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     if meta:
         folder = meta["folder"]
         distributed.load_full_state(
-            trained, optimizer, checkpoint.load_tensors(folder, checkpoint.MODEL_FILE),
-            checkpoint.load_optimizer_state(folder, meta), context,
+            trained,
+            optimizer,
+            checkpoint.load_tensors(folder, checkpoint.MODEL_FILE),
+            checkpoint.load_optimizer_state(folder, meta),
+            context,
         )
         _set_rng_state(checkpoint.load_tensors(folder, checkpoint.STATE_FILE), device)
         if progress.get("scaler"):
@@ -309,34 +334,61 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     flip = train_data.flip_ok and not args.no_augment
     every = {unit: count for count, unit in args.checkpoint_every}
     dataset_info = {
-        "name": args.dataset, "path": args.data_path, "classes": train_data.classes,
-        "mean": train_data.mean, "std": train_data.std, "test_split": test_split,
+        "name": args.dataset,
+        "path": args.data_path,
+        "classes": train_data.classes,
+        "mean": train_data.mean,
+        "std": train_data.std,
+        "test_split": test_split,
     }
     saved_args = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_at_step")}
     best_accuracy = progress.get("best_accuracy")
     partial = progress.get("partial_epoch") or {"loss_sum": 0.0, "correct": 0.0, "seconds": 0.0}
     last_saved = start_step if meta else -1
     bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # the first step with a non-finite loss
-    check_every_step = device.type == "cpu" and not context.active  # elsewhere a read costs a sync or a collective
+    check_every_step = (
+        device.type == "cpu" and not context.active
+    )  # elsewhere a read costs a sync or a collective
 
-    def save(step: int, sums: torch.Tensor, seconds: float, best: bool, evaluation: Optional[Evaluation] = None) -> None:
+    def save(
+        step: int, sums: torch.Tensor, seconds: float, best: bool, evaluation: Optional[Evaluation] = None
+    ) -> None:
         nonlocal last_saved
         _first_non_finite(bad_step, context, device)
         model_state, optimizer_state = distributed.full_state(trained, optimizer, context)
         sums = distributed.all_sum(sums, context)
         if context.is_main:
             state = {
-                "step": step, "epoch": step / steps_per_epoch, "steps_per_epoch": steps_per_epoch,
-                "history": log.rows, "best_accuracy": best_accuracy, "args": saved_args,
+                "step": step,
+                "epoch": step / steps_per_epoch,
+                "steps_per_epoch": steps_per_epoch,
+                "history": log.rows,
+                "best_accuracy": best_accuracy,
+                "args": saved_args,
                 "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                 "partial_epoch": {"loss_sum": sums[0].item(), "correct": sums[1].item(), "seconds": seconds},
             }
-            meta = {"model": args.model, "config": dataclasses.asdict(config), "dataset": dataset_info, "progress": state}
+            meta = {
+                "model": args.model,
+                "config": dataclasses.asdict(config),
+                "dataset": dataset_info,
+                "progress": state,
+            }
             if evaluation is not None:
-                meta["evaluation"] = {"test_accuracy": evaluation.accuracy, "test_loss": evaluation.loss, "split": test_split}
+                meta["evaluation"] = {
+                    "test_accuracy": evaluation.accuracy,
+                    "test_loss": evaluation.loss,
+                    "split": test_split,
+                }
             written = store.save(
-                epoch=step // steps_per_epoch, step=step, best=best, final=step == total_steps, model_state=model_state,
-                optimizer_state=optimizer_state, state_tensors=_rng_state(device), meta=meta,
+                epoch=step // steps_per_epoch,
+                step=step,
+                best=best,
+                final=step == total_steps,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                state_tensors=_rng_state(device),
+                meta=meta,
             )
             _log(f"checkpoint saved: {written} (epoch {step / steps_per_epoch:g}, step {step})", context)
         distributed.barrier(context)
@@ -350,8 +402,11 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
             order = epoch_order(len(train_data), args.seed, epoch).to(device)
             first = step - epoch * steps_per_epoch
             # loss sum and correct count over this process's images of the epoch (carried over a mid-epoch resume)
-            sums = torch.tensor([partial["loss_sum"], partial["correct"]], dtype=torch.float64, device=device) if context.is_main else \
-                torch.zeros(2, dtype=torch.float64, device=device)
+            sums = (
+                torch.tensor([partial["loss_sum"], partial["correct"]], dtype=torch.float64, device=device)
+                if context.is_main
+                else torch.zeros(2, dtype=torch.float64, device=device)
+            )
             epoch_seconds, partial = partial["seconds"], {"loss_sum": 0.0, "correct": 0.0, "seconds": 0.0}
             clock = time.perf_counter()
             for index in range(first, steps_per_epoch):
@@ -359,23 +414,34 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
                     group["lr"] = learning_rate(step, total_steps, warmup_steps, args.lr, args.min_lr)
                 batch = order[index * args.batch_size : (index + 1) * args.batch_size]
                 images = augment(train_images[batch], step_generator(args.seed, epoch, index), shift, flip)
-                images, labels = distributed.shard(images, context), distributed.shard(train_labels[batch], context)
+                images, labels = (
+                    distributed.shard(images, context),
+                    distributed.shard(train_labels[batch], context),
+                )
                 with autocast_for(device, args.amp):
                     logits = trained(images)
-                    loss_sum = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing, reduction="sum")
+                    loss_sum = F.cross_entropy(
+                        logits.float(), labels, label_smoothing=args.label_smoothing, reduction="sum"
+                    )
                 # DDP and FSDP average gradients over processes: scaled so the step is the global batch's mean
                 loss = loss_sum * (context.world / batch.shape[0])
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
-                sums += torch.stack([loss_sum.detach().double(), (logits.argmax(dim=1) == labels).sum().double()])
-                bad_step.masked_fill_((bad_step < 0) & ~torch.isfinite(loss_sum.detach()), step + 1)  # steps counted from 1
+                sums += torch.stack(
+                    [loss_sum.detach().double(), (logits.argmax(dim=1) == labels).sum().double()]
+                )
+                bad_step.masked_fill_(
+                    (bad_step < 0) & ~torch.isfinite(loss_sum.detach()), step + 1
+                )  # steps counted from 1
                 if check_every_step:
                     _first_non_finite(bad_step, context, device)
                 step += 1
                 bar.update(1)
-                stopping = distributed.any_true(stop_signal.received is not None or step == args.stop_at_step, context, device)
+                stopping = distributed.any_true(
+                    stop_signal.received is not None or step == args.stop_at_step, context, device
+                )
                 if stopping or ("steps" in every and step % every["steps"] == 0):
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -392,24 +458,40 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
             _first_non_finite(bad_step, context, device)
             sums = distributed.all_sum(sums, context)
             train_loss, train_acc = sums[0].item() / len(train_data), sums[1].item() / len(train_data)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{train_acc:.3f}", img_s=f"{len(train_data) / epoch_seconds:.0f}")
+            bar.set_postfix(
+                epoch=epoch + 1,
+                loss=f"{train_loss:.3f}",
+                acc=f"{train_acc:.3f}",
+                img_s=f"{len(train_data) / epoch_seconds:.0f}",
+            )
             last = epoch + 1 == args.epochs
             best, test = False, None
             if last or (epoch + 1) % args.eval_every == 0:
                 test = evaluate(trained, test_data, device, args.amp)
                 if not math.isfinite(test.loss):
-                    raise UsageError(f"the test loss is not finite after epoch {epoch + 1} (step {step}); nothing after "
-                                     "it was saved (lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)")
+                    raise UsageError(
+                        f"the test loss is not finite after epoch {epoch + 1} (step {step}); nothing after "
+                        "it was saved (lower --lr, use --amp bf16 or off, and --resume from the last checkpoint)"
+                    )
                 best = best_accuracy is None or test.accuracy > best_accuracy
                 best_accuracy = max(test.accuracy, best_accuracy or 0.0)
-                log.append({
-                    "epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], "train_loss": train_loss,
-                    "train_accuracy": train_acc, "test_loss": test.loss, "test_accuracy": test.accuracy,
-                    "epoch_seconds": epoch_seconds, "images_per_second": len(train_data) / epoch_seconds,
-                })
+                log.append(
+                    {
+                        "epoch": epoch + 1,
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "train_loss": train_loss,
+                        "train_accuracy": train_acc,
+                        "test_loss": test.loss,
+                        "test_accuracy": test.accuracy,
+                        "epoch_seconds": epoch_seconds,
+                        "images_per_second": len(train_data) / epoch_seconds,
+                    }
+                )
             due = last or best or stopping or ("epochs" in every and (epoch + 1) % every["epochs"] == 0)
             if due and step != last_saved:
-                save(step, torch.zeros(2, dtype=torch.float64, device=device), 0.0, best=best, evaluation=test)
+                save(
+                    step, torch.zeros(2, dtype=torch.float64, device=device), 0.0, best=best, evaluation=test
+                )
             if stopping and not last:
                 return _stopped(bar, stop_signal, step, store, context)
     bar.close()
@@ -434,10 +516,15 @@ def _train(args: argparse.Namespace, context: distributed.Context, device: torch
     }
 
 
-def _stopped(bar, stop_signal: StopSignal, step: int, store: checkpoint.RunFolder, context: distributed.Context) -> dict:
+def _stopped(
+    bar, stop_signal: StopSignal, step: int, store: checkpoint.RunFolder, context: distributed.Context
+) -> dict:
     bar.close()
     reason = signal.Signals(stop_signal.received).name if stop_signal.received else "--stop-at-step"
-    _log(f"stopped by {reason} after step {step}; continue with --resume {store.root / checkpoint.LATEST_LINK}", context)
+    _log(
+        f"stopped by {reason} after step {step}; continue with --resume {store.root / checkpoint.LATEST_LINK}",
+        context,
+    )
     if stop_signal.received:
         raise SystemExit(128 + stop_signal.received)
     return {"stopped_at_step": step, "checkpoint": str(store.root / checkpoint.LATEST_LINK)}
@@ -454,7 +541,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(
             f"python -m vit.train: error: rank {os.environ.get('RANK', '?')} lost contact with the other processes "
             f"({error}); the job stops. Continue from the last checkpoint with --resume.",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         raise SystemExit(1) from None
     if args.distributed == "none" or os.environ.get("RANK", "0") == "0":

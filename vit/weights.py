@@ -88,7 +88,9 @@ class LoadReport:
 
     source: str  # one of FORMATS
     pos_embed_resampled: Optional[tuple[tuple[int, int], tuple[int, int]]]  # (checkpoint grid, model grid)
-    head_loaded: bool  # False: the checkpoint's head was for another num_classes (or absent); the model's kept
+    head_loaded: (
+        bool  # False: the checkpoint's head was for another num_classes (or absent); the model's kept
+    )
     unused: tuple[str, ...]  # checkpoint keys a classifier does not use (Hugging Face's pooler, mask token)
 
 
@@ -134,7 +136,9 @@ def read_safetensors(checkpoint_path: Union[str, Path]) -> dict[str, torch.Tenso
             raise ValueError(
                 f"checkpoint_path {str(path)!r} is a pickled (torch.save) checkpoint, which is not loaded: {convert}"
             ) from error
-        raise ValueError(f"checkpoint_path {str(path)!r} is not a readable safetensors file: {error}") from error
+        raise ValueError(
+            f"checkpoint_path {str(path)!r} is not a readable safetensors file: {error}"
+        ) from error
 
 
 def _looks_pickled(path: Path) -> bool:
@@ -214,7 +218,10 @@ def _split_glu(state: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
                 name = origin.pop(packed)
                 for part, value in (("fc1_g", gate), ("fc1_x", up)):
                     ours = packed.replace(".fc1.", f".{part}.")
-                    state[ours], origin[ours] = value, f"{name} ({'first' if part == 'fc1_g' else 'second'} half)"
+                    state[ours], origin[ours] = (
+                        value,
+                        f"{name} ({'first' if part == 'fc1_g' else 'second'} half)",
+                    )
 
 
 def implied_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
@@ -252,7 +259,9 @@ def check_architecture(state: dict[str, torch.Tensor], model: "ViT", where: str)
     }
     if not mismatches:
         return
-    found = "; ".join(f"{name}: checkpoint {theirs!r}, model {ours!r}" for name, (theirs, ours) in mismatches.items())
+    found = "; ".join(
+        f"{name}: checkpoint {theirs!r}, model {ours!r}" for name, (theirs, ours) in mismatches.items()
+    )
     hint = ", ".join(f"{name}={theirs!r}" for name, (theirs, _) in mismatches.items())
     note = ""
     if "patch_size" in mismatches:
@@ -274,7 +283,9 @@ def adapt_pos_embed(
         return None
     if model.config.pos_embed != "learned":
         fixed = model.pos_embed
-        if pos_embed.shape != fixed.shape or not torch.allclose(pos_embed.to(fixed), fixed, rtol=1e-5, atol=1e-6):
+        if pos_embed.shape != fixed.shape or not torch.allclose(
+            pos_embed.to(fixed), fixed, rtol=1e-5, atol=1e-6
+        ):
             raise ValueError(
                 f"{where} has a learned position embedding, but the model has the fixed sin-cos table "
                 "(pos_embed='sincos'): create it with pos_embed='learned'"

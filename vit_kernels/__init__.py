@@ -1,11 +1,11 @@
 """vit-kernels: fused kernels for Vision Transformers as drop-in PyTorch ops and layers.
 
-    import vit_kernels as vk
-    out = vk.attention(qkv, num_heads=12)          # qkv (B, L, 3*D) -> (B, L, D)
-    vk.set_backend("torch")                          # or "auto" | "triton" | "extension"
-    with vk.use_backend("triton", strict=True): ...  # this thread / task only; raise, don't fall back
-    vk.tune(model, (images,))                        # let auto measure every op signature now
-    print(vk.explain())                              # what ran for each signature, and why
+import vit_kernels as vk
+out = vk.attention(qkv, num_heads=12)          # qkv (B, L, 3*D) -> (B, L, D)
+vk.set_backend("torch")                          # or "auto" | "triton" | "extension"
+with vk.use_backend("triton", strict=True): ...  # this thread / task only; raise, don't fall back
+vk.tune(model, (images,))                        # let auto measure every op signature now
+print(vk.explain())                              # what ran for each signature, and why
 """
 
 from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
@@ -18,8 +18,16 @@ from vit_kernels.backend import (
     set_backend,
     use_backend,
 )
-from vit_kernels.functional import (attention, layer_norm, linear, linear_gelu, mlp, patch_embed, swiglu,
-                                    swiglu_mlp)
+from vit_kernels.functional import (
+    attention,
+    layer_norm,
+    linear,
+    linear_gelu,
+    mlp,
+    patch_embed,
+    swiglu,
+    swiglu_mlp,
+)
 
 from vit_kernels import backend as _backend
 

@@ -27,7 +27,9 @@ def tracing() -> bool:
     if torch.compiler.is_compiling():  # first: Dynamo cannot trace the dispatch-mode stack's length
         return True
     mode = _get_current_dispatch_mode()
-    return (mode is not None and not getattr(mode, "sees_eager_calls", False)) or torch._C._are_functorch_transforms_active()
+    return (
+        mode is not None and not getattr(mode, "sees_eager_calls", False)
+    ) or torch._C._are_functorch_transforms_active()
 
 
 def direct(op: Callable, body: Callable) -> Callable:
@@ -40,7 +42,11 @@ def direct(op: Callable, body: Callable) -> Callable:
 
 
 def differentiable(
-    qualname: str, backward: Callable, setup_context: Callable, body: Callable, double_backward: bool = False,
+    qualname: str,
+    backward: Callable,
+    setup_context: Callable,
+    body: Callable,
+    double_backward: bool = False,
 ) -> Callable:
     """Register ``backward`` / ``setup_context`` as the autograd of op ``qualname``
     ("vit_kernels::name") and return the op's eager-fast callable: the registered op while tracing;
@@ -62,10 +68,14 @@ def differentiable(
         return output
 
     # named after the op, so that autograd nodes, profiles and errors say which op
-    Function = type(f"{name}_function", (torch.autograd.Function,), {
-        "forward": staticmethod(function_forward),
-        "backward": staticmethod(backward if double_backward else once_differentiable(backward)),
-    })
+    Function = type(
+        f"{name}_function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(function_forward),
+            "backward": staticmethod(backward if double_backward else once_differentiable(backward)),
+        },
+    )
 
     def call(*args: Any) -> Any:
         if tracing():

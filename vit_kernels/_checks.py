@@ -16,9 +16,13 @@ def shape_of(t: torch.Tensor) -> tuple[int, ...]:
 def check_float_tensor(name: str, t: object, *, ndim: Optional[int] = None, layout: str = "") -> torch.Tensor:
     """``t`` must be a floating-point tensor, with ``ndim`` dimensions when given."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor{' ' + layout if layout else ''}, got {type(t).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor{' ' + layout if layout else ''}, got {type(t).__name__}"
+        )
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), got {t.dtype}")
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), got {t.dtype}"
+        )
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {shape_of(t)}".rstrip())
     return t
@@ -39,13 +43,17 @@ def check_optional_shape(name: str, t: Optional[torch.Tensor], expected: Sequenc
 def check_same_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     for name, t in others.items():
         if t is not None and t.device != reference.device:
-            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}: move them to one device")
+            raise ValueError(
+                f"{name} is on {t.device} but {reference_name} is on {reference.device}: move them to one device"
+            )
 
 
 def check_same_dtype(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     for name, t in others.items():
         if t is not None and t.dtype != reference.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {reference_name} has {reference.dtype}: they must match")
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {reference_name} has {reference.dtype}: they must match"
+            )
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -64,7 +72,12 @@ def check_probability(name: str, value: object) -> float:
 def check_optional_positive_float(name: str, value: object) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{name} must be None or a positive finite float, got {value!r}")
     return float(value)
 
@@ -95,7 +108,9 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return autocast_dtype_of(device.type)
 
 
-def cast_all(dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+def cast_all(
+    dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]
+) -> tuple[Optional[torch.Tensor], ...]:
     """Cast every tensor to ``dtype`` (None leaves them as they are)."""
     if dtype is None:
         return tensors

@@ -17,7 +17,11 @@ class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+        if (
+            "default" in text
+            or action.default in (None, argparse.SUPPRESS, False)
+            or not action.option_strings
+        ):
             return text
         return f"{text} (default: %(default)s)".lstrip()
 

@@ -62,13 +62,28 @@ class Explanation:
         cells = []
         for r in self.rows:
             candidates = "; ".join(f"{b}: {v}" for b, v in r.candidates.items())
-            cells.append((r.op, r.device, r.dtype.replace("torch.", ""), r.shapes, "yes" if r.grad else "no",
-                          r.backend, r.source, candidates))
-        widths = [min(48, max(len(c), *(len(row[i]) for row in cells))) for i, c in enumerate(self.COLUMNS[:-1])]
+            cells.append(
+                (
+                    r.op,
+                    r.device,
+                    r.dtype.replace("torch.", ""),
+                    r.shapes,
+                    "yes" if r.grad else "no",
+                    r.backend,
+                    r.source,
+                    candidates,
+                )
+            )
+        widths = [
+            min(48, max(len(c), *(len(row[i]) for row in cells))) for i, c in enumerate(self.COLUMNS[:-1])
+        ]
         lines = ["  ".join(c.ljust(w) for c, w in zip(self.COLUMNS, widths)) + "  candidates"]
         for r, row in zip(self.rows, cells):
             lines.append("  ".join(v.ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
-            lines.append(" " * 4 + f"why: {r.reason} ({r.calls} call{'s' if r.calls != 1 else ''}, asked: {r.requested})")
+            lines.append(
+                " " * 4
+                + f"why: {r.reason} ({r.calls} call{'s' if r.calls != 1 else ''}, asked: {r.requested})"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__

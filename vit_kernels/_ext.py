@@ -71,8 +71,12 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
         detail = f"{type(error).__name__}: {error}".splitlines()[0]
         where = spec.origin or EXTENSION
         reason = f"the compiled extension {where} was built but failed to load ({detail})"
-        warnings.warn(f"{reason}; the extension backend is off until it is rebuilt for torch {torch.__version__}: "
-                      f"{rebuild_command()}", ExtensionLoadWarning, stacklevel=2)
+        warnings.warn(
+            f"{reason}; the extension backend is off until it is rebuilt for torch {torch.__version__}: "
+            f"{rebuild_command()}",
+            ExtensionLoadWarning,
+            stacklevel=2,
+        )
         return None, reason
 
 
@@ -110,7 +114,9 @@ def supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         return None if dtype in CPU_DTYPES else f"the C++ CPU kernels take {CPU_DTYPES}, not {dtype}"
     if device.type == "cuda":
         if not HAS_CUDA_KERNELS:
-            return "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
+            return (
+                "vit_kernels._C was built without CUDA kernels (torch without CUDA, or no nvcc at build time)"
+            )
         return None if dtype in CUDA_DTYPES else f"the CUDA kernels take {CUDA_DTYPES}, not {dtype}"
     return f"the extension has no kernels for {device.type} tensors"
 

@@ -73,14 +73,19 @@ class _Runner:
                 return [o.detach() for o in outs], []
             if self.upstream is None:
                 generator = torch.Generator().manual_seed(0)
-                self.upstream = [torch.randn(o.shape, generator=generator).to(o.device, torch.float32) for o in outs]
+                self.upstream = [
+                    torch.randn(o.shape, generator=generator).to(o.device, torch.float32) for o in outs
+                ]
             pairs = [(o, u.to(o.dtype)) for o, u in zip(outs, self.upstream) if o.requires_grad]
-            grads = torch.autograd.grad([o for o, _ in pairs], self.leaves, [u for _, u in pairs], allow_unused=True)
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], self.leaves, [u for _, u in pairs], allow_unused=True
+            )
             return [o.detach() for o in outs], list(grads)
 
 
-def _mismatch(actual: tuple[list, list], own: tuple[list, list], exact: tuple[list, list],
-              dtype: torch.dtype) -> Optional[str]:
+def _mismatch(
+    actual: tuple[list, list], own: tuple[list, list], exact: tuple[list, list], dtype: torch.dtype
+) -> Optional[str]:
     """Why a candidate's (outputs, gradients) are wrong, or None: the same tensors, shapes, and each
     within ``_tiles.first_problem``'s rule against ``exact``, PyTorch's own being ``own``."""
     parts = []
@@ -124,7 +129,11 @@ def measure(
 
 def _measure(candidates, reference, args, validation_args, device, dtype, grad) -> dict[str, Candidate]:
     results: dict[str, Candidate] = {}
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
     with torch.random.fork_rng(devices=devices):
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         expected = _Runner(reference, validation_args, grad, None, wide)

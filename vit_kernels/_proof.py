@@ -159,8 +159,12 @@ class _Describer:
     def launch(self, kernel, grid, args: tuple, kwargs: dict) -> LaunchSpec:
         function = getattr(kernel, "fn", kernel)
         grid = tuple(grid(kwargs) if callable(grid) else grid)
-        return LaunchSpec((function.__module__, function.__name__), grid, tuple(self.value(a) for a in args),
-                          {name: self.value(v) for name, v in kwargs.items()})
+        return LaunchSpec(
+            (function.__module__, function.__name__),
+            grid,
+            tuple(self.value(a) for a in args),
+            {name: self.value(v) for name, v in kwargs.items()},
+        )
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -175,8 +179,13 @@ def all_empty(outputs) -> bool:
     return bool(outputs) and all(o is None or o.numel() == 0 for o in outputs)
 
 
-def verdicts(chooser: str, key: tuple, device: torch.device, candidates: Sequence,
-             run: Callable[[object], Sequence[torch.Tensor]]) -> dict:
+def verdicts(
+    chooser: str,
+    key: tuple,
+    device: torch.device,
+    candidates: Sequence,
+    run: Callable[[object], Sequence[torch.Tensor]],
+) -> dict:
     """tile -> None (ran cleanly in a child) or why it is excluded, for every candidate of
     ``chooser``'s ``key`` on ``device``; unproven candidates are proven now, in child processes.
     {} for an empty problem (nothing launches). Raises RuntimeError where no child can start."""
@@ -191,7 +200,9 @@ def verdicts(chooser: str, key: tuple, device: torch.device, candidates: Sequenc
         kept = {}
         for tile, verdict in _prove(device, recorded).items():
             found[tile] = verdict
-            if not verdict.startswith(RECORDING_RAISED):  # this process's refusal (out of memory...) is not kept
+            if not verdict.startswith(
+                RECORDING_RAISED
+            ):  # this process's refusal (out of memory...) is not kept
                 kept[keys[tile]] = {"verdict": verdict}
         _verdicts.update({disk_key: entry["verdict"] for disk_key, entry in kept.items()})
         _disk.put_all(kept)
@@ -237,8 +248,10 @@ def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
     if children <= 1:
         return {**verdicts, **_prove_in_turn(device, launches_of, spans, remaining)}
     with ThreadPoolExecutor(children) as pool:  # each thread waits on its own child processes
-        for found in pool.map(lambda share: _prove_in_turn(device, launches_of, spans, share),
-                              [remaining[i::children] for i in range(children)]):
+        for found in pool.map(
+            lambda share: _prove_in_turn(device, launches_of, spans, share),
+            [remaining[i::children] for i in range(children)],
+        ):
             verdicts.update(found)
     return verdicts
 
@@ -263,10 +276,12 @@ def _prove_in_turn(device: torch.device, launches_of: dict, spans: dict, remaini
     while remaining:
         spec = ProofSpec(str(device), spans, [(repr(tile), launches_of[tile]) for tile in remaining])
         output, ending = run_child(pickle.dumps(spec))
-        steps = [line[len(PREFIX):].split(" ", 2) for line in output.splitlines() if line.startswith(PREFIX)]
+        steps = [line[len(PREFIX) :].split(" ", 2) for line in output.splitlines() if line.startswith(PREFIX)]
         if not any(step[0] == "start" for step in steps):  # it could not import, or allocate the tensors
-            raise RuntimeError(f"vit_kernels: the child process that proves tile candidates did not start "
-                               f"({ending}); set VIT_KERNELS_PROVE_TILES=0 to run candidates in this process")
+            raise RuntimeError(
+                f"vit_kernels: the child process that proves tile candidates did not start "
+                f"({ending}); set VIT_KERNELS_PROVE_TILES=0 to run candidates in this process"
+            )
         started = None
         for step in steps:
             if step[0] == "start":
@@ -290,8 +305,13 @@ def _spawn(spec: bytes) -> tuple[str, str]:
             out.write(spec)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         with open(stderr_path, "w+") as stderr:
-            child = subprocess.Popen([sys.executable, "-c", CHILD, spec_path], stdout=subprocess.PIPE, stderr=stderr,
-                                     text=True, env=env)
+            child = subprocess.Popen(
+                [sys.executable, "-c", CHILD, spec_path],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+            )
             lines: queue.Queue = queue.Queue()
             reader = threading.Thread(target=_read_lines, args=(child.stdout, lines), daemon=True)
             reader.start()
@@ -340,12 +360,18 @@ def _materialize(spec: ProofSpec) -> Callable:
     storages = {}
     for index, (first, end) in spec.storages.items():
         # bytes 0..63: every float dtype reads them as small finite values, integers as small ones
-        storages[index] = torch.empty(-(-max(end - first, 1) // 16) * 16, dtype=torch.uint8, device=device).random_(0, 64)
+        storages[index] = torch.empty(
+            -(-max(end - first, 1) // 16) * 16, dtype=torch.uint8, device=device
+        ).random_(0, 64)
 
     def value(v):
         if isinstance(v, TensorSpec):
             first = spec.storages[v.storage][0]
-            return storages[v.storage].view(v.dtype).as_strided(v.shape, v.stride, (v.start - first) // v.dtype.itemsize)
+            return (
+                storages[v.storage]
+                .view(v.dtype)
+                .as_strided(v.shape, v.stride, (v.start - first) // v.dtype.itemsize)
+            )
         if isinstance(v, DescriptorSpec):
             return v.cls(base=value(v.base), **v.fields)
         if isinstance(v, (tuple, list)):
@@ -357,6 +383,7 @@ def _materialize(spec: ProofSpec) -> Callable:
 
 def replay(spec: ProofSpec, out: TextIO) -> int:
     """The child's work: each candidate's launches, then a device synchronisation; the exit status."""
+
     def say(*words) -> None:
         out.write(PREFIX + " ".join(str(w) for w in words) + "\n")
         out.flush()

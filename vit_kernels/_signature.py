@@ -83,7 +83,9 @@ def _cuda_name(index: int) -> str:
 def device_name(device: torch.device) -> str:
     """The hardware a decision was measured on: ``cpu (<model name>)`` or ``cuda (<GPU name>)``."""
     if device.type == "cuda":
-        return f"cuda ({_cuda_name(device.index if device.index is not None else torch.cuda.current_device())})"
+        return (
+            f"cuda ({_cuda_name(device.index if device.index is not None else torch.cuda.current_device())})"
+        )
     if device.type == "cpu":
         return f"cpu ({_cpu_name()})"
     return device.type
@@ -129,5 +131,11 @@ def traced_key(args: Sequence[Any]) -> tuple:
     """The part of a signature that can be read while torch.compile traces without specialising on
     (or guarding) any size: which arguments are tensors ("tensor") and the others by value. Under
     tracing a measured decision is matched by op, device, dtype and grad mode (see backend)."""
-    return tuple("tensor" if isinstance(a, torch.Tensor) else a if a is None or isinstance(a, (bool, int, float, str))
-                 else type(a).__name__ for a in args)
+    return tuple(
+        "tensor"
+        if isinstance(a, torch.Tensor)
+        else a
+        if a is None or isinstance(a, (bool, int, float, str))
+        else type(a).__name__
+        for a in args
+    )

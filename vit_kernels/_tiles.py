@@ -67,7 +67,9 @@ SIBLING_SCALE = 1e-3
 def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
     """SIBLING_SCALE x the largest max |reference| among ``references`` (None and empty ones left
     out): the least scale each of them is measured against; 0 where any is not finite."""
-    largest = max((float(r.double().abs().max()) for r in references if r is not None and r.numel()), default=0.0)
+    largest = max(
+        (float(r.double().abs().max()) for r in references if r is not None and r.numel()), default=0.0
+    )
     return SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
 
 
@@ -76,8 +78,9 @@ def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
 ERROR_RATIO = 2.0
 
 
-def first_problem(parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  floor: float) -> Optional[str]:
+def first_problem(
+    parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], floor: float
+) -> Optional[str]:
     """None when every ``(name, actual, pytorch, reference)`` part is right, else the first failure:
     ``actual``'s error against ``reference`` at most twice ``pytorch``'s (the same computation by
     PyTorch in the same dtype) or below ``floor``, both relative to max(max |reference|,
@@ -149,9 +152,14 @@ class TileChooser:
         self._lock = threading.Lock()
         TileChooser.instances.append(self)
 
-    def choose(self, key: tuple, device: torch.device, candidates: Sequence[Tile],
-               run: Callable[[Tile], Sequence[torch.Tensor]],
-               check: Callable[[Sequence[torch.Tensor]], Optional[str]]) -> Tile:
+    def choose(
+        self,
+        key: tuple,
+        device: torch.device,
+        candidates: Sequence[Tile],
+        run: Callable[[Tile], Sequence[torch.Tensor]],
+        check: Callable[[Sequence[torch.Tensor]], Optional[str]],
+    ) -> Tile:
         """The tile to launch for ``key``. ``run(tile)`` launches with ``tile`` on the call's inputs and
         returns its outputs (fresh tensors); ``check(outputs)`` returns None when they are right,
         else why not. Raises RuntimeError when no candidate is right (never a silent wrong answer)."""
@@ -176,7 +184,9 @@ class TileChooser:
                     return candidates[0]
                 self._chosen[key] = hit
                 if disk_key is not None:
-                    _disk.put(disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}})
+                    _disk.put(
+                        disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}}
+                    )
         return hit.tile
 
     def _measure(self, key, device, candidates, run, check) -> Optional[Choice]:
@@ -196,8 +206,9 @@ class TileChooser:
             trials[tile] = None if problem is None else f"invalid: {problem}"
         valid = {tile: (lambda tile=tile: run(tile)) for tile, trial in trials.items() if trial is None}
         if not valid:
-            raise RuntimeError(f"vit_kernels: no {self.name} tile computes the right answer on this GPU for "
-                               f"{key}: {trials}")
+            raise RuntimeError(
+                f"vit_kernels: no {self.name} tile computes the right answer on this GPU for {key}: {trials}"
+            )
         times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
         timed = {tile: statistics.median(samples) for tile, samples in times.items()}
         trials.update(timed)
@@ -226,9 +237,14 @@ class TileChooser:
             chooser.forget()
 
 
-def tile_to_launch(chooser: TileChooser, device: torch.device, key: Callable[[], tuple],
-                   interpreter_tile: Callable[[], Tile], candidates: Callable[[], Sequence[Tile]],
-                   trial: Callable[[], tuple[Callable, Callable]]) -> Tile:
+def tile_to_launch(
+    chooser: TileChooser,
+    device: torch.device,
+    key: Callable[[], tuple],
+    interpreter_tile: Callable[[], Tile],
+    candidates: Callable[[], Sequence[Tile]],
+    trial: Callable[[], tuple[Callable, Callable]],
+) -> Tile:
     """The tile a launcher launches on tensors of ``device``: the interpreter's fixed tile (CPU
     tensors), else the tile ``chooser`` keeps for ``key()``, choosing it first where there is none
     (``trial() -> (run, check)`` is built only then: a decided call does no more than the key's
@@ -250,6 +266,12 @@ def _plain(part):
 def report_rows(kernel: str, chooser: TileChooser) -> list[dict]:
     """``chooser``'s choices as JSON-able rows: kernel, key (dtypes and devices as text), the tile
     chosen and each candidate's time in ms or why it was excluded."""
-    return [{"kernel": kernel, "key": [_plain(part) for part in key], "chosen": repr(choice.tile),
-             "candidates": {repr(tile): trial for tile, trial in choice.trials.items()}}
-            for key, choice in chooser.report().items()]
+    return [
+        {
+            "kernel": kernel,
+            "key": [_plain(part) for part in key],
+            "chosen": repr(choice.tile),
+            "candidates": {repr(tile): trial for tile, trial in choice.trials.items()},
+        }
+        for key, choice in chooser.report().items()
+    ]

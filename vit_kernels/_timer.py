@@ -30,9 +30,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_runs(runs: Mapping[Hashable, Callable[[], object]], device: torch.device, *, rounds: int,
-              budget_s: float = float("inf"), min_rounds: int = 1, warmup: int = 0,
-              back_to_back: bool = False) -> dict[Hashable, list[float]]:
+def time_runs(
+    runs: Mapping[Hashable, Callable[[], object]],
+    device: torch.device,
+    *,
+    rounds: int,
+    budget_s: float = float("inf"),
+    min_rounds: int = 1,
+    warmup: int = 0,
+    back_to_back: bool = False,
+) -> dict[Hashable, list[float]]:
     """Milliseconds of each run of ``runs`` (key -> callable), one sample per round: ``warmup``
     untimed rounds, then timed rounds until ``rounds`` of them or, after ``min_rounds``, until the
     timed rounds have taken ``budget_s`` seconds of the host's wall time (back to back on CUDA the

@@ -32,12 +32,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     def _jit(fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
 
-    triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length())
+    triton = types.SimpleNamespace(
+        jit=_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length()
+    )
     tl = types.SimpleNamespace(constexpr=object)
     TensorDescriptor = None
 
 
 if HAS_TRITON:
+
     @triton.jit
     def as_float32(x):
         """A float scalar argument as float32. Triton's own launcher passes Python floats as fp32,
@@ -46,6 +49,7 @@ if HAS_TRITON:
         convert their float scalars once, on entry."""
         return tl.cast(x, tl.float32)
 else:  # pragma: no cover
+
     def as_float32(x):
         return x
 
@@ -78,8 +82,9 @@ def multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device (asked once); 2 under the interpreter, so that the CPU tests walk several
     tiles per program."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index if device.index is not None
-                                                else torch.cuda.current_device()).multi_processor_count
+        return torch.cuda.get_device_properties(
+            device.index if device.index is not None else torch.cuda.current_device()
+        ).multi_processor_count
     return 2
 
 
@@ -120,5 +125,18 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["HAS_TRITON", "TensorDescriptor", "cdiv", "dot_precision", "as_float32", "interpreted", "launch", "multiprocessors",
-           "next_power_of_2", "recorded_launches", "recording", "triton", "tl"]
+__all__ = [
+    "HAS_TRITON",
+    "TensorDescriptor",
+    "cdiv",
+    "dot_precision",
+    "as_float32",
+    "interpreted",
+    "launch",
+    "multiprocessors",
+    "next_power_of_2",
+    "recorded_launches",
+    "recording",
+    "triton",
+    "tl",
+]

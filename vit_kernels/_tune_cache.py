@@ -89,10 +89,16 @@ class DiskCache:
             return {}
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            if (
+                not isinstance(data, dict)
+                or data.get("format") != FORMAT
+                or not isinstance(data.get("entries"), dict)
+            ):
                 raise ValueError(f"not a vit_kernels {self.kind} cache of format {FORMAT}")
             field = self.FIELDS[self.kind]
-            return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and v.get(field) is not None}
+            return {
+                k: v for k, v in data["entries"].items() if isinstance(v, dict) and v.get(field) is not None
+            }
         except (OSError, ValueError) as error:
             warnings.warn(
                 f"vit_kernels: ignoring the unreadable {self.kind} cache {self.path} ({error}); "
@@ -127,7 +133,9 @@ class DiskCache:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             merged = {**self._read_quietly(), **self._entries}
-            payload = json.dumps({"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True)
+            payload = json.dumps(
+                {"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True
+            )
             fd, temporary = tempfile.mkstemp(prefix=f".{self.kind}-", suffix=".tmp", dir=self.folder)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -137,7 +145,11 @@ class DiskCache:
                 os.unlink(temporary)
                 raise
         except OSError as error:
-            warnings.warn(f"vit_kernels: could not write the {self.kind} cache {self.path} ({error})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"vit_kernels: could not write the {self.kind} cache {self.path} ({error})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _read_quietly(self) -> dict[str, dict]:
         with warnings.catch_warnings():

@@ -128,7 +128,9 @@ def unregister(op: str, backend: str) -> None:
     _forget_choices()
 
 
-def implementations(op: str, *, validation_args: Optional[Callable[[tuple], tuple]] = None, **table: Impl) -> None:
+def implementations(
+    op: str, *, validation_args: Optional[Callable[[tuple], tuple]] = None, **table: Impl
+) -> None:
     """Declare the table of ``op``: ``implementations("layer_norm", torch=Impl(...), triton=Impl(...))``.
 
     ``validation_args(args) -> args`` makes a call deterministic for validation (e.g. dropout off)."""
@@ -264,7 +266,9 @@ def _choice(name: str, strict: bool) -> _Choice:
 
 
 _process_choice = _choice("auto", False)
-_context_choice: contextvars.ContextVar[Optional[_Choice]] = contextvars.ContextVar("vit_kernels_backend", default=None)
+_context_choice: contextvars.ContextVar[Optional[_Choice]] = contextvars.ContextVar(
+    "vit_kernels_backend", default=None
+)
 
 
 def _active() -> _Choice:
@@ -430,8 +434,12 @@ def set_autotune(
 
 def autotune_settings() -> dict[str, object]:
     """The measuring settings in force: ``{"enabled", "margin", "cache_file", "prove_tiles"}``."""
-    return {"enabled": _settings.enabled, "margin": _settings.margin,
-            "cache_file": None if _disk.path is None else str(_disk.path), "prove_tiles": _proof.enabled()}
+    return {
+        "enabled": _settings.enabled,
+        "margin": _settings.margin,
+        "cache_file": None if _disk.path is None else str(_disk.path),
+        "prove_tiles": _proof.enabled(),
+    }
 
 
 def clear_decisions(*, journal: bool = True) -> None:
@@ -463,7 +471,11 @@ def _warn_once(key: tuple, message: str, stacklevel: int) -> None:
 
 def _candidate_order(op: str) -> list[str]:
     impls = _registry[op]
-    return [b for b in BACKENDS if b in impls and b != "torch"] + [b for b in impls if b not in BACKENDS] + ["torch"]
+    return (
+        [b for b in BACKENDS if b in impls and b != "torch"]
+        + [b for b in impls if b not in BACKENDS]
+        + ["torch"]
+    )
 
 
 @dataclass
@@ -488,15 +500,27 @@ class _Call:
         return self.signature()[: -len(repr(self.arg_key))]
 
     def record(self, requested: str, backend: str, source: str, reason: str, candidates: dict) -> Record:
-        return Record(self.op, _signature.device_name(self.device), str(self.dtype),
-                      _signature.describe_arguments(self.arg_key), self.grad, requested, backend, source, reason,
-                      candidates)
+        return Record(
+            self.op,
+            _signature.device_name(self.device),
+            str(self.dtype),
+            _signature.describe_arguments(self.arg_key),
+            self.grad,
+            requested,
+            backend,
+            source,
+            reason,
+            candidates,
+        )
 
 
 def _capability(call: _Call, backend: str) -> Optional[str]:
     impl = _registry[call.op][backend]
-    return (backend_unavailable_reason(backend) or impl.supports(call.device, call.dtype)
-            or call.limit_reasons.get(backend))
+    return (
+        backend_unavailable_reason(backend)
+        or impl.supports(call.device, call.dtype)
+        or call.limit_reasons.get(backend)
+    )
 
 
 def _describe(entry: dict) -> dict[str, str]:
@@ -518,29 +542,40 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
         else:
             excluded[b] = f"excluded: {reason}"
     if capable == ["torch"]:
-        return impls["torch"], call.record(requested, "torch", "only candidate",
-                                           "no other implementation can take this call", excluded)
+        return impls["torch"], call.record(
+            requested, "torch", "only candidate", "no other implementation can take this call", excluded
+        )
     key = call.signature()
     entry = _measured.get(key) or _disk.get(key)
     if entry is None and call.args is None:
         entry = _unanimous(call.prefix())
     if entry is not None and entry["backend"] in capable:
         _measured[key] = entry
-        return impls[entry["backend"]], call.record(requested, entry["backend"], "cache", entry["reason"],
-                                                     {**_describe(entry), **excluded})
+        return impls[entry["backend"]], call.record(
+            requested, entry["backend"], "cache", entry["reason"], {**_describe(entry), **excluded}
+        )
     measurable = call.args is not None and not _signature.untimeable(call.args)
     if not (_settings.enabled and measurable) or getattr(_measuring, "active", False):
-        chosen = next((b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype, call.grad)), "torch")
-        why = ("measuring is off (VIT_KERNELS_AUTOTUNE=0 or set_autotune(False))" if not _settings.enabled
-               else "nothing is timed while tracing (torch.compile, export, fake or meta tensors)")
+        chosen = next(
+            (b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype, call.grad)),
+            "torch",
+        )
+        why = (
+            "measuring is off (VIT_KERNELS_AUTOTUNE=0 or set_autotune(False))"
+            if not _settings.enabled
+            else "nothing is timed while tracing (torch.compile, export, fake or meta tensors)"
+        )
         candidates = {b: "not measured" for b in capable}
-        return impls[chosen], call.record(requested, chosen, "static default", f"{why}; static default", {**candidates, **excluded})
+        return impls[chosen], call.record(
+            requested, chosen, "static default", f"{why}; static default", {**candidates, **excluded}
+        )
     entry = _measure_call(call, capable)
     _measured[key] = entry
     _disk.put(key, entry)
     _decisions_changed(call.op)
-    return impls[entry["backend"]], call.record(requested, entry["backend"], "measured", entry["reason"],
-                                                 {**_describe(entry), **excluded})
+    return impls[entry["backend"]], call.record(
+        requested, entry["backend"], "measured", entry["reason"], {**_describe(entry), **excluded}
+    )
 
 
 def _unanimous(prefix: str) -> Optional[dict]:
@@ -550,7 +585,9 @@ def _unanimous(prefix: str) -> Optional[dict]:
     entries = [e for k, e in {**dict(_disk.items()), **_measured}.items() if k.startswith(prefix)]
     if entries and len({e["backend"] for e in entries}) == 1:
         entry = dict(entries[0])
-        entry["reason"] = f"the {len(entries)} measured signature(s) of this op, device, dtype agree: {entry['reason']}"
+        entry["reason"] = (
+            f"the {len(entries)} measured signature(s) of this op, device, dtype agree: {entry['reason']}"
+        )
         return entry
     return None
 
@@ -561,35 +598,61 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
     _measuring.active = True
     started = time.perf_counter()
     try:
-        results = _measure.measure({b: impls[b].fn for b in capable}, impls["torch"].fn, call.args, validation,
-                                   call.device, call.dtype, call.grad)
+        results = _measure.measure(
+            {b: impls[b].fn for b in capable},
+            impls["torch"].fn,
+            call.args,
+            validation,
+            call.device,
+            call.dtype,
+            call.grad,
+        )
     finally:
         _measuring.active = False
     cost_ms = (time.perf_counter() - started) * 1e3
     for b, result in results.items():
         if not result.valid and b != "torch":
-            _warn_once((call.op, b, call.signature()),
-                       f"vit_kernels: the {b} implementation of {call.op} failed validation on "
-                       f"{_signature.device_name(call.device)} {call.dtype} "
-                       f"{_signature.describe_arguments(call.arg_key)}: {result.error}; auto does not use it there", 8)
+            _warn_once(
+                (call.op, b, call.signature()),
+                f"vit_kernels: the {b} implementation of {call.op} failed validation on "
+                f"{_signature.device_name(call.device)} {call.dtype} "
+                f"{_signature.describe_arguments(call.arg_key)}: {result.error}; auto does not use it there",
+                8,
+            )
     reference = results["torch"].time_ms
     valid = {b: r.time_ms for b, r in results.items() if r.valid and r.time_ms is not None}
     margin = _settings.margin
     # A candidate must beat the reference by the margin on the ranking statistic and on the median,
     # so that a burst of load during some rounds cannot make the choice.
     ref_median = results["torch"].median_ms
-    winners = {b: t for b, t in valid.items() if b != "torch" and (
-        reference is None or (t * (1 + margin) <= reference and results[b].median_ms * (1 + margin) <= ref_median))}
+    winners = {
+        b: t
+        for b, t in valid.items()
+        if b != "torch"
+        and (
+            reference is None
+            or (t * (1 + margin) <= reference and results[b].median_ms * (1 + margin) <= ref_median)
+        )
+    }
     chosen = min(winners, key=winners.get) if winners else "torch"
     if chosen == "torch":
         reason = f"no valid candidate beat the reference by the {margin:.0%} margin"
     else:
-        reason = f"fastest valid, {reference / valid[chosen]:.2f}x the reference (margin {margin:.0%})" if reference else "fastest valid"
+        reason = (
+            f"fastest valid, {reference / valid[chosen]:.2f}x the reference (margin {margin:.0%})"
+            if reference
+            else "fastest valid"
+        )
     candidates: dict[str, object] = {
         b: (r.time_ms if r.valid else f"invalid: {r.error}") for b, r in results.items()
     }
-    return {"backend": chosen, "reason": f"measured in {cost_ms:.0f} ms: {reason}", "candidates": candidates,
-            "margin": margin, "cost_ms": cost_ms}
+    return {
+        "backend": chosen,
+        "reason": f"measured in {cost_ms:.0f} ms: {reason}",
+        "candidates": candidates,
+        "margin": margin,
+        "cost_ms": cost_ms,
+    }
 
 
 def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
@@ -604,17 +667,21 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
         return impl, record
     reason = _capability(call, choice.name)
     if reason is None:
-        return impls[choice.name], call.record(choice.name, choice.name, "requested",
-                                               f"use_backend / set_backend asked for {choice.name}", {})
+        return impls[choice.name], call.record(
+            choice.name, choice.name, "requested", f"use_backend / set_backend asked for {choice.name}", {}
+        )
     if choice.strict:
         raise CannotRunError(
             f"backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype} "
             f"{_signature.describe_arguments(call.arg_key)}: {reason} (strict=True)"
         )
     impl, record = _auto(call, choice.name, choice.name)
-    _warn_once((call.op, choice.name, reason),
-               f"vit_kernels: backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype}: "
-               f"{reason}; {impl.backend} runs it instead (use_backend(..., strict=True) raises instead)", 6)
+    _warn_once(
+        (call.op, choice.name, reason),
+        f"vit_kernels: backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype}: "
+        f"{reason}; {impl.backend} runs it instead (use_backend(..., strict=True) raises instead)",
+        6,
+    )
     record.source = "fallback"
     record.reason = f"{choice.name} cannot take this call: {reason}; {record.reason}"
     return impl, record
@@ -632,8 +699,18 @@ def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
 
 
 @torch.compiler.assume_constant_result
-def _traced_backend(op: str, device_type: str, device_index: int, dtype: torch.dtype, arg_key: tuple,
-                    grad: bool, limits: tuple, choice_name: str, choice_strict: bool, epoch: int) -> str:
+def _traced_backend(
+    op: str,
+    device_type: str,
+    device_index: int,
+    dtype: torch.dtype,
+    arg_key: tuple,
+    grad: bool,
+    limits: tuple,
+    choice_name: str,
+    choice_strict: bool,
+    epoch: int,
+) -> str:
     """The decision while torch.compile traces (called once per trace, outside the graph, without
     reading sizes so that none is specialised): the cached decision or the static default, never a
     measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
@@ -655,8 +732,9 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
     return _resolve(op, device, dtype, args)[0]
 
 
-def _resolve(op: str, device: torch.device, dtype: torch.dtype,
-             args: Optional[Sequence[Any]]) -> tuple[Impl, Optional[Record]]:
+def _resolve(
+    op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]]
+) -> tuple[Impl, Optional[Record]]:
     """``resolve``, and the decision's record when the decision may be reused for the same
     signature (None while tracing, or for a static default taken for untimeable tensors)."""
     if op not in _registry:
@@ -666,9 +744,18 @@ def _resolve(op: str, device: torch.device, dtype: torch.dtype,
         limits = tuple(sorted(_limit_reasons(op, args).items()))
         grad = _signature.needs_grad(args)
         choice = _trace_guard.choice
-        name = _traced_backend(op, device.type, -1 if device.index is None else device.index, dtype,
-                               _signature.traced_key(args), grad, limits, choice.name, choice.strict,
-                               _trace_guard.epochs[op])
+        name = _traced_backend(
+            op,
+            device.type,
+            -1 if device.index is None else device.index,
+            dtype,
+            _signature.traced_key(args),
+            grad,
+            limits,
+            choice.name,
+            choice.strict,
+            _trace_guard.epochs[op],
+        )
         return _registry[op][name], None
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
@@ -728,7 +815,12 @@ def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
     for r, p in zip(raw, prepared):
         if p is r:
             plan.append(None)
-        elif isinstance(r, torch.Tensor) and isinstance(p, torch.Tensor) and p.shape == r.shape and p.dtype != r.dtype:
+        elif (
+            isinstance(r, torch.Tensor)
+            and isinstance(p, torch.Tensor)
+            and p.shape == r.shape
+            and p.dtype != r.dtype
+        ):
             plan.append(p.dtype)
             changed = True
         else:

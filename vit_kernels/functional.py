@@ -56,7 +56,9 @@ def patch_embed(
     cls_token (1, 1, D); pos_embed (1, T, D) with T = L + (cls_token is not None),
     L = (H / P) * (W / P). Returns (N, T, D).
     """
-    return backend.call("patch_embed", (images, weight, bias, patch_size, cls_token, pos_embed), _prepare_patch_embed)
+    return backend.call(
+        "patch_embed", (images, weight, bias, patch_size, cls_token, pos_embed), _prepare_patch_embed
+    )
 
 
 def _prepare_patch_embed(images, weight, bias, patch_size, cls_token, pos_embed):
@@ -118,8 +120,11 @@ def attention(
     ``finfo.min`` (timm's, transformers') stay finite. The mask gets no gradient on the Triton backend.
     """
     cos, sin = (None, None) if rope is None else _rope_pair(rope)
-    return backend.call("attention", (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout,
-                                      attn_mask), _prepare_attention)
+    return backend.call(
+        "attention",
+        (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask),
+        _prepare_attention,
+    )
 
 
 def _rope_pair(rope: object) -> tuple:
@@ -129,8 +134,17 @@ def _rope_pair(rope: object) -> tuple:
     return rope[0], rope[1]
 
 
-def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None, sin=None, rope_layout="interleaved",
-                       attn_mask=None):
+def _prepare_attention(
+    qkv,
+    num_heads,
+    scale,
+    dropout_p,
+    return_probs,
+    cos=None,
+    sin=None,
+    rope_layout="interleaved",
+    attn_mask=None,
+):
     check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
     num_heads = check_positive_int("num_heads", num_heads)
     batch, length, three_d = qkv.shape
@@ -138,7 +152,9 @@ def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None,
         raise ValueError(f"qkv last dimension must be 3*D with D > 0, got shape {shape_of(qkv)}")
     dim = three_d // 3
     if dim % num_heads:
-        raise ValueError(f"num_heads={num_heads} must divide the width D={dim} of qkv (B, L, 3*D) = {shape_of(qkv)}")
+        raise ValueError(
+            f"num_heads={num_heads} must divide the width D={dim} of qkv (B, L, 3*D) = {shape_of(qkv)}"
+        )
     if length == 0:
         raise ValueError(f"qkv must hold at least one token, got shape {shape_of(qkv)}")
     scale = check_optional_positive_float("scale", scale)
@@ -149,11 +165,19 @@ def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos=None,
         raise TypeError("rope must be a pair (cos, sin) of tensors, got None for one of them")
     check_rope(None if cos is None else (cos, sin), rope_layout, qkv, num_heads)
     check_attention_mask(attn_mask, qkv, num_heads)
-    return qkv.device, qkv.dtype, (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask)
+    return (
+        qkv.device,
+        qkv.dtype,
+        (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask),
+    )
 
 
 def _check_linear_args(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_name: str = "weight", bias_name: str = "bias"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    weight_name: str = "weight",
+    bias_name: str = "bias",
 ) -> int:
     """Checks x (..., K), weight (N, K), bias (N,); returns N."""
     check_float_tensor("x", x, layout="(..., K)")
@@ -193,8 +217,9 @@ def linear(
     return backend.call("linear", (x, weight, bias, residual), _prepare_linear)
 
 
-def fold_layer_scale(layer_scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     weight_name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fold_layer_scale(
+    layer_scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_name: str
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LayerScale folded into the last projection of a branch: gamma * (h W^T + b) = h (gamma W)^T +
     gamma b, so that the GEMM with the scaled weight (N, K) and bias (N,) computes
     residual + gamma * (h W^T + b) in its epilogue, on every backend. The scaling is weight-sized
@@ -265,19 +290,33 @@ def mlp(
     """
     if layer_scale is not None:
         fc2_weight, fc2_bias = fold_layer_scale(layer_scale, fc2_weight, fc2_bias, "fc2_weight")
-    return backend.call("mlp", (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual), _prepare_mlp)
+    return backend.call(
+        "mlp", (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual), _prepare_mlp
+    )
 
 
 def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual):
     hidden = _check_linear_args(x, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias")
-    _check_output_projection(x, fc2_weight, fc2_bias, residual, hidden, ("fc2_weight", "fc2_bias", "fc1_weight"))
+    _check_output_projection(
+        x, fc2_weight, fc2_bias, residual, hidden, ("fc2_weight", "fc2_bias", "fc1_weight")
+    )
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
     check_same_device(
-        "x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias, residual=residual
+        "x",
+        x,
+        fc1_weight=fc1_weight,
+        fc1_bias=fc1_bias,
+        fc2_weight=fc2_weight,
+        fc2_bias=fc2_bias,
+        residual=residual,
     )
     amp = autocast_dtype(x.device)
-    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias = cast_all(amp, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-    check_same_dtype("x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias)
+    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias = cast_all(
+        amp, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias
+    )
+    check_same_dtype(
+        "x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias
+    )
     if amp is None:
         check_same_dtype("x", x, residual=residual)
     return x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
@@ -358,10 +397,15 @@ def _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias) -> int:
 
 def _prepare_swiglu(x, gate_weight, gate_bias, up_weight, up_bias):
     _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
-    check_same_device("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias)
+    check_same_device(
+        "x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias
+    )
     x, gate_weight, gate_bias, up_weight, up_bias = cast_all(
-        autocast_dtype(x.device), x, gate_weight, gate_bias, up_weight, up_bias)
-    check_same_dtype("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias)
+        autocast_dtype(x.device), x, gate_weight, gate_bias, up_weight, up_bias
+    )
+    check_same_dtype(
+        "x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias
+    )
     return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias)
 
 
@@ -386,21 +430,45 @@ def swiglu_mlp(
     """
     if layer_scale is not None:
         down_weight, down_bias = fold_layer_scale(layer_scale, down_weight, down_bias, "down_weight")
-    return backend.call("swiglu_mlp", (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
-                        _prepare_swiglu_mlp)
+    return backend.call(
+        "swiglu_mlp",
+        (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
+        _prepare_swiglu_mlp,
+    )
 
 
 def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual):
     hidden = _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
-    _check_output_projection(x, down_weight, down_bias, residual, hidden, ("down_weight", "down_bias", "gate_weight"))
-    weights = dict(gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias,
-                   down_weight=down_weight, down_bias=down_bias)
+    _check_output_projection(
+        x, down_weight, down_bias, residual, hidden, ("down_weight", "down_bias", "gate_weight")
+    )
+    weights = dict(
+        gate_weight=gate_weight,
+        gate_bias=gate_bias,
+        up_weight=up_weight,
+        up_bias=up_bias,
+        down_weight=down_weight,
+        down_bias=down_bias,
+    )
     check_same_device("x", x, **weights, residual=residual)
     amp = autocast_dtype(x.device)
     x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias = cast_all(
-        amp, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
-    check_same_dtype("x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias,
-                     down_weight=down_weight, down_bias=down_bias)
+        amp, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
+    )
+    check_same_dtype(
+        "x",
+        x,
+        gate_weight=gate_weight,
+        gate_bias=gate_bias,
+        up_weight=up_weight,
+        up_bias=up_bias,
+        down_weight=down_weight,
+        down_bias=down_bias,
+    )
     if amp is None:
         check_same_dtype("x", x, residual=residual)
-    return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual)
+    return (
+        x.device,
+        x.dtype,
+        (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
+    )

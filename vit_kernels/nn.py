@@ -28,7 +28,9 @@ def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
     raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
-def _add_dropped(out: torch.Tensor, p: float, training: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
+def _add_dropped(
+    out: torch.Tensor, p: float, training: bool, residual: Optional[torch.Tensor]
+) -> torch.Tensor:
     """residual + dropout(out), for the paths where dropout stops the residual from fusing."""
     out = F.dropout(out, p, training)
     return out if residual is None else residual + out
@@ -75,12 +77,20 @@ def self_attention(
     (D_out,) scales the projection's output before the residual add (LayerScale), in its GEMM.
     """
     qkv = vkf.linear(x, qkv_weight, qkv_bias)
-    result = vkf.attention(qkv, num_heads, dropout_p=attn_drop if training else 0.0, return_probs=return_probs,
-                           rope=rope, rope_layout=rope_layout, attn_mask=attn_mask)
+    result = vkf.attention(
+        qkv,
+        num_heads,
+        dropout_p=attn_drop if training else 0.0,
+        return_probs=return_probs,
+        rope=rope,
+        rope_layout=rope_layout,
+        attn_mask=attn_mask,
+    )
     out, probs = result if return_probs else (result, None)
     if training and proj_drop > 0:
-        out = _add_dropped(vkf.linear(out, proj_weight, proj_bias, layer_scale=layer_scale), proj_drop, True,
-                           residual)
+        out = _add_dropped(
+            vkf.linear(out, proj_weight, proj_bias, layer_scale=layer_scale), proj_drop, True, residual
+        )
     else:
         out = vkf.linear(out, proj_weight, proj_bias, residual=residual, layer_scale=layer_scale)
     return (out, probs) if return_probs else out
@@ -105,8 +115,16 @@ def feed_forward(
     out_dropping = training and out_drop > 0
     approximate = gelu_approximate(act)
     if approximate is not None and not hidden_dropping and not out_dropping:
-        return vkf.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate=approximate, residual=residual,
-                       layer_scale=layer_scale)
+        return vkf.mlp(
+            x,
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            fc2.bias,
+            approximate=approximate,
+            residual=residual,
+            layer_scale=layer_scale,
+        )
     if approximate is not None:
         hidden = vkf.linear_gelu(x, fc1.weight, fc1.bias, approximate=approximate)
     else:
@@ -114,7 +132,9 @@ def feed_forward(
     hidden = F.dropout(hidden, hidden_drop, hidden_dropping)
     if not out_dropping:
         return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
-    return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), out_drop, True, residual)
+    return _add_dropped(
+        vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), out_drop, True, residual
+    )
 
 
 class PatchEmbed(nn.Module):
@@ -149,9 +169,16 @@ class PatchEmbed(nn.Module):
         pos_embed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         if images.dim() == 4 and tuple(images.shape[-2:]) != self.img_size:
-            raise ValueError(f"images must be {self.img_size[0]}x{self.img_size[1]}, got {tuple(images.shape)}")
+            raise ValueError(
+                f"images must be {self.img_size[0]}x{self.img_size[1]}, got {tuple(images.shape)}"
+            )
         return vkf.patch_embed(
-            images, self.proj.weight, self.proj.bias, patch_size=self.patch_size, cls_token=cls_token, pos_embed=pos_embed
+            images,
+            self.proj.weight,
+            self.proj.bias,
+            patch_size=self.patch_size,
+            cls_token=cls_token,
+            pos_embed=pos_embed,
         )
 
 
@@ -206,9 +233,20 @@ class Attention(nn.Module):
             length = x.shape[-2]
             attn_mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         return self_attention(
-            x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.num_heads,
-            attn_drop=self.attn_drop, proj_drop=self.proj_drop, training=self.training,
-            residual=residual, return_probs=return_probs, rope=rope, rope_layout=rope_layout, attn_mask=attn_mask,
+            x,
+            self.qkv.weight,
+            self.qkv.bias,
+            self.proj.weight,
+            self.proj.bias,
+            self.num_heads,
+            attn_drop=self.attn_drop,
+            proj_drop=self.proj_drop,
+            training=self.training,
+            residual=residual,
+            return_probs=return_probs,
+            rope=rope,
+            rope_layout=rope_layout,
+            attn_mask=attn_mask,
             layer_scale=layer_scale,
         )
 
@@ -233,12 +271,23 @@ class Mlp(nn.Module):
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor] = None,
+        layer_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x (..., D) -> (..., D_out) [+ residual]; ``layer_scale`` gamma (D_out,) scales fc2's output."""
         return feed_forward(
-            x, self.fc1, self.fc2, self.act, hidden_drop=self.drop, out_drop=self.drop,
-            training=self.training, residual=residual, layer_scale=layer_scale,
+            x,
+            self.fc1,
+            self.fc2,
+            self.act,
+            hidden_drop=self.drop,
+            out_drop=self.drop,
+            training=self.training,
+            residual=residual,
+            layer_scale=layer_scale,
         )
 
 
@@ -274,28 +323,46 @@ class SwiGLU(nn.Module):
         self.norm = LayerNorm(hidden_features, eps=norm_eps) if norm else nn.Identity()
         self.fc2 = nn.Linear(hidden_features, out_features, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor] = None,
+        layer_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x (..., D) -> (..., D_out) [+ residual]; ``layer_scale`` gamma (D_out,) scales fc2's output."""
         hidden_dropping = self.training and self.hidden_drop > 0
         out_dropping = self.training and self.out_drop > 0
         g, u, fc2 = self.fc1_g, self.fc1_x, self.fc2
         if isinstance(self.norm, nn.Identity) and not hidden_dropping and not out_dropping:
-            return vkf.swiglu_mlp(x, g.weight, g.bias, u.weight, u.bias, fc2.weight, fc2.bias, residual=residual,
-                                  layer_scale=layer_scale)
-        hidden = F.dropout(vkf.swiglu(x, g.weight, g.bias, u.weight, u.bias), self.hidden_drop, hidden_dropping)
+            return vkf.swiglu_mlp(
+                x,
+                g.weight,
+                g.bias,
+                u.weight,
+                u.bias,
+                fc2.weight,
+                fc2.bias,
+                residual=residual,
+                layer_scale=layer_scale,
+            )
+        hidden = F.dropout(
+            vkf.swiglu(x, g.weight, g.bias, u.weight, u.bias), self.hidden_drop, hidden_dropping
+        )
         hidden = self.norm(hidden)
         if not out_dropping:
             return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
-        return _add_dropped(vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), self.out_drop, True,
-                            residual)
+        return _add_dropped(
+            vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), self.out_drop, True, residual
+        )
 
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` over the last dimension on the fused op; ``forward(x, residual)`` returns
     ``(LN(x + residual), x + residual)``."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True, bias: bool = True):
+    def __init__(
+        self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True, bias: bool = True
+    ):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias)
         if len(self.normalized_shape) != 1:
             raise ValueError(f"normalized_shape must be a single int, got {normalized_shape!r}")
@@ -372,7 +439,10 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(
-        self, x: torch.Tensor, return_probs: bool = False, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self,
+        x: torch.Tensor,
+        return_probs: bool = False,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, L, D) -> (B, L, D); with ``return_probs`` also the attention (B, H, L, L); ``rope``
         (cos, sin), each (L_r, Dh), rotates q and k of the last L_r tokens (interleaved pairs)."""

@@ -62,7 +62,9 @@ def _visit(parent: nn.Module, prefix: str, report: PatchReport) -> None:
         _patch(parent, child_name, child, f"{prefix}.{child_name}" if prefix else child_name, report)
 
 
-def _patch(parent: Optional[nn.Module], child_name: str, child: nn.Module, name: str, report: PatchReport) -> None:
+def _patch(
+    parent: Optional[nn.Module], child_name: str, child: nn.Module, name: str, report: PatchReport
+) -> None:
     """Swap ``child`` (``parent.<child_name>``; the model itself when ``parent`` is None) or say why not."""
     cls = type(child)
     if cls.__module__.startswith("vit_kernels."):
@@ -77,7 +79,9 @@ def _patch(parent: Optional[nn.Module], child_name: str, child: nn.Module, name:
     swap = rule(child)
     label = name or "(model)"
     if swap.new is not None and swap.new is not child and parent is None:
-        swap = type(swap)(None, "is the model itself: wrap it in a parent module to replace it", descend=False)
+        swap = type(swap)(
+            None, "is the model itself: wrap it in a parent module to replace it", descend=False
+        )
     if swap.new is None:
         report.skipped.append((label, swap.reason))
     else:

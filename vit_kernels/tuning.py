@@ -38,6 +38,7 @@ def tune(
         grad = model.training and any(p.requires_grad for p in model.parameters())
     if not isinstance(grad, bool):
         raise TypeError(f"grad must be a bool or None, got {type(grad).__name__}")
+
     def identity(r):
         return (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested, r.source)
 

@@ -31,7 +31,9 @@ def sim(request):
     vk.set_autotune(True, cache_dir=False)
     with warnings.catch_warnings():
         # auto's warning that it dropped an implementation (declared fallbacks only warn)
-        warnings.filterwarnings("error", message="vit_kernels: the .* failed validation", category=RuntimeWarning)
+        warnings.filterwarnings(
+            "error", message="vit_kernels: the .* failed validation", category=RuntimeWarning
+        )
         with simulated_cuda(request.param) as recorder:
             yield recorder
     LAUNCHES[request.param].extend(recorder.launches)

@@ -28,29 +28,38 @@ RULES = (  # (text in the enclosing condition or statement, reason)
     ("is_compiling", "tracing branch (torch.compile, export): run by tests/test_compile.py"),
     ("recording", "launch recording of the compile gate and block_traffic: run by make check-gpu"),
     ('type == "meta"', "meta tensors: run by make check-gpu and benchmarks.block_traffic"),
-    ("problem is not None", "a candidate failing validation: on the simulated device every value reads 0 and every "
-                            "candidate passes; the CPU suite injects wrong tiles and outputs"),
+    (
+        "problem is not None",
+        "a candidate failing validation: on the simulated device every value reads 0 and every "
+        "candidate passes; the CPU suite injects wrong tiles and outputs",
+    ),
 )
 
 
 FUNCTION_RULES = (  # (text in a decorator of an enclosing function, reason)
-    ("triton.jit", "Triton kernel code: compiled for sm_80 and sm_90 by the stage (and make check-gpu), "
-                   "executed by Triton (the interpreter in make test), never by Python on a GPU"),
+    (
+        "triton.jit",
+        "Triton kernel code: compiled for sm_80 and sm_90 by the stage (and make check-gpu), "
+        "executed by Triton (the interpreter in make test), never by Python on a GPU",
+    ),
     ("register_fake", "fake implementation: run while torch.compile traces (tests/test_compile.py)"),
 )
 NAME_RULES = {  # enclosing function name -> reason
     "tile_report": "the tile tables of make gpu-report (a GPU's measured choices)",
     "pin": "tooling: the compile gate pins each candidate (make check-gpu)",
     "_spawn": "starts the child process that proves tile candidates: run by tests/test_proof.py (make test); the "
-              "simulated device replays in its own process",
+    "simulated device replays in its own process",
     "_read_lines": "reads the proving child's output: run by tests/test_proof.py (make test)",
     "child_main": "the proving child's entry point: run in the children of tests/test_proof.py (make test)",
     "_ending": "how a proving child ended (killed by a signal): run by tests/test_proof.py (make test)",
     "traced_key": "runs while torch.compile traces (Dynamo evaluates it, coverage.py does not see it): "
-                  "tests/test_compile.py",
+    "tests/test_compile.py",
 }
 MODULE_RULES = (  # (path suffix, reason)
-    ("integrations/timm.py", "timm's model classes: make test-integration (a patched timm ViT on the simulated device there)"),
+    (
+        "integrations/timm.py",
+        "timm's model classes: make test-integration (a patched timm ViT on the simulated device there)",
+    ),
     ("integrations/huggingface.py", "transformers' model classes: make test-integration"),
     ("integrations/torchvision.py", "torchvision's model classes: make test-integration"),
 )
@@ -92,8 +101,9 @@ CPU_SUITE = "run by make test on the CPU (the interpreter, the C++ kernels, trac
 INTEGRATION = "run by make test-integration (the adapters on the real timm, transformers and torchvision)"
 
 
-def unrun_lines(path: Path, missing: list[int], cpu_run: set[int],
-                integration_run: frozenset = frozenset()) -> list[tuple[int, str, str]]:
+def unrun_lines(
+    path: Path, missing: list[int], cpu_run: set[int], integration_run: frozenset = frozenset()
+) -> list[tuple[int, str, str]]:
     """(line, code, reason) for each missing line of ``path``; ``cpu_run``, ``integration_run``: the
     lines the CPU suite and the integration tests ran."""
     for suffix, reason in MODULE_RULES:
@@ -120,7 +130,9 @@ def unrun_lines(path: Path, missing: list[int], cpu_run: set[int],
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cuda_sim.coverage_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.cuda_sim.coverage_report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--cpu-suite", default=None, help="coverage data file of make test's CPU suite")
     parser.add_argument("--integration", default=None, help="coverage data file of make test-integration")
@@ -143,45 +155,64 @@ def main(argv=None) -> int:
         relative = path.relative_to(root) if path.is_relative_to(root) else path
         total_statements += len(statements)
         total_missing += len(missing)
-        rows.append(f"| `{relative}` | {len(statements)} | {len(missing)} | "
-                    f"{100 * (len(statements) - len(missing)) / max(1, len(statements)):.0f}% |")
-        unrun = unrun_lines(path, missing, set(cpu.lines(filename) or ()) if cpu is not None else set(),
-                            frozenset(integration.lines(filename) or ()) if integration is not None else frozenset())
+        rows.append(
+            f"| `{relative}` | {len(statements)} | {len(missing)} | "
+            f"{100 * (len(statements) - len(missing)) / max(1, len(statements)):.0f}% |"
+        )
+        unrun = unrun_lines(
+            path,
+            missing,
+            set(cpu.lines(filename) or ()) if cpu is not None else set(),
+            frozenset(integration.lines(filename) or ()) if integration is not None else frozenset(),
+        )
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:
-            details.append(f"\n### `{relative}`\n\n| line | code | why the simulated device does not run it |\n| --- | --- | --- |")
+            details.append(
+                f"\n### `{relative}`\n\n| line | code | why the simulated device does not run it |\n| --- | --- | --- |"
+            )
             details += [f"| {n} | `{code.replace('|', '/')[:90]}` | {reason} |" for n, code, reason in unrun]
     covered = 100 * (total_statements - total_missing) / max(1, total_statements)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:  # no git: the report still says what it measured
         commit = ""
-    text = "\n".join([
-        "# Coverage of the runtime modules under the simulated CUDA device (`make test-cuda-sim`)",
-        "",
-        f"Measured at commit {commit or 'unknown'}.",
-        f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
-        f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
-        "The test tooling (`selftest`, `op_specs`, the GPU test runner) lives in `tools/`, outside the runtime. "
-        + (f"Lines run by the CPU suite: from `{args.cpu_suite}`." if args.cpu_suite else "No CPU-suite data given.")
-        + (f" Lines run by the integration tests: from `{args.integration}`." if args.integration else ""),
-        "",
-        "| module | statements | not run | run |",
-        "| --- | --- | --- | --- |",
-        *rows,
-        "",
-        "## Lines not run, and why",
-        *details,
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# Coverage of the runtime modules under the simulated CUDA device (`make test-cuda-sim`)",
+            "",
+            f"Measured at commit {commit or 'unknown'}.",
+            f"{total_statements} statements, {total_missing} not run ({covered:.1f}% run); "
+            f"{unexplained} unrun lines have no reason: run neither here nor by the CPU suite.",
+            "The test tooling (`selftest`, `op_specs`, the GPU test runner) lives in `tools/`, outside the runtime. "
+            + (
+                f"Lines run by the CPU suite: from `{args.cpu_suite}`."
+                if args.cpu_suite
+                else "No CPU-suite data given."
+            )
+            + (
+                f" Lines run by the integration tests: from `{args.integration}`." if args.integration else ""
+            ),
+            "",
+            "| module | statements | not run | run |",
+            "| --- | --- | --- | --- |",
+            *rows,
+            "",
+            "## Lines not run, and why",
+            *details,
+            "",
+        ]
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     temporary = out.with_suffix(out.suffix + ".tmp")
     temporary.write_text(text)
     os.replace(temporary, out)
-    print(f"coverage of the runtime under the simulated CUDA device: {covered:.1f}%, {unexplained} unexplained lines; "
-          f"report in {out}")
+    print(
+        f"coverage of the runtime under the simulated CUDA device: {covered:.1f}%, {unexplained} unexplained lines; "
+        f"report in {out}"
+    )
     return 0
 
 

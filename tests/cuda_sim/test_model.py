@@ -12,8 +12,9 @@ import vit_kernels as vk
 
 
 def _small_vit():
-    return vit.create_model("vit_digits", img_size=32, patch_size=16, in_chans=3, embed_dim=192, num_heads=3,
-                            depth=2).to("cuda")
+    return vit.create_model(
+        "vit_digits", img_size=32, patch_size=16, in_chans=3, embed_dim=192, num_heads=3, depth=2
+    ).to("cuda")
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast_bf16"])
@@ -42,8 +43,9 @@ def test_tune_measures_every_signature(sim):
 
 
 def test_patched_torch_encoder_layer(sim):
-    layer = torch.nn.TransformerEncoderLayer(192, 3, 768, dropout=0.0, activation="gelu", batch_first=True,
-                                             norm_first=True).to("cuda")
+    layer = torch.nn.TransformerEncoderLayer(
+        192, 3, 768, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    ).to("cuda")
     report = vk.patch_model(layer)
     assert report.replaced, report
     x = torch.randn(2, 197, 192, device="cuda", requires_grad=True)

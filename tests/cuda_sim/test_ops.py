@@ -28,10 +28,23 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         images = _p(B, 3, 224, 224, dtype=dtype)
         if variant == "channels_last":
             images = images.detach().to(memory_format=torch.channels_last).requires_grad_()
-        w, b, cls, pos = _p(D, 3, 16, 16, dtype=dtype), _p(D, dtype=dtype), _p(1, 1, D, dtype=dtype), _p(1, L, D, dtype=dtype)
-        return (lambda: vk.patch_embed(images, w, b, patch_size=16, cls_token=cls, pos_embed=pos)), [images, w, b, cls, pos]
+        w, b, cls, pos = (
+            _p(D, 3, 16, 16, dtype=dtype),
+            _p(D, dtype=dtype),
+            _p(1, 1, D, dtype=dtype),
+            _p(1, L, D, dtype=dtype),
+        )
+        return (lambda: vk.patch_embed(images, w, b, patch_size=16, cls_token=cls, pos_embed=pos)), [
+            images,
+            w,
+            b,
+            cls,
+            pos,
+        ]
     if op == "attention":
-        heads, head_dim = {"dh80": (4, 80), "dh128": (4, 128), "dh15": (3, 15)}.get(variant, (HEADS, D // HEADS))
+        heads, head_dim = {"dh80": (4, 80), "dh128": (4, 128), "dh15": (3, 15)}.get(
+            variant, (HEADS, D // HEADS)
+        )
         qkv = _p(B, L, 3 * heads * head_dim, dtype=dtype)
         if variant == "probs":
             return (lambda: vk.attention(qkv, heads, return_probs=True)), [qkv]
@@ -43,16 +56,22 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
                 return (lambda: vk.attention(qkv, heads, rope=(cos, sin))), [qkv]
             # the half layout, per-head tables, dropout and the probabilities (PyTorch's, of the rotated q, k)
             cos, sin = (t.expand(heads, L - 1, head_dim) for t in (cos, sin))
-            return (lambda: vk.attention(qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin),
-                                         rope_layout="half")), [qkv]
+            return (
+                lambda: vk.attention(
+                    qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin), rope_layout="half"
+                )
+            ), [qkv]
         if variant == "key_padding":  # a boolean (B, 1, 1, L) key-padding mask (a NaFlex batch)
             mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device="cuda")
             return (lambda: vk.attention(qkv, heads, attn_mask=mask)), [qkv]
         if variant == "additive_mask_rope_dropout_probs":  # timm's float (B, 1, L, L) mask with rope, dropout
             mask = torch.zeros(B, 1, L, L, device="cuda")
             cos, sin = (torch.randn(L - 1, head_dim, device="cuda") for _ in range(2))
-            return (lambda: vk.attention(qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin),
-                                         attn_mask=mask)), [qkv]
+            return (
+                lambda: vk.attention(
+                    qkv, heads, dropout_p=0.1, return_probs=True, rope=(cos, sin), attn_mask=mask
+                )
+            ), [qkv]
         return (lambda: vk.attention(qkv, heads)), [qkv]
     if op == "linear":
         if variant == "tall":  # more rows than a GEMM candidate is validated on
@@ -60,23 +79,47 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
         if variant == "empty":  # no rows: nothing to launch or validate
             x = _p(0, D, dtype=dtype)
         w, b = _p(D, D, dtype=dtype), _p(D, dtype=dtype)
-        if variant == "layer_scale":  # gamma folded into the GEMM's weight and bias, the residual in its epilogue
+        if (
+            variant == "layer_scale"
+        ):  # gamma folded into the GEMM's weight and bias, the residual in its epilogue
             residual, gamma = _p(B, L, D, dtype=dtype), _p(D, dtype=dtype)
-            return (lambda: vk.linear(x, w, b, residual=residual, layer_scale=gamma)), [x, w, b, residual, gamma]
+            return (lambda: vk.linear(x, w, b, residual=residual, layer_scale=gamma)), [
+                x,
+                w,
+                b,
+                residual,
+                gamma,
+            ]
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
-        return (lambda: vk.linear(x, w, b, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
+        return (lambda: vk.linear(x, w, b, residual=residual)), [x, w, b] + (
+            [residual] if residual is not None else []
+        )
     if op == "linear_gelu":
         w, b = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype)
         approximate = {"erf": "none", "tanh": "tanh", "quick": "quick"}[variant]
         return (lambda: vk.linear_gelu(x, w, b, approximate=approximate)), [x, w, b]
     if op == "mlp":
-        w1, b1, w2, b2 = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(D, HIDDEN, dtype=dtype), _p(D, dtype=dtype)
+        w1, b1, w2, b2 = (
+            _p(HIDDEN, D, dtype=dtype),
+            _p(HIDDEN, dtype=dtype),
+            _p(D, HIDDEN, dtype=dtype),
+            _p(D, dtype=dtype),
+        )
         residual = _p(B, L, D, dtype=dtype) if variant in ("residual", "layer_scale") else None
         gamma = _p(D, dtype=dtype) if variant == "layer_scale" else None
-        leaves = [x, w1, b1, w2, b2] + ([residual] if residual is not None else []) + ([gamma] if gamma is not None else [])
+        leaves = (
+            [x, w1, b1, w2, b2]
+            + ([residual] if residual is not None else [])
+            + ([gamma] if gamma is not None else [])
+        )
         return (lambda: vk.mlp(x, w1, b1, w2, b2, residual=residual, layer_scale=gamma)), leaves
     if op in ("swiglu", "swiglu_mlp"):
-        wg, bg, wu, bu = _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype), _p(HIDDEN, D, dtype=dtype), _p(HIDDEN, dtype=dtype)
+        wg, bg, wu, bu = (
+            _p(HIDDEN, D, dtype=dtype),
+            _p(HIDDEN, dtype=dtype),
+            _p(HIDDEN, D, dtype=dtype),
+            _p(HIDDEN, dtype=dtype),
+        )
         if op == "swiglu":
             return (lambda: vk.swiglu(x, wg, bg, wu, bu)), [x, wg, bg, wu, bu]
         wd, bd = _p(D, HIDDEN, dtype=dtype), _p(D, dtype=dtype)
@@ -92,18 +135,44 @@ def _inputs(op: str, dtype: torch.dtype, variant: str):
             x = _p(0, D, dtype=dtype)
         w, b = _p(D, dtype=dtype), _p(D, dtype=dtype)
         residual = _p(B, L, D, dtype=dtype) if variant == "residual" else None
-        return (lambda: vk.layer_norm(x, w, b, 1e-6, residual=residual)), [x, w, b] + ([residual] if residual is not None else [])
+        return (lambda: vk.layer_norm(x, w, b, 1e-6, residual=residual)), [x, w, b] + (
+            [residual] if residual is not None else []
+        )
     raise AssertionError(op)
 
 
-CASES = [("patch_embed", "nchw"), ("patch_embed", "channels_last"), ("attention", "dh64"), ("attention", "dh80"),
-         ("attention", "dh128"), ("attention", "probs"), ("attention", "dropout"), ("attention", "dh15"),
-         ("attention", "rope"), ("attention", "rope_half_dropout_probs"), ("attention", "key_padding"),
-         ("attention", "additive_mask_rope_dropout_probs"), ("linear", "tall"), ("layer_norm", "wide"),
-         ("linear", "empty"), ("layer_norm", "empty"), ("linear", "plain"), ("linear", "residual"), ("linear", "layer_scale"),
-         ("linear_gelu", "erf"), ("linear_gelu", "tanh"), ("linear_gelu", "quick"), ("mlp", "plain"),
-         ("mlp", "residual"), ("mlp", "layer_scale"), ("swiglu", "plain"), ("swiglu_mlp", "plain"), ("swiglu_mlp", "residual"),
-         ("layer_norm", "plain"), ("layer_norm", "residual")]
+CASES = [
+    ("patch_embed", "nchw"),
+    ("patch_embed", "channels_last"),
+    ("attention", "dh64"),
+    ("attention", "dh80"),
+    ("attention", "dh128"),
+    ("attention", "probs"),
+    ("attention", "dropout"),
+    ("attention", "dh15"),
+    ("attention", "rope"),
+    ("attention", "rope_half_dropout_probs"),
+    ("attention", "key_padding"),
+    ("attention", "additive_mask_rope_dropout_probs"),
+    ("linear", "tall"),
+    ("layer_norm", "wide"),
+    ("linear", "empty"),
+    ("layer_norm", "empty"),
+    ("linear", "plain"),
+    ("linear", "residual"),
+    ("linear", "layer_scale"),
+    ("linear_gelu", "erf"),
+    ("linear_gelu", "tanh"),
+    ("linear_gelu", "quick"),
+    ("mlp", "plain"),
+    ("mlp", "residual"),
+    ("mlp", "layer_scale"),
+    ("swiglu", "plain"),
+    ("swiglu_mlp", "plain"),
+    ("swiglu_mlp", "residual"),
+    ("layer_norm", "plain"),
+    ("layer_norm", "residual"),
+]
 
 
 def _outputs(result):
@@ -117,8 +186,10 @@ def _outputs(result):
 def test_op_forward_and_backward(sim, op, variant, backend_choice, dtype, autocast):
     fn, leaves = _inputs(op, dtype, variant)
     try:
-        with vk.use_backend(backend_choice, strict=backend_choice != "auto"), \
-                torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with (
+            vk.use_backend(backend_choice, strict=backend_choice != "auto"),
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast),
+        ):
             outputs = _outputs(fn())
             upstream = [torch.randn(o.shape, device="cuda", dtype=o.dtype) for o in outputs]
             grads = torch.autograd.grad(outputs, leaves, upstream, allow_unused=True)
@@ -146,4 +217,8 @@ def test_op_inference(sim, op, variant, backend_choice):
     except CannotRunError as declared:
         assert backend_choice in ("extension", "triton"), declared
         return
-    assert all(out.device.type == "cuda" and out.dtype == torch.bfloat16 for out in outputs if out.is_floating_point())
+    assert all(
+        out.device.type == "cuda" and out.dtype == torch.bfloat16
+        for out in outputs
+        if out.is_floating_point()
+    )

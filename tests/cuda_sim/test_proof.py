@@ -17,8 +17,11 @@ def test_every_candidate_of_a_first_call_is_proven_before_it_runs(sim, monkeypat
     seed = torch.empty(1, dtype=torch.int64, device="cuda")
     attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
     candidates = attention.fwd_candidates(torch.bfloat16, 64, 197)
-    proven = {key.rsplit(" | ", 1)[1]: verdict for key, verdict in _proof._verdicts.items()
-              if key.startswith("attention forward |")}
+    proven = {
+        key.rsplit(" | ", 1)[1]: verdict
+        for key, verdict in _proof._verdicts.items()
+        if key.startswith("attention forward |")
+    }
     assert proven == {repr(tile): _proof.OK for tile in candidates}
 
 
@@ -39,8 +42,11 @@ def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
     chosen = attention.FWD_CHOOSER.report()[attention._chooser_key(qkv, 2)]
     assert chosen.trials[faulty] == "invalid: faulted in a child process (killed by SIGSEGV)"
     assert chosen.tile != faulty
-    launched = {(l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
-                for l in sim.launches[before:] if l.kernel.fn.__name__ == "_attention_fwd_kernel"}
+    launched = {
+        (l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
+        for l in sim.launches[before:]
+        if l.kernel.fn.__name__ == "_attention_fwd_kernel"
+    }
     assert faulty not in launched and launched == set(candidates[1:])
 
 

@@ -40,14 +40,24 @@ def test_every_recorded_launch_compiles_for_its_device(arch):
             # float16 and bfloat16 twins (the same code in the other 16-bit element type, as the compile
             # gate's quick sweep takes them; make check-gpu-all compiles both)
             signature = repr(sorted(bound.signature.items())).replace("fp16", "bf16")
-            kind = (variant.name, repr(sorted(bound.constexprs.items(), key=str)), signature,
-                    variant.kwargs.get("num_warps"), variant.kwargs.get("num_stages"))
+            kind = (
+                variant.name,
+                repr(sorted(bound.constexprs.items(), key=str)),
+                signature,
+                variant.kwargs.get("num_warps"),
+                variant.kwargs.get("num_stages"),
+            )
             jobs.setdefault(kind, (variant, arch, bound))
     _JOBS[:] = list(jobs.values())
     print(f"sm_{arch}: {len(launches)} launches recorded, {len(_JOBS)} unique variants to compile")
     workers = max(1, min(len(_JOBS), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(_compile, range(len(_JOBS)), chunksize=2))
-    failures = [failure for (variant, capability, bound), resources in zip(_JOBS, results)
-                for failure in variant_failures(variant, capability, bound, resources)]
-    assert not failures, f"{len(failures)} of {len(_JOBS)} recorded variants fail on sm_{arch}:\n" + "\n".join(failures)
+    failures = [
+        failure
+        for (variant, capability, bound), resources in zip(_JOBS, results)
+        for failure in variant_failures(variant, capability, bound, resources)
+    ]
+    assert not failures, (
+        f"{len(failures)} of {len(_JOBS)} recorded variants fail on sm_{arch}:\n" + "\n".join(failures)
+    )

@@ -45,6 +45,8 @@ def record_difference():
 def pytest_terminal_summary(terminalreporter):
     if not _MAX_DIFFERENCE:
         return
-    terminalreporter.section("largest difference from the original model (float64 on the torch backend unless named)")
+    terminalreporter.section(
+        "largest difference from the original model (float64 on the torch backend unless named)"
+    )
     for family, (out, grad) in sorted(_MAX_DIFFERENCE.items()):
         terminalreporter.write_line(f"{family:34s} output {out:.2e}   gradient {grad:.2e}")

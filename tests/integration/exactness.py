@@ -46,13 +46,19 @@ def compare(
             continue
         got = patched_params[name].grad
         assert got is not None, f"{name} has no gradient after patching"
-        torch.testing.assert_close(got, param.grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got, param.grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, name=name: f"{name}: {m}"
+        )
         grad_diff = max(grad_diff, (got - param.grad).abs().max().item())
     return output_diff, grad_diff
 
 
-def _output_and_grads(model: nn.Module, inputs: torch.Tensor, cotangent: torch.Tensor,
-                      output_of: Callable[[object], torch.Tensor]) -> dict[str, torch.Tensor]:
+def _output_and_grads(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    cotangent: torch.Tensor,
+    output_of: Callable[[object], torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """{"output": output, parameter name: its gradient} after backpropagating ``cotangent``."""
     model.zero_grad(set_to_none=True)
     out = output_of(model(inputs))
@@ -80,14 +86,18 @@ def compare_in_float32(
     baseline = _output_and_grads(baseline_model, inputs.float(), cotangent, output_of)
     with vk.use_backend(backend_name):
         ours = _output_and_grads(patched.float(), inputs.float(), cotangent, output_of)
-    assert ours.keys() == truth.keys(), f"gradients differ in which parameters have one: {ours.keys() ^ truth.keys()}"
+    assert ours.keys() == truth.keys(), (
+        f"gradients differ in which parameters have one: {ours.keys() ^ truth.keys()}"
+    )
     atol, rtol = FLOAT32_FLOOR
     worst = {"output": 0.0, "gradient": 0.0}
     for name, exact in truth.items():
         error = (ours[name].double() - exact).abs().max().item()
         own = (baseline[name].double() - exact).abs().max().item()
         bound = max(atol + rtol * exact.abs().max().item(), 2 * own)
-        assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g} (PyTorch's own float32 error {own:.3g})"
+        assert error <= bound, (
+            f"{name}: error {error:.3g} > bound {bound:.3g} (PyTorch's own float32 error {own:.3g})"
+        )
         kind = "output" if name == "output" else "gradient"
         worst[kind] = max(worst[kind], error)
     return worst["output"], worst["gradient"]

@@ -24,7 +24,9 @@ def test_patched_timm_vit_trains_on_the_simulated_gpu(arch, backend_name):
     vk.set_autotune(True, cache_dir=False)
     try:
         with simulated_cuda(arch) as device:
-            model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, depth=2).to("cuda")
+            model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, depth=2).to(
+                "cuda"
+            )
             report = vk.patch_model(model)
             assert report.replaced, report
             images = torch.randn(8, 3, 224, 224, device="cuda")

@@ -8,15 +8,24 @@ from transformers import ViTConfig, ViTForImageClassification
 from exactness import compare, patched_copy
 from vit_kernels.integrations import huggingface
 
-CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              image_size=32, patch_size=8, num_labels=5)
+CONFIG = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    image_size=32,
+    patch_size=8,
+    num_labels=5,
+)
 
 
 def _models(hidden_act="gelu", **extra):
     def config():  # one each: the attention implementation is kept on the config
         return ViTConfig(**CONFIG, hidden_act=hidden_act, **extra)
 
-    reference = ViTForImageClassification._from_config(config(), attn_implementation="sdpa").double()  # eager softmaxes in float32
+    reference = ViTForImageClassification._from_config(
+        config(), attn_implementation="sdpa"
+    ).double()  # eager softmaxes in float32
     huggingface.register()
     fused = ViTForImageClassification._from_config(config(), attn_implementation="vit_kernels").double()
     fused.load_state_dict(reference.state_dict())
@@ -42,10 +51,15 @@ def test_vit_for_image_classification_is_exact(hidden_act, training, record_diff
 def test_sdpa_attention_is_switched_to_the_fused_kernel(record_difference):
     reference, _ = _models()
     fused, report = patched_copy(reference)
-    assert fused.config._attn_implementation == "vit_kernels" and reference.config._attn_implementation == "sdpa"
+    assert (
+        fused.config._attn_implementation == "vit_kernels" and reference.config._attn_implementation == "sdpa"
+    )
     assert report.skipped == [], report
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    record_difference("huggingface ViT (sdpa switched)", *compare(reference, fused, images, output_of=lambda out: out.logits))
+    record_difference(
+        "huggingface ViT (sdpa switched)",
+        *compare(reference, fused, images, output_of=lambda out: out.logits),
+    )
 
 
 def test_attention_on_an_implementation_the_user_chose_is_left_and_reported():
@@ -66,8 +80,11 @@ VISION_TOWERS = {
     "dinov2": ("Dinov2Config", "Dinov2Model", {"layerscale_value": 0.5}),
     "dinov2_registers": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel", {"num_register_tokens": 4}),
     "dinov2_swiglu": ("Dinov2Config", "Dinov2Model", {"use_swiglu_ffn": True}),
-    "dinov2_registers_swiglu": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel",
-                                {"num_register_tokens": 4, "use_swiglu_ffn": True}),
+    "dinov2_registers_swiglu": (
+        "Dinov2WithRegistersConfig",
+        "Dinov2WithRegistersModel",
+        {"num_register_tokens": 4, "use_swiglu_ffn": True},
+    ),
 }
 
 
@@ -87,16 +104,30 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
     import transformers
 
     config_name, model_name, extra = VISION_TOWERS[family]
-    config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                num_attention_heads=4, image_size=32, patch_size=8,
-                                                hidden_dropout_prob=0.0, attention_dropout=0.0, **extra)
+    config = getattr(transformers, config_name)(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        hidden_dropout_prob=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )
     torch.manual_seed(0)
     reference = getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double()
     reference.train(training)
     fused, report = patched_copy(reference)
     kinds = [(name, new) for name, _, new in report.replaced]
-    attention = [name for name, new in kinds if "attention interface" in new and not name.endswith("head.attention")]
-    mlps = [name for name, new in kinds if (new.endswith(".Mlp") or "SwiGLUFFN" in new) and name.startswith("encoder.")]
+    attention = [
+        name for name, new in kinds if "attention interface" in new and not name.endswith("head.attention")
+    ]
+    mlps = [
+        name
+        for name, new in kinds
+        if (new.endswith(".Mlp") or "SwiGLUFFN" in new) and name.startswith("encoder.")
+    ]
     assert len(attention) == 2, report
     assert len(mlps) == 2, report
     args, kwargs = _tower_inputs(family, config)
@@ -114,9 +145,13 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
         fused_params = dict(fused.named_parameters())
         for name, param in reference.named_parameters():
             if param.grad is not None:
-                torch.testing.assert_close(fused_params[name].grad, param.grad, rtol=1e-10, atol=1e-10, msg=name)
+                torch.testing.assert_close(
+                    fused_params[name].grad, param.grad, rtol=1e-10, atol=1e-10, msg=name
+                )
         return
     record_difference(f"huggingface {family}", *compare(reference, fused, args[0], output_of=pooled))
+
+
 @pytest.mark.parametrize("family", ["siglip", "dinov2_swiglu"])
 def test_a_compiled_patched_vision_tower_matches_eager(family):
     """torch.compile of a patched tower (the attention interface, the fused MLP or SwiGLU, SigLIP's
@@ -124,10 +159,19 @@ def test_a_compiled_patched_vision_tower_matches_eager(family):
     import transformers
 
     config_name, model_name, extra = VISION_TOWERS[family]
-    config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                num_attention_heads=4, image_size=32, patch_size=8, **extra)
+    config = getattr(transformers, config_name)(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        **extra,
+    )
     torch.manual_seed(0)
-    model, _ = patched_copy(getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double())
+    model, _ = patched_copy(
+        getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double()
+    )
     model.eval()
     (images,), _ = _tower_inputs(family, config)
     weight = next(p for name, p in model.named_parameters() if name.startswith("embeddings.patch_embedding"))
@@ -162,7 +206,11 @@ def test_masks_run_fused_and_cross_attention_runs_transformers_own(monkeypatch):
         out, _ = huggingface.attention_forward(module, *args)
         expected, _ = sdpa_attention_forward(module, *args)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    assert [call["attn_mask"] is None for call in fused_calls] == [False, False, True]  # not the cross-attention
+    assert [call["attn_mask"] is None for call in fused_calls] == [
+        False,
+        False,
+        True,
+    ]  # not the cross-attention
 
 
 def test_siglip_vision_model_patches_and_stays_exact(record_difference):
@@ -171,13 +219,21 @@ def test_siglip_vision_model_patches_and_stays_exact(record_difference):
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     torch.manual_seed(0)
-    config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                image_size=32, patch_size=8)
+    config = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
     reference = SiglipVisionModel._from_config(config, attn_implementation="sdpa").double()
     fused, report = patched_copy(reference)
     assert any(name.endswith("head.attention") for name, _, _ in report.replaced), report
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    record_difference("huggingface SigLIP", *compare(reference, fused, images, output_of=lambda out: out.pooler_output))
+    record_difference(
+        "huggingface SigLIP", *compare(reference, fused, images, output_of=lambda out: out.pooler_output)
+    )
 
 
 def test_an_image_size_the_patch_does_not_divide_runs_as_unpatched():
@@ -187,4 +243,6 @@ def test_an_image_size_the_patch_does_not_divide_runs_as_unpatched():
     fused, _ = patched_copy(reference)
     images = torch.randn(2, 3, 36, 36, dtype=torch.float64)
     expected = reference(images, interpolate_pos_encoding=True).logits
-    torch.testing.assert_close(fused(images, interpolate_pos_encoding=True).logits, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        fused(images, interpolate_pos_encoding=True).logits, expected, rtol=1e-10, atol=1e-10
+    )

@@ -15,7 +15,9 @@ from vit_kernels import backend
 from vit_kernels.integrations import huggingface
 
 KERNEL_BACKENDS = [
-    name for name in ("triton", "extension") if backend.unsupported_reason("attention", name, torch.device("cpu"), torch.float32) is None
+    name
+    for name in ("triton", "extension")
+    if backend.unsupported_reason("attention", name, torch.device("cpu"), torch.float32) is None
 ]
 # The kernel ops a backend must have run in each model (the others may be outside its limits, e.g.
 # the extension's linear takes only calls with a residual; dispatch hands those to another backend).
@@ -23,8 +25,16 @@ KERNEL_OPS = {"attention", "layer_norm"}
 
 
 def timm_vit():
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-                              num_classes=5, reg_tokens=2, init_values=0.1)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        num_classes=5,
+        reg_tokens=2,
+        init_values=0.1,
+    )
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
     return model
@@ -32,14 +42,22 @@ def timm_vit():
 
 def huggingface_vit():
     huggingface.register()
-    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                       image_size=32, patch_size=8, num_labels=5)
+    config = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+        num_labels=5,
+    )
     return ViTForImageClassification._from_config(config, attn_implementation="vit_kernels")
 
 
 def torchvision_vit():
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64,
-                              num_classes=5)
+    model = VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=5
+    )
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return model
@@ -69,7 +87,10 @@ def test_patched_models_in_float32_on_kernel_backends(family, backend_name, reco
 
 ROPE_MODELS = {  # the rotary layouts: interleaved pairs (EVA02) and half-split pairs with register tokens (DINOv3)
     "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "depth": 1, "ref_feat_shape": (2, 2)}),
-    "dinov3": ("vit_base_patch16_dinov3", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 64, "num_heads": 4}),
+    "dinov3": (
+        "vit_base_patch16_dinov3",
+        {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 64, "num_heads": 4},
+    ),
 }
 
 
@@ -85,6 +106,8 @@ def test_rope_vits_in_float32_on_triton(family, record_difference):
     patched, _ = patched_copy(reference)
     size = overrides["img_size"]
     backend.clear_decisions()
-    differences = compare_in_float32(reference, patched, torch.randn(2, 3, size, size, dtype=torch.float64), "triton")
+    differences = compare_in_float32(
+        reference, patched, torch.randn(2, 3, size, size, dtype=torch.float64), "triton"
+    )
     assert "triton" in vk.explain().ran("attention"), vk.explain()
     record_difference(f"timm {family} float32 on triton", *differences)

@@ -16,8 +16,14 @@ FAMILIES = {
     "vit_small": ("vit_small_patch16_224", {"depth": 1}),
     "vit_base": ("vit_base_patch16_224", {"depth": 1}),
     "deit_distilled": ("deit_tiny_distilled_patch16_224", {"depth": 2, "patch_size": 8}),
-    "avg_pool_no_class_token": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "class_token": False, "global_pool": "avg"}),
-    "registers_layer_scale": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8, "reg_tokens": 4, "init_values": 0.1}),
+    "avg_pool_no_class_token": (
+        "vit_tiny_patch16_224",
+        {"depth": 2, "patch_size": 8, "class_token": False, "global_pool": "avg"},
+    ),
+    "registers_layer_scale": (
+        "vit_tiny_patch16_224",
+        {"depth": 2, "patch_size": 8, "reg_tokens": 4, "init_values": 0.1},
+    ),
     "reg4_gap": ("vit_base_patch16_reg4_gap_256", {"depth": 1, "embed_dim": 64, "num_heads": 4}),
     "clip_quick_gelu": ("vit_base_patch16_clip_quickgelu_224", {"depth": 1, "embed_dim": 64, "num_heads": 4}),
 }
@@ -39,7 +45,11 @@ def test_plain_timm_vits_are_exact(family, training, record_difference):
     assert report.skipped == [], report
     depth = overrides["depth"]
     kinds = [new.rsplit(".", 1)[-1] for _, _, new in report.replaced]
-    assert kinds.count("Attention") == depth and kinds.count("Mlp") == depth and kinds.count("FusedPatchEmbed") == 1
+    assert (
+        kinds.count("Attention") == depth
+        and kinds.count("Mlp") == depth
+        and kinds.count("FusedPatchEmbed") == 1
+    )
     assert kinds.count("FusedBlock") == depth  # the residual adds (and LayerScale) in the branches' GEMMs
     assert isinstance(model.blocks[0].attn, vkn.Attention) and isinstance(model.blocks[0].mlp, vkn.Mlp)
     assert model.state_dict().keys() == reference.state_dict().keys()
@@ -52,8 +62,13 @@ def test_block_residual_adds_and_layer_scale_run_in_the_last_gemms(training, mon
     """A timm block with LayerScale (DINOv2-style): both branches hand their residual and gamma to the
     last GEMM (the attention projection, the MLP); where drop path drops (training, the second block:
     rates rise from 0 at the first) the add runs as timm's, exact either way."""
-    reference = _timm_vit("vit_tiny_patch16_224", depth=2, patch_size=8, init_values=0.1,
-                          drop_path_rate=0.5 if training else 0.0).train(training)
+    reference = _timm_vit(
+        "vit_tiny_patch16_224",
+        depth=2,
+        patch_size=8,
+        init_values=0.1,
+        drop_path_rate=0.5 if training else 0.0,
+    ).train(training)
     _assert_adds_in_the_last_gemms(reference, training, monkeypatch, record_difference, "timm layer scale")
 
 
@@ -67,8 +82,14 @@ def _assert_adds_in_the_last_gemms(reference, training, monkeypatch, record_diff
     calls = []
     for name in ("linear", "mlp", "swiglu_mlp"):
         fused = getattr(vkf, name)
-        monkeypatch.setattr(vkf, name, lambda *a, fused=fused, name=name, **k: calls.append(
-            (name, k.get("residual") is not None, k.get("layer_scale") is not None)) or fused(*a, **k))
+        monkeypatch.setattr(
+            vkf,
+            name,
+            lambda *a, fused=fused, name=name, **k: (
+                calls.append((name, k.get("residual") is not None, k.get("layer_scale") is not None))
+                or fused(*a, **k)
+            ),
+        )
     torch.manual_seed(0)
     expected = reference(torch.randn(2, 3, 32, 32, dtype=torch.float64))
     torch.manual_seed(0)
@@ -95,7 +116,10 @@ def test_beit_attention_is_skipped_with_its_parameters_named(record_difference):
     reasons = dict(report.skipped)
     assert "q_bias" in reasons["blocks.0.attn"] and "relative_position_bias_table" in reasons["blocks.0.attn"]
     assert type(model.blocks[0].attn) is type(reference.blocks[0].attn)
-    record_difference("timm beit (attention kept)", *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)))
+    record_difference(
+        "timm beit (attention kept)",
+        *compare(reference, model, torch.randn(2, 3, 32, 32, dtype=torch.float64)),
+    )
 
 
 def test_qk_norm_and_a_gelu_glu_are_reported_not_swapped():
@@ -113,14 +137,27 @@ ROPE_SMALL = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num
 ROPE_FAMILIES = {
     # EVA02: separate q/k/v projections, SwiGLU packed in one fc1 (GluMlp; base and up: split, with a
     # LayerNorm in the hidden layer)
-    "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "depth": 2, "ref_feat_shape": (2, 2)},
-              "EvaAttention", "interleaved"),
-    "eva02_scale_mlp": ("eva02_base_patch14_224", {"img_size": 28, "depth": 2, "embed_dim": 64, "num_heads": 4,
-                                                   "ref_feat_shape": (2, 2)}, "EvaAttention", "interleaved"),
+    "eva02": (
+        "eva02_tiny_patch14_224",
+        {"img_size": 28, "depth": 2, "ref_feat_shape": (2, 2)},
+        "EvaAttention",
+        "interleaved",
+    ),
+    "eva02_scale_mlp": (
+        "eva02_base_patch14_224",
+        {"img_size": 28, "depth": 2, "embed_dim": 64, "num_heads": 4, "ref_feat_shape": (2, 2)},
+        "EvaAttention",
+        "interleaved",
+    ),
     "rope_reg1_gap": ("vit_base_patch16_rope_reg1_gap_256", ROPE_SMALL, "EvaAttention", "interleaved"),
     "rope_mixed": ("vit_base_patch16_rope_mixed_224", ROPE_SMALL, "AttentionRope", "interleaved"),
     "dinov3": ("vit_base_patch16_dinov3", ROPE_SMALL, "EvaAttention", "half"),
-    "pe_core": ("vit_pe_core_base_patch16_224", {**ROPE_SMALL, "ref_feat_shape": (4, 4)}, "AttentionRope", "interleaved"),
+    "pe_core": (
+        "vit_pe_core_base_patch16_224",
+        {**ROPE_SMALL, "ref_feat_shape": (4, 4)},
+        "AttentionRope",
+        "interleaved",
+    ),
 }
 
 
@@ -142,8 +179,9 @@ def attention_calls(monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(ROPE_FAMILIES))
 @pytest.mark.parametrize("training", [False, True])
-def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(family, training, attention_calls,
-                                                                   record_difference):
+def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(
+    family, training, attention_calls, record_difference
+):
     """EVA02, the RoPE ViTs (axial and mixed), DINOv3 (half layout, class + register tokens) and the
     Perception Encoder: attention runs the fused op with the rotary tables, exact in float64."""
     name, overrides, attention_class, layout = ROPE_FAMILIES[family]
@@ -158,7 +196,9 @@ def test_rope_vits_fuse_attention_with_the_rotation_and_stay_exact(family, train
     assert len(blocks) == overrides["depth"], report  # the residual adds in the branches' last GEMMs
     images = torch.randn(2, 3, overrides["img_size"], overrides["img_size"], dtype=torch.float64)
     record_difference(f"timm {family}", *compare(reference, model, images))
-    assert attention_calls and all(call is not None and call[0] == layout for call in attention_calls), attention_calls
+    assert attention_calls and all(call is not None and call[0] == layout for call in attention_calls), (
+        attention_calls
+    )
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -181,12 +221,16 @@ def test_rope_attention_with_a_mask_is_fused_and_a_causal_call_runs_timms_own(at
     rope = reference.rope.get_embed(shape=(4, 4)).double()
     mask = torch.rand(2, 1, 17, 17) > 0.3
     mask[..., 0] = True
-    additive = torch.zeros(2, 1, 17, 17, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    additive = torch.zeros(2, 1, 17, 17, dtype=torch.float64).masked_fill(
+        ~mask, torch.finfo(torch.float64).min
+    )
     for kwargs in ({"rope": rope, "attn_mask": mask}, {"rope": rope, "attn_mask": additive}):
         torch.testing.assert_close(model.blocks[0].attn(x, **kwargs), reference.blocks[0].attn(x, **kwargs))
     assert attention_calls == [("interleaved", (16, 16))] * 2
-    torch.testing.assert_close(model.blocks[0].attn(x, rope=rope, is_causal=True),
-                               reference.blocks[0].attn(x, rope=rope, is_causal=True))
+    torch.testing.assert_close(
+        model.blocks[0].attn(x, rope=rope, is_causal=True),
+        reference.blocks[0].attn(x, rope=rope, is_causal=True),
+    )
     for attention in (model.blocks[0].attn, reference.blocks[0].attn):  # 8 rows for 16 tokens: timm's error
         with pytest.raises(RuntimeError, match="size of tensor"):
             attention(x, rope=rope[:8])
@@ -200,12 +244,17 @@ def _naflex_batch(batch_valid=(16, 11), grid=(4, 4), patch=16):
     """A NaFlex collator's dict: patches (B, N, P*P*3) float64, their (row, column) coordinates and
     which are valid, the second image a 11-patch one padded to N = 16."""
     rows, cols = grid
-    coords = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+    coords = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(
+        -1, 2
+    )
     count = rows * cols
     valid = torch.arange(count)[None, :] < torch.tensor(batch_valid)[:, None]
     patches = torch.randn(len(batch_valid), count, patch * patch * 3, dtype=torch.float64)
-    return {"patches": patches, "patch_coord": coords.expand(len(batch_valid), count, 2).clone(),
-            "patch_valid": valid}
+    return {
+        "patches": patches,
+        "patch_coord": coords.expand(len(batch_valid), count, 2).clone(),
+        "patch_valid": valid,
+    }
 
 
 @pytest.mark.parametrize("rope_type", ["", "axial"])
@@ -215,8 +264,9 @@ def test_naflex_padded_batch_runs_masked_attention_fused(rope_type, training, mo
     mask (learned position embedding, or axial RoPE), exact in float64, forward and every gradient."""
     from vit_kernels import functional as vkf
 
-    reference = timm.create_model("naflexvit_base_patch16_gap", pretrained=False, rope_type=rope_type,
-                                  **NAFLEX_SMALL).double()
+    reference = timm.create_model(
+        "naflexvit_base_patch16_gap", pretrained=False, rope_type=rope_type, **NAFLEX_SMALL
+    ).double()
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.2) if p.dim() < 2 else None
     reference.train(training)
@@ -232,8 +282,9 @@ def test_naflex_padded_batch_runs_masked_attention_fused(rope_type, training, mo
     monkeypatch.setattr(vkf, "attention", spy)  # the module every layer and adapter calls through
     record_difference(f"timm naflex rope={rope_type or 'none'}", *compare(reference, model, _naflex_batch()))
     tokens = 16 + reference.num_prefix_tokens
-    assert len(masks) >= NAFLEX_SMALL["depth"] and all(m is not None and m.shape[-1] == tokens for m in masks), [
-        None if m is None else tuple(m.shape) for m in masks]
+    assert len(masks) >= NAFLEX_SMALL["depth"] and all(
+        m is not None and m.shape[-1] == tokens for m in masks
+    ), [None if m is None else tuple(m.shape) for m in masks]
 
 
 def test_a_mask_runs_masked_attention_exactly():
@@ -244,16 +295,27 @@ def test_a_mask_runs_masked_attention_exactly():
     tokens = torch.randn(2, 17, 192, dtype=torch.float64)
     keep = torch.ones(2, 1, 17, 17, dtype=torch.bool)
     keep[1, ..., 12:] = False  # the second image has 5 padded patches
-    for kwargs in ({"attn_mask": torch.randn(17, 17, dtype=torch.float64)}, {"attn_mask": keep}, {"is_causal": True}):
-        if "is_causal" in kwargs and "is_causal" not in inspect.signature(type(reference.blocks[0]).forward).parameters:
+    for kwargs in (
+        {"attn_mask": torch.randn(17, 17, dtype=torch.float64)},
+        {"attn_mask": keep},
+        {"is_causal": True},
+    ):
+        if (
+            "is_causal" in kwargs
+            and "is_causal" not in inspect.signature(type(reference.blocks[0]).forward).parameters
+        ):
             continue
         first = tokens.clone().requires_grad_()
         second = tokens.clone().requires_grad_()
         expected, actual = reference.blocks[0](first, **kwargs), model.blocks[0](second, **kwargs)
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
         cotangent = torch.randn_like(expected)
-        torch.testing.assert_close(torch.autograd.grad(actual, second, cotangent)[0],
-                                   torch.autograd.grad(expected, first, cotangent)[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            torch.autograd.grad(actual, second, cotangent)[0],
+            torch.autograd.grad(expected, first, cotangent)[0],
+            rtol=1e-10,
+            atol=1e-10,
+        )
 
 
 @pytest.mark.parametrize("family", ["eva02", "dinov3"])

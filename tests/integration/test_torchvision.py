@@ -9,8 +9,13 @@ from exactness import compare, patched_copy
 
 @pytest.mark.parametrize("training", [False, True])
 def test_vision_transformer_blocks_are_exact(training, record_difference):
-    reference = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
-                                  mlp_dim=64, num_classes=5).double().train(training)
+    reference = (
+        VisionTransformer(
+            image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=5
+        )
+        .double()
+        .train(training)
+    )
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.2)
     model, report = patched_copy(reference)

@@ -54,12 +54,16 @@ def variant_failures(variant: Variant, capability: int, bound, resources: Resour
     if resources.spill_bytes > budget:
         failures.append(f"{where}: {resources.spill_bytes} bytes of spills per thread (budget {budget})")
     if resources.shared_bytes > TARGETS[capability]["smem_block"]:
-        failures.append(f"{where}: {resources.shared_bytes} bytes of shared memory, over the "
-                        f"{TARGETS[capability]['smem_block']}-byte limit")
+        failures.append(
+            f"{where}: {resources.shared_bytes} bytes of shared memory, over the "
+            f"{TARGETS[capability]['smem_block']}-byte limit"
+        )
     elif resources.ctas_per_sm == 0:
         failures.append(f"{where}: no CTA fits on an SM")
     for transpose in resources.computed_transposes:
-        failures.append(f"{where}: transpose of a computed tile feeding a dot (triton-lang/triton#6124): {transpose}")
+        failures.append(
+            f"{where}: transpose of a computed tile feeding a dot (triton-lang/triton#6124): {transpose}"
+        )
     return failures
 
 
@@ -86,8 +90,12 @@ def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)")
-    parser.add_argument("--ops", default=None, help="only these ops' cases, comma-separated (default: every op)")
+    parser.add_argument(
+        "--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)"
+    )
+    parser.add_argument(
+        "--ops", default=None, help="only these ops' cases, comma-separated (default: every op)"
+    )
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (80, 90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     parser.add_argument("--out", default="build/check-gpu", help="folder for report.json and report.md")
@@ -108,8 +116,11 @@ def main(argv=None) -> int:
     jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
     keys = list(jobs)
     _JOBS[:] = [jobs[k] for k in keys]
-    print(f"gpu_check: {len(launches)} launches, {len(keys)} unique variants to compile for "
-          f"{', '.join(f'sm_{t}' for t in targets)}", flush=True)
+    print(
+        f"gpu_check: {len(launches)} launches, {len(keys)} unique variants to compile for "
+        f"{', '.join(f'sm_{t}' for t in targets)}",
+        flush=True,
+    )
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             results = dict(zip(keys, pool.map(_compile_job, range(len(keys)), chunksize=4)))

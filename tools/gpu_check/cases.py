@@ -22,8 +22,13 @@ from vit_kernels.ops import swiglu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
-PRECISIONS = {"fp32": (F32, F32), "fp16": (F16, F16), "bf16": (BF16, BF16), "bf16-autocast": (BF16, F32),
-              "fp16-autocast": (F16, F32)}
+PRECISIONS = {
+    "fp32": (F32, F32),
+    "fp16": (F16, F16),
+    "bf16": (BF16, BF16),
+    "bf16-autocast": (BF16, F32),
+    "fp16-autocast": (F16, F32),
+}
 MODELS = {"vit_tiny": (192, 3), "vit_small": (384, 6), "vit_base": (768, 12), "vit_large": (1024, 16)}  # D, H
 HEAD_DIMS = (4, 8, 12, 15, 64, 80, 128, 256)
 IMAGE, PATCH, CHANNELS = 224, 16, 3
@@ -64,76 +69,153 @@ def _t(dtype, *shape) -> torch.Tensor:
 
 
 def _patch_embed_cases(sweep: Sweep) -> Iterator[Case]:
-    combos = list(itertools.product((True, False), repeat=3)) if sweep.all_flags else [
-        (True, True, True), (True, False, True), (False, False, False)]
-    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+    combos = (
+        list(itertools.product((True, False), repeat=3))
+        if sweep.all_flags
+        else [(True, True, True), (True, False, True), (False, False, False)]
+    )
+    for precision, (model, (dim, _)), batch in itertools.product(
+        sweep.precisions, MODELS.items(), sweep.batches
+    ):
         dt, rdt = PRECISIONS[precision]
         for (has_bias, has_cls, has_pos), channels_last in itertools.product(combos, (False, True)):
             if channels_last and not (has_bias and has_cls and has_pos):
                 continue
 
-            def run(dt=dt, rdt=rdt, dim=dim, batch=batch, has_bias=has_bias, has_cls=has_cls, has_pos=has_pos,
-                    channels_last=channels_last):
+            def run(
+                dt=dt,
+                rdt=rdt,
+                dim=dim,
+                batch=batch,
+                has_bias=has_bias,
+                has_cls=has_cls,
+                has_pos=has_pos,
+                channels_last=channels_last,
+            ):
                 images = _t(dt, batch, CHANNELS, IMAGE, IMAGE)
                 if channels_last:
                     images = images.to(memory_format=torch.channels_last)
                 weight = _t(dt, dim, CHANNELS, PATCH, PATCH)
                 tokens = TOKENS - 1 + has_cls
                 out = patch_embed.patch_embed_triton(
-                    images, weight, _t(dt, dim) if has_bias else None, PATCH,
-                    _t(rdt, 1, 1, dim) if has_cls else None, _t(rdt, 1, tokens, dim) if has_pos else None)
+                    images,
+                    weight,
+                    _t(dt, dim) if has_bias else None,
+                    PATCH,
+                    _t(rdt, 1, 1, dim) if has_cls else None,
+                    _t(rdt, 1, tokens, dim) if has_pos else None,
+                )
                 for needs_images in (False, True):
-                    patch_embed.patch_embed_bwd(torch.empty_like(out), images, weight, PATCH, has_cls,
-                                                          needs_images)
+                    patch_embed.patch_embed_bwd(
+                        torch.empty_like(out), images, weight, PATCH, has_cls, needs_images
+                    )
 
-            flags = f"bias={has_bias} cls={has_cls} pos={has_pos}" + (" channels_last" if channels_last else "")
+            flags = f"bias={has_bias} cls={has_cls} pos={has_pos}" + (
+                " channels_last" if channels_last else ""
+            )
             yield Case("patch_embed", precision, model, flags, batch, run)
 
 
 def _linear_cases(sweep: Sweep) -> Iterator[Case]:
-    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+    for precision, (model, (dim, _)), batch in itertools.product(
+        sweep.precisions, MODELS.items(), sweep.batches
+    ):
         dt, rdt = PRECISIONS[precision]
         x = (batch, TOKENS, dim)
-        pairs = list(itertools.product((True, False), repeat=2)) if sweep.all_flags else [(True, True), (True, False),
-                                                                                           (False, False)]
+        pairs = (
+            list(itertools.product((True, False), repeat=2))
+            if sweep.all_flags
+            else [(True, True), (True, False), (False, False)]
+        )
         for has_bias, has_residual in pairs:
+
             def run_linear(dt=dt, rdt=rdt, x=x, dim=dim, has_bias=has_bias, has_residual=has_residual):
                 inp, weight = _t(dt, *x), _t(dt, dim, dim)
-                out, _ = linear.linear_fwd(inp, weight, _t(dt, dim) if has_bias else None,
-                                                          _t(rdt, *x) if has_residual else None, NONE)
+                out, _ = linear.linear_fwd(
+                    inp,
+                    weight,
+                    _t(dt, dim) if has_bias else None,
+                    _t(rdt, *x) if has_residual else None,
+                    NONE,
+                )
                 linear.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
 
-            yield Case("linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear)
-        gelu_flags = list(itertools.product((True, False), (GELU, GELU_TANH, QUICK_GELU))) if sweep.all_flags else [
-            (True, GELU), (True, GELU_TANH), (True, QUICK_GELU), (False, GELU)]
+            yield Case(
+                "linear", precision, model, f"bias={has_bias} residual={has_residual}", batch, run_linear
+            )
+        gelu_flags = (
+            list(itertools.product((True, False), (GELU, GELU_TANH, QUICK_GELU)))
+            if sweep.all_flags
+            else [(True, GELU), (True, GELU_TANH), (True, QUICK_GELU), (False, GELU)]
+        )
         for has_bias, activation in gelu_flags:
+
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
-                out, preact = linear.linear_fwd(inp, weight, _t(dt, 4 * dim) if has_bias else None,
-                                                               None, activation)
+                out, preact = linear.linear_fwd(
+                    inp, weight, _t(dt, 4 * dim) if has_bias else None, None, activation
+                )
                 linear.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
                 linear.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
-        mlp_flags = list(itertools.product(((True, True), (False, False), (True, False)), (GELU, GELU_TANH, QUICK_GELU),
-                                           (True, False))) if sweep.all_flags else [
-            ((True, True), GELU, True), ((True, True), GELU_TANH, True), ((True, True), QUICK_GELU, True),
-            ((False, False), GELU, False)]
+        mlp_flags = (
+            list(
+                itertools.product(
+                    ((True, True), (False, False), (True, False)),
+                    (GELU, GELU_TANH, QUICK_GELU),
+                    (True, False),
+                )
+            )
+            if sweep.all_flags
+            else [
+                ((True, True), GELU, True),
+                ((True, True), GELU_TANH, True),
+                ((True, True), QUICK_GELU, True),
+                ((False, False), GELU, False),
+            ]
+        )
         for (bias1, bias2), activation, has_residual in mlp_flags:
-            def run_mlp(dt=dt, rdt=rdt, x=x, dim=dim, bias1=bias1, bias2=bias2, activation=activation,
-                        has_residual=has_residual):
+
+            def run_mlp(
+                dt=dt,
+                rdt=rdt,
+                x=x,
+                dim=dim,
+                bias1=bias1,
+                bias2=bias2,
+                activation=activation,
+                has_residual=has_residual,
+            ):
                 inp, w1, w2 = _t(dt, *x), _t(dt, 4 * dim, dim), _t(dt, dim, 4 * dim)
                 out, hidden, preact = linear.mlp_fwd(
-                    inp, w1, _t(dt, 4 * dim) if bias1 else None, w2, _t(dt, dim) if bias2 else None,
-                    _t(rdt, *x) if has_residual else None, activation)
-                linear.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation,
-                                              bias1, bias2)
-                linear.mlp_infer(inp, w1, _t(dt, 4 * dim) if bias1 else None, w2,
-                                                _t(dt, dim) if bias2 else None, _t(rdt, *x) if has_residual else None,
-                                                activation)
+                    inp,
+                    w1,
+                    _t(dt, 4 * dim) if bias1 else None,
+                    w2,
+                    _t(dt, dim) if bias2 else None,
+                    _t(rdt, *x) if has_residual else None,
+                    activation,
+                )
+                linear.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation, bias1, bias2)
+                linear.mlp_infer(
+                    inp,
+                    w1,
+                    _t(dt, 4 * dim) if bias1 else None,
+                    w2,
+                    _t(dt, dim) if bias2 else None,
+                    _t(rdt, *x) if has_residual else None,
+                    activation,
+                )
 
-            yield Case("mlp", precision, model, f"bias={bias1},{bias2} {activation} residual={has_residual}", batch,
-                       run_mlp)
+            yield Case(
+                "mlp",
+                precision,
+                model,
+                f"bias={bias1},{bias2} {activation} residual={has_residual}",
+                batch,
+                run_mlp,
+            )
 
 
 # (dropout_p, return_probs, rope layout, mask kind): without rope or mask, dropout and the
@@ -143,12 +225,22 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
 # 1 additive: timm's float (B, 1, L, L); 2 boolean: a (B, 1, 1, L) key-padding mask), each kind alone,
 # with rope and with dropout in the full sweep, the boolean one alone and the additive one with rope
 # in the quick one (the probabilities of a rotating or masked call are PyTorch's, no kernel of their own).
-_ATTENTION_FLAGS = ((0.0, False, None, None), (0.1, False, None, None), (0.0, True, None, None),
-                    (0.0, False, "interleaved", None), (0.0, False, "half", None), (0.0, False, None, "boolean"),
-                    (0.0, False, "interleaved", "additive"))
-_ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + ((0.1, False, "interleaved", None), (0.1, False, "half", None),
-                                           (0.0, False, None, "additive"), (0.1, False, "half", "boolean"),
-                                           (0.1, False, "interleaved", "additive"))
+_ATTENTION_FLAGS = (
+    (0.0, False, None, None),
+    (0.1, False, None, None),
+    (0.0, True, None, None),
+    (0.0, False, "interleaved", None),
+    (0.0, False, "half", None),
+    (0.0, False, None, "boolean"),
+    (0.0, False, "interleaved", "additive"),
+)
+_ATTENTION_FLAGS_ALL = _ATTENTION_FLAGS + (
+    (0.1, False, "interleaved", None),
+    (0.1, False, "half", None),
+    (0.0, False, None, "additive"),
+    (0.1, False, "half", "boolean"),
+    (0.1, False, "interleaved", "additive"),
+)
 # The head dims whose rope variants the quick sweep compiles (every even one in the full sweep): the
 # ViTs' 64 (BLOCK_D exact) and 80 (BLOCK_D 128, padded: the partner columns' masked loads); each
 # costs about 2 s of compile. Its mask variants: at head dim 64 only (the mask's loads do not depend
@@ -171,11 +263,14 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
     shapes = [(model, heads, dim // heads) for model, (dim, heads) in MODELS.items()]
     shapes += [(f"head_dim={d}", 4, d) for d in HEAD_DIMS]
     for precision, (shape, heads, head_dim), batch, seq_len in itertools.product(
-            sweep.precisions, shapes, sweep.batches, sweep.seq_lens):
+        sweep.precisions, shapes, sweep.batches, sweep.seq_lens
+    ):
         dt, _ = PRECISIONS[precision]
         if precision.endswith("autocast"):
             continue  # attention takes the 16-bit qkv of the autocast GEMM: the plain 16-bit variants
-        for dropout_p, return_probs, rope, mask_kind in _ATTENTION_FLAGS_ALL if sweep.all_flags else _ATTENTION_FLAGS:
+        for dropout_p, return_probs, rope, mask_kind in (
+            _ATTENTION_FLAGS_ALL if sweep.all_flags else _ATTENTION_FLAGS
+        ):
             if rope is not None and head_dim % 2:
                 continue  # rope rotates pairs of columns: even head dims only
             extra = rope is not None or mask_kind is not None
@@ -183,30 +278,53 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
             if extra and not sweep.all_flags and head_dim not in quick_dims:
                 continue
 
-            def run(dt=dt, heads=heads, head_dim=head_dim, batch=batch, seq_len=seq_len, dropout_p=dropout_p,
-                    return_probs=return_probs, rope=rope, mask_kind=mask_kind, extra=extra):
+            def run(
+                dt=dt,
+                heads=heads,
+                head_dim=head_dim,
+                batch=batch,
+                seq_len=seq_len,
+                dropout_p=dropout_p,
+                return_probs=return_probs,
+                rope=rope,
+                mask_kind=mask_kind,
+                extra=extra,
+            ):
                 qkv = _t(dt, batch, seq_len, 3 * heads * head_dim)
                 seed = torch.empty(1, dtype=torch.int64, device="cuda")
                 scale = head_dim**-0.5
                 # rope: float32 tables (timm's buffers) of the patch tokens, the class token left unrotated
-                tables = (None, None) if rope is None else tuple(_t(F32, seq_len - 1, head_dim) for _ in range(2))
+                tables = (
+                    (None, None) if rope is None else tuple(_t(F32, seq_len - 1, head_dim) for _ in range(2))
+                )
                 mask = _mask(mask_kind, batch, seq_len)
                 more = (*tables, rope or "interleaved", mask) if extra else ()
                 out, lse = attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
                 if return_probs:
                     attention.attention_probs(qkv, lse, heads, scale)
                 attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
-                if dropout_p > 0:  # candidates are validated without dropout: each one may be chosen and run with it
+                if (
+                    dropout_p > 0
+                ):  # candidates are validated without dropout: each one may be chosen and run with it
                     key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
-                    for tile in attention.fwd_candidates(dt, head_dim, seq_len, rope is not None, mask is not None):
+                    for tile in attention.fwd_candidates(
+                        dt, head_dim, seq_len, rope is not None, mask is not None
+                    ):
                         attention.FWD_CHOOSER.pin(key, tile)
                         attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
-                    for tiles in attention.bwd_candidates(dt, head_dim, seq_len, rope is not None, mask is not None):
+                    for tiles in attention.bwd_candidates(
+                        dt, head_dim, seq_len, rope is not None, mask is not None
+                    ):
                         attention.BWD_CHOOSER.pin(key, tiles)
-                        attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
+                        attention.attention_bwd(
+                            torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more
+                        )
 
-            flags = (f"L={seq_len} dropout={dropout_p} probs={return_probs}" + ("" if rope is None else f" rope={rope}")
-                     + ("" if mask_kind is None else f" mask={mask_kind}"))
+            flags = (
+                f"L={seq_len} dropout={dropout_p} probs={return_probs}"
+                + ("" if rope is None else f" rope={rope}")
+                + ("" if mask_kind is None else f" mask={mask_kind}")
+            )
             yield Case("attention", precision, shape, flags, batch, run)
 
 
@@ -216,16 +334,28 @@ def _layer_norm_cases(sweep: Sweep) -> Iterator[Case]:
         dims.update({"dim=1280": 1280, "dim=4096": 4096})
     for precision, (shape, dim), batch in itertools.product(sweep.precisions, dims.items(), sweep.batches):
         _, rdt = PRECISIONS[precision]  # layer_norm runs in the residual stream's dtype (fp32 under autocast)
-        ln_flags = list(itertools.product((True, False), repeat=2)) if sweep.all_flags else [(True, True), (True, False),
-                                                                                              (False, False)]
+        ln_flags = (
+            list(itertools.product((True, False), repeat=2))
+            if sweep.all_flags
+            else [(True, True), (True, False), (False, False)]
+        )
         for affine, has_residual in ln_flags:
+
             def run(rdt=rdt, dim=dim, batch=batch, affine=affine, has_residual=has_residual):
                 x = _t(rdt, batch, TOKENS, dim)
                 weight = _t(rdt, dim) if affine else None
                 y, summed, mean, rstd = layer_norm.layer_norm_fwd(
-                    x, weight, weight, 1e-6, _t(rdt, *x.shape) if has_residual else None)
-                layer_norm.layer_norm_bwd(torch.empty_like(y), torch.empty_like(y) if has_residual else None,
-                                                     summed if has_residual else x, weight, mean, rstd, affine)
+                    x, weight, weight, 1e-6, _t(rdt, *x.shape) if has_residual else None
+                )
+                layer_norm.layer_norm_bwd(
+                    torch.empty_like(y),
+                    torch.empty_like(y) if has_residual else None,
+                    summed if has_residual else x,
+                    weight,
+                    mean,
+                    rstd,
+                    affine,
+                )
 
             yield Case("layer_norm", precision, shape, f"affine={affine} residual={has_residual}", batch, run)
 
@@ -234,25 +364,44 @@ def _swiglu_cases(sweep: Sweep) -> Iterator[Case]:
     """SwiGLU MLPs at EVA02's hidden width (8/3 of D, 2730 for ViT-L: not a multiple of 16): the dual
     GEMM with and without the pre-activations, the gating backward with and without bias sums, and
     the engine's GEMMs around them (the down projection with its residual, dH, dX, the weight gradients)."""
-    flags = list(itertools.product((True, False), (True, False))) if sweep.all_flags else [(True, True),
-                                                                                            (False, False)]
-    for precision, (model, (dim, _)), batch in itertools.product(sweep.precisions, MODELS.items(), sweep.batches):
+    flags = (
+        list(itertools.product((True, False), (True, False)))
+        if sweep.all_flags
+        else [(True, True), (False, False)]
+    )
+    for precision, (model, (dim, _)), batch in itertools.product(
+        sweep.precisions, MODELS.items(), sweep.batches
+    ):
         dt, rdt = PRECISIONS[precision]
         hidden = dim * 8 // 3
         for has_bias, has_residual in flags:
-            def run(dt=dt, rdt=rdt, dim=dim, hidden=hidden, batch=batch, has_bias=has_bias, has_residual=has_residual):
+
+            def run(
+                dt=dt,
+                rdt=rdt,
+                dim=dim,
+                hidden=hidden,
+                batch=batch,
+                has_bias=has_bias,
+                has_residual=has_residual,
+            ):
                 x, wg, wu = _t(dt, batch, TOKENS, dim), _t(dt, hidden, dim), _t(dt, hidden, dim)
                 wd = _t(dt, dim, hidden)
                 bg, bu, bd = (_t(dt, hidden), _t(dt, hidden), _t(dt, dim)) if has_bias else (None, None, None)
                 residual = _t(rdt, batch, TOKENS, dim) if has_residual else None
                 out, h, g, u = swiglu.swiglu_mlp_fwd(x, wg, bg, wu, bu, wd, bd, residual)
-                swiglu.swiglu_mlp_bwd(torch.empty_like(out), x, wg, wu, wd, h, g, u, has_bias, has_bias, has_bias)
+                swiglu.swiglu_mlp_bwd(
+                    torch.empty_like(out), x, wg, wu, wd, h, g, u, has_bias, has_bias, has_bias
+                )
                 swiglu.swiglu_mlp_infer(x, wg, bg, wu, bu, wd, bd, residual)
                 h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu)
                 swiglu.swiglu_bwd(torch.empty_like(h), x, wg, wu, g, u, has_bias, has_bias)
 
             yield Case("swiglu_mlp", precision, model, f"bias={has_bias} residual={has_residual}", batch, run)
-            if not has_residual:  # swiglu alone (EVA02's scale_mlp: a norm between it and the down projection)
+            if (
+                not has_residual
+            ):  # swiglu alone (EVA02's scale_mlp: a norm between it and the down projection)
+
                 def run_swiglu(dt=dt, dim=dim, hidden=hidden, batch=batch, has_bias=has_bias):
                     x, wg, wu = _t(dt, batch, TOKENS, dim), _t(dt, hidden, dim), _t(dt, hidden, dim)
                     bg, bu = (_t(dt, hidden), _t(dt, hidden)) if has_bias else (None, None)

@@ -64,7 +64,8 @@ class Variant:
         names = self.kernel.arg_names
         return {
             n: 1 + sum((size - 1) * abs(stride) for size, stride in zip(v.shape, v.stride()))
-            for n, v in zip(names, self.args) if isinstance(v, torch.Tensor) and v.numel() > 0
+            for n, v in zip(names, self.args)
+            if isinstance(v, torch.Tensor) and v.numel() > 0
         }
 
 
@@ -83,7 +84,9 @@ def expand(launch: Launch) -> list[Variant]:
     variants = []
     for config in configs:
         full = {**kwargs, **config.all_kwargs()}
-        full = {k: v for k, v in full.items() if v is not None and k not in ("num_ctas", "maxnreg", "ir_override")}
+        full = {
+            k: v for k, v in full.items() if v is not None and k not in ("num_ctas", "maxnreg", "ir_override")
+        }
         grid = launch.grid({**named, **full}) if callable(launch.grid) else launch.grid
         variants.append(Variant(kernel.fn, _grid3(grid), launch.args, full, _describe(full)))
     return variants
@@ -130,9 +133,19 @@ def bind(variant: Variant, capability: int) -> Bound:
     binder = _binder(kernel, capability)
     kwargs = dict(variant.kwargs)
     bound_args, specialization, options = binder(*variant.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    text = repr((kernel.cache_key, sorted(signature.items()), sorted(constexprs.items(), key=str),
-                 sorted(attrs.items(), key=str), sorted(options.__dict__.items(), key=str), capability))
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound_args, specialization, options
+    )
+    text = repr(
+        (
+            kernel.cache_key,
+            sorted(signature.items()),
+            sorted(constexprs.items(), key=str),
+            sorted(attrs.items(), key=str),
+            sorted(options.__dict__.items(), key=str),
+            capability,
+        )
+    )
     return Bound(signature, constexprs, attrs, options, hashlib.sha256(text.encode()).hexdigest()[:20])
 
 
@@ -159,7 +172,8 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
     target = GPUTarget("cuda", capability, 32)
     try:
         compiled = triton.compile(
-            ASTSource(variant.kernel, bound.signature, bound.constexprs, bound.attrs), target=target,
+            ASTSource(variant.kernel, bound.signature, bound.constexprs, bound.attrs),
+            target=target,
             options=bound.options.__dict__,
         )
     except Exception as error:  # the gate reports every compile failure with its message
@@ -171,10 +185,16 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
     warps = compiled.metadata.num_warps
     shared = compiled.metadata.shared
     return Resources(
-        registers=usage["REG"], spill_bytes=usage["LOCAL"], stack_bytes=usage["STACK"], shared_bytes=shared,
-        num_warps=warps, ctas_per_sm=ctas_per_sm(capability, usage["REG"], warps, shared),
-        tensor_cores=tensor_cores, tma="cp.async.bulk.tensor" in ptx,
-        computed_transposes=[str(t) for t in computed_transposes(compiled.asm["ttgir"])], ttir=compiled.asm["ttir"],
+        registers=usage["REG"],
+        spill_bytes=usage["LOCAL"],
+        stack_bytes=usage["STACK"],
+        shared_bytes=shared,
+        num_warps=warps,
+        ctas_per_sm=ctas_per_sm(capability, usage["REG"], warps, shared),
+        tensor_cores=tensor_cores,
+        tma="cp.async.bulk.tensor" in ptx,
+        computed_transposes=[str(t) for t in computed_transposes(compiled.asm["ttgir"])],
+        ttir=compiled.asm["ttir"],
     )
 
 
@@ -183,8 +203,9 @@ def _cuobjdump(cubin: bytes) -> dict[str, int]:
         f.write(cubin)
         path = f.name
     try:
-        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [str(CUOBJDUMP), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         os.unlink(path)
     line = next(line for line in text.splitlines() if "REG:" in line)

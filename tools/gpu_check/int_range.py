@@ -21,8 +21,16 @@ _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
 _VALUE = re.compile(r"%[\w.$-]+")
 _FOR = re.compile(r"scf\.for\s+(%[\w.$-]+)\s*=\s*(%[\w.$-]+)\s+to\s+(%[\w.$-]+)\s+step")
 _ARG = re.compile(r"(%[\w.$-]+):\s*(i32|i64)\b")
-_SAME = {"tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape", "tt.trans", "arith.extsi", "arith.index_cast",
-         "ttg.convert_layout"}
+_SAME = {
+    "tt.splat",
+    "tt.broadcast",
+    "tt.expand_dims",
+    "tt.reshape",
+    "tt.trans",
+    "arith.extsi",
+    "arith.index_cast",
+    "ttg.convert_layout",
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ def find_overflows(ttir: str, int_args: dict[str, int], grid: tuple[int, int, in
     name and the launch grid."""
     ranges: dict[str, Interval] = {}
     found: list[Overflow] = []
-    header = ttir[ttir.index("tt.func"):].split("\n", 1)[0] if "tt.func" in ttir else ""
+    header = ttir[ttir.index("tt.func") :].split("\n", 1)[0] if "tt.func" in ttir else ""
     for name, _ in _ARG.findall(header):
         if name[1:] in int_args:
             value = int_args[name[1:]]
@@ -101,7 +109,9 @@ def find_overflows(ttir: str, int_args: dict[str, int], grid: tuple[int, int, in
         bits = _bits(_result_type(rest))
         if bits is None:
             continue
-        operands = [v for v in _VALUE.findall(rest.split(" : ")[0]) if not v.startswith("%cst") or v in ranges]
+        operands = [
+            v for v in _VALUE.findall(rest.split(" : ")[0]) if not v.startswith("%cst") or v in ranges
+        ]
         interval: Optional[Interval] = None
         if op == "arith.constant":
             numbers = re.findall(r"(?:dense<|^)\s*(-?\d+)\s*>?\s*:", rest)

@@ -32,7 +32,9 @@ class KernelUsage:
 
 def _demangle(names: list[str]) -> dict[str, str]:
     try:
-        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+        ).stdout
         return dict(zip(names, (line.split("(")[0] for line in out.splitlines())))
     except (OSError, subprocess.CalledProcessError):
         return {n: n for n in names}
@@ -68,9 +70,13 @@ def main(argv=None) -> int:
         return 1
     names = _demangle(sorted({u.kernel for u in usages}))
     failures = []
-    print("| kernel | target | registers | spill stores/loads | static shared bytes |\n|---|---|---:|---:|---:|")
+    print(
+        "| kernel | target | registers | spill stores/loads | static shared bytes |\n|---|---|---:|---:|---:|"
+    )
     for u in sorted(usages, key=lambda u: (u.target, names[u.kernel])):
-        print(f"| `{names[u.kernel]}` | sm_{u.target} | {u.registers} | {u.spill_stores}/{u.spill_loads} | {u.shared_bytes} |")
+        print(
+            f"| `{names[u.kernel]}` | sm_{u.target} | {u.registers} | {u.spill_stores}/{u.spill_loads} | {u.shared_bytes} |"
+        )
         where = f"{names[u.kernel]} ({u.source}) sm_{u.target}"
         if u.spill_stores or u.spill_loads:
             failures.append(f"{where}: spills {u.spill_stores} bytes stored, {u.spill_loads} loaded")

@@ -21,17 +21,26 @@ def _rows(jobs, results, launches) -> list[dict]:
     rows = []
     for key, resources in results.items():
         variant, capability, bound = jobs[key]
-        rows.append({
-            "kernel": variant.name, "config": variant.config, "target": f"sm_{capability}",
-            "signature": {k: v for k, v in bound.signature.items() if v != "constexpr"},
-            "constexprs": {variant.kernel.arg_names[k[0]]: str(v) for k, v in bound.constexprs.items()},
-            "registers": resources.registers, "spill_bytes": resources.spill_bytes,
-            "stack_bytes": resources.stack_bytes, "shared_bytes": resources.shared_bytes,
-            "num_warps": resources.num_warps, "ctas_per_sm": resources.ctas_per_sm,
-            "tensor_cores": resources.tensor_cores, "tma": resources.tma,
-            "computed_transposes": resources.computed_transposes, "error": resources.error,
-            "used_by": sorted(used_by[key]),
-        })
+        rows.append(
+            {
+                "kernel": variant.name,
+                "config": variant.config,
+                "target": f"sm_{capability}",
+                "signature": {k: v for k, v in bound.signature.items() if v != "constexpr"},
+                "constexprs": {variant.kernel.arg_names[k[0]]: str(v) for k, v in bound.constexprs.items()},
+                "registers": resources.registers,
+                "spill_bytes": resources.spill_bytes,
+                "stack_bytes": resources.stack_bytes,
+                "shared_bytes": resources.shared_bytes,
+                "num_warps": resources.num_warps,
+                "ctas_per_sm": resources.ctas_per_sm,
+                "tensor_cores": resources.tensor_cores,
+                "tma": resources.tma,
+                "computed_transposes": resources.computed_transposes,
+                "error": resources.error,
+                "used_by": sorted(used_by[key]),
+            }
+        )
     return sorted(rows, key=lambda r: (r["target"], r["kernel"], r["config"]))
 
 
@@ -54,8 +63,10 @@ def summary_table(rows: list[dict], target: str) -> str:
         tma = sum(bool(r.get("tma")) for r in group)
         tma = "every variant" if tma == len(group) else "none" if tma == 0 else f"{tma} of {len(group)}"
         transposes = sum(len(r.get("computed_transposes", ())) for r in group)
-        lines.append(f"| `{kernel}` | {len(group)} | {min(regs)}-{max(regs)} | {max(r['spill_bytes'] for r in group)} "
-                     f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} | {tma} | {transposes} |")
+        lines.append(
+            f"| `{kernel}` | {len(group)} | {min(regs)}-{max(regs)} | {max(r['spill_bytes'] for r in group)} "
+            f"| {shared:.1f} | {min(ctas)}-{max(ctas)} | {cores} | {tma} | {transposes} |"
+        )
     return "\n".join(lines)
 
 
@@ -63,13 +74,22 @@ def write_reports(out: Path, jobs, results, launches, failures, targets, seconds
     """Write report.json and report.md under ``out``; returns the markdown summary."""
     out.mkdir(parents=True, exist_ok=True)
     rows = _rows(jobs, results, launches)
-    environment = {"triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                   "launches": len(launches), "variants": len(rows), "seconds": round(seconds, 1)}
-    (out / "report.json").write_text(json.dumps({"environment": environment, "failures": failures, "variants": rows},
-                                                indent=1))
+    environment = {
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "launches": len(launches),
+        "variants": len(rows),
+        "seconds": round(seconds, 1),
+    }
+    (out / "report.json").write_text(
+        json.dumps({"environment": environment, "failures": failures, "variants": rows}, indent=1)
+    )
     tables = "\n\n".join(summary_table(rows, f"sm_{t}") for t in sorted(targets, reverse=True))
-    text = (f"# GPU compile gate\n\ntriton {triton.__version__}, {len(launches)} launches recorded, "
-            f"{len(rows)} variants compiled, {len(failures)} failures.\n\n{tables}\n")
+    text = (
+        f"# GPU compile gate\n\ntriton {triton.__version__}, {len(launches)} launches recorded, "
+        f"{len(rows)} variants compiled, {len(failures)} failures.\n\n{tables}\n"
+    )
     if failures:
         text += "\n## Failures\n\n" + "\n".join(f"- {f}" for f in failures) + "\n"
     (out / "report.md").write_text(text)

@@ -27,12 +27,28 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DOTS = ("tt.dot", "ttng.warp_group_dot", "tt.dot_scaled", "ttng.tc_gen5_mma")  # operands 0 and 1: A and B
-LOADS = ("tt.load", "tt.descriptor_load", "tt.experimental_descriptor_load", "ttg.async_copy_global_to_local",
-         "ttng.async_tma_copy_global_to_local", "ttng.async_tma_gather")
+LOADS = (
+    "tt.load",
+    "tt.descriptor_load",
+    "tt.experimental_descriptor_load",
+    "ttg.async_copy_global_to_local",
+    "ttng.async_tma_copy_global_to_local",
+    "ttng.async_tma_gather",
+)
 # ops that only move a value (layout, storage, view, shape), operand 0 -> result
-MOVES = ("ttg.convert_layout", "ttg.local_load", "ttg.local_alloc", "ttg.memdesc_index", "ttg.memdesc_subslice",
-         "ttg.memdesc_subview", "ttg.memdesc_trans", "ttg.memdesc_reshape", "ttg.memdesc_reinterpret", "tt.trans",
-         "tt.reshape")
+MOVES = (
+    "ttg.convert_layout",
+    "ttg.local_load",
+    "ttg.local_alloc",
+    "ttg.memdesc_index",
+    "ttg.memdesc_subslice",
+    "ttg.memdesc_subview",
+    "ttg.memdesc_trans",
+    "ttg.memdesc_reshape",
+    "ttg.memdesc_reinterpret",
+    "tt.trans",
+    "tt.reshape",
+)
 CASTS = ("arith.truncf", "arith.extf", "tt.fp_to_fp", "tt.bitcast")  # between a transpose and a dot operand
 WRITERS = ("ttg.local_store",)  # value, destination buffer
 
@@ -91,14 +107,18 @@ def _first_top_level(text: str, stop) -> int:
 def _strip_types(rest: str) -> str:
     """An op's text before its trailing type signature and location (operands and attributes)."""
     rest = _LOC.sub("", rest.rstrip())
-    return rest[:_first_top_level(rest, lambda t, i: t[i] == ":" and t[i - 1] == " " and t[i + 1:i + 2] == " ")]
+    return rest[
+        : _first_top_level(rest, lambda t, i: t[i] == ":" and t[i - 1] == " " and t[i + 1 : i + 2] == " ")
+    ]
 
 
 def _operand_type(text: str) -> str:
     """The first type of an op's signature (``: tensor<...> -> ...``): its first operand's."""
     rest = _LOC.sub("", text.rstrip())
-    signature = rest[len(_strip_types(rest)):].lstrip(" :")
-    return signature[:_first_top_level(signature, lambda t, i: t[i] == "," or t.startswith(" ->", i))].strip()
+    signature = rest[len(_strip_types(rest)) :].lstrip(" :")
+    return signature[
+        : _first_top_level(signature, lambda t, i: t[i] == "," or t.startswith(" ->", i))
+    ].strip()
 
 
 def _worklist(first: str):
@@ -145,15 +165,17 @@ class _Module:
             if op is not None and op.name == "scf.yield" and stack:
                 _, results, iter_args = stack[-1]
                 for i, value in enumerate(op.operands):
-                    for target in (results[i] if i < len(results) else None,
-                                   iter_args[i] if i < len(iter_args) else None):
+                    for target in (
+                        results[i] if i < len(results) else None,
+                        iter_args[i] if i < len(iter_args) else None,
+                    ):
                         if target is not None:
                             self.sources.setdefault(target, []).append(value)
             if stripped.endswith("{"):  # a region opens (scf.for, scf.if, tt.reduce's combiner, ...)
                 iter_args: list[str] = []
                 if op is not None and op.name == "scf.for":
                     match = _ITER_ARGS.search(op.text)
-                    for pair in (match.group(1).split(",") if match else []):
+                    for pair in match.group(1).split(",") if match else []:
                         arg, _, init = pair.partition("=")
                         arg, init = arg.strip(), init.strip()
                         if arg.startswith("%") and init.startswith("%"):

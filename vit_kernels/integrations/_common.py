@@ -120,12 +120,25 @@ def activation_name(act: object) -> Optional[str]:
 
 def is_silu(act: object) -> bool:
     """Whether an activation module or function computes silu(z) = z * sigmoid(z)."""
-    return type(act) is nn.SiLU or act is F.silu or qualified_name(type(act)) == "transformers.activations.SiLUActivation"
+    return (
+        type(act) is nn.SiLU
+        or act is F.silu
+        or qualified_name(type(act)) == "transformers.activations.SiLUActivation"
+    )
 
 
-def swiglu_forward(module: nn.Module, x, gate: tuple, up: tuple, norm: Optional[nn.Module],
-                   drop1: Optional[nn.Module], down: nn.Linear, drop2: Optional[nn.Module],
-                   residual: Optional[torch.Tensor] = None, layer_scale: Optional[torch.Tensor] = None):
+def swiglu_forward(
+    module: nn.Module,
+    x,
+    gate: tuple,
+    up: tuple,
+    norm: Optional[nn.Module],
+    drop1: Optional[nn.Module],
+    down: nn.Linear,
+    drop2: Optional[nn.Module],
+    residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
+):
     """down(drop2 . norm . drop1 (silu(x W_g^T + b_g) * (x W_u^T + b_u))) on the fused ops, each
     optional part the module's own (its dropout draws the same masks): one ``vk.swiglu_mlp`` call
     where no norm and no active dropout sit between the gating and the down projection.
@@ -134,15 +147,22 @@ def swiglu_forward(module: nn.Module, x, gate: tuple, up: tuple, norm: Optional[
     add), in the down projection's GEMM."""
     dropping = module.training and any(dropout_p(d) != 0.0 for d in (drop1, drop2))
     if is_identity(norm) and not dropping:
-        return vkf.swiglu_mlp(x, *gate, *up, down.weight, down.bias, residual=residual, layer_scale=layer_scale)
+        return vkf.swiglu_mlp(
+            x, *gate, *up, down.weight, down.bias, residual=residual, layer_scale=layer_scale
+        )
     hidden = vkf.swiglu(x, *gate, *up)
     for part in (drop1, norm):
         hidden = hidden if part is None else part(hidden)
     return project(down, drop2, hidden, residual, layer_scale)
 
 
-def project(linear: nn.Linear, drop: Optional[nn.Module], h: torch.Tensor, residual: Optional[torch.Tensor] = None,
-            layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def project(
+    linear: nn.Linear,
+    drop: Optional[nn.Module],
+    h: torch.Tensor,
+    residual: Optional[torch.Tensor] = None,
+    layer_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """drop(linear(h)), then residual + gamma * that where ``residual`` is given: the add and the
     scale in the GEMM's epilogue unless the dropout is dropping (then added after it, as the module does)."""
     if residual is not None and (drop is None or not drop.training or dropout_p(drop) == 0.0):
@@ -173,7 +193,8 @@ def with_fused_forward(module: nn.Module, forward: Callable, prefix: str = "Fuse
     key = (original, forward)
     if key not in _FUSED_CLASSES:
         _FUSED_CLASSES[key] = type(
-            f"{prefix}{original.__name__}", (original,),
+            f"{prefix}{original.__name__}",
+            (original,),
             {"forward": forward, "__module__": forward.__module__, "__doc__": forward.__doc__},
         )
     module.__class__ = _FUSED_CLASSES[key]

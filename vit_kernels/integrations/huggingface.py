@@ -68,9 +68,12 @@ def attention_forward(
     if causal or key.shape != query.shape or value.shape != query.shape or not fusable:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    qkv = torch.cat([t.transpose(1, 2).reshape(batch, length, heads * head_dim) for t in (query, key, value)], dim=-1)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    qkv = torch.cat(
+        [t.transpose(1, 2).reshape(batch, length, heads * head_dim) for t in (query, key, value)], dim=-1
+    )
     out = vkf.attention(qkv, heads, scale=scaling, dropout_p=dropout, attn_mask=attention_mask)
     return out.view(batch, length, heads, head_dim), None
 
@@ -104,20 +107,28 @@ def attention_dispatch(module: nn.Module) -> Swap:
         implementation = ATTN_IMPLEMENTATION
     if implementation == ATTN_IMPLEMENTATION:
         return Swap(module, descend=False)
-    return Swap(None, (
-        f"runs transformers' {implementation!r} attention, chosen when the model was loaded; load it with "
-        f"attn_implementation='sdpa' (the default) or '{ATTN_IMPLEMENTATION}' to have it fused"
-    ), descend=False)
+    return Swap(
+        None,
+        (
+            f"runs transformers' {implementation!r} attention, chosen when the model was loaded; load it with "
+            f"attn_implementation='sdpa' (the default) or '{ATTN_IMPLEMENTATION}' to have it fused"
+        ),
+        descend=False,
+    )
 
 
 def swap_mlp(module: nn.Module) -> Swap:
     """fc1 -> activation_fn -> fc2, as ViT's, CLIP's, SigLIP's and DINOv2's MLPs compute it."""
-    why = unknown_parts(module, ("fc1", "fc2", "activation_fn")) or unknown_forward_args(module, ("hidden_states",))
+    why = unknown_parts(module, ("fc1", "fc2", "activation_fn")) or unknown_forward_args(
+        module, ("hidden_states",)
+    )
     if why:
         return Swap.skip(why)
     act = activation_name(module.activation_fn)
     if act is None:
-        return Swap.skip(f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), QuickGELU, ReLU")
+        return Swap.skip(
+            f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), QuickGELU, ReLU"
+        )
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
         return Swap.skip("fc1/fc2 are not nn.Linear")
     new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act)
@@ -132,7 +143,9 @@ def swiglu_ffn_forward(self, x):
 
 
 def swap_swiglu_ffn(module: nn.Module) -> Swap:
-    why = unknown_parts(module, ("gate_proj", "up_proj", "down_proj", "act_fn")) or unknown_forward_args(module, ("x",))
+    why = unknown_parts(module, ("gate_proj", "up_proj", "down_proj", "act_fn")) or unknown_forward_args(
+        module, ("x",)
+    )
     if why:
         return Swap.skip(why)
     if not is_silu(module.act_fn):
@@ -145,10 +158,19 @@ def swap_swiglu_ffn(module: nn.Module) -> Swap:
 def patch_embeddings_forward(self, pixel_values, *args, **kwargs):
     """pixel_values (N, C, H, W) -> tokens (N, L, D)."""
     patch = self.projection.kernel_size[0]
-    if args or kwargs or pixel_values.shape[1] != self.num_channels or pixel_values.shape[-1] % patch \
-            or pixel_values.shape[-2] % patch:
-        return unfused_forward(self, pixel_values, *args, **kwargs)  # its own checks, or the remainder dropped
-    return vkf.patch_embed(pixel_values, self.projection.weight, self.projection.bias, patch_size=self.projection.kernel_size[0])
+    if (
+        args
+        or kwargs
+        or pixel_values.shape[1] != self.num_channels
+        or pixel_values.shape[-1] % patch
+        or pixel_values.shape[-2] % patch
+    ):
+        return unfused_forward(
+            self, pixel_values, *args, **kwargs
+        )  # its own checks, or the remainder dropped
+    return vkf.patch_embed(
+        pixel_values, self.projection.weight, self.projection.bias, patch_size=self.projection.kernel_size[0]
+    )
 
 
 def swap_patch_embeddings(module: nn.Module) -> Swap:
@@ -156,7 +178,11 @@ def swap_patch_embeddings(module: nn.Module) -> Swap:
     if why:
         return Swap.skip(why)
     proj = module.projection
-    if type(proj) is not nn.Conv2d or proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
+    if (
+        type(proj) is not nn.Conv2d
+        or proj.kernel_size != proj.stride
+        or proj.kernel_size[0] != proj.kernel_size[1]
+    ):
         return Swap.skip("projection is not a square Conv2d with stride == kernel")
     if proj.padding != (0, 0) or proj.dilation != (1, 1) or proj.groups != 1:
         return Swap.skip("projection uses padding, dilation or groups")
@@ -166,15 +192,21 @@ def swap_patch_embeddings(module: nn.Module) -> Swap:
 _MODELS = "transformers.models"
 # (module, class prefix) of the vision towers whose attention and MLP are named <prefix>Attention / <prefix>MLP
 _TOWERS = (
-    ("clip.modeling_clip", "CLIP"), ("siglip.modeling_siglip", "Siglip"), ("siglip2.modeling_siglip2", "Siglip2"),
-    ("dinov2.modeling_dinov2", "Dinov2"), ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
+    ("clip.modeling_clip", "CLIP"),
+    ("siglip.modeling_siglip", "Siglip"),
+    ("siglip2.modeling_siglip2", "Siglip2"),
+    ("dinov2.modeling_dinov2", "Dinov2"),
+    ("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegisters"),
 )
 RULES: dict[str, Rule] = {
     f"{_MODELS}.vit.modeling_vit.ViTAttention": attention_dispatch,
     f"{_MODELS}.vit.modeling_vit.ViTMLP": swap_mlp,
     f"{_MODELS}.vit.modeling_vit.ViTPatchEmbeddings": swap_patch_embeddings,
-    **{f"{_MODELS}.{module}.{prefix}{layer}": rule for module, prefix in _TOWERS
-       for layer, rule in (("Attention", attention_dispatch), ("MLP", swap_mlp))},
+    **{
+        f"{_MODELS}.{module}.{prefix}{layer}": rule
+        for module, prefix in _TOWERS
+        for layer, rule in (("Attention", attention_dispatch), ("MLP", swap_mlp))
+    },
     f"{_MODELS}.dinov2.modeling_dinov2.Dinov2SwiGLUFFN": swap_swiglu_ffn,
     f"{_MODELS}.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersSwiGLUFFN": swap_swiglu_ffn,
 }

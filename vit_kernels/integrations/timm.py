@@ -58,7 +58,9 @@ PATCH_EMBED_CHILDREN = ("proj", "norm")
 
 
 def swap_attention(module: nn.Module) -> Swap:
-    why = unknown_parts(module, ATTENTION_CHILDREN) or unknown_forward_args(module, ("x", "attn_mask", "is_causal"))
+    why = unknown_parts(module, ATTENTION_CHILDREN) or unknown_forward_args(
+        module, ("x", "attn_mask", "is_causal")
+    )
     if why:
         return Swap.skip(why)
     if not (is_identity(module.q_norm) and is_identity(module.k_norm)):
@@ -71,8 +73,10 @@ def swap_attention(module: nn.Module) -> Swap:
         return Swap.skip("qkv/proj are not nn.Linear")
     dim = module.qkv.in_features
     if module.num_heads * module.head_dim != dim or module.qkv.out_features != 3 * dim:
-        return Swap.skip(f"attention width {module.num_heads}x{module.head_dim} differs from the input width {dim}")
-    if abs(module.scale - module.head_dim ** -0.5) > 1e-12:
+        return Swap.skip(
+            f"attention width {module.num_heads}x{module.head_dim} differs from the input width {dim}"
+        )
+    if abs(module.scale - module.head_dim**-0.5) > 1e-12:
         return Swap.skip(f"uses a non-default scale {module.scale}")
     attn_drop, proj_drop = dropout_p(module.attn_drop), dropout_p(module.proj_drop)
     if attn_drop is None or proj_drop is None:
@@ -88,7 +92,9 @@ def swap_mlp(module: nn.Module) -> Swap:
         return Swap.skip(why)
     act = activation_name(module.act)
     if act is None:
-        return Swap.skip(f"activation {describe_activation(module.act)} is not one of GELU, GELU(tanh), QuickGELU, ReLU")
+        return Swap.skip(
+            f"activation {describe_activation(module.act)} is not one of GELU, GELU(tanh), QuickGELU, ReLU"
+        )
     if not is_identity(module.norm):
         return Swap.skip("normalizes inside the MLP")
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
@@ -96,7 +102,9 @@ def swap_mlp(module: nn.Module) -> Swap:
     drop1, drop2 = dropout_p(module.drop1), dropout_p(module.drop2)
     if drop1 is None or drop2 is None or drop1 != drop2:
         return Swap.skip(f"uses two different dropout rates ({drop1}, {drop2})")
-    new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act, drop=drop1)
+    new = vkn.Mlp(
+        module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act, drop=drop1
+    )
     new.fc1, new.fc2 = module.fc1, module.fc2
     return Swap(new)
 
@@ -117,7 +125,9 @@ def _packed_qkv(self, x: torch.Tensor) -> torch.Tensor:
     weight = torch.cat([p.weight for p in projections])
     if all(p.bias is None for p in projections):
         return vkf.linear(x, weight)
-    bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+    bias = torch.cat(
+        [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
+    )
     return vkf.linear(x, weight, bias)
 
 
@@ -136,7 +146,9 @@ def _rope_tables(self, rope: torch.Tensor, x: torch.Tensor):
     return cos, sin
 
 
-def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False, residual=None, layer_scale=None):
+def rope_attention_forward(
+    self, x, rope=None, attn_mask=None, is_causal=False, residual=None, layer_scale=None
+):
     """timm's EvaAttention / AttentionRope forward, x (B, L, D) -> (B, L, D_out): the packed q, k, v
     projection, then the fused attention rotating q and k of the tokens after the prefix as its
     kernels load them, masked by ``attn_mask`` (SDPA's); the output norm, gate and projection as timm
@@ -149,10 +161,14 @@ def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False, 
         out = out if layer_scale is None else layer_scale * out
         return out if residual is None else residual + out
     gate = self.gate(x).sigmoid() if self.gate is not None else None
-    out = vkf.attention(_packed_qkv(self, x), self.num_heads,
-                        dropout_p=dropout_p(self.attn_drop) if self.training else 0.0, rope=tables,
-                        rope_layout="half" if getattr(self, "rotate_half", False) else "interleaved",
-                        attn_mask=attn_mask)
+    out = vkf.attention(
+        _packed_qkv(self, x),
+        self.num_heads,
+        dropout_p=dropout_p(self.attn_drop) if self.training else 0.0,
+        rope=tables,
+        rope_layout="half" if getattr(self, "rotate_half", False) else "interleaved",
+        attn_mask=attn_mask,
+    )
     out = self.norm(out)
     if gate is not None:
         out = out * gate
@@ -163,7 +179,8 @@ def rope_attention_forward(self, x, rope=None, attn_mask=None, is_causal=False, 
 
 def swap_rope_attention(module: nn.Module) -> Swap:
     why = unknown_parts(module, ROPE_ATTENTION_CHILDREN, ROPE_ATTENTION_TENSORS) or unknown_forward_args(
-        module, ("x", "rope", "attn_mask", "is_causal"))
+        module, ("x", "rope", "attn_mask", "is_causal")
+    )
     if why:
         return Swap.skip(why)
     if not (is_identity(module.q_norm) and is_identity(module.k_norm)):
@@ -176,7 +193,7 @@ def swap_rope_attention(module: nn.Module) -> Swap:
     width = module.num_heads * module.head_dim
     if sum(p.out_features for p in projections) != 3 * width:
         return Swap.skip("q, k and v differ in width")
-    if abs(module.scale - module.head_dim ** -0.5) > 1e-12:
+    if abs(module.scale - module.head_dim**-0.5) > 1e-12:
         return Swap.skip(f"uses a non-default scale {module.scale}")
     if dropout_p(module.attn_drop) is None or dropout_p(module.proj_drop) is None:
         return Swap.skip("attn_drop/proj_drop are not nn.Dropout")
@@ -202,8 +219,9 @@ def glu_mlp_forward(self, x, residual=None, layer_scale=None):
 
 
 def _swap_gated_mlp(module: nn.Module, projections: tuple[str, ...], forward) -> Swap:
-    why = unknown_parts(module, projections + ("act", "drop1", "norm", "fc2", "drop2")) or unknown_forward_args(
-        module, ("x",))
+    why = unknown_parts(
+        module, projections + ("act", "drop1", "norm", "fc2", "drop2")
+    ) or unknown_forward_args(module, ("x",))
     if why:
         return Swap.skip(why)
     if not is_silu(module.act):
@@ -237,7 +255,11 @@ def swap_patch_embed(module: nn.Module) -> Swap:
     if why:
         return Swap.skip(why)
     proj = module.proj
-    if type(proj) is not nn.Conv2d or proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
+    if (
+        type(proj) is not nn.Conv2d
+        or proj.kernel_size != proj.stride
+        or proj.kernel_size[0] != proj.kernel_size[1]
+    ):
         return Swap.skip("projection is not a square Conv2d with stride == kernel")
     if proj.padding not in ((0, 0), "valid") or proj.dilation != (1, 1) or proj.groups != 1:
         return Swap.skip("projection uses padding, dilation or groups")
@@ -246,7 +268,9 @@ def swap_patch_embed(module: nn.Module) -> Swap:
     if not is_identity(module.norm):
         return Swap.skip("normalizes the tokens")
     if not module.flatten and str(getattr(module.output_fmt, "value", module.output_fmt)) != "NHWC":
-        return Swap.skip(f"outputs the {module.output_fmt} format (only NLC tokens and the NHWC grid are fused)")
+        return Swap.skip(
+            f"outputs the {module.output_fmt} format (only NLC tokens and the NHWC grid are fused)"
+        )
     return Swap(with_fused_forward(module, patch_embed_forward), descend=False)
 
 
@@ -287,7 +311,9 @@ def block_forward(self, x, attn_mask=None, is_causal=False):
 
 
 def swap_block(module: nn.Module) -> Swap:
-    why = unknown_parts(module, BLOCK_CHILDREN) or unknown_forward_args(module, ("x", "attn_mask", "is_causal"))
+    why = unknown_parts(module, BLOCK_CHILDREN) or unknown_forward_args(
+        module, ("x", "attn_mask", "is_causal")
+    )
     if why:
         return Swap.skip(why)
     if _layer_scale(module.ls1) is False or _layer_scale(module.ls2) is False:
@@ -306,8 +332,14 @@ def eva_block_forward(self, x, rope=None, attn_mask=None, is_causal=False):
     in the branch's last GEMM where the branch runs fused and its drop path is not dropping;
     otherwise that branch as timm computes it."""
     if type(self.attn).forward is rope_attention_forward and not _drops(self.drop_path1):
-        x = self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal, residual=x,
-                      layer_scale=self.gamma_1)
+        x = self.attn(
+            self.norm1(x),
+            rope=rope,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            residual=x,
+            layer_scale=self.gamma_1,
+        )
     else:
         x_attn = self.attn(self.norm1(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal)
         x = x + self.drop_path1(x_attn if self.gamma_1 is None else self.gamma_1 * x_attn)
@@ -320,7 +352,8 @@ def eva_block_forward(self, x, rope=None, attn_mask=None, is_causal=False):
 
 def swap_eva_block(module: nn.Module) -> Swap:
     why = unknown_parts(module, EVA_BLOCK_CHILDREN, EVA_BLOCK_TENSORS) or unknown_forward_args(
-        module, ("x", "rope", "attn_mask", "is_causal"))
+        module, ("x", "rope", "attn_mask", "is_causal")
+    )
     if why:
         return Swap.skip(why)
     return Swap(with_fused_forward(module, eva_block_forward), descend=True)

@@ -32,9 +32,28 @@ from vit_kernels.integrations._common import (
     with_fused_forward,
 )
 
-MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
+MHA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
 ENCODER_LAYER_ARGS = ("src", "src_mask", "src_key_padding_mask", "is_causal")
-ENCODER_LAYER_CHILDREN = ("self_attn", "linear1", "dropout", "linear2", "norm1", "norm2", "dropout1", "dropout2", "activation")
+ENCODER_LAYER_CHILDREN = (
+    "self_attn",
+    "linear1",
+    "dropout",
+    "linear2",
+    "norm1",
+    "norm2",
+    "dropout1",
+    "dropout2",
+    "activation",
+)
 
 
 def swap_layer_norm(module: nn.Module) -> Swap:
@@ -58,24 +77,58 @@ def _from_batch_first(x: torch.Tensor, like: torch.Tensor, batch_first: bool) ->
     return x if batch_first else x.transpose(0, 1)
 
 
-def _mha_self_attention(self, x: torch.Tensor, *, residual=None, proj_drop: float = 0.0, return_probs: bool = False):
+def _mha_self_attention(
+    self, x: torch.Tensor, *, residual=None, proj_drop: float = 0.0, return_probs: bool = False
+):
     """x (B, L, D) -> (B, L, D) [+ residual] [, probs (B, H, L, L)]: the module's packed in-projection,
     attention (its dropout on the probabilities) and out-projection."""
     return vkn.self_attention(
-        x, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias, self.num_heads,
-        attn_drop=self.dropout, proj_drop=proj_drop, training=self.training, residual=residual,
+        x,
+        self.in_proj_weight,
+        self.in_proj_bias,
+        self.out_proj.weight,
+        self.out_proj.bias,
+        self.num_heads,
+        attn_drop=self.dropout,
+        proj_drop=proj_drop,
+        training=self.training,
+        residual=residual,
         return_probs=return_probs,
     )
 
 
-def mha_forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+def mha_forward(
+    self,
+    query,
+    key,
+    value,
+    key_padding_mask=None,
+    need_weights=True,
+    attn_mask=None,
+    average_attn_weights=True,
+    is_causal=False,
+):
     """Self-attention as ``nn.MultiheadAttention.forward``: (L, B, D) or batch_first (B, L, D) or
     unbatched (L, D) -> (output, weights or None); weights (B, L, L) averaged over heads, or (B, H, L, L)."""
-    if (key is not query or value is not query or key_padding_mask is not None or attn_mask is not None or is_causal
-            or query.is_nested):
-        return unfused_forward(self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+    if (
+        key is not query
+        or value is not query
+        or key_padding_mask is not None
+        or attn_mask is not None
+        or is_causal
+        or query.is_nested
+    ):
+        return unfused_forward(
+            self,
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
     x = _to_batch_first(query, self.batch_first)
     result = _mha_self_attention(self, x, return_probs=need_weights)
     out, probs = result if need_weights else (result, None)
@@ -108,7 +161,9 @@ def encoder_layer_forward(self, src, src_mask=None, src_key_padding_mask=None, i
     """``nn.TransformerEncoderLayer.forward`` on the fused ops: src (L, B, D), batch_first (B, L, D)
     or unbatched (L, D) -> same shape."""
     if src_mask is not None or src_key_padding_mask is not None or is_causal or src.is_nested:
-        return unfused_forward(self, src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+        return unfused_forward(
+            self, src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
+        )
     batch_first = self.self_attn.batch_first
     x = _to_batch_first(src, batch_first)
     act = activation_name(self.activation)
@@ -128,7 +183,9 @@ def swap_encoder_layer(module: nn.Module) -> Swap:
         return Swap.skip(why)
     if activation_name(module.activation) not in (RELU, GELU):
         return Swap.skip(f"activation {describe_activation(module.activation)} is not ReLU or GELU")
-    attention_problem = _mha_problem(module.self_attn) if type(module.self_attn) is nn.MultiheadAttention else None
+    attention_problem = (
+        _mha_problem(module.self_attn) if type(module.self_attn) is nn.MultiheadAttention else None
+    )
     if attention_problem:
         return Swap.skip(f"self_attn {attention_problem}")
     if any(type(getattr(module, n)) is not nn.Dropout for n in ("dropout", "dropout1", "dropout2")):

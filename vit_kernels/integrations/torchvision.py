@@ -11,7 +11,13 @@ from __future__ import annotations
 from torch import nn
 
 from vit_kernels import nn as vkn
-from vit_kernels.integrations._common import Rule, Swap, activation_name, unknown_forward_args, with_fused_forward
+from vit_kernels.integrations._common import (
+    Rule,
+    Swap,
+    activation_name,
+    unknown_forward_args,
+    with_fused_forward,
+)
 
 
 def mlp_block_forward(self, input):
@@ -28,9 +34,17 @@ def swap_mlp_block(module: nn.Module) -> Swap:
         return Swap.skip(why)
     layers = list(module)
     kinds = [type(layer) for layer in layers]
-    if len(layers) != 5 or kinds[0] is not nn.Linear or kinds[3] is not nn.Linear or kinds[2] is not nn.Dropout \
-            or kinds[4] is not nn.Dropout or activation_name(layers[1]) is None:
-        return Swap.skip(f"is not Linear, GELU/ReLU, Dropout, Linear, Dropout (got {[k.__name__ for k in kinds]})")
+    if (
+        len(layers) != 5
+        or kinds[0] is not nn.Linear
+        or kinds[3] is not nn.Linear
+        or kinds[2] is not nn.Dropout
+        or kinds[4] is not nn.Dropout
+        or activation_name(layers[1]) is None
+    ):
+        return Swap.skip(
+            f"is not Linear, GELU/ReLU, Dropout, Linear, Dropout (got {[k.__name__ for k in kinds]})"
+        )
     return Swap(with_fused_forward(module, mlp_block_forward), descend=False)
 
 

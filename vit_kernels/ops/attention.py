@@ -21,9 +21,26 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels.ops.rope import apply_rope, tables_4d
-from vit_kernels._tiles import (FLOORS, TileChooser, first_problem, plain_repr, reference_dtype, report_rows,
-                                tile_to_launch)
-from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, dot_precision, interpreted, launch, next_power_of_2, tl, triton
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    first_problem,
+    plain_repr,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+)
+from vit_kernels._triton import (
+    HAS_TRITON,
+    as_float32,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    next_power_of_2,
+    tl,
+    triton,
+)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -99,8 +116,20 @@ def _rope_cols(tcols, head_dim, ROPE: tl.constexpr):
 
 
 @triton.jit
-def _rope_tables(cos_base, sin_base, rows, tcols, seq_len, head_dim, rope_start, stride_cos_l, stride_cos_d,
-                 stride_sin_l, stride_sin_d, ROPE: tl.constexpr):
+def _rope_tables(
+    cos_base,
+    sin_base,
+    rows,
+    tcols,
+    seq_len,
+    head_dim,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+):
     """float32 cos and sin of sequence rows ``rows`` and tile columns ``tcols``, index tensors that
     broadcast to the tile ((R, 1) and (1, D) for a row-major tile, (1, R) and (D, 1) for a
     transposed one); 1 and 0 (no rotation) for prefix rows and outside the sequence or head dim."""
@@ -113,31 +142,114 @@ def _rope_tables(cos_base, sin_base, rows, tcols, seq_len, head_dim, rope_start,
 
 
 @triton.jit
-def _load_rotated(base, rows, tcols, seq_len, head_dim, stride_l, stride_c, cos_base, sin_base, rope_start,
-                  stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE: tl.constexpr, VOLATILE: tl.constexpr):
+def _load_rotated(
+    base,
+    rows,
+    tcols,
+    seq_len,
+    head_dim,
+    stride_l,
+    stride_c,
+    cos_base,
+    sin_base,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+    VOLATILE: tl.constexpr,
+):
     """x' = x cos + rot(x) sin of the q or k tile at ``base`` (one head of one image), in tile column
     order, for index tensors ``rows``, ``tcols`` as in ``_rope_tables``; 0 outside the sequence and
     head dim. Returned in the dtype of qkv (a dot operand)."""
     mask = (rows < seq_len) & (tcols < head_dim)
     row_offsets = rows * stride_l
-    x = tl.load(base + row_offsets + _rope_cols(tcols, head_dim, ROPE) * stride_c, mask=mask, other=0.0,
-                volatile=VOLATILE)
-    partner = tl.load(base + row_offsets + _rope_cols(tcols ^ 1, head_dim, ROPE) * stride_c, mask=mask, other=0.0,
-                      volatile=VOLATILE)
-    cos, sin = _rope_tables(cos_base, sin_base, rows, tcols, seq_len, head_dim, rope_start, stride_cos_l,
-                            stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+    x = tl.load(
+        base + row_offsets + _rope_cols(tcols, head_dim, ROPE) * stride_c,
+        mask=mask,
+        other=0.0,
+        volatile=VOLATILE,
+    )
+    partner = tl.load(
+        base + row_offsets + _rope_cols(tcols ^ 1, head_dim, ROPE) * stride_c,
+        mask=mask,
+        other=0.0,
+        volatile=VOLATILE,
+    )
+    cos, sin = _rope_tables(
+        cos_base,
+        sin_base,
+        rows,
+        tcols,
+        seq_len,
+        head_dim,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+    )
     sign = tl.where(tcols % 2 == 0, -1.0, 1.0)
     return (x.to(tl.float32) * cos + partner.to(tl.float32) * sign * sin).to(x.dtype)
 
 
 @triton.jit
-def _rotated_pair(base, rows, offs_d, seq_len, head_dim, stride_l, stride_c, cos_base, sin_base, rope_start,
-                  stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE: tl.constexpr):
+def _rotated_pair(
+    base,
+    rows,
+    offs_d,
+    seq_len,
+    head_dim,
+    stride_l,
+    stride_c,
+    cos_base,
+    sin_base,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+):
     """The rotated tile of sequence rows ``rows`` as (rows, Dh) and as (Dh, rows), both from loads."""
-    x = _load_rotated(base, rows[:, None], offs_d[None, :], seq_len, head_dim, stride_l, stride_c, cos_base, sin_base,
-                      rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
-    xt = _load_rotated(base, rows[None, :], offs_d[:, None], seq_len, head_dim, stride_l, stride_c, cos_base, sin_base,
-                       rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
+    x = _load_rotated(
+        base,
+        rows[:, None],
+        offs_d[None, :],
+        seq_len,
+        head_dim,
+        stride_l,
+        stride_c,
+        cos_base,
+        sin_base,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+        False,
+    )
+    xt = _load_rotated(
+        base,
+        rows[None, :],
+        offs_d[:, None],
+        seq_len,
+        head_dim,
+        stride_l,
+        stride_c,
+        cos_base,
+        sin_base,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+        False,
+    )
     return x, xt
 
 
@@ -161,7 +273,9 @@ def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 # dK/dV kernel's (key, query) tiles load it transposed; outside the sequence it reads b = 0.
 # The mask has no gradient (the kernels decline a mask that requires one).
 @triton.jit
-def _mask_term(mask_base, rows_m, rows_n, seq_len, stride_mask_m, stride_mask_n, inv_scale, limit, MASK: tl.constexpr):
+def _mask_term(
+    mask_base, rows_m, rows_n, seq_len, stride_mask_m, stride_mask_n, inv_scale, limit, MASK: tl.constexpr
+):
     """b / scale (float32) of the (query rows_m, key rows_n) tile of one head of one image."""
     inside = (rows_m < seq_len) & (rows_n < seq_len)
     ptrs = mask_base + rows_m.to(tl.int64) * stride_mask_m + rows_n.to(tl.int64) * stride_mask_n
@@ -183,9 +297,33 @@ def _mask_term(mask_base, rows_m, rows_n, seq_len, stride_mask_m, stride_mask_n,
 #   l_i <- alpha l_i + sum_j p_ij,  acc_i <- alpha acc_i + sum_j z_ij / (1 - p) p_ij v_j    -> (acc, l, m_new)
 @triton.jit
 def _attention_fwd_key_block(
-    acc, l_i, m_i, q, kt, k_ptrs, v_ptrs, start_n, offs_n, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2,
-    dropout_p, keep_scale, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
-    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    kt,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_n,
+    offs_m,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    keep_scale,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
     MASK: tl.constexpr,
 ):
     rows_n = start_n + offs_n
@@ -199,8 +337,17 @@ def _attention_fwd_key_block(
     if MASK_N:
         s = tl.where((rows_n < seq_len)[None, :], s, float("-inf"))
     if MASK != 0:
-        s = s + _mask_term(mask_base, offs_m[:, None], rows_n[None, :], seq_len, stride_mask_m, stride_mask_n,
-                           inv_scale, mask_limit, MASK)
+        s = s + _mask_term(
+            mask_base,
+            offs_m[:, None],
+            rows_n[None, :],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASK == 0:
         alpha = tl.exp2((m_i - m_new) * scale_log2)
@@ -211,8 +358,11 @@ def _attention_fwd_key_block(
         p = tl.exp2((s - m_safe[:, None]) * scale_log2)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(_dropout_keep(seed, pid_bh, offs_m[:, None], rows_n[None, :], seq_len, dropout_p), p * keep_scale,
-                     0.0)
+        p = tl.where(
+            _dropout_keep(seed, pid_bh, offs_m[:, None], rows_n[None, :], seq_len, dropout_p),
+            p * keep_scale,
+            0.0,
+        )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -237,15 +387,49 @@ def _attention_fwd_key_block(
 # tables Cos, Sin (B, H, L_r, Dh) by strides (0 where broadcast), rope_start = L - L_r.
 @triton.jit
 def _attention_fwd_kernel(
-    QKV, Out, RowMax, RowInvSum, Seed, Cos, Sin, Mask,
-    seq_len, num_heads, head_dim, model_dim, rope_start,
-    stride_qkv_b, stride_qkv_l, stride_qkv_c,
-    stride_out_b, stride_out_l,
-    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    scale_log2, dropout_p, inv_scale, mask_limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+    QKV,
+    Out,
+    RowMax,
+    RowInvSum,
+    Seed,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_out_b,
+    stride_out_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
     inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
@@ -261,14 +445,30 @@ def _attention_fwd_kernel(
     v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols
     if ROPE == 0:
-        q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True,
-                       EVEN_D)
+        q = _load_tile(
+            q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D
+        )
     else:
         cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
         sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
-        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
-                          False)
+        q = _load_rotated(
+            q_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
     seed = 0
     keep_scale = 1.0
     if DROPOUT:
@@ -285,26 +485,108 @@ def _attention_fwd_kernel(
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
         kt = 0
         if ROPE != 0:
-            kt = _load_rotated(k_base, (start_n + offs_n)[None, :], offs_d[:, None], seq_len, head_dim, stride_qkv_l,
-                               stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
-                               stride_sin_d, ROPE, False)
+            kt = _load_rotated(
+                k_base,
+                (start_n + offs_n)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc, l_i, m_i, q, kt, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n, offs_n,
-            offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, mask_base, stride_mask_m,
-            stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            acc,
+            l_i,
+            m_i,
+            q,
+            kt,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_n,
+            offs_m,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            keep_scale,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_tile = offs_t[:, None] * stride_qkv_l + cols
         row_offset = tl.cast(full_end, tl.int64) * stride_qkv_l
         kt_tail = 0
         if ROPE != 0:
-            kt_tail = _load_rotated(k_base, (full_end + offs_t)[None, :], offs_d[:, None], seq_len, head_dim,
-                                    stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l,
-                                    stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False)
+            kt_tail = _load_rotated(
+                k_base,
+                (full_end + offs_t)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc, l_i, m_i, q, kt_tail, k_base + row_offset + tail_tile, v_base + row_offset + tail_tile, full_end,
-            offs_t, offs_m, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, keep_scale, mask_base, stride_mask_m,
-            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            acc,
+            l_i,
+            m_i,
+            q,
+            kt_tail,
+            k_base + row_offset + tail_tile,
+            v_base + row_offset + tail_tile,
+            full_end,
+            offs_t,
+            offs_m,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            keep_scale,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
 
     if MASK == 0:
         inv_sum = 1.0 / l_i
@@ -313,8 +595,13 @@ def _attention_fwd_kernel(
         m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
     acc = acc * inv_sum[:, None]
     mask_m = offs_m < seq_len
-    out_ptrs = Out + batch.to(tl.int64) * stride_out_b + tl.cast(start_m, tl.int64) * stride_out_l + head * head_dim \
+    out_ptrs = (
+        Out
+        + batch.to(tl.int64) * stride_out_b
+        + tl.cast(start_m, tl.int64) * stride_out_l
+        + head * head_dim
         + (tl.arange(0, BLOCK_M)[:, None] * stride_out_l + offs_d[None, :])
+    )
     if EVEN_D:
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
     else:
@@ -335,17 +622,47 @@ def _attention_fwd_kernel(
 # the rounding difference between two ways of computing dO . v_j.
 @triton.jit
 def _attention_bwd_p_dp(
-    q, k, kt, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, pid_bh, seed, scale_log2, dropout_p,
-    mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
-    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+    q,
+    k,
+    kt,
+    v,
+    do,
+    row_max,
+    inv_sum,
+    rows_m,
+    rows_n,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     if ROPE == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:  # q and k rotated, k' as the (Dh, keys) tile kt (see _rope_cols)
         s = tl.dot(q, kt, input_precision=PRECISION)
     if MASK != 0:
-        s = s + _mask_term(mask_base, rows_m[:, None], rows_n[None, :], seq_len, stride_mask_m, stride_mask_n,
-                           inv_scale, mask_limit, MASK)
+        s = s + _mask_term(
+            mask_base,
+            rows_m[:, None],
+            rows_n[None, :],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
     p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
     if MASK_N:
         p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
@@ -374,9 +691,37 @@ def _attention_bwd_p_dp(
 # the kernel discards their rows of dK and dV at its store, which are all they reach.
 @triton.jit
 def _attention_bwd_dkdv_query_block(
-    dk, dv, k, v, q_rot, qt_rot, q_ptrs, do_ptrs, stats_ptrs, Delta, RowMax, RowInvSum, start_m, offs_m, offs_n, mask_d,
-    seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
-    MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_rot,
+    qt_rot,
+    q_ptrs,
+    do_ptrs,
+    stats_ptrs,
+    Delta,
+    RowMax,
+    RowInvSum,
+    start_m,
+    offs_m,
+    offs_n,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
     MASK: tl.constexpr,
 ):
     rows_m = start_m + offs_m
@@ -399,8 +744,17 @@ def _attention_bwd_dkdv_query_block(
     else:
         s_t = tl.dot(k, qt_rot, input_precision=PRECISION)
     if MASK != 0:  # the (key, query) tile of the mask, loaded transposed
-        s_t = s_t + _mask_term(mask_base, rows_m[None, :], offs_n[:, None], seq_len, stride_mask_m, stride_mask_n,
-                               inv_scale, mask_limit, MASK)
+        s_t = s_t + _mask_term(
+            mask_base,
+            rows_m[None, :],
+            offs_n[:, None],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
     p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
@@ -437,16 +791,55 @@ def _attention_bwd_dkdv_query_block(
 # delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin, Mask,
-    seq_len, num_heads, head_dim, model_dim, rope_start,
-    stride_qkv_b, stride_qkv_l, stride_qkv_c,
-    stride_do_b, stride_do_l, stride_do_c,
-    stride_dqkv_b, stride_dqkv_l,
-    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    scale, scale_log2, dropout_p, inv_scale, mask_limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+    QKV,
+    DOut,
+    RowMax,
+    RowInvSum,
+    Delta,
+    Seed,
+    DQKV,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_do_b,
+    stride_do_l,
+    stride_do_c,
+    stride_dqkv_b,
+    stride_dqkv_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
@@ -459,16 +852,37 @@ def _attention_bwd_dkdv_kernel(
     cols = offs_d[None, :] * stride_qkv_c
     q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
     k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
-    kv_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_qkv_l + (tl.arange(0, BLOCK_N)[:, None] * stride_qkv_l + cols)
+    kv_ptrs = (
+        k_base
+        + tl.cast(start_n, tl.int64) * stride_qkv_l
+        + (tl.arange(0, BLOCK_N)[:, None] * stride_qkv_l + cols)
+    )
     if ROPE == 0:
         k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
     else:
         cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
         sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
-        k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
-                          False)
-    v = _load_tile(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D)
+        k = _load_rotated(
+            k_base,
+            offs_n[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
+    v = _load_tile(
+        kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D
+    )
     do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
     do_cols = offs_d[None, :] * stride_do_c
     row_stats = pid_bh.to(tl.int64) * seq_len
@@ -483,14 +897,61 @@ def _attention_bwd_dkdv_kernel(
     do_tile = offs_m[:, None] * stride_do_l + do_cols
     full_end = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, full_end, BLOCK_M):
-        q_rot, qt_rot = _rotated_pair(q_base, start_m + offs_m, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                                      cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
-                                      stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
+        q_rot, qt_rot = (
+            _rotated_pair(
+                q_base,
+                start_m + offs_m,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk, dv, k, v, q_rot, qt_rot, q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
-            do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile, row_stats + start_m + offs_m, Delta, RowMax,
-            RowInvSum, start_m, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base,
-            stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            dk,
+            dv,
+            k,
+            v,
+            q_rot,
+            qt_rot,
+            q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
+            do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile,
+            row_stats + start_m + offs_m,
+            Delta,
+            RowMax,
+            RowInvSum,
+            start_m,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
     if BLOCK_TAIL > 0:
         # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
         # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
@@ -503,24 +964,91 @@ def _attention_bwd_dkdv_kernel(
         if ROPE == 0:
             k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
         else:
-            k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                              cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d,
-                              ROPE, True)
-        v = tl.load(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, mask=kv_mask, other=0.0, volatile=True)
+            k = _load_rotated(
+                k_base,
+                offs_n[:, None],
+                offs_d[None, :],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                True,
+            )
+        v = tl.load(
+            kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, mask=kv_mask, other=0.0, volatile=True
+        )
         offs_t = tl.arange(0, BLOCK_TAIL)
-        q_rot_tail, qt_rot_tail = _rotated_pair(
-            q_base, full_end + offs_t, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c, cos_base, sin_base,
-            rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
+        q_rot_tail, qt_rot_tail = (
+            _rotated_pair(
+                q_base,
+                full_end + offs_t,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk, dv, k, v, q_rot_tail, qt_rot_tail,
+            dk,
+            dv,
+            k,
+            v,
+            q_rot_tail,
+            qt_rot_tail,
             q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
             do_base + tl.cast(full_end, tl.int64) * stride_do_l + (offs_t[:, None] * stride_do_l + do_cols),
-            row_stats + full_end + offs_t, Delta, RowMax, RowInvSum, full_end, offs_t, offs_n, mask_d, seq_len,
-            pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit, True,
-            EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            row_stats + full_end + offs_t,
+            Delta,
+            RowMax,
+            RowInvSum,
+            full_end,
+            offs_t,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
 
-    out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l + head * head_dim \
+    out_ptrs = (
+        DQKV
+        + batch.to(tl.int64) * stride_dqkv_b
+        + tl.cast(start_n, tl.int64) * stride_dqkv_l
+        + head * head_dim
         + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + offs_d[None, :])
+    )
     if EVEN_D:
         out_mask = (offs_n < seq_len)[:, None]
     else:
@@ -528,12 +1056,29 @@ def _attention_bwd_dkdv_kernel(
     if ROPE == 0:
         tl.store(out_ptrs + model_dim, (dk * scale).to(DQKV.dtype.element_ty), mask=out_mask)
     else:
-        cos, sin = _rope_tables(cos_base, sin_base, offs_n[:, None], offs_d[None, :], seq_len, head_dim, rope_start,
-                                stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+        cos, sin = _rope_tables(
+            cos_base,
+            sin_base,
+            offs_n[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+        )
         dk = _rope_grad(dk * scale, cos, sin, BLOCK_N, BLOCK_D)
-        dk_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_n, tl.int64) * stride_dqkv_l \
-            + head * head_dim + model_dim \
+        dk_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_n, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + model_dim
             + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        )
         tl.store(dk_ptrs, dk.to(DQKV.dtype.element_ty), mask=out_mask)
     tl.store(out_ptrs + 2 * model_dim, dv.to(DQKV.dtype.element_ty), mask=out_mask)
 
@@ -543,9 +1088,33 @@ def _attention_bwd_dkdv_kernel(
 # k_rot (keys, Dh) and kt_rot (Dh, keys), loaded by the caller.
 @triton.jit
 def _attention_bwd_dq_key_block(
-    q, do, row_max, inv_sum, k_rot, kt_rot, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed,
-    scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale, mask_limit,
-    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    q,
+    do,
+    row_max,
+    inv_sum,
+    k_rot,
+    kt_rot,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_m,
+    offs_n,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
     MASK: tl.constexpr,
 ):
     rows_n = start_n + offs_n
@@ -554,9 +1123,32 @@ def _attention_bwd_dq_key_block(
     else:
         k = k_rot
     v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
-    p, _, dp = _attention_bwd_p_dp(q, k, kt_rot, v, do, row_max, inv_sum, offs_m, rows_n, seq_len, pid_bh, seed,
-                                   scale_log2, dropout_p, mask_base, stride_mask_m, stride_mask_n, inv_scale,
-                                   mask_limit, MASK_N, DROPOUT, PRECISION, ROPE, MASK)
+    p, _, dp = _attention_bwd_p_dp(
+        q,
+        k,
+        kt_rot,
+        v,
+        do,
+        row_max,
+        inv_sum,
+        offs_m,
+        rows_n,
+        seq_len,
+        pid_bh,
+        seed,
+        scale_log2,
+        dropout_p,
+        mask_base,
+        stride_mask_m,
+        stride_mask_n,
+        inv_scale,
+        mask_limit,
+        MASK_N,
+        DROPOUT,
+        PRECISION,
+        ROPE,
+        MASK,
+    )
     return k, p, dp
 
 
@@ -576,16 +1168,55 @@ def _attention_bwd_dq_key_block(
 # delta (B*H, L), rope tables as in the forward.
 @triton.jit
 def _attention_bwd_dq_kernel(
-    QKV, DOut, RowMax, RowInvSum, Delta, Seed, DQKV, Cos, Sin, Mask,
-    seq_len, num_heads, head_dim, model_dim, rope_start,
-    stride_qkv_b, stride_qkv_l, stride_qkv_c,
-    stride_do_b, stride_do_l, stride_do_c,
-    stride_dqkv_b, stride_dqkv_l,
-    stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d, stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    scale, scale_log2, dropout_p, inv_scale, mask_limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+    QKV,
+    DOut,
+    RowMax,
+    RowInvSum,
+    Delta,
+    Seed,
+    DQKV,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_do_b,
+    stride_do_l,
+    stride_do_c,
+    stride_dqkv_b,
+    stride_dqkv_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
     inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
@@ -601,18 +1232,49 @@ def _attention_bwd_dq_kernel(
     k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     if ROPE == 0:
-        q = _load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qkv_l
-                       + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols), offs_m, seq_len, mask_d, True, EVEN_D)
+        q = _load_tile(
+            q_base
+            + tl.cast(start_m, tl.int64) * stride_qkv_l
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols),
+            offs_m,
+            seq_len,
+            mask_d,
+            True,
+            EVEN_D,
+        )
     else:
         cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
         sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
-        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                          cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE,
-                          False)
-    do = _load_tile(DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
-                    + tl.cast(start_m, tl.int64) * stride_do_l
-                    + (tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c),
-                    offs_m, seq_len, mask_d, True, EVEN_D)
+        q = _load_rotated(
+            q_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
+    do = _load_tile(
+        DOut
+        + batch.to(tl.int64) * stride_do_b
+        + (head * head_dim).to(tl.int64) * stride_do_c
+        + tl.cast(start_m, tl.int64) * stride_do_l
+        + (tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c),
+        offs_m,
+        seq_len,
+        mask_d,
+        True,
+        EVEN_D,
+    )
     row_stats = pid_bh.to(tl.int64) * seq_len
     row_max = tl.load(RowMax + row_stats + offs_m, mask=mask_m, other=0.0)
     inv_sum = tl.load(RowInvSum + row_stats + offs_m, mask=mask_m, other=0.0)
@@ -627,25 +1289,115 @@ def _attention_bwd_dq_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
-        kt_first = _load_rotated(k_base, (start_n + offs_n)[None, :], offs_d[:, None], seq_len, head_dim,
-                                 stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d,
-                                 stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
+        kt_first = (
+            _load_rotated(
+                k_base,
+                (start_n + offs_n)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+            if ROPE != 0
+            else 0
+        )
         _, p, dp = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, 0, kt_first, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile, start_n,
-            offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
-            stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            q,
+            do,
+            row_max,
+            inv_sum,
+            0,
+            kt_first,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
         weighted += tl.sum(p * dp, 1)
         row_sum += tl.sum(p, 1)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
-        kt_first_tail = _load_rotated(k_base, (full_end + offs_t)[None, :], offs_d[:, None], seq_len, head_dim,
-                                      stride_qkv_l, stride_qkv_c, cos_base, sin_base, rope_start, stride_cos_l,
-                                      stride_cos_d, stride_sin_l, stride_sin_d, ROPE, False) if ROPE != 0 else 0
+        kt_first_tail = (
+            _load_rotated(
+                k_base,
+                (full_end + offs_t)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+            if ROPE != 0
+            else 0
+        )
         _, p_tail, dp_tail = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, 0, kt_first_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
-            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            q,
+            do,
+            row_max,
+            inv_sum,
+            0,
+            kt_first_tail,
+            k_base + tail_ptrs,
+            v_base + tail_ptrs,
+            full_end,
+            offs_m,
+            offs_t,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
         weighted += tl.sum(p_tail * dp_tail, 1)
         row_sum += tl.sum(p_tail, 1)
     delta = weighted / tl.where(mask_m & (row_sum != 0.0), row_sum, 1.0)  # 0 / 1 where every key is masked
@@ -654,36 +1406,147 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
-        k_rot, kt_rot = _rotated_pair(k_base, start_n + offs_n, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c,
-                                      cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l,
-                                      stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
+        k_rot, kt_rot = (
+            _rotated_pair(
+                k_base,
+                start_n + offs_n,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
         k, p, dp = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_rot, kt_rot, k_base + row_offset + kv_tile, v_base + row_offset + kv_tile,
-            start_n, offs_m, offs_n, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base,
-            stride_mask_m, stride_mask_n, inv_scale, mask_limit, False, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
+            q,
+            do,
+            row_max,
+            inv_sum,
+            k_rot,
+            kt_rot,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
         dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
-        k_rot_tail, kt_rot_tail = _rotated_pair(
-            k_base, full_end + offs_t, offs_d, seq_len, head_dim, stride_qkv_l, stride_qkv_c, cos_base, sin_base,
-            rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE) if ROPE != 0 else (0, 0)
+        k_rot_tail, kt_rot_tail = (
+            _rotated_pair(
+                k_base,
+                full_end + offs_t,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
         k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
-            q, do, row_max, inv_sum, k_rot_tail, kt_rot_tail, k_base + tail_ptrs, v_base + tail_ptrs, full_end,
-            offs_m, offs_t, mask_d, seq_len, pid_bh, seed, scale_log2, dropout_p, mask_base, stride_mask_m,
-            stride_mask_n, inv_scale, mask_limit, True, EVEN_D, DROPOUT, PRECISION, ROPE, MASK)
-        dq += tl.dot((p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION)
+            q,
+            do,
+            row_max,
+            inv_sum,
+            k_rot_tail,
+            kt_rot_tail,
+            k_base + tail_ptrs,
+            v_base + tail_ptrs,
+            full_end,
+            offs_m,
+            offs_t,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+        dq += tl.dot(
+            (p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION
+        )
 
     if ROPE == 0:
-        out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l \
-            + head * head_dim + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
+        out_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_m, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
+        )
         dq = dq * scale
     else:
-        out_ptrs = DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l \
-            + head * head_dim + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l
-                                 + _rope_cols(offs_d, head_dim, ROPE)[None, :])
-        cos, sin = _rope_tables(cos_base, sin_base, offs_m[:, None], offs_d[None, :], seq_len, head_dim, rope_start,
-                                stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d, ROPE)
+        out_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_m, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        )
+        cos, sin = _rope_tables(
+            cos_base,
+            sin_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+        )
         dq = _rope_grad(dq * scale, cos, sin, BLOCK_M, BLOCK_D)
     if EVEN_D:
         tl.store(out_ptrs, dq.to(DQKV.dtype.element_ty), mask=mask_m[:, None])
@@ -695,11 +1558,22 @@ def _attention_bwd_dq_kernel(
 # one program per (block of query rows, batch * head), written to (B, H, L, L).
 @triton.jit
 def _attention_probs_kernel(
-    QKV, RowMax, RowInvSum, Probs,
-    seq_len, num_heads, head_dim, model_dim,
-    stride_qkv_b, stride_qkv_l, stride_qkv_c,
+    QKV,
+    RowMax,
+    RowInvSum,
+    Probs,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
     scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     scale_log2 = as_float32(scale_log2)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
@@ -710,19 +1584,27 @@ def _attention_probs_kernel(
     mask_d = offs_d < head_dim
     base = QKV + batch.to(tl.int64) * stride_qkv_b
     cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
-    q = tl.load(base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     row_max = tl.load(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
     inv_sum = tl.load(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
     probs_base = Probs + pid_bh.to(tl.int64) * seq_len * seq_len + offs_m[:, None].to(tl.int64) * seq_len
     for start_n in range(0, seq_len, BLOCK_N):
         rows_n = start_n + offs_n
         mask_n = rows_n < seq_len
-        k = tl.load(base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k = tl.load(
+            base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
-        tl.store(probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(
+            probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :]
+        )
 
 
 class AttentionTile(NamedTuple):
@@ -757,22 +1639,38 @@ def _pairs(*pairs: tuple) -> tuple[tuple[AttentionTile, AttentionTile], ...]:
 # head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2), which computed a wrong dK there, are
 # left out (benchmarks/results/h100-2026-11-22.md).
 ATTENTION_FWD_TILES = {
-    (False, 64): _tiles((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                        (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 2), (64, 64, 4, 4)),
-    (False, 128): _tiles((64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2),
-                         (64, 64, 4, 3)),
+    (False, 64): _tiles(
+        (64, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (128, 64, 4, 3),
+        (128, 128, 8, 3),
+        (128, 64, 8, 2),
+        (128, 64, 8, 4),
+        (64, 64, 4, 2),
+        (64, 64, 4, 4),
+    ),
+    (False, 128): _tiles(
+        (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)
+    ),
     (False, 256): _tiles((64, 32, 8, 1), (32, 32, 4, 1)),
     (True, 64): _tiles((32, 32, 4, 2), (64, 32, 8, 2)),
     (True, 128): _tiles((32, 32, 8, 1), (16, 32, 8, 1)),
     (True, 256): _tiles((16, 32, 4, 1)),
 }
 ATTENTION_BWD_TILES = {
-    (False, 64): _pairs(((64, 64, 4, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (32, 64, 4, 2)),
-                        ((64, 64, 4, 3), (32, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2)),
-                        ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 64, 4, 2)),
-                        ((64, 64, 4, 3), (64, 128, 8, 2))),
-    (False, 128): _pairs(((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)),
-                         ((32, 32, 4, 2), (16, 32, 4, 1))),
+    (False, 64): _pairs(
+        ((64, 64, 4, 3), (64, 64, 4, 2)),
+        ((64, 64, 4, 2), (32, 64, 4, 2)),
+        ((64, 64, 4, 3), (32, 64, 4, 2)),
+        ((32, 64, 4, 2), (64, 64, 4, 2)),
+        ((64, 64, 4, 3), (64, 64, 4, 3)),
+        ((128, 64, 8, 2), (64, 64, 4, 2)),
+        ((64, 64, 4, 3), (64, 128, 8, 2)),
+    ),
+    (False, 128): _pairs(
+        ((64, 32, 4, 2), (32, 32, 4, 1)), ((64, 32, 4, 2), (16, 32, 8, 1)), ((32, 32, 4, 2), (16, 32, 4, 1))
+    ),
     (False, 256): _pairs(((32, 32, 8, 1), (16, 32, 8, 1))),
     (True, 64): _pairs(((32, 32, 4, 1), (16, 32, 4, 1))),
     (True, 128): _pairs(((16, 32, 4, 1), (16, 32, 8, 1))),
@@ -818,8 +1716,12 @@ def _fit(tile: int, seq_len: int) -> int:
 def _fitted(tile: AttentionTile, seq_len: int, extra_loads: bool = False) -> AttentionTile:
     """``tile`` with both blocks fitted to the sequence; for a rotating or masked call
     (``extra_loads``) at most EXTRA_LOADS_MAX_STAGES stages."""
-    return AttentionTile(_fit(tile.block_m, seq_len), _fit(tile.block_n, seq_len), tile.warps,
-                         min(tile.stages, EXTRA_LOADS_MAX_STAGES) if extra_loads else tile.stages)
+    return AttentionTile(
+        _fit(tile.block_m, seq_len),
+        _fit(tile.block_n, seq_len),
+        tile.warps,
+        min(tile.stages, EXTRA_LOADS_MAX_STAGES) if extra_loads else tile.stages,
+    )
 
 
 def _unique(tiles) -> tuple:
@@ -830,22 +1732,29 @@ def _mask_fits(tile: AttentionTile) -> bool:
     return tile.block_m * tile.block_n <= MASK_MAX_TILE
 
 
-def fwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False,
-                   masked: bool = False) -> tuple:
+def fwd_candidates(
+    dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False, masked: bool = False
+) -> tuple:
     """The forward tiles for this call on a GPU, fitted to the sequence (duplicates dropped); for a
     rotating or masked call at most EXTRA_LOADS_MAX_STAGES stages, for a masked one only tiles of at
     most MASK_MAX_TILE elements."""
-    return _unique(_fitted(t, seq_len, rope or masked) for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)]
-                   if not masked or _mask_fits(t))
+    return _unique(
+        _fitted(t, seq_len, rope or masked)
+        for t in ATTENTION_FWD_TILES[_tile_key(dtype, head_dim)]
+        if not masked or _mask_fits(t)
+    )
 
 
-def bwd_candidates(dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False,
-                   masked: bool = False) -> tuple:
+def bwd_candidates(
+    dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False, masked: bool = False
+) -> tuple:
     """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence (as
     ``fwd_candidates``)."""
-    return _unique((_fitted(dq, seq_len, rope or masked), _fitted(dkdv, seq_len, rope or masked))
-                   for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)]
-                   if not masked or (_mask_fits(dq) and _mask_fits(dkdv)))
+    return _unique(
+        (_fitted(dq, seq_len, rope or masked), _fitted(dkdv, seq_len, rope or masked))
+        for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)]
+        if not masked or (_mask_fits(dq) and _mask_fits(dkdv))
+    )
 
 
 def _tail_block(block: int, seq_len: int) -> int:
@@ -872,8 +1781,9 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
     return batch, seq_len, model_dim, model_dim // num_heads
 
 
-def _chooser_key(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None,
-                 mask: Optional[torch.Tensor] = None) -> tuple:
+def _chooser_key(
+    qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None, mask: Optional[torch.Tensor] = None
+) -> tuple:
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
     rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
@@ -900,7 +1810,9 @@ def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) 
         return (qkv, qkv, 0, (0,) * 8), 0
     cos, sin, layout = rope
     cos, sin = tables_4d(qkv, num_heads, cos, sin)
-    return (cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())), ROPE_CODES[layout]
+    return (cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())), ROPE_CODES[
+        layout
+    ]
 
 
 MASK_KINDS = {1: "additive", 2: "boolean"}  # the kernels' MASK (0: no mask)
@@ -911,8 +1823,9 @@ def _mask_code(mask: torch.Tensor) -> int:
     return 2 if mask.dtype == torch.bool else 1
 
 
-def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float
-                      ) -> tuple[tuple, int]:
+def _mask_launch_args(
+    qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float
+) -> tuple[tuple, int]:
     """((Mask, its 4 strides, 1 / scale, limit), MASK) for the kernels: the mask as a (B, H, L, L)
     view (stride 0 where broadcast) and the clamp limit of its finite values (see ``_mask_term``);
     without a mask, qkv as a placeholder pointer (never read) and MASK = 0."""
@@ -949,7 +1862,9 @@ def mask_broadcasts(mask: torch.Tensor, batch: int, num_heads: int, length: int)
     """Whether ``mask`` broadcasts to (B, H, L, L) = (batch, num_heads, length, length), SDPA's rule
     (1 to 4 dimensions, each 1 or the full size)."""
     target = (batch, num_heads, length, length)
-    return 1 <= mask.dim() <= 4 and all(size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target)))
+    return 1 <= mask.dim() <= 4 and all(
+        size in (1, want) for size, want in zip(reversed(mask.shape), reversed(target))
+    )
 
 
 def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> None:
@@ -960,11 +1875,15 @@ def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> Non
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"attn_mask must be boolean (True = attend) or floating-point (added), got {mask.dtype}")
+        raise TypeError(
+            f"attn_mask must be boolean (True = attend) or floating-point (added), got {mask.dtype}"
+        )
     batch, length = qkv.shape[0], qkv.shape[1]
     if not mask_broadcasts(mask, batch, num_heads, length):
-        raise ValueError(f"attn_mask must broadcast to (B, H, L, L) = {(batch, num_heads, length, length)}, got shape "
-                         f"{tuple(mask.shape)}")
+        raise ValueError(
+            f"attn_mask must broadcast to (B, H, L, L) = {(batch, num_heads, length, length)}, got shape "
+            f"{tuple(mask.shape)}"
+        )
     if mask.device != qkv.device:
         raise ValueError(f"attn_mask is on {mask.device} but qkv is on {qkv.device}: move them to one device")
 
@@ -977,9 +1896,15 @@ def _validation_images(qkv: torch.Tensor, num_heads: int) -> int:
     return max(1, min(VALIDATION_BATCH, batch, VALIDATION_BYTES // per_image))
 
 
-def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_out: Optional[torch.Tensor],
-                         dtype: torch.dtype, rope: Optional[tuple] = None,
-                         mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+def _reference_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    grad_out: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    rope: Optional[tuple] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> list[torch.Tensor]:
     """SDPA on the first ``_validation_images`` images of qkv computed in ``dtype``: [out] or, given
     grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k. With
     an attention mask, the masked softmax written out (``masked_softmax``): rows whose every key is
@@ -1003,10 +1928,16 @@ def _reference_attention(qkv: torch.Tensor, num_heads: int, scale: float, grad_o
     return list(grad.chunk(3, dim=-1))
 
 
-def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[torch.Tensor]], list],
-                           qkv: torch.Tensor, num_heads: int, scale: float,
-                           grad_out: Optional[torch.Tensor] = None, rope: Optional[tuple] = None,
-                           mask: Optional[torch.Tensor] = None) -> Callable:
+def _check_against_pytorch(
+    names: Sequence[str],
+    parts_of: Callable[[Sequence[torch.Tensor]], list],
+    qkv: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    grad_out: Optional[torch.Tensor] = None,
+    rope: Optional[tuple] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> Callable:
     """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
     within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
     inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` and with ``mask`` where given.
@@ -1018,10 +1949,16 @@ def _check_against_pytorch(names: Sequence[str], parts_of: Callable[[Sequence[to
         if not references:
             with torch.enable_grad():
                 references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope, mask))
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope, mask))
-        return first_problem([(name, actual, own, exact)
-                              for name, actual, exact, own in zip(names, parts_of(outputs), *references)],
-                             FLOORS[qkv.dtype])
+                references.append(
+                    _reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope, mask)
+                )
+        return first_problem(
+            [
+                (name, actual, own, exact)
+                for name, actual, exact, own in zip(names, parts_of(outputs), *references)
+            ],
+            FLOORS[qkv.dtype],
+        )
 
     return check
 
@@ -1034,16 +1971,43 @@ if HAS_TRITON:
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         launch(
-            _attention_fwd_kernel, _row_blocks(bm, seq_len, batch * num_heads),
-            qkv, out, stats[0], stats[1], seed, cos, sin, mask,
-            seq_len, num_heads, head_dim, model_dim, rope_start,
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            out.stride(0), out.stride(1),
-            *table_strides, *mask_strides,
-            scale * LOG2E, dropout_p, inv_scale, limit,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_TAIL=_tail_block(bn, seq_len), BLOCK_D=_block_d(head_dim),
-            EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-            PRECISION=dot_precision(qkv.dtype), ROPE=code, MASK=mask_code, num_warps=warps, num_stages=stages,
+            _attention_fwd_kernel,
+            _row_blocks(bm, seq_len, batch * num_heads),
+            qkv,
+            out,
+            stats[0],
+            stats[1],
+            seed,
+            cos,
+            sin,
+            mask,
+            seq_len,
+            num_heads,
+            head_dim,
+            model_dim,
+            rope_start,
+            qkv.stride(0),
+            qkv.stride(1),
+            qkv.stride(2),
+            out.stride(0),
+            out.stride(1),
+            *table_strides,
+            *mask_strides,
+            scale * LOG2E,
+            dropout_p,
+            inv_scale,
+            limit,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_TAIL=_tail_block(bn, seq_len),
+            BLOCK_D=_block_d(head_dim),
+            EVEN_D=head_dim == _block_d(head_dim),
+            DROPOUT=dropout_p > 0,
+            PRECISION=dot_precision(qkv.dtype),
+            ROPE=code,
+            MASK=mask_code,
+            num_warps=warps,
+            num_stages=stages,
         )
 
     def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1063,17 +2027,28 @@ if HAS_TRITON:
                 return [out]
 
             n = _validation_images(qkv, num_heads)
-            return run, _check_against_pytorch(["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale,
-                                               rope=rope, mask=mask)
+            return run, _check_against_pytorch(
+                ["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale, rope=rope, mask=mask
+            )
 
-        return tile_to_launch(FWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
-                              lambda: _interpreter_tile(seq_len),
-                              lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
-                              trial)
+        return tile_to_launch(
+            FWD_CHOOSER,
+            qkv.device,
+            lambda: _chooser_key(qkv, num_heads, rope, mask),
+            lambda: _interpreter_tile(seq_len),
+            lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
+            trial,
+        )
 
     def _attention_fwd(
-        qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, seed: torch.Tensor,
-        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+        qkv: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        dropout_p: float,
+        seed: torch.Tensor,
+        cos: Optional[torch.Tensor] = None,
+        sin: Optional[torch.Tensor] = None,
+        rope_layout: str = "interleaved",
         mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
@@ -1082,14 +2057,25 @@ if HAS_TRITON:
         broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
         rope = _rope(cos, sin, rope_layout)
         out, stats = _fwd_outputs(qkv, num_heads)
-        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p,
-                    fwd_tile(qkv, num_heads, scale, seed, rope, mask), rope, mask)
+        _launch_fwd(
+            qkv,
+            out,
+            stats,
+            seed,
+            num_heads,
+            scale,
+            dropout_p,
+            fwd_tile(qkv, num_heads, scale, seed, rope, mask),
+            rope,
+            mask,
+        )
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
-    def _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
-                    ) -> torch.Tensor:
+    def _launch_bwd(
+        grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
+    ) -> torch.Tensor:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         delta = torch.empty_like(stats[0])
@@ -1097,24 +2083,69 @@ if HAS_TRITON:
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         args = (
-            qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin, mask,
-            seq_len, num_heads, head_dim, model_dim, rope_start,
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            dqkv.stride(0), dqkv.stride(1),
-            *table_strides, *mask_strides,
-            scale, scale * LOG2E, dropout_p, inv_scale, limit,
+            qkv,
+            grad_out,
+            stats[0],
+            stats[1],
+            delta,
+            seed,
+            dqkv,
+            cos,
+            sin,
+            mask,
+            seq_len,
+            num_heads,
+            head_dim,
+            model_dim,
+            rope_start,
+            qkv.stride(0),
+            qkv.stride(1),
+            qkv.stride(2),
+            grad_out.stride(0),
+            grad_out.stride(1),
+            grad_out.stride(2),
+            dqkv.stride(0),
+            dqkv.stride(1),
+            *table_strides,
+            *mask_strides,
+            scale,
+            scale * LOG2E,
+            dropout_p,
+            inv_scale,
+            limit,
         )
-        flags = dict(BLOCK_D=_block_d(head_dim), EVEN_D=head_dim == _block_d(head_dim), DROPOUT=dropout_p > 0,
-                     PRECISION=dot_precision(qkv.dtype), ROPE=code, MASK=mask_code)
+        flags = dict(
+            BLOCK_D=_block_d(head_dim),
+            EVEN_D=head_dim == _block_d(head_dim),
+            DROPOUT=dropout_p > 0,
+            PRECISION=dot_precision(qkv.dtype),
+            ROPE=code,
+            MASK=mask_code,
+        )
         (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
         # the tails: of the dQ kernel's loop over key blocks, of the dK/dV kernel's over query blocks
-        launch(_attention_bwd_dq_kernel, _row_blocks(dq_m, seq_len, batch * num_heads), *args, **flags,
-               BLOCK_M=dq_m, BLOCK_N=dq_n, BLOCK_TAIL=_tail_block(dq_n, seq_len), num_warps=dq_warps,
-               num_stages=dq_stages)
-        launch(_attention_bwd_dkdv_kernel, _row_blocks(kv_n, seq_len, batch * num_heads), *args, **flags,
-               BLOCK_M=kv_m, BLOCK_N=kv_n, BLOCK_TAIL=_tail_block(kv_m, seq_len), num_warps=kv_warps,
-               num_stages=kv_stages)
+        launch(
+            _attention_bwd_dq_kernel,
+            _row_blocks(dq_m, seq_len, batch * num_heads),
+            *args,
+            **flags,
+            BLOCK_M=dq_m,
+            BLOCK_N=dq_n,
+            BLOCK_TAIL=_tail_block(dq_n, seq_len),
+            num_warps=dq_warps,
+            num_stages=dq_stages,
+        )
+        launch(
+            _attention_bwd_dkdv_kernel,
+            _row_blocks(kv_n, seq_len, batch * num_heads),
+            *args,
+            **flags,
+            BLOCK_M=kv_m,
+            BLOCK_N=kv_n,
+            BLOCK_TAIL=_tail_block(kv_m, seq_len),
+            num_warps=kv_warps,
+            num_stages=kv_stages,
+        )
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
@@ -1126,30 +2157,62 @@ if HAS_TRITON:
                 return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles, rope, mask)]
 
             n = _validation_images(qkv, num_heads)
-            return run, _check_against_pytorch(["dq", "dk", "dv"], lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
-                                               qkv, num_heads, scale, grad_out, rope, mask)
+            return run, _check_against_pytorch(
+                ["dq", "dk", "dv"],
+                lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
+                qkv,
+                num_heads,
+                scale,
+                grad_out,
+                rope,
+                mask,
+            )
 
-        return tile_to_launch(BWD_CHOOSER, qkv.device, lambda: _chooser_key(qkv, num_heads, rope, mask),
-                              lambda: (_interpreter_tile(seq_len),) * 2,
-                              lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
-                              trial)
+        return tile_to_launch(
+            BWD_CHOOSER,
+            qkv.device,
+            lambda: _chooser_key(qkv, num_heads, rope, mask),
+            lambda: (_interpreter_tile(seq_len),) * 2,
+            lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
+            trial,
+        )
 
     def _attention_bwd(
-        grad_out: torch.Tensor, qkv: torch.Tensor, stats: torch.Tensor, seed: torch.Tensor,
-        num_heads: int, scale: float, dropout_p: float,
-        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+        grad_out: torch.Tensor,
+        qkv: torch.Tensor,
+        stats: torch.Tensor,
+        seed: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        dropout_p: float,
+        cos: Optional[torch.Tensor] = None,
+        sin: Optional[torch.Tensor] = None,
+        rope_layout: str = "interleaved",
         mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
         q and k; the tables and the mask get none)."""
         rope = _rope(cos, sin, rope_layout)
-        return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p,
-                           bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask), rope, mask)
+        return _launch_bwd(
+            grad_out,
+            qkv,
+            stats,
+            seed,
+            num_heads,
+            scale,
+            dropout_p,
+            bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask),
+            rope,
+            mask,
+        )
 
-    attention_bwd = direct(torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd),
-                           _attention_bwd)
+    attention_bwd = direct(
+        torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd), _attention_bwd
+    )
 
-    def _attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    def _attention_probs(
+        qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
         """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         if interpreted(qkv.device):
@@ -1158,13 +2221,26 @@ if HAS_TRITON:
             bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
         probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
         launch(
-            _attention_probs_kernel, _row_blocks(bm, seq_len, batch * num_heads),
-            qkv, stats[0], stats[1], probs,
-            seq_len, num_heads, head_dim, model_dim,
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            _attention_probs_kernel,
+            _row_blocks(bm, seq_len, batch * num_heads),
+            qkv,
+            stats[0],
+            stats[1],
+            probs,
+            seq_len,
+            num_heads,
+            head_dim,
+            model_dim,
+            qkv.stride(0),
+            qkv.stride(1),
+            qkv.stride(2),
             scale * LOG2E,
-            BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype),
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+            BLOCK_D=_block_d(head_dim),
+            PRECISION=dot_precision(qkv.dtype),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+            num_stages=stages,
         )
         return probs
 
@@ -1172,7 +2248,7 @@ if HAS_TRITON:
 
     def _fwd_setup_context(ctx, inputs, output):
         qkv, num_heads, scale, dropout_p, seed, *extra = inputs
-        cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra):])
+        cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
         out, stats = output
         ctx.save_for_backward(qkv, stats, seed, cos, sin, mask)
         ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
@@ -1183,11 +2259,24 @@ if HAS_TRITON:
         if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
             return (None, *nones)
         qkv, stats, seed, cos, sin, mask = ctx.saved_tensors
-        dqkv = attention_bwd(grad_out, qkv, stats, seed, ctx.num_heads, ctx.scale, ctx.dropout_p, cos, sin,
-                             ctx.rope_layout, mask)
+        dqkv = attention_bwd(
+            grad_out,
+            qkv,
+            stats,
+            seed,
+            ctx.num_heads,
+            ctx.scale,
+            ctx.dropout_p,
+            cos,
+            sin,
+            ctx.rope_layout,
+            mask,
+        )
         return (dqkv, *nones)
 
-    attention_fwd = differentiable("vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd)
+    attention_fwd = differentiable(
+        "vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd
+    )
 
     def _probs_setup_context(ctx, inputs, output):
         qkv, stats, num_heads, scale = inputs
@@ -1207,13 +2296,24 @@ if HAS_TRITON:
         dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
         return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
 
-    attention_probs = differentiable("vit_kernels::attention_probs", _probs_backward, _probs_setup_context,
-                                     _attention_probs, double_backward=True)
+    attention_probs = differentiable(
+        "vit_kernels::attention_probs",
+        _probs_backward,
+        _probs_setup_context,
+        _attention_probs,
+        double_backward=True,
+    )
 
 
 def attention_triton(
-    qkv: torch.Tensor, num_heads: int, scale: Optional[float], dropout_p: float, return_probs: bool,
-    cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None, rope_layout: str = "interleaved",
+    qkv: torch.Tensor,
+    num_heads: int,
+    scale: Optional[float],
+    dropout_p: float,
+    return_probs: bool,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    rope_layout: str = "interleaved",
     attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.attention`` (arguments already validated). With rope or a
@@ -1253,8 +2353,15 @@ def sdpa_misaligned(t: torch.Tensor) -> bool:
     stride along Dh, and raise ("query is not correctly aligned (strideM)") instead of falling back,
     e.g. for a qkv sliced out of a wider tensor."""
     size = t.element_size()
-    return bool(t.stride(-1) != 1 or t.data_ptr() % SDPA_ALIGNMENT_BYTES or any(
-        (stride * size) % SDPA_ALIGNMENT_BYTES for dim, stride in enumerate(t.stride()[:-1]) if t.shape[dim] > 1))
+    return bool(
+        t.stride(-1) != 1
+        or t.data_ptr() % SDPA_ALIGNMENT_BYTES
+        or any(
+            (stride * size) % SDPA_ALIGNMENT_BYTES
+            for dim, stride in enumerate(t.stride()[:-1])
+            if t.shape[dim] > 1
+        )
+    )
 
 
 def sdpa_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -1317,7 +2424,9 @@ def attention_ref(
     if not return_probs:
         q, k, v = (sdpa_aligned(t) for t in (q, k, v))
         mask = sdpa_aligned_mask(mask_for_sdpa(attn_mask, q.dtype), q.dtype)
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
+        return merge_heads(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        )
     return explicit_attention(q, k, v, scale, dropout_p, lambda scores: masked_softmax(scores, attn_mask))
 
 
@@ -1336,8 +2445,15 @@ def masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.
     return torch.softmax(masked.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0).to(scores.dtype)
 
 
-def probs_by_torch(qkv: torch.Tensor, num_heads: int, scale: float, cos: Optional[torch.Tensor],
-                   sin: Optional[torch.Tensor], rope_layout: str, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def probs_by_torch(
+    qkv: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    rope_layout: str,
+    mask: Optional[torch.Tensor],
+) -> torch.Tensor:
     """softmax(scale q' k'^T + mask) (B, H, L, L), q' and k' rotated where tables are given, by
     PyTorch's ops (differentiable)."""
     q, k, _ = split_qkv(qkv, num_heads)
@@ -1355,15 +2471,26 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
     return merge_heads(dropped @ v), probs
 
 
-def attention_extension(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                        rope_layout="interleaved", attn_mask=None):
+def attention_extension(
+    qkv,
+    num_heads,
+    scale=None,
+    dropout_p=0.0,
+    return_probs=False,
+    cos=None,
+    sin=None,
+    rope_layout="interleaved",
+    attn_mask=None,
+):
     """``vk.attention`` for the extension backend, one C++ call (``vit_kernels::attention_explicit``):
     scores by GEMM, the ``vit_kernels::softmax`` kernel, then a GEMM with v. Materialises the
     (B, H, L, L) scores: meant for ``return_probs`` (attention maps), not for speed. 16-bit inputs
     are computed in float32, as fused attention kernels do: scores rounded to 16 bits lose whole
     units at large logits."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
-    out, probs = _ops.attention_explicit(qkv, num_heads, head_dim ** -0.5 if scale is None else scale, dropout_p)
+    out, probs = _ops.attention_explicit(
+        qkv, num_heads, head_dim**-0.5 if scale is None else scale, dropout_p
+    )
     return (out, probs) if return_probs else out
 
 
@@ -1371,8 +2498,17 @@ if _ext.LOADED:
     _ops = ExtensionOps("attention_explicit")
 
 
-def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                   rope_layout="interleaved", attn_mask=None) -> Optional[str]:
+def _triton_limits(
+    qkv,
+    num_heads,
+    scale=None,
+    dropout_p=0.0,
+    return_probs=False,
+    cos=None,
+    sin=None,
+    rope_layout="interleaved",
+    attn_mask=None,
+) -> Optional[str]:
     """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory. The
     kernels rotate q and k and add the mask but compute no gradient of the rope tables or the mask."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
@@ -1385,8 +2521,17 @@ def _triton_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False
     return None
 
 
-def _extension_limits(qkv, num_heads, scale=None, dropout_p=0.0, return_probs=False, cos=None, sin=None,
-                      rope_layout="interleaved", attn_mask=None) -> Optional[str]:
+def _extension_limits(
+    qkv,
+    num_heads,
+    scale=None,
+    dropout_p=0.0,
+    return_probs=False,
+    cos=None,
+    sin=None,
+    rope_layout="interleaved",
+    attn_mask=None,
+) -> Optional[str]:
     """The C++ attention has no rotary position embedding and no mask."""
     if cos is not None:
         return "rope (the C++ attention does not rotate q and k)"

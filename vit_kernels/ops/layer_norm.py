@@ -1,8 +1,8 @@
 """LayerNorm over the last dimension, with an optional fused residual add.
 
-    s = x (+ r)
-    y = (s - mean(s)) * rstd * w + b,   rstd = 1 / sqrt(var(s) + eps)
-    returns y, or (y, s) when a residual is given (s is the new residual stream)
+s = x (+ r)
+y = (s - mean(s)) * rstd * w + b,   rstd = 1 / sqrt(var(s) + eps)
+returns y, or (y, s) when a residual is given (s is the new residual stream)
 """
 
 from __future__ import annotations
@@ -15,9 +15,25 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._tiles import (FLOORS, TileChooser, first_problem, plain_repr, reference_dtype, report_rows,
-                                tile_to_launch)
-from vit_kernels._triton import HAS_TRITON, as_float32, cdiv, launch, multiprocessors, next_power_of_2, tl, triton
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    first_problem,
+    plain_repr,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+)
+from vit_kernels._triton import (
+    HAS_TRITON,
+    as_float32,
+    cdiv,
+    launch,
+    multiprocessors,
+    next_power_of_2,
+    tl,
+    triton,
+)
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
 MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memory (32 KiB of fp32)
@@ -29,12 +45,28 @@ MAX_CUDA_COLS = 8192  # the extension's CUDA forward keeps a row in shared memor
 #   rstd = 1 / sqrt(var + eps), y = (s - mean) * rstd * w + b; mean and rstd saved for backward.
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, Residual, Weight, Bias, Y, Sum, Mean, Rstd,
-    num_rows, num_cols,
-    stride_x, stride_r, stride_y, stride_s, stride_w, stride_b,
+    X,
+    Residual,
+    Weight,
+    Bias,
+    Y,
+    Sum,
+    Mean,
+    Rstd,
+    num_rows,
+    num_cols,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    stride_w,
+    stride_b,
     eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     eps = as_float32(eps)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -77,11 +109,28 @@ def _layer_norm_fwd_kernel(
 #   specialised on (one compiled variant whatever its value).
 @triton.jit(do_not_specialize=["tiles"])
 def _layer_norm_bwd_kernel(
-    S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB,
-    num_rows, num_cols, tiles,
-    stride_s, stride_dy, stride_dsum, stride_ds, stride_w,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEEDS_WB: tl.constexpr,
+    S,
+    DY,
+    DSum,
+    Weight,
+    Mean,
+    Rstd,
+    DS,
+    PartialW,
+    PartialB,
+    num_rows,
+    num_cols,
+    tiles,
+    stride_s,
+    stride_dy,
+    stride_dsum,
+    stride_ds,
+    stride_w,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_DSUM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    NEEDS_WB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -107,7 +156,9 @@ def _layer_norm_bwd_kernel(
         c2 = tl.sum(g, 1) / num_cols
         ds = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
         if HAS_DSUM:
-            ds += tl.load(DSum + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            ds += tl.load(DSum + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(DS + rows[:, None] * stride_ds + cols[None, :], ds.to(DS.dtype.element_ty), mask=mask)
         if NEEDS_WB:
             dw += dy * xhat
@@ -169,7 +220,11 @@ def fwd_candidates(block_d: int) -> tuple[ForwardTile, ...]:
     tiles = [ForwardTile(rows, _warps(rows * block_d, 1024))]
     for rows in (1, 2, 4, 8):
         for warps in (1, 2, 4, 8, 16):
-            if rows * block_d <= 16384 and _per_thread_ok(rows * block_d, warps, 8, 16) and (rows, warps) not in tiles:
+            if (
+                rows * block_d <= 16384
+                and _per_thread_ok(rows * block_d, warps, 8, 16)
+                and (rows, warps) not in tiles
+            ):
                 tiles.append(ForwardTile(rows, warps))
     return tuple(tiles)
 
@@ -201,16 +256,23 @@ def tile_report() -> list[dict]:
     return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
 
 
-def _tile(chooser: TileChooser, key: tuple, device: torch.device, rows: int, candidates: tuple,
-          trial: Callable[[], tuple[Callable, Callable]]) -> tuple:
+def _tile(
+    chooser: TileChooser,
+    key: tuple,
+    device: torch.device,
+    rows: int,
+    candidates: tuple,
+    trial: Callable[[], tuple[Callable, Callable]],
+) -> tuple:
     """The tile to launch (``tile_to_launch``), the default for no rows (nothing to validate on)."""
     if rows == 0:
         return candidates[0]
     return tile_to_launch(chooser, device, lambda: key, lambda: candidates[0], lambda: candidates, trial)
 
 
-def _check_parts(names: tuple[str, ...], references: Callable[[], tuple[list, list]],
-                 dtype: torch.dtype) -> Callable[[list[torch.Tensor]], Optional[str]]:
+def _check_parts(
+    names: tuple[str, ...], references: Callable[[], tuple[list, list]], dtype: torch.dtype
+) -> Callable[[list[torch.Tensor]], Optional[str]]:
     """A check for the TileChooser: each named output within twice PyTorch's own error against the
     exact result, ``references() -> (exact (float64, or float32 for 16-bit inputs), PyTorch's own in
     the same dtype)``, computed once, on first use."""
@@ -247,15 +309,31 @@ if HAS_TRITON:
         rows, dim = x2.shape
         per_program, warps = tile
         launch(
-            _layer_norm_fwd_kernel, (cdiv(rows, per_program),),
-            x2, r2 if r2 is not None else x2, weight if weight is not None else x2,
-            bias if bias is not None else x2, y, summed, mean, rstd,
-            rows, dim,
-            x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), dim,
-            weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
+            _layer_norm_fwd_kernel,
+            (cdiv(rows, per_program),),
+            x2,
+            r2 if r2 is not None else x2,
+            weight if weight is not None else x2,
+            bias if bias is not None else x2,
+            y,
+            summed,
+            mean,
+            rstd,
+            rows,
+            dim,
+            x2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
+            y.stride(0),
+            dim,
+            weight.stride(0) if weight is not None else 0,
+            bias.stride(0) if bias is not None else 0,
             eps,
-            ROWS=per_program, BLOCK_D=next_power_of_2(dim), HAS_RESIDUAL=r2 is not None,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=warps,
+            ROWS=per_program,
+            BLOCK_D=next_power_of_2(dim),
+            HAS_RESIDUAL=r2 is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            num_warps=warps,
         )
 
     def _fwd_outputs(x2: torch.Tensor, has_residual: bool) -> tuple[torch.Tensor, ...]:
@@ -266,7 +344,10 @@ if HAS_TRITON:
         return y, summed, mean, torch.empty_like(mean)
 
     def _layer_norm_fwd(
-        x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+        x: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x, residual (..., D) -> y (..., D), s = x + residual (..., D) (empty without a residual),
@@ -283,15 +364,32 @@ if HAS_TRITON:
                 return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
 
             def references():
-                return (_pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
-                        _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype))
+                return (
+                    _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
+                    _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
+                )
 
             return run, _check_parts(("y", "s"), references, x2.dtype)
 
-        key = (str(x.device), str(x.dtype), block_d, residual is not None, weight is not None, bias is not None,
-               _signature.bucket(rows))
+        key = (
+            str(x.device),
+            str(x.dtype),
+            block_d,
+            residual is not None,
+            weight is not None,
+            bias is not None,
+            _signature.bucket(rows),
+        )
         outputs = _fwd_outputs(x2, residual is not None)
-        _launch_fwd(x2, r2, weight, bias, eps, outputs, _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial))
+        _launch_fwd(
+            x2,
+            r2,
+            weight,
+            bias,
+            eps,
+            outputs,
+            _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial),
+        )
         y, summed, mean, rstd = outputs
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
@@ -303,14 +401,31 @@ if HAS_TRITON:
         tile_rows, _, warps = tile
         programs = partial_w.shape[0] if needs_weight_bias else _bwd_programs(s2, tile)
         launch(
-            _layer_norm_bwd_kernel, (programs,),
-            s2, dy2, dsum2 if dsum2 is not None else dy2, weight if weight is not None else s2, mean, rstd, ds,
-            partial_w, partial_b,
-            rows, dim, cdiv(cdiv(rows, tile_rows), programs),
-            s2.stride(0), dy2.stride(0), dsum2.stride(0) if dsum2 is not None else 0, ds.stride(0),
+            _layer_norm_bwd_kernel,
+            (programs,),
+            s2,
+            dy2,
+            dsum2 if dsum2 is not None else dy2,
+            weight if weight is not None else s2,
+            mean,
+            rstd,
+            ds,
+            partial_w,
+            partial_b,
+            rows,
+            dim,
+            cdiv(cdiv(rows, tile_rows), programs),
+            s2.stride(0),
+            dy2.stride(0),
+            dsum2.stride(0) if dsum2 is not None else 0,
+            ds.stride(0),
             weight.stride(0) if weight is not None else 0,
-            ROWS=tile_rows, BLOCK_D=next_power_of_2(dim),
-            HAS_DSUM=dsum2 is not None, HAS_WEIGHT=weight is not None, NEEDS_WB=needs_weight_bias, num_warps=warps,
+            ROWS=tile_rows,
+            BLOCK_D=next_power_of_2(dim),
+            HAS_DSUM=dsum2 is not None,
+            HAS_WEIGHT=weight is not None,
+            NEEDS_WB=needs_weight_bias,
+            num_warps=warps,
         )
 
     def _bwd_programs(s2: torch.Tensor, tile: tuple) -> int:
@@ -332,13 +447,26 @@ if HAS_TRITON:
         stat = torch.ops.aten.native_layer_norm(s[:1], [dim], None, None, 1e-5)[1].dtype
         w = weight.to(dtype) if weight is not None else torch.ones(dim, dtype=dtype, device=s.device)
         ds, dw, _ = torch.ops.aten.native_layer_norm_backward(
-            dy, s, [dim], mean.to(stat)[:, None], rstd.to(stat)[:, None], w, None, [True, needs_weight_bias, False])
+            dy,
+            s,
+            [dim],
+            mean.to(stat)[:, None],
+            rstd.to(stat)[:, None],
+            w,
+            None,
+            [True, needs_weight_bias, False],
+        )
         parts = [ds if dsum2 is None else ds + dsum2.to(dtype)]
         return parts + [dw, dy.sum(0)] if needs_weight_bias else parts
 
     def _layer_norm_bwd(
-        grad_y: torch.Tensor, grad_sum: Optional[torch.Tensor], summed: torch.Tensor, weight: Optional[torch.Tensor],
-        mean: torch.Tensor, rstd: torch.Tensor, needs_weight_bias: bool,
+        grad_y: torch.Tensor,
+        grad_sum: Optional[torch.Tensor],
+        summed: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        mean: torch.Tensor,
+        rstd: torch.Tensor,
+        needs_weight_bias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
         s2, dy2 = _rows(summed), _rows(grad_y)
@@ -354,21 +482,32 @@ if HAS_TRITON:
                 return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
 
             def references():
-                return tuple(_pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
-                             for dtype in (reference_dtype(s2.dtype), s2.dtype))
+                return tuple(
+                    _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
+                    for dtype in (reference_dtype(s2.dtype), s2.dtype)
+                )
 
             return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
 
-        key = (str(summed.device), str(summed.dtype), block_d, grad_sum is not None, weight is not None,
-               needs_weight_bias, _signature.bucket(rows))
+        key = (
+            str(summed.device),
+            str(summed.dtype),
+            block_d,
+            grad_sum is not None,
+            weight is not None,
+            needs_weight_bias,
+            _signature.bucket(rows),
+        )
         tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
         outputs = _bwd_outputs(s2, needs_weight_bias, tile)
         _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
         ds, partial_w, partial_b = outputs
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
-    layer_norm_bwd = direct(torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())(_layer_norm_bwd),
-                            _layer_norm_bwd)
+    layer_norm_bwd = direct(
+        torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())(_layer_norm_bwd),
+        _layer_norm_bwd,
+    )
 
     def _fwd_setup_context(ctx, inputs, output):
         x, weight, bias, eps, residual = inputs
@@ -393,11 +532,16 @@ if HAS_TRITON:
             ds if has_residual else None,
         )
 
-    layer_norm_fwd = differentiable("vit_kernels::layer_norm_fwd", _fwd_backward, _fwd_setup_context, _layer_norm_fwd)
+    layer_norm_fwd = differentiable(
+        "vit_kernels::layer_norm_fwd", _fwd_backward, _fwd_setup_context, _layer_norm_fwd
+    )
 
 
 def layer_norm_triton(
-    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-6,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float = 1e-6,
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
@@ -406,13 +550,20 @@ def layer_norm_triton(
 
 
 def layer_norm_extension(
-    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-6,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float = 1e-6,
     residual: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
-    y, summed, _, _ = fused_layer_norm(x.contiguous(), None if residual is None else residual.contiguous(),
-                                       None if weight is None else weight.contiguous(),
-                                       None if bias is None else bias.contiguous(), eps)
+    y, summed, _, _ = fused_layer_norm(
+        x.contiguous(),
+        None if residual is None else residual.contiguous(),
+        None if weight is None else weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        eps,
+    )
     return y if residual is None else (y, summed)
 
 
@@ -459,7 +610,10 @@ def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> 
 backend.implementations(
     "layer_norm",
     torch=backend.Impl(layer_norm_ref),
-    triton=backend.Impl(layer_norm_triton, supports=backend.triton_supports_elementwise, limits=_triton_limits),
-    extension=backend.Impl(layer_norm_extension, supports=_ext.supports, limits=_extension_limits,
-                           preferred=_extension_default),
+    triton=backend.Impl(
+        layer_norm_triton, supports=backend.triton_supports_elementwise, limits=_triton_limits
+    ),
+    extension=backend.Impl(
+        layer_norm_extension, supports=_ext.supports, limits=_extension_limits, preferred=_extension_default
+    ),
 )

@@ -1,11 +1,11 @@
 """Linear layers with fused epilogues.
 
-    linear:      Y = X @ W^T + b (+ R)
-    linear_gelu: Y = gelu(X @ W^T + b)
-        gelu(z)       = z * Phi(z)                                   ("none", exact erf)
-        gelu_tanh(z)  = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))   ("tanh")
-        quick_gelu(z) = z * sigmoid(1.702 z)                         ("quick")
-    mlp:         Y = linear(linear_gelu(X, W1, b1), W2, b2, R)
+linear:      Y = X @ W^T + b (+ R)
+linear_gelu: Y = gelu(X @ W^T + b)
+    gelu(z)       = z * Phi(z)                                   ("none", exact erf)
+    gelu_tanh(z)  = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))   ("tanh")
+    quick_gelu(z) = z * sigmoid(1.702 z)                         ("quick")
+mlp:         Y = linear(linear_gelu(X, W1, b1), W2, b2, R)
 """
 
 from __future__ import annotations
@@ -22,9 +22,25 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels.activations import GELU_APPROXIMATIONS, GELU_FORMS, NONE, gelu, gelu_act, gelu_backward
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
-from vit_kernels._triton import (HAS_TRITON, TensorDescriptor, cdiv, dot_precision, interpreted, launch,
-                                 multiprocessors, tl, triton)
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+    first_problem,
+)
+from vit_kernels._triton import (
+    HAS_TRITON,
+    TensorDescriptor,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    multiprocessors,
+    tl,
+    triton,
+)
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
@@ -132,13 +148,38 @@ def accumulate_dot(acc, a, b, zero, PRECISION: tl.constexpr):
 # need no copies.
 @triton.jit
 def _linear_kernel(
-    A, B, C, Bias, Aux, Residual, Sums,
-    M, N, K, k_per_split,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_c_split, stride_cm, stride_bias,
-    stride_aux_m, stride_res_m, stride_res_n,
-    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A,
+    B,
+    C,
+    Bias,
+    Aux,
+    Residual,
+    Sums,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_c_split,
+    stride_cm,
+    stride_bias,
+    stride_aux_m,
+    stride_res_m,
+    stride_res_n,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    GELU_FORM: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SUMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -170,16 +211,61 @@ def _linear_kernel(
     if SUMS == 2:
         if pid_n == 0:
             tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=mask_m)
-    _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
-                   stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                   HAS_BIAS, EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, SUMS)
+    _gemm_epilogue(
+        acc,
+        offs_m,
+        offs_n,
+        pid_m,
+        pid_k,
+        M,
+        N,
+        C,
+        Bias,
+        Aux,
+        Residual,
+        Sums,
+        stride_c_split,
+        stride_cm,
+        stride_bias,
+        stride_aux_m,
+        stride_res_m,
+        stride_res_n,
+        HAS_BIAS,
+        EPILOGUE,
+        GELU_FORM,
+        SAVE_PREACT,
+        HAS_RESIDUAL,
+        SUMS,
+    )
 
 
 @triton.jit
-def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
-                   stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                   HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr,
-                   SAVE_PREACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr):
+def _gemm_epilogue(
+    acc,
+    offs_m,
+    offs_n,
+    pid_m,
+    pid_k,
+    M,
+    N,
+    C,
+    Bias,
+    Aux,
+    Residual,
+    Sums,
+    stride_c_split,
+    stride_cm,
+    stride_bias,
+    stride_aux_m,
+    stride_res_m,
+    stride_res_n,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    GELU_FORM: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SUMS: tl.constexpr,
+):
     """The GEMM kernels' epilogue on one (BLOCK_M x BLOCK_N) fp32 tile ``acc`` of C (see
     ``_linear_kernel``): bias, GELU or GELU', residual, the column sums, the one store of C."""
     mask_m = offs_m < M
@@ -188,7 +274,9 @@ def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residu
     rows = offs_m[:, None].to(tl.int64)
     cols = offs_n[None, :].to(tl.int64)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(Bias + offs_n.to(tl.int64) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[
+            None, :
+        ]
     if EPILOGUE == 1:
         if SAVE_PREACT:
             tl.store(Aux + rows * stride_aux_m + cols, acc.to(Aux.dtype.element_ty), mask=mask)
@@ -197,11 +285,16 @@ def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residu
         z = tl.load(Aux + rows * stride_aux_m + cols, mask=mask, other=0.0).to(tl.float32)
         acc = acc * _gelu_grad(z, GELU_FORM)
     if HAS_RESIDUAL:
-        acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(Residual + rows * stride_res_m + cols * stride_res_n, mask=mask, other=0.0).to(
+            tl.float32
+        )
     if SUMS == 1:
         tl.store(Sums + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, acc, 0.0), 0), mask=mask_n)
-    tl.store(C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols, acc.to(C.dtype.element_ty), mask=mask)
-
+    tl.store(
+        C + pid_k.to(tl.int64) * stride_c_split + rows * stride_cm + cols,
+        acc.to(C.dtype.element_ty),
+        mask=mask,
+    )
 
 
 # The same GEMM and epilogue for Hopper (sm_90+) and 16-bit operands: persistent (one program per
@@ -213,12 +306,36 @@ def _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residu
 # matrix whose transpose B is (B_T: W^T of a forward). K slices start at multiples of BLOCK_K.
 @triton.jit
 def _linear_tma_kernel(
-    A_desc, B_desc, C, Bias, Aux, Residual, Sums,
-    M, N, K, k_per_split, slices,
-    stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr,
-    B_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_desc,
+    B_desc,
+    C,
+    Bias,
+    Aux,
+    Residual,
+    Sums,
+    M,
+    N,
+    K,
+    k_per_split,
+    slices,
+    stride_c_split,
+    stride_cm,
+    stride_bias,
+    stride_aux_m,
+    stride_res_m,
+    stride_res_n,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    GELU_FORM: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SUMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -250,9 +367,32 @@ def _linear_tma_kernel(
         if SUMS == 2:
             if pid_n == 0:
                 tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=offs_m < M)
-        _gemm_epilogue(acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums,
-                       stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
-                       HAS_BIAS, EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, SUMS)
+        _gemm_epilogue(
+            acc,
+            offs_m,
+            offs_n,
+            pid_m,
+            pid_k,
+            M,
+            N,
+            C,
+            Bias,
+            Aux,
+            Residual,
+            Sums,
+            stride_c_split,
+            stride_cm,
+            stride_bias,
+            stride_aux_m,
+            stride_res_m,
+            stride_res_n,
+            HAS_BIAS,
+            EPILOGUE,
+            GELU_FORM,
+            SAVE_PREACT,
+            HAS_RESIDUAL,
+            SUMS,
+        )
 
 
 _linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible): the compile gate skips sm_80
@@ -265,8 +405,17 @@ _linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible):
 #              host sums the slices): the bias gradient without a second read of dZ
 @triton.jit
 def _gelu_bwd_kernel(
-    DY, Z, DZ, Partial, rows, cols, rows_per_slice,
-    GELU_FORM: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY,
+    Z,
+    DZ,
+    Partial,
+    rows,
+    cols,
+    rows_per_slice,
+    GELU_FORM: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < cols
@@ -317,30 +466,57 @@ class GemmTile(NamedTuple):
         return repr(tuple(self) if self.kernel != "pointer" else tuple(self)[:5])
 
 
-GEMM_TILES_16BIT = tuple(GemmTile(*tile) for tile in (
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-    (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-))
-GEMM_TILES_FP32 = tuple(GemmTile(*tile) for tile in ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3)))
+GEMM_TILES_16BIT = tuple(
+    GemmTile(*tile)
+    for tile in (
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 4),
+        (128, 128, 128, 8, 3),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+    )
+)
+GEMM_TILES_FP32 = tuple(
+    GemmTile(*tile) for tile in ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
+)
 # The persistent TMA kernel's tiles (``_linear_tma_kernel``), offered beside the table above on
 # sm_90+ for 16-bit operands that TMA can read (one unit stride, the other 16-byte aligned, 16-byte
 # aligned data): the shapes of Triton's persistent Hopper matmul (128 x 256 and 128 x 128 with 8
 # warps as two warpgroups, 3-4 stages of 32-48 KB). Never the default: the user's GPU validates and
 # times them against the pointer kernel's tiles.
-GEMM_TILES_TMA = tuple(GemmTile(*tile, TMA) for tile in (
-    (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3),
-))
+GEMM_TILES_TMA = tuple(
+    GemmTile(*tile, TMA)
+    for tile in (
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 128, 8, 3),
+    )
+)
 GEMM_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
 GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles shared in L2)
-MAX_BLOCK_K = max(tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32)  # split-K slices are multiples of it
+MAX_BLOCK_K = max(
+    tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32
+)  # split-K slices are multiples of it
 VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
 GEMM_CHOOSER = TileChooser("GEMM")
 
 
 def gemm_config(tile: GemmTile) -> dict:
     """A tile as the GEMM kernels' launch keywords."""
-    return {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "GROUP_M": GEMM_GROUP_M,
-            "num_warps": tile.warps, "num_stages": tile.stages}
+    return {
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "GROUP_M": GEMM_GROUP_M,
+        "num_warps": tile.warps,
+        "num_stages": tile.stages,
+    }
 
 
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
@@ -425,9 +601,16 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, **epilogue
 
 
 def _matmul_and_sums(
-    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None,
-    epilogue: int = EPILOGUE_NONE, gelu_form: int = 0, aux: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None, sums: int = SUMS_NONE,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    epilogue: int = EPILOGUE_NONE,
+    gelu_form: int = 0,
+    aux: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    sums: int = SUMS_NONE,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (C (M, N) contiguous, all read by strides;
     the sums in float32, or None for SUMS_NONE): SUMS_OF_C_COLUMNS, sum_rows C (N,) before C's
@@ -458,8 +641,19 @@ class _Gemm:
     """One call of the GEMM kernel: its operands and split, launched with a given tile into given
     outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
 
-    __slots__ = ("a", "b", "out_dtype", "bias", "epilogue", "gelu_form", "aux", "residual", "sums", "slices",
-                 "k_per_split")
+    __slots__ = (
+        "a",
+        "b",
+        "out_dtype",
+        "bias",
+        "epilogue",
+        "gelu_form",
+        "aux",
+        "residual",
+        "sums",
+        "slices",
+        "k_per_split",
+    )
 
     def __init__(self, a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split):
         self.a, self.b, self.out_dtype, self.bias, self.epilogue = a, b, out_dtype, bias, epilogue
@@ -493,24 +687,78 @@ class _Gemm:
             shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
             partial = torch.empty(shape, dtype=torch.float32, device=a.device)
         epilogue_args = (
-            c, bias if bias is not None else c, aux if aux is not None else c, residual if residual is not None else c,
-            partial if partial is not None else c)
-        strides = (m * n if self.slices > 1 else 0, n, bias.stride(0) if bias is not None else 0,
-                   aux.stride(0) if aux is not None else 0,
-                   *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)))
-        flags = dict(HAS_BIAS=bias is not None, EPILOGUE=self.epilogue, GELU_FORM=self.gelu_form, SAVE_PREACT=aux is not None,
-                     HAS_RESIDUAL=residual is not None, SUMS=self.sums, PRECISION=dot_precision(a.dtype))
+            c,
+            bias if bias is not None else c,
+            aux if aux is not None else c,
+            residual if residual is not None else c,
+            partial if partial is not None else c,
+        )
+        strides = (
+            m * n if self.slices > 1 else 0,
+            n,
+            bias.stride(0) if bias is not None else 0,
+            aux.stride(0) if aux is not None else 0,
+            *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
+        )
+        flags = dict(
+            HAS_BIAS=bias is not None,
+            EPILOGUE=self.epilogue,
+            GELU_FORM=self.gelu_form,
+            SAVE_PREACT=aux is not None,
+            HAS_RESIDUAL=residual is not None,
+            SUMS=self.sums,
+            PRECISION=dot_precision(a.dtype),
+        )
         if tile.kernel == TMA and tma_possible(a, b):
             a_t, b_t = tma_transposed(a), tma_transposed(b)
             bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-            a_desc = TensorDescriptor.from_tensor(a.t(), [bk, bm]) if a_t else TensorDescriptor.from_tensor(a, [bm, bk])
-            b_desc = TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_t else TensorDescriptor.from_tensor(b, [bk, bn])
+            a_desc = (
+                TensorDescriptor.from_tensor(a.t(), [bk, bm])
+                if a_t
+                else TensorDescriptor.from_tensor(a, [bm, bk])
+            )
+            b_desc = (
+                TensorDescriptor.from_tensor(b.t(), [bn, bk])
+                if b_t
+                else TensorDescriptor.from_tensor(b, [bk, bn])
+            )
             grid = (min(tiles * self.slices, multiprocessors(a.device)),)
-            launch(_linear_tma_kernel, grid, a_desc, b_desc, *epilogue_args, m, n, k, self.k_per_split, self.slices,
-                   *strides, **flags, A_T=a_t, B_T=b_t, **config)
+            launch(
+                _linear_tma_kernel,
+                grid,
+                a_desc,
+                b_desc,
+                *epilogue_args,
+                m,
+                n,
+                k,
+                self.k_per_split,
+                self.slices,
+                *strides,
+                **flags,
+                A_T=a_t,
+                B_T=b_t,
+                **config,
+            )
             return partial
-        launch(_linear_kernel, (tiles, self.slices), a, b, *epilogue_args, m, n, k, self.k_per_split,
-               a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides, **flags, **config)
+        launch(
+            _linear_kernel,
+            (tiles, self.slices),
+            a,
+            b,
+            *epilogue_args,
+            m,
+            n,
+            k,
+            self.k_per_split,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            *strides,
+            **flags,
+            **config,
+        )
         return partial
 
     def key(self) -> tuple:
@@ -520,15 +768,32 @@ class _Gemm:
         have unit stride (W^T and dY^T are read transposed). Plain ints (SymInts made concrete)."""
         a, b = self.a, self.b
         (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
-        return (a.device, a.dtype, self.out_dtype, self.bias is not None, self.epilogue, self.gelu_form,
-                self.aux is not None, self.residual is not None, self.sums, bucket(int(m)), int(n), bucket(int(k)), self.slices,
-                bool(a_m == 1), bool(a_k == 1), bool(b_k == 1), bool(b_n == 1))
+        return (
+            a.device,
+            a.dtype,
+            self.out_dtype,
+            self.bias is not None,
+            self.epilogue,
+            self.gelu_form,
+            self.aux is not None,
+            self.residual is not None,
+            self.sums,
+            bucket(int(m)),
+            int(n),
+            bucket(int(k)),
+            self.slices,
+            bool(a_m == 1),
+            bool(a_k == 1),
+            bool(b_k == 1),
+            bool(b_n == 1),
+        )
 
     def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
         """The output rows ``rows`` (all when None) computed by PyTorch: [out] (+ [pre-activation]
         under SAVE_PREACT). In ``dtype`` when given (the reference), else as PyTorch computes it
         in the operands' own dtypes (its matmul in the operands' dtype, the residual added in its
         dtype, as ``linear_ref`` does)."""
+
         def pick(t):
             t = t if rows is None else t.index_select(0, rows)
             return t if dtype is None else t.to(dtype)
@@ -557,7 +822,12 @@ class _Gemm:
         PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
         save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
         per_row = ["out"] + (["preact"] if save_preact else [])  # checked on validation_rows; the sums whole
-        names = per_row + {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[self.sums]
+        names = (
+            per_row
+            + {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[
+                self.sums
+            ]
+        )
 
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
@@ -581,20 +851,36 @@ class _Gemm:
                     references[1].append(self.a.to(wide).sum(1))
                     references[2].append(self.a.sum(1))
             rows, exacts, owns = references
-            return first_problem([
-                (name, actual if rows is None or index >= len(per_row) else actual.index_select(0, rows), own, exact)
-                for index, (name, actual, exact, own) in enumerate(zip(names, outputs, exacts, owns, strict=True))],
-                FLOORS[self.a.dtype])
+            return first_problem(
+                [
+                    (
+                        name,
+                        actual if rows is None or index >= len(per_row) else actual.index_select(0, rows),
+                        own,
+                        exact,
+                    )
+                    for index, (name, actual, exact, own) in enumerate(
+                        zip(names, outputs, exacts, owns, strict=True)
+                    )
+                ],
+                FLOORS[self.a.dtype],
+            )
 
         return run, check
 
 
 def _matmul_tile(gemm: _Gemm) -> tuple:
     """The tile ``_matmul`` launches: see ``vit_kernels._tiles.tile_to_launch``."""
-    return tile_to_launch(GEMM_CHOOSER, gemm.a.device, gemm.key, lambda: GEMM_INTERPRETER_TILE,
-                           lambda: gemm_candidates(gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]),
-                                                   tma_possible(gemm.a, gemm.b)),
-                           gemm.trial)
+    return tile_to_launch(
+        GEMM_CHOOSER,
+        gemm.a.device,
+        gemm.key,
+        lambda: GEMM_INTERPRETER_TILE,
+        lambda: gemm_candidates(
+            gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]), tma_possible(gemm.a, gemm.b)
+        ),
+        gemm.trial,
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -622,8 +908,22 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
     rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
     slices = cdiv(rows, rows_per_slice)
     partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
-    launch(_gelu_bwd_kernel, (strips, slices), grad, preact, dz, partial, rows, cols, rows_per_slice,
-           GELU_FORM=gelu_form, BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    launch(
+        _gelu_bwd_kernel,
+        (strips, slices),
+        grad,
+        preact,
+        dz,
+        partial,
+        rows,
+        cols,
+        rows_per_slice,
+        GELU_FORM=gelu_form,
+        BIAS_GRAD=bias_grad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
     return dz, partial.sum(0) if bias_grad else None
 
 
@@ -648,6 +948,7 @@ def _weight_and_bias_grads_by(way: str, dy2: torch.Tensor, x2: torch.Tensor, dty
 
 def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
     """(run, check) for BIAS_GRAD_CHOOSER: dW and db against PyTorch's own, float64 / float32 exact."""
+
     def run(way):
         return list(_weight_and_bias_grads_by(way, dy2, x2, dtype))
 
@@ -676,15 +977,24 @@ def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dty
     if not bias_grad:
         return _matmul(dy2.t(), x2, dtype), None
     m, n = dy2.shape
-    way = tile_to_launch(BIAS_GRAD_CHOOSER, dy2.device,
-                         lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
-                         lambda: BIAS_GRAD_WAYS[0], lambda: BIAS_GRAD_WAYS, lambda: _bias_grad_trial(dy2, x2, dtype))
+    way = tile_to_launch(
+        BIAS_GRAD_CHOOSER,
+        dy2.device,
+        lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
+        lambda: BIAS_GRAD_WAYS[0],
+        lambda: BIAS_GRAD_WAYS,
+        lambda: _bias_grad_trial(dy2, x2, dtype),
+    )
     return _weight_and_bias_grads_by(way, dy2, x2, dtype)
 
 
 if HAS_TRITON:
+
     def _linear_fwd(
-        x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
         activation: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """act(x @ W^T + b) (+ residual) (..., N), and the pre-activation (..., N) for GELU (else empty)."""
@@ -694,8 +1004,13 @@ if HAS_TRITON:
         has_gelu = activation != NONE
         preact = torch.empty((x2.shape[0], n) if has_gelu else (0,), dtype=x.dtype, device=x.device)
         out = _matmul(
-            x2, weight.t(), out_dtype, bias=bias, epilogue=EPILOGUE_GELU if has_gelu else EPILOGUE_NONE,
-            gelu_form=GELU_FORMS.get(activation, 0), aux=preact if has_gelu else None,
+            x2,
+            weight.t(),
+            out_dtype,
+            bias=bias,
+            epilogue=EPILOGUE_GELU if has_gelu else EPILOGUE_NONE,
+            gelu_form=GELU_FORMS.get(activation, 0),
+            aux=preact if has_gelu else None,
             residual=_rows(residual) if residual is not None else None,
         )
         shape = (*x.shape[:-1], n)
@@ -704,7 +1019,11 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())(_linear_fwd)
 
     def _linear_bwd(
-        grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, activation: str,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        preact: torch.Tensor,
+        activation: str,
         needs_bias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx (..., K), dW (N, K), db (N,) (empty when there is no bias)."""
@@ -716,7 +1035,9 @@ if HAS_TRITON:
             dx, dw, db = _input_and_weight_grads(dy2, _rows(x), weight, needs_bias)
         return dx.view(x.shape), dw, db.to(weight.dtype) if needs_bias else dy2.new_empty(0)
 
-    linear_bwd = direct(torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd)
+    linear_bwd = direct(
+        torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd
+    )
 
     def _linear_setup_context(ctx, inputs, output):
         x, weight, bias, residual, activation = inputs
@@ -730,22 +1051,36 @@ if HAS_TRITON:
         dx, dw, db = linear_bwd(grad_out, x, weight, preact, ctx.activation, ctx.has_bias)
         return dx, dw, db if ctx.has_bias else None, grad_out if ctx.has_residual else None, None
 
-    linear_fwd = differentiable("vit_kernels::linear_fwd", _linear_backward, _linear_setup_context, _linear_fwd)
+    linear_fwd = differentiable(
+        "vit_kernels::linear_fwd", _linear_backward, _linear_setup_context, _linear_fwd
+    )
 
     def _linear_gelu_infer(
-        x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        activation: str,
     ) -> torch.Tensor:
         """gelu(x @ W^T + b) (..., N) where no gradient will be asked for: the GEMM with its bias +
         GELU epilogue, without writing the pre-activation (M x N) that only backward reads."""
-        out = _matmul(_rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, gelu_form=GELU_FORMS[activation])
+        out = _matmul(
+            _rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, gelu_form=GELU_FORMS[activation]
+        )
         return out.view(*x.shape[:-1], weight.shape[0])
 
     linear_gelu_infer = direct(
-        torch.library.triton_op("vit_kernels::linear_gelu_infer", mutates_args=())(_linear_gelu_infer), _linear_gelu_infer)
+        torch.library.triton_op("vit_kernels::linear_gelu_infer", mutates_args=())(_linear_gelu_infer),
+        _linear_gelu_infer,
+    )
 
     def _mlp_fwd(
-        x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
-        fc2_bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], activation: str,
+        x: torch.Tensor,
+        fc1_weight: torch.Tensor,
+        fc1_bias: Optional[torch.Tensor],
+        fc2_weight: torch.Tensor,
+        fc2_bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
+        activation: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fc2(gelu(fc1(x))) (+ residual) (..., D_out), with the hidden H and pre-activation Z (M, Hd)."""
         x2 = _rows(x)
@@ -756,29 +1091,55 @@ if HAS_TRITON:
     def _mlp_gemms(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, preact):
         """(out (M, D_out), hidden (M, Hd)) of rows x2 (M, D): fc1 with its bias + GELU epilogue (also
         writing the pre-activation into ``preact`` unless it is None), then fc2 (+ residual)."""
-        hidden = _matmul(x2, fc1_weight.t(), x2.dtype, bias=fc1_bias, epilogue=EPILOGUE_GELU,
-                         gelu_form=GELU_FORMS[activation], aux=preact)
+        hidden = _matmul(
+            x2,
+            fc1_weight.t(),
+            x2.dtype,
+            bias=fc1_bias,
+            epilogue=EPILOGUE_GELU,
+            gelu_form=GELU_FORMS[activation],
+            aux=preact,
+        )
         out_dtype = torch.result_type(x2, residual) if residual is not None else x2.dtype
-        out = _matmul(hidden, fc2_weight.t(), out_dtype, bias=fc2_bias,
-                      residual=_rows(residual) if residual is not None else None)
+        out = _matmul(
+            hidden,
+            fc2_weight.t(),
+            out_dtype,
+            bias=fc2_bias,
+            residual=_rows(residual) if residual is not None else None,
+        )
         return out, hidden
 
     torch.library.triton_op("vit_kernels::mlp_fwd", mutates_args=())(_mlp_fwd)
 
     def _mlp_infer(
-        x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
-        fc2_bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], activation: str,
+        x: torch.Tensor,
+        fc1_weight: torch.Tensor,
+        fc1_bias: Optional[torch.Tensor],
+        fc2_weight: torch.Tensor,
+        fc2_bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
+        activation: str,
     ) -> torch.Tensor:
         """fc2(gelu(fc1(x))) (+ residual) (..., D_out) where no gradient will be asked for: the
         pre-activation (M x Hd), which only backward reads, is not written."""
         out, _ = _mlp_gemms(_rows(x), fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, None)
         return out.view(*x.shape[:-1], fc2_weight.shape[0])
 
-    mlp_infer = direct(torch.library.triton_op("vit_kernels::mlp_infer", mutates_args=())(_mlp_infer), _mlp_infer)
+    mlp_infer = direct(
+        torch.library.triton_op("vit_kernels::mlp_infer", mutates_args=())(_mlp_infer), _mlp_infer
+    )
 
     def _mlp_bwd(
-        grad_out: torch.Tensor, x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
-        hidden: torch.Tensor, preact: torch.Tensor, activation: str, needs_bias1: bool, needs_bias2: bool,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        fc1_weight: torch.Tensor,
+        fc2_weight: torch.Tensor,
+        hidden: torch.Tensor,
+        preact: torch.Tensor,
+        activation: str,
+        needs_bias1: bool,
+        needs_bias2: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx, d(fc1_weight), d(fc1_bias), d(fc2_weight), d(fc2_bias) (biases' empty when absent).
         GELU' rides in the epilogue of the dH = dY W2 GEMM, which therefore yields dZ directly, and
@@ -786,12 +1147,24 @@ if HAS_TRITON:
         dW GEMM or a sum of dY (``_weight_and_bias_grads``)."""
         dy2 = _rows(grad_out).to(x.dtype)
         dw2, db2 = _weight_and_bias_grads(dy2, hidden, fc2_weight.dtype, needs_bias2)
-        dz, db1 = _matmul_and_sums(dy2, fc2_weight, x.dtype, epilogue=EPILOGUE_GELU_GRAD, gelu_form=GELU_FORMS[activation],
-                                   aux=preact, sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE)
+        dz, db1 = _matmul_and_sums(
+            dy2,
+            fc2_weight,
+            x.dtype,
+            epilogue=EPILOGUE_GELU_GRAD,
+            gelu_form=GELU_FORMS[activation],
+            aux=preact,
+            sums=SUMS_OF_C_COLUMNS if needs_bias1 else SUMS_NONE,
+        )
         dx, dw1, _ = _input_and_weight_grads(dz, _rows(x), fc1_weight, False)
         empty = dy2.new_empty(0)
-        return (dx.view(x.shape), dw1, db1.to(fc1_weight.dtype) if needs_bias1 else empty, dw2,
-                db2.to(fc2_weight.dtype) if needs_bias2 else empty)
+        return (
+            dx.view(x.shape),
+            dw1,
+            db1.to(fc1_weight.dtype) if needs_bias1 else empty,
+            dw2,
+            db2.to(fc2_weight.dtype) if needs_bias2 else empty,
+        )
 
     mlp_bwd = direct(torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())(_mlp_bwd), _mlp_bwd)
 
@@ -806,9 +1179,18 @@ if HAS_TRITON:
             return (None,) * 7
         x, fc1_weight, fc2_weight, hidden, preact = ctx.saved_tensors
         has_b1, has_b2, has_residual = ctx.has
-        dx, dw1, db1, dw2, db2 = mlp_bwd(grad_out, x, fc1_weight, fc2_weight, hidden, preact, ctx.activation, has_b1, has_b2)
-        return (dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None,
-                grad_out if has_residual else None, None)
+        dx, dw1, db1, dw2, db2 = mlp_bwd(
+            grad_out, x, fc1_weight, fc2_weight, hidden, preact, ctx.activation, has_b1, has_b2
+        )
+        return (
+            dx,
+            dw1,
+            db1 if has_b1 else None,
+            dw2,
+            db2 if has_b2 else None,
+            grad_out if has_residual else None,
+            None,
+        )
 
     mlp_fwd = differentiable("vit_kernels::mlp_fwd", _mlp_backward, _mlp_setup_context, _mlp_fwd)
 

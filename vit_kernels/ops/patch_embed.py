@@ -1,8 +1,8 @@
 """Patch embedding: patchify + projection (+ class token + position embedding).
 
-    X (N, C, H, W) -> patches (N, L, C*P*P), L = (H/P) * (W/P)
-    E = patches @ W^T + b                     W in nn.Conv2d layout (D, C, P, P)
-    T = [cls ; E] + pos                       (N, L [+1], D)
+X (N, C, H, W) -> patches (N, L, C*P*P), L = (H/P) * (W/P)
+E = patches @ W^T + b                     W in nn.Conv2d layout (D, C, P, P)
+T = [cls ; E] + pos                       (N, L [+1], D)
 """
 
 from __future__ import annotations
@@ -16,9 +16,24 @@ from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, tl, triton
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
-from vit_kernels.ops.linear import (GEMM_INTERPRETER_TILE, GemmTile, accumulate_dot, block_zero, gemm_candidates, gemm_config, grouped_tile,
-                                    split_k_slices)
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+    first_problem,
+)
+from vit_kernels.ops.linear import (
+    GEMM_INTERPRETER_TILE,
+    GemmTile,
+    accumulate_dot,
+    block_zero,
+    gemm_candidates,
+    gemm_config,
+    grouped_tile,
+    split_k_slices,
+)
 
 
 @triton.jit
@@ -29,8 +44,12 @@ def _pixel_offsets(image, patch_row, patch_col, offs_k, P, stride_n, stride_c, s
     within = offs_k % (P * P)
     y = patch_row[:, None] * P + (within // P)[None, :]
     x = patch_col[:, None] * P + (within % P)[None, :]
-    return (image[:, None].to(tl.int64) * stride_n + channel[None, :].to(tl.int64) * stride_c
-            + y.to(tl.int64) * stride_h + x.to(tl.int64) * stride_w)
+    return (
+        image[:, None].to(tl.int64) * stride_n
+        + channel[None, :].to(tl.int64) * stride_c
+        + y.to(tl.int64) * stride_h
+        + x.to(tl.int64) * stride_w
+    )
 
 
 # Forward as an implicit-im2col GEMM over all T = L (+1) output rows of every image:
@@ -41,11 +60,33 @@ def _pixel_offsets(image, patch_row, patch_col, offs_k, P, stride_n, stride_c, s
 # where eager PyTorch runs conv, flatten, transpose, cat and add.
 @triton.jit
 def _patch_embed_fwd_kernel(
-    Images, W, Bias, Cls, Pos, Out,
-    total_rows, dim, k_dim, tokens, grid_w, P,
-    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk, stride_bias,
-    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    Images,
+    W,
+    Bias,
+    Cls,
+    Pos,
+    Out,
+    total_rows,
+    dim,
+    k_dim,
+    tokens,
+    grid_w,
+    P,
+    stride_n,
+    stride_c,
+    stride_h,
+    stride_w,
+    stride_wd,
+    stride_wk,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    HAS_CLS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(total_rows, dim, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -66,10 +107,17 @@ def _patch_embed_fwd_kernel(
     for start_k in range(0, k_dim, BLOCK_K):
         ks = start_k + offs_k
         mask_k = ks < k_dim
-        a = tl.load(Images + _pixel_offsets(image, patch_row, patch_col, ks, P, stride_n, stride_c, stride_h, stride_w),
-                    mask=is_patch[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(W + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wd,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(
+            Images
+            + _pixel_offsets(image, patch_row, patch_col, ks, P, stride_n, stride_c, stride_h, stride_w),
+            mask=is_patch[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            W + ks[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wd,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
         acc = accumulate_dot(acc, a, b, zero, PRECISION)
 
     if HAS_BIAS:
@@ -80,8 +128,12 @@ def _patch_embed_fwd_kernel(
         acc = tl.where((token == 0)[:, None], cls[None, :], acc)
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_POS:
-        acc += tl.load(Pos + token[:, None].to(tl.int64) * dim + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + offs_m[:, None].to(tl.int64) * dim + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
+        acc += tl.load(Pos + token[:, None].to(tl.int64) * dim + offs_n[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+    tl.store(
+        Out + offs_m[:, None].to(tl.int64) * dim + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=mask
+    )
 
 
 # d(weight)[d, k] = sum over patch rows m of dOut[m, d] * patch[m, k]: tiles of (D, K), the patches
@@ -89,11 +141,26 @@ def _patch_embed_fwd_kernel(
 # rows_per_split rows (grid axis 2) whose float32 partial sums the host adds up when there are several.
 @triton.jit
 def _patch_embed_bwd_weight_kernel(
-    Images, DOut, DW,
-    num_patches, dim, k_dim, tokens, grid_w, P, rows_per_split,
-    stride_n, stride_c, stride_h, stride_w, stride_dw_split,
-    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    Images,
+    DOut,
+    DW,
+    num_patches,
+    dim,
+    k_dim,
+    tokens,
+    grid_w,
+    P,
+    rows_per_split,
+    stride_n,
+    stride_c,
+    stride_h,
+    stride_w,
+    stride_dw_split,
+    HAS_CLS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,14 +181,25 @@ def _patch_embed_bwd_weight_kernel(
         image = rows // patches_per_image
         patch = rows % patches_per_image
         out_rows = image.to(tl.int64) * tokens + HAS_CLS + patch
-        dout_t = tl.load(DOut + out_rows[None, :] * dim + offs_d[:, None], mask=mask_d[:, None] & mask_m[None, :], other=0.0)
-        a = tl.load(Images + _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P,
-                                            stride_n, stride_c, stride_h, stride_w),
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        dout_t = tl.load(
+            DOut + out_rows[None, :] * dim + offs_d[:, None],
+            mask=mask_d[:, None] & mask_m[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            Images
+            + _pixel_offsets(
+                image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w
+            ),
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
         acc = accumulate_dot(acc, dout_t, a.to(dout_t.dtype), zero, PRECISION)
-    tl.store(DW + pid_s.to(tl.int64) * stride_dw_split + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :],
-             acc.to(DW.dtype.element_ty),
-             mask=mask_d[:, None] & mask_k[None, :])
+    tl.store(
+        DW + pid_s.to(tl.int64) * stride_dw_split + offs_d[:, None].to(tl.int64) * k_dim + offs_k[None, :],
+        acc.to(DW.dtype.element_ty),
+        mask=mask_d[:, None] & mask_k[None, :],
+    )
 
 
 # d(images): each pixel belongs to exactly one patch (stride = kernel), so
@@ -129,11 +207,26 @@ def _patch_embed_bwd_weight_kernel(
 # is a GEMM whose result is scattered back through the same pixel offsets (col2im without overlap).
 @triton.jit
 def _patch_embed_bwd_input_kernel(
-    DOut, W, DImages,
-    num_patches, dim, k_dim, tokens, grid_w, P,
-    stride_n, stride_c, stride_h, stride_w, stride_wd, stride_wk,
-    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOut,
+    W,
+    DImages,
+    num_patches,
+    dim,
+    k_dim,
+    tokens,
+    grid_w,
+    P,
+    stride_n,
+    stride_c,
+    stride_h,
+    stride_w,
+    stride_wd,
+    stride_wk,
+    HAS_CLS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,11 +244,18 @@ def _patch_embed_bwd_input_kernel(
     for start_d in range(0, dim, BLOCK_D):
         ds = start_d + offs_d
         mask_d = ds < dim
-        dout = tl.load(DOut + out_rows[:, None] * dim + ds[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        w = tl.load(W + ds[:, None].to(tl.int64) * stride_wd + offs_k[None, :].to(tl.int64) * stride_wk,
-                    mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+        dout = tl.load(
+            DOut + out_rows[:, None] * dim + ds[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0
+        )
+        w = tl.load(
+            W + ds[:, None].to(tl.int64) * stride_wd + offs_k[None, :].to(tl.int64) * stride_wk,
+            mask=mask_d[:, None] & mask_k[None, :],
+            other=0.0,
+        )
         acc = accumulate_dot(acc, dout, w.to(dout.dtype), zero, PRECISION)
-    offsets = _pixel_offsets(image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w)
+    offsets = _pixel_offsets(
+        image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w
+    )
     tl.store(DImages + offsets, acc.to(DImages.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
 
 
@@ -202,24 +302,50 @@ if HAS_TRITON:
         """-> (output, the forward kernel's arguments and flags but the tile)."""
         n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
         w2 = weight.reshape(dim, k_dim)
-        out = torch.empty((n, tokens, dim), dtype=_out_dtype(images, cls_token, pos_embed), device=images.device)
+        out = torch.empty(
+            (n, tokens, dim), dtype=_out_dtype(images, cls_token, pos_embed), device=images.device
+        )
         pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
         cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
         args = (
-            images, w2, bias if bias is not None else out, cls, pos, out,
-            n * tokens, dim, k_dim, tokens, grid_w, patch_size,
-            images.stride(0), images.stride(1), images.stride(2), images.stride(3), w2.stride(0), w2.stride(1),
+            images,
+            w2,
+            bias if bias is not None else out,
+            cls,
+            pos,
+            out,
+            n * tokens,
+            dim,
+            k_dim,
+            tokens,
+            grid_w,
+            patch_size,
+            images.stride(0),
+            images.stride(1),
+            images.stride(2),
+            images.stride(3),
+            w2.stride(0),
+            w2.stride(1),
             bias.stride(0) if bias is not None else 0,
         )
-        flags = dict(HAS_BIAS=bias is not None, HAS_CLS=cls_token is not None, HAS_POS=pos_embed is not None,
-                     PRECISION=dot_precision(images.dtype))
+        flags = dict(
+            HAS_BIAS=bias is not None,
+            HAS_CLS=cls_token is not None,
+            HAS_POS=pos_embed is not None,
+            PRECISION=dot_precision(images.dtype),
+        )
         return out, args, flags
 
     def _launch_fwd(args: tuple, flags: dict, tile: GemmTile) -> None:
         rows, dim = args[6], args[7]
         config = gemm_config(tile)
-        launch(_patch_embed_fwd_kernel, (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),),
-               *args, **flags, **config)
+        launch(
+            _patch_embed_fwd_kernel,
+            (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),),
+            *args,
+            **flags,
+            **config,
+        )
 
     def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
         """The forward tile to launch: see ``vit_kernels._tiles.tile_to_launch``. A candidate is
@@ -228,9 +354,20 @@ if HAS_TRITON:
         n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
 
         def key():
-            return (images.device, images.dtype, _out_dtype(images, cls_token, pos_embed), bias is not None, cls_token is not None, pos_embed is not None,
-                    bucket(int(n) * int(tokens)), int(dim), int(k_dim), patch_size, int(tokens),
-                    bool(images.stride(1) == 1))
+            return (
+                images.device,
+                images.dtype,
+                _out_dtype(images, cls_token, pos_embed),
+                bias is not None,
+                cls_token is not None,
+                pos_embed is not None,
+                bucket(int(n) * int(tokens)),
+                int(dim),
+                int(k_dim),
+                patch_size,
+                int(tokens),
+                bool(images.stride(1) == 1),
+            )
 
         def trial():
             def run(tile):
@@ -246,8 +383,9 @@ if HAS_TRITON:
                     return t if t is None or dtype is None else t.to(dtype)
 
                 subset = images if picked is None else images.index_select(0, picked)
-                return patch_embed_ref(cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token),
-                                       cast(pos_embed))
+                return patch_embed_ref(
+                    cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
+                )
 
             @torch.no_grad()
             def check(outputs):
@@ -260,12 +398,22 @@ if HAS_TRITON:
 
             return run, check
 
-        return tile_to_launch(FWD_CHOOSER, images.device, key, lambda: GEMM_INTERPRETER_TILE,
-                               lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)), trial)
+        return tile_to_launch(
+            FWD_CHOOSER,
+            images.device,
+            key,
+            lambda: GEMM_INTERPRETER_TILE,
+            lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)),
+            trial,
+        )
 
     def _patch_embed_fwd(
-        images: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cls_token: Optional[torch.Tensor],
-        pos_embed: Optional[torch.Tensor], patch_size: int,
+        images: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        cls_token: Optional[torch.Tensor],
+        pos_embed: Optional[torch.Tensor],
+        patch_size: int,
     ) -> torch.Tensor:
         """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
         out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
@@ -275,7 +423,11 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
 
     def _patch_embed_bwd(
-        grad_out: torch.Tensor, images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool,
+        grad_out: torch.Tensor,
+        images: torch.Tensor,
+        weight: torch.Tensor,
+        patch_size: int,
+        has_cls: bool,
         needs_images: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
@@ -289,14 +441,33 @@ if HAS_TRITON:
         rows_per_split = max(1, cdiv(cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
         slices = max(1, cdiv(n * num_patches, rows_per_split))
         partial = slices > 1
-        dw = torch.empty((slices, dim, k_dim) if partial else (dim, k_dim),
-                         dtype=torch.float32 if partial else weight.dtype, device=images.device)
+        dw = torch.empty(
+            (slices, dim, k_dim) if partial else (dim, k_dim),
+            dtype=torch.float32 if partial else weight.dtype,
+            device=images.device,
+        )
         grid = (cdiv(dim, tile_d), cdiv(k_dim, tile_k), slices)
         launch(
-            _patch_embed_bwd_weight_kernel, grid,
-            images, grad_out, dw, n * num_patches, dim, k_dim, tokens, grid_w, patch_size, rows_per_split,
-            *strides, dim * k_dim if partial else 0,
-            HAS_CLS=has_cls, PRECISION=precision, BLOCK_D=tile_d, BLOCK_K=tile_k, BLOCK_M=tile_m, num_warps=warps,
+            _patch_embed_bwd_weight_kernel,
+            grid,
+            images,
+            grad_out,
+            dw,
+            n * num_patches,
+            dim,
+            k_dim,
+            tokens,
+            grid_w,
+            patch_size,
+            rows_per_split,
+            *strides,
+            dim * k_dim if partial else 0,
+            HAS_CLS=has_cls,
+            PRECISION=precision,
+            BLOCK_D=tile_d,
+            BLOCK_K=tile_k,
+            BLOCK_M=tile_m,
+            num_warps=warps,
         )
         if partial:
             dw = dw.sum(0).to(weight.dtype)
@@ -306,15 +477,36 @@ if HAS_TRITON:
         w2 = weight.reshape(dim, k_dim)
         grid = (cdiv(n * num_patches, tile_m), cdiv(k_dim, tile_k))
         launch(
-            _patch_embed_bwd_input_kernel, grid,
-            grad_out, w2, dimages, n * num_patches, dim, k_dim, tokens, grid_w, patch_size,
-            dimages.stride(0), dimages.stride(1), dimages.stride(2), dimages.stride(3), w2.stride(0), w2.stride(1),
-            HAS_CLS=has_cls, PRECISION=precision, BLOCK_M=tile_m, BLOCK_K=tile_k, BLOCK_D=tile_d, num_warps=warps,
+            _patch_embed_bwd_input_kernel,
+            grid,
+            grad_out,
+            w2,
+            dimages,
+            n * num_patches,
+            dim,
+            k_dim,
+            tokens,
+            grid_w,
+            patch_size,
+            dimages.stride(0),
+            dimages.stride(1),
+            dimages.stride(2),
+            dimages.stride(3),
+            w2.stride(0),
+            w2.stride(1),
+            HAS_CLS=has_cls,
+            PRECISION=precision,
+            BLOCK_M=tile_m,
+            BLOCK_K=tile_k,
+            BLOCK_D=tile_d,
+            num_warps=warps,
         )
         return dimages, dw.view(weight.shape)
 
-    patch_embed_bwd = direct(torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())(_patch_embed_bwd),
-                             _patch_embed_bwd)
+    patch_embed_bwd = direct(
+        torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())(_patch_embed_bwd),
+        _patch_embed_bwd,
+    )
 
     def _setup_context(ctx, inputs, output):
         images, weight, bias, cls_token, pos_embed, patch_size = inputs
@@ -325,14 +517,18 @@ if HAS_TRITON:
     def _backward(ctx, grad_out):
         images, weight = ctx.saved_tensors
         has_bias, has_cls, has_pos = ctx.has
-        dimages, dweight = patch_embed_bwd(grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0])
+        dimages, dweight = patch_embed_bwd(
+            grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0]
+        )
         per_token = grad_out.sum(0, keepdim=True, dtype=torch.float32)  # (1, T, D): one pass over dOut
-        dbias = per_token[0, int(has_cls):].sum(0).to(weight.dtype) if has_bias else None
+        dbias = per_token[0, int(has_cls) :].sum(0).to(weight.dtype) if has_bias else None
         dcls = per_token[:, :1].to(grad_out.dtype) if has_cls else None
         dpos = per_token.to(grad_out.dtype) if has_pos else None
         return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
 
-    patch_embed_fwd = differentiable("vit_kernels::patch_embed_fwd", _backward, _setup_context, _patch_embed_fwd)
+    patch_embed_fwd = differentiable(
+        "vit_kernels::patch_embed_fwd", _backward, _setup_context, _patch_embed_fwd
+    )
 
 
 def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_embed=None):

@@ -43,15 +43,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     and returned in x's dtype; cos, sin broadcast to (B, H, L_r, Dh). Differentiable in x, cos, sin."""
     length, rotated = x.shape[-2], cos.shape[-2]
     wide = compute_dtype(x.dtype)
-    tail = x[..., length - rotated:, :].to(wide)
+    tail = x[..., length - rotated :, :].to(wide)
     tail = (tail * cos.to(wide) + rotate(tail, layout) * sin.to(wide)).to(x.dtype)
     if rotated == length:
         return tail
-    return torch.cat([x[..., :length - rotated, :], tail], dim=-2)
+    return torch.cat([x[..., : length - rotated, :], tail], dim=-2)
 
 
-def check_rope(rope: object, rope_layout: object, qkv: torch.Tensor, num_heads: int
-               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def check_rope(
+    rope: object, rope_layout: object, qkv: torch.Tensor, num_heads: int
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Validates ``rope = (cos, sin)`` (or None) and ``rope_layout`` for a qkv (B, L, 3*D) of
     ``num_heads`` heads; returns (cos, sin), or (None, None) without rope. Each table: a floating-point
     tensor of 2 to 4 dimensions on qkv's device, both of one shape and dtype, broadcastable to
@@ -69,28 +70,39 @@ def check_rope(rope: object, rope_layout: object, qkv: torch.Tensor, num_heads: 
     for name, table in (("cos", cos), ("sin", sin)):
         check_float_tensor(f"rope {name}", table, layout="broadcastable to (B, H, L_r, Dh)")
         if not 2 <= table.dim() <= 4:
-            raise ValueError(f"rope {name} must have 2 to 4 dimensions, broadcastable to (B, H, L_r, Dh) = "
-                             f"({batch}, {num_heads}, L_r, {head_dim}), got shape {shape_of(table)}")
+            raise ValueError(
+                f"rope {name} must have 2 to 4 dimensions, broadcastable to (B, H, L_r, Dh) = "
+                f"({batch}, {num_heads}, L_r, {head_dim}), got shape {shape_of(table)}"
+            )
         if table.device != qkv.device:
-            raise ValueError(f"rope {name} is on {table.device} but qkv is on {qkv.device}: move them to one device")
+            raise ValueError(
+                f"rope {name} is on {table.device} but qkv is on {qkv.device}: move them to one device"
+            )
     if shape_of(cos) != shape_of(sin):
-        raise ValueError(f"rope cos and sin must have the same shape, got {shape_of(cos)} and {shape_of(sin)}")
+        raise ValueError(
+            f"rope cos and sin must have the same shape, got {shape_of(cos)} and {shape_of(sin)}"
+        )
     if cos.dtype != sin.dtype:
         raise TypeError(f"rope cos has dtype {cos.dtype} but sin has {sin.dtype}: they must match")
     rows = cos.shape[-2]
     expected = (batch, num_heads, rows, head_dim)
     leading = (1,) * (4 - cos.dim()) + shape_of(cos)
     if leading[-1] != head_dim or any(n not in (1, want) for n, want in zip(leading[:2], expected[:2])):
-        raise ValueError(f"rope cos and sin must broadcast to (B, H, L_r, Dh) = ({batch}, {num_heads}, L_r, "
-                         f"{head_dim}), got shape {shape_of(cos)}")
+        raise ValueError(
+            f"rope cos and sin must broadcast to (B, H, L_r, Dh) = ({batch}, {num_heads}, L_r, "
+            f"{head_dim}), got shape {shape_of(cos)}"
+        )
     if not 1 <= rows <= length:
-        raise ValueError(f"rope tables must rotate 1 <= L_r <= L = {length} tokens (the last L_r), got L_r = {rows} "
-                         f"from shape {shape_of(cos)}")
+        raise ValueError(
+            f"rope tables must rotate 1 <= L_r <= L = {length} tokens (the last L_r), got L_r = {rows} "
+            f"from shape {shape_of(cos)}"
+        )
     return cos, sin
 
 
-def tables_4d(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def tables_4d(
+    qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin as (B, H, L_r, Dh) views (broadcast dimensions get stride 0: no copy)."""
     batch, _, three_d = qkv.shape
     shape = (batch, num_heads, cos.shape[-2], three_d // 3 // num_heads)

@@ -25,10 +25,35 @@ import torch.nn.functional as F
 from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
-from vit_kernels._tiles import FLOORS, TileChooser, reference_dtype, report_rows, tile_to_launch, first_problem
-from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors, tl, triton
-from vit_kernels.ops.linear import (GemmTile, accumulate_dot, block_zero, _matmul, _rows, _weight_and_bias_grads, gemm_config, grouped_tile,
-                                    validation_rows)
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+    first_problem,
+)
+from vit_kernels._triton import (
+    HAS_TRITON,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    multiprocessors,
+    tl,
+    triton,
+)
+from vit_kernels.ops.linear import (
+    GemmTile,
+    accumulate_dot,
+    block_zero,
+    _matmul,
+    _rows,
+    _weight_and_bias_grads,
+    gemm_config,
+    grouped_tile,
+    validation_rows,
+)
 
 
 # H = silu(G) * U with G = A @ Bg + bg, U = A @ Bu + bu (A = X (M, K); Bg = W_g^T, Bu = W_u^T (K, N),
@@ -38,11 +63,33 @@ from vit_kernels.ops.linear import (GemmTile, accumulate_dot, block_zero, _matmu
 #   H = G / (1 + exp(-G)) * U               (cast once on store)
 @triton.jit
 def _swiglu_fwd_kernel(
-    A, BG, BU, BiasG, BiasU, H, G, U,
-    M, N, K,
-    stride_am, stride_ak, stride_bg_k, stride_bg_n, stride_bu_k, stride_bu_n, stride_bias_g, stride_bias_u,
-    HAS_BIAS_G: tl.constexpr, HAS_BIAS_U: tl.constexpr, SAVE_PREACT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A,
+    BG,
+    BU,
+    BiasG,
+    BiasU,
+    H,
+    G,
+    U,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bg_k,
+    stride_bg_n,
+    stride_bu_k,
+    stride_bu_n,
+    stride_bias_g,
+    stride_bias_u,
+    HAS_BIAS_G: tl.constexpr,
+    HAS_BIAS_U: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,9 +117,13 @@ def _swiglu_fwd_kernel(
         bg_ptrs += step_bg
         bu_ptrs += step_bu
     if HAS_BIAS_G:
-        acc_g += tl.load(BiasG + offs_n.to(tl.int64) * stride_bias_g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(BiasG + offs_n.to(tl.int64) * stride_bias_g, mask=mask_n, other=0.0).to(tl.float32)[
+            None, :
+        ]
     if HAS_BIAS_U:
-        acc_u += tl.load(BiasU + offs_n.to(tl.int64) * stride_bias_u, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(BiasU + offs_n.to(tl.int64) * stride_bias_u, mask=mask_n, other=0.0).to(tl.float32)[
+            None, :
+        ]
     mask = mask_m[:, None] & mask_n[None, :]
     offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :].to(tl.int64)
     if SAVE_PREACT:
@@ -89,8 +140,19 @@ def _swiglu_fwd_kernel(
 #              before the rounding; the host sums the slices): both bias gradients with no second read
 @triton.jit
 def _swiglu_bwd_kernel(
-    DH, G, U, DG, DU, PartialG, PartialU, rows, cols, rows_per_slice,
-    BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DH,
+    G,
+    U,
+    DG,
+    DU,
+    PartialG,
+    PartialU,
+    rows,
+    cols,
+    rows_per_slice,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < cols
@@ -128,8 +190,10 @@ def _swiglu_bwd_kernel(
 # (ieee FMA) takes 32-wide tiles (64 x 32 used stack on sm_90). The default 128 x 64 x 64, 8 warps,
 # is the single GEMM's default tile with its columns halved; no GPU has timed these tiles yet. Every
 # entry is compiled for sm_80 and sm_90 by `make check-gpu`.
-SWIGLU_TILES_16BIT = tuple(GemmTile(*tile) for tile in (
-    (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3)))
+SWIGLU_TILES_16BIT = tuple(
+    GemmTile(*tile)
+    for tile in ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3))
+)
 SWIGLU_TILES_FP32 = (GemmTile(32, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 3))
 SWIGLU_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
 SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM")
@@ -173,25 +237,59 @@ class _DualGemm:
         config = gemm_config(tile)
         grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
         # W^T (K, N) by strides: B[k, n] = W[n, k]
-        launch(_swiglu_fwd_kernel, grid, x2, wg, wu, bg if bg is not None else h, bu if bu is not None else h,
-               h, g if self.save_preact else h, u if self.save_preact else h, m, n, k,
-               x2.stride(0), x2.stride(1), wg.stride(1), wg.stride(0), wu.stride(1), wu.stride(0),
-               bg.stride(0) if bg is not None else 0, bu.stride(0) if bu is not None else 0,
-               HAS_BIAS_G=bg is not None, HAS_BIAS_U=bu is not None, SAVE_PREACT=self.save_preact,
-               PRECISION=dot_precision(x2.dtype), **config)
+        launch(
+            _swiglu_fwd_kernel,
+            grid,
+            x2,
+            wg,
+            wu,
+            bg if bg is not None else h,
+            bu if bu is not None else h,
+            h,
+            g if self.save_preact else h,
+            u if self.save_preact else h,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            x2.stride(1),
+            wg.stride(1),
+            wg.stride(0),
+            wu.stride(1),
+            wu.stride(0),
+            bg.stride(0) if bg is not None else 0,
+            bu.stride(0) if bu is not None else 0,
+            HAS_BIAS_G=bg is not None,
+            HAS_BIAS_U=bu is not None,
+            SAVE_PREACT=self.save_preact,
+            PRECISION=dot_precision(x2.dtype),
+            **config,
+        )
 
     def key(self) -> tuple:
         """Device, dtype, the bias and SAVE_PREACT flags, M and K bucketed, N exact, and which of x's
         and the weights' dimensions have unit stride (plain ints)."""
         x2, wg, wu = self.x2, self.gate_weight, self.up_weight
         (m, k), n = x2.shape, wg.shape[0]
-        return (x2.device, x2.dtype, self.gate_bias is not None, self.up_bias is not None, self.save_preact,
-                bucket(int(m)), int(n), bucket(int(k)), bool(x2.stride(0) == 1), bool(x2.stride(1) == 1),
-                bool(wg.stride(1) == 1), bool(wu.stride(1) == 1))
+        return (
+            x2.device,
+            x2.dtype,
+            self.gate_bias is not None,
+            self.up_bias is not None,
+            self.save_preact,
+            bucket(int(m)),
+            int(n),
+            bucket(int(k)),
+            bool(x2.stride(0) == 1),
+            bool(x2.stride(1) == 1),
+            bool(wg.stride(1) == 1),
+            bool(wu.stride(1) == 1),
+        )
 
     def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
         """[H] (+ [G, U] under SAVE_PREACT) of the rows ``rows`` (all when None) by PyTorch: in ``dtype``
         when given (the reference), else in the operands' own dtype (as ``swiglu_ref`` computes)."""
+
         def cast(t):
             return t if t is None or dtype is None else t.to(dtype)
 
@@ -209,7 +307,7 @@ class _DualGemm:
         def run(tile):
             h, g, u = self.outputs()
             self.launch(tile, h, g, u)
-            return [h, g, u][:len(names)]
+            return [h, g, u][: len(names)]
 
         wide = reference_dtype(self.x2.dtype)
         references: list = []
@@ -220,9 +318,13 @@ class _DualGemm:
                 rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
                 references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
             rows, exacts, owns = references
-            return first_problem([(name, actual if rows is None else actual.index_select(0, rows), own, exact)
-                                  for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True)],
-                                 FLOORS[self.x2.dtype])
+            return first_problem(
+                [
+                    (name, actual if rows is None else actual.index_select(0, rows), own, exact)
+                    for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True)
+                ],
+                FLOORS[self.x2.dtype],
+            )
 
         return run, check
 
@@ -230,8 +332,14 @@ class _DualGemm:
 def _dual_tile(gemm: _DualGemm) -> GemmTile:
     """The tile the dual GEMM launches: see ``vit_kernels._tiles.tile_to_launch``."""
     m, n = int(gemm.x2.shape[0]), int(gemm.gate_weight.shape[0])
-    return tile_to_launch(SWIGLU_CHOOSER, gemm.x2.device, gemm.key, lambda: SWIGLU_INTERPRETER_TILE,
-                          lambda: swiglu_candidates(gemm.x2.dtype, m, n), gemm.trial)
+    return tile_to_launch(
+        SWIGLU_CHOOSER,
+        gemm.x2.device,
+        gemm.key,
+        lambda: SWIGLU_INTERPRETER_TILE,
+        lambda: swiglu_candidates(gemm.x2.dtype, m, n),
+        gemm.trial,
+    )
 
 
 def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool):
@@ -268,8 +376,24 @@ def _swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bias_gr
         partial_u = torch.empty_like(partial_g)
     else:
         partial_g = partial_u = dg
-    launch(_swiglu_bwd_kernel, (strips, slices), dh, g, u, dg, du, partial_g, partial_u, rows, cols, rows_per_slice,
-           BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    launch(
+        _swiglu_bwd_kernel,
+        (strips, slices),
+        dh,
+        g,
+        u,
+        dg,
+        du,
+        partial_g,
+        partial_u,
+        rows,
+        cols,
+        rows_per_slice,
+        BIAS_GRAD=bias_grad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
     if not bias_grad:
         return dg, du, None, None
     return dg, du, partial_g.sum(0), partial_u.sum(0)
@@ -287,8 +411,12 @@ def _gate_and_up_grads(dh2, x2, g, u, gate_weight, up_weight, needs_bias_g: bool
 
 
 if HAS_TRITON:
+
     def _swiglu_fwd(
-        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        gate_bias: Optional[torch.Tensor],
+        up_weight: torch.Tensor,
         up_bias: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """H (..., Hd), and the pre-activations G, U (M, Hd) that backward reads."""
@@ -298,29 +426,47 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::swiglu_fwd", mutates_args=())(_swiglu_fwd)
 
     def _swiglu_infer(
-        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        gate_bias: Optional[torch.Tensor],
+        up_weight: torch.Tensor,
         up_bias: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """H (..., Hd) where no gradient will be asked for: G and U are not written."""
         h, _, _ = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, False)
         return h.view(*x.shape[:-1], gate_weight.shape[0])
 
-    swiglu_infer = direct(torch.library.triton_op("vit_kernels::swiglu_infer", mutates_args=())(_swiglu_infer),
-                          _swiglu_infer)
+    swiglu_infer = direct(
+        torch.library.triton_op("vit_kernels::swiglu_infer", mutates_args=())(_swiglu_infer), _swiglu_infer
+    )
 
     def _swiglu_bwd(
-        grad_h: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, g: torch.Tensor,
-        u: torch.Tensor, needs_bias_g: bool, needs_bias_u: bool,
+        grad_h: torch.Tensor,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        up_weight: torch.Tensor,
+        g: torch.Tensor,
+        u: torch.Tensor,
+        needs_bias_g: bool,
+        needs_bias_u: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> dx (..., D), dW_g, db_g, dW_u, db_u (the biases' empty when absent)."""
         dh2 = _rows(grad_h).to(x.dtype)
-        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g,
-                                                    needs_bias_u)
+        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
+            dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
+        )
         empty = dh2.new_empty(0)
-        return (dx.view(x.shape), dwg, dbg.to(gate_weight.dtype) if needs_bias_g else empty, dwu,
-                dbu.to(up_weight.dtype) if needs_bias_u else empty)
+        return (
+            dx.view(x.shape),
+            dwg,
+            dbg.to(gate_weight.dtype) if needs_bias_g else empty,
+            dwu,
+            dbu.to(up_weight.dtype) if needs_bias_u else empty,
+        )
 
-    swiglu_bwd = direct(torch.library.triton_op("vit_kernels::swiglu_bwd", mutates_args=())(_swiglu_bwd), _swiglu_bwd)
+    swiglu_bwd = direct(
+        torch.library.triton_op("vit_kernels::swiglu_bwd", mutates_args=())(_swiglu_bwd), _swiglu_bwd
+    )
 
     def _swiglu_setup_context(ctx, inputs, output):
         x, gate_weight, gate_bias, up_weight, up_bias = inputs
@@ -335,17 +481,29 @@ if HAS_TRITON:
         dx, dwg, dbg, dwu, dbu = swiglu_bwd(grad_h, x, gate_weight, up_weight, g, u, has_bg, has_bu)
         return dx, dwg, dbg if has_bg else None, dwu, dbu if has_bu else None
 
-    swiglu_fwd = differentiable("vit_kernels::swiglu_fwd", _swiglu_backward_op, _swiglu_setup_context, _swiglu_fwd)
+    swiglu_fwd = differentiable(
+        "vit_kernels::swiglu_fwd", _swiglu_backward_op, _swiglu_setup_context, _swiglu_fwd
+    )
 
     def _down(h2, down_weight, down_bias, residual):
         """H W_d^T + b_d (+ residual) (M, D_out), the residual added in the GEMM's epilogue."""
         out_dtype = torch.result_type(h2, residual) if residual is not None else h2.dtype
-        return _matmul(h2, down_weight.t(), out_dtype, bias=down_bias,
-                       residual=_rows(residual) if residual is not None else None)
+        return _matmul(
+            h2,
+            down_weight.t(),
+            out_dtype,
+            bias=down_bias,
+            residual=_rows(residual) if residual is not None else None,
+        )
 
     def _swiglu_mlp_fwd(
-        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor], down_weight: torch.Tensor, down_bias: Optional[torch.Tensor],
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        gate_bias: Optional[torch.Tensor],
+        up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor],
+        down_weight: torch.Tensor,
+        down_bias: Optional[torch.Tensor],
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Y (..., D_out), with H, G, U (M, Hd) that backward reads."""
@@ -356,8 +514,13 @@ if HAS_TRITON:
     torch.library.triton_op("vit_kernels::swiglu_mlp_fwd", mutates_args=())(_swiglu_mlp_fwd)
 
     def _swiglu_mlp_infer(
-        x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor], up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor], down_weight: torch.Tensor, down_bias: Optional[torch.Tensor],
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        gate_bias: Optional[torch.Tensor],
+        up_weight: torch.Tensor,
+        up_bias: Optional[torch.Tensor],
+        down_weight: torch.Tensor,
+        down_bias: Optional[torch.Tensor],
         residual: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """Y (..., D_out) where no gradient will be asked for: G and U are not written."""
@@ -365,27 +528,48 @@ if HAS_TRITON:
         return _down(h, down_weight, down_bias, residual).view(*x.shape[:-1], down_weight.shape[0])
 
     swiglu_mlp_infer = direct(
-        torch.library.triton_op("vit_kernels::swiglu_mlp_infer", mutates_args=())(_swiglu_mlp_infer), _swiglu_mlp_infer)
+        torch.library.triton_op("vit_kernels::swiglu_mlp_infer", mutates_args=())(_swiglu_mlp_infer),
+        _swiglu_mlp_infer,
+    )
 
     def _swiglu_mlp_bwd(
-        grad_out: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-        down_weight: torch.Tensor, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor, needs_bias_g: bool,
-        needs_bias_u: bool, needs_bias_d: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+        h: torch.Tensor,
+        g: torch.Tensor,
+        u: torch.Tensor,
+        needs_bias_g: bool,
+        needs_bias_u: bool,
+        needs_bias_d: bool,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ]:
         """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (the biases' empty when absent): dW_d, db_d from
         dY and H (``_weight_and_bias_grads``), dH = dY W_d, then the gate and up gradients."""
         dy2 = _rows(grad_out).to(x.dtype)
         dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
         dh2 = _matmul(dy2, down_weight, x.dtype)
-        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g,
-                                                    needs_bias_u)
+        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
+            dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
+        )
         empty = dy2.new_empty(0)
-        return (dx.view(x.shape), dwg, dbg.to(gate_weight.dtype) if needs_bias_g else empty, dwu,
-                dbu.to(up_weight.dtype) if needs_bias_u else empty, dwd,
-                dbd.to(down_weight.dtype) if needs_bias_d else empty)
+        return (
+            dx.view(x.shape),
+            dwg,
+            dbg.to(gate_weight.dtype) if needs_bias_g else empty,
+            dwu,
+            dbu.to(up_weight.dtype) if needs_bias_u else empty,
+            dwd,
+            dbd.to(down_weight.dtype) if needs_bias_d else empty,
+        )
 
-    swiglu_mlp_bwd = direct(torch.library.triton_op("vit_kernels::swiglu_mlp_bwd", mutates_args=())(_swiglu_mlp_bwd),
-                            _swiglu_mlp_bwd)
+    swiglu_mlp_bwd = direct(
+        torch.library.triton_op("vit_kernels::swiglu_mlp_bwd", mutates_args=())(_swiglu_mlp_bwd),
+        _swiglu_mlp_bwd,
+    )
 
     def _swiglu_mlp_setup_context(ctx, inputs, output):
         x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual = inputs
@@ -397,13 +581,23 @@ if HAS_TRITON:
             return (None,) * 8
         x, gate_weight, up_weight, down_weight, h, g, u = ctx.saved_tensors
         has_bg, has_bu, has_bd, has_residual = ctx.has
-        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_mlp_bwd(grad_out, x, gate_weight, up_weight, down_weight, h, g, u,
-                                                          has_bg, has_bu, has_bd)
-        return (dx, dwg, dbg if has_bg else None, dwu, dbu if has_bu else None, dwd, dbd if has_bd else None,
-                grad_out if has_residual else None)
+        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_mlp_bwd(
+            grad_out, x, gate_weight, up_weight, down_weight, h, g, u, has_bg, has_bu, has_bd
+        )
+        return (
+            dx,
+            dwg,
+            dbg if has_bg else None,
+            dwu,
+            dbu if has_bu else None,
+            dwd,
+            dbd if has_bd else None,
+            grad_out if has_residual else None,
+        )
 
-    swiglu_mlp_fwd = differentiable("vit_kernels::swiglu_mlp_fwd", _swiglu_mlp_backward_op, _swiglu_mlp_setup_context,
-                                    _swiglu_mlp_fwd)
+    swiglu_mlp_fwd = differentiable(
+        "vit_kernels::swiglu_mlp_fwd", _swiglu_mlp_backward_op, _swiglu_mlp_setup_context, _swiglu_mlp_fwd
+    )
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -453,8 +647,10 @@ def swiglu_mlp_ref(
 
 
 def _no_extension_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    return ("the extension has no SwiGLU kernel (its GEMMs would be PyTorch's own): "
-            "auto picks the Triton kernels or the reference")
+    return (
+        "the extension has no SwiGLU kernel (its GEMMs would be PyTorch's own): "
+        "auto picks the Triton kernels or the reference"
+    )
 
 
 def _extension_unsupported(*args):
