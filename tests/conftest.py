@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
+from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
 from vit_kernels import _proof, _tiles, backend  # noqa: E402
 from vit_kernels._tune_cache import DiskCache  # noqa: E402
-from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

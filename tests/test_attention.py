@@ -7,8 +7,6 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels import backend
-from vit_kernels.ops import attention
 from tests.helpers import (
     CPU_BACKENDS,
     CUDA_DTYPES,
@@ -19,6 +17,8 @@ from tests.helpers import (
     requires_cuda,
     skip_unless_offered,
 )
+from vit_kernels import backend
+from vit_kernels.ops import attention
 
 
 def attention_formula(qkv, num_heads, scale=None):

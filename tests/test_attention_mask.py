@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels import backend
-from vit_kernels.ops import attention
 from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_attention import _dropout_mask
 from tests.test_attention_rope import assert_out_probs_and_grad, frequency_tables, rope_formula
+from vit_kernels import backend
+from vit_kernels.ops import attention
 
 MASK_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels import backend, nn as vkn
-from vit_kernels.ops import attention
 from tests.helpers import CPU_BACKENDS, assert_close, check_against_formula
 from tests.test_attention import _dropout_mask
+from vit_kernels import backend
+from vit_kernels import nn as vkn
+from vit_kernels.ops import attention
 
 ROPE_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS

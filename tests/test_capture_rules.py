@@ -13,10 +13,9 @@ import torch
 
 import vit
 import vit_kernels as vk
-from vit_kernels import _signature, backend
+from tests.helpers import CPU_BACKENDS, requires_cuda
 from tools.op_specs import OPS, SPECS, Shape
-from tests.helpers import requires_cuda
-from tests.helpers import CPU_BACKENDS
+from vit_kernels import _signature, backend
 
 SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")

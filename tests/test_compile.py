@@ -10,8 +10,8 @@ import torch
 
 import vit
 import vit_kernels as vk
-from vit_kernels import _ext, backend
 from tests.helpers import CPU_BACKENDS, requires_cuda
+from vit_kernels import _ext, backend
 
 needs_extension = pytest.mark.skipif(
     _ext.supports(torch.device("cpu"), torch.float32) is not None, reason="vit_kernels._C is not built"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels import _measure, backend
 from tests import dispatch_impls
 from tests.helpers import CPU_BACKENDS
+from vit_kernels import _measure, backend
 
 ROOT = Path(__file__).resolve().parents[1]
 

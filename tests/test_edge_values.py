@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
-from vit_kernels import _ext
 from tests.helpers import (
     CPU_BACKENDS,
     CUDA_DTYPES,
@@ -23,6 +22,7 @@ from tests.helpers import (
     exact_float32,
     skip_unless_offered,
 )
+from vit_kernels import _ext
 
 
 def run(fn, inputs, device="cpu"):

@@ -28,9 +28,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import vit_kernels as vk
-from vit_kernels import backend
-from vit_kernels.activations import gelu
-from vit_kernels._tiles import sibling_scale
 from tests.helpers import (
     CPU_BACKENDS,
     CUDA,
@@ -42,6 +39,9 @@ from tests.helpers import (
     device_reason,
     gelu_formula,
 )
+from vit_kernels import backend
+from vit_kernels._tiles import sibling_scale
+from vit_kernels.activations import gelu
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
 QUICK = settings(

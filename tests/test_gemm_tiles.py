@@ -18,21 +18,23 @@ from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_linear import mlp_formula
 from tests.test_patch_embed import (
     NAMES as PATCH_EMBED_NAMES,
+)
+from tests.test_patch_embed import (
     make_inputs,
     patch_embed_formula,
     run_patch_embed,
 )
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
-from vit_kernels import _tiles
 from tools.cuda_sim import simulated_cuda
+from vit_kernels import _tiles
 from vit_kernels.activations import GELU
-from vit_kernels.ops import linear, patch_embed
+from vit_kernels.ops import gemm, linear, patch_embed
 
 if "triton" not in CPU_BACKENDS:
     pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
 FP32_FAST_TO_SLOW = tuple(
-    linear.GemmTile(*tile) for tile in ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3))
+    gemm.GemmTile(*tile) for tile in ((32, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 64, 32, 4, 3))
 )
 
 
@@ -41,10 +43,10 @@ def gpu_path(measurable, monkeypatch):  # noqa: F811
     """The tile launchers treat CPU tensors as they treat CUDA ones (the interpreter still runs the
     kernels); ``times[tile]`` is what timing a candidate returns. The choices start and end empty."""
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
-    for chooser in (linear.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
+    for chooser in (gemm.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
         chooser.forget()
     yield measurable
-    for chooser in (linear.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
+    for chooser in (gemm.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
         chooser.forget()
 
 
@@ -52,7 +54,7 @@ def spy_launches(monkeypatch, wrong=None) -> list:
     """Record the tile of every GEMM launch; the ``wrong`` tile's output is scaled by 1.02 (a 2% error,
     as wrong as the H100's wrong attention tile)."""
     launched = []
-    original = linear._Gemm.launch
+    original = gemm._Gemm.launch
 
     def launch(self, tile, c, aux):
         launched.append(tile)
@@ -61,7 +63,7 @@ def spy_launches(monkeypatch, wrong=None) -> list:
             c.mul_(1.02)
         return column_sums
 
-    monkeypatch.setattr(linear._Gemm, "launch", launch)
+    monkeypatch.setattr(gemm._Gemm, "launch", launch)
     return launched
 
 
@@ -74,14 +76,14 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
     with vk.use_backend("triton", strict=True):
         y = vk.linear_gelu(x, w, b)
     torch.testing.assert_close(y, F.gelu(F.linear(x, w, b)), atol=1e-5, rtol=1e-5)
-    (row,) = linear.tile_report()
+    (row,) = gemm.tile_report()
     # no gradient asked for: the inference GEMM, which does not write the pre-activation (SAVE_PREACT off)
     assert row["key"] == [
         "cpu",
         "torch.float32",
         "torch.float32",
         True,
-        linear.EPILOGUE_GELU,
+        gemm.EPILOGUE_GELU,
         False,
         False,
         False,
@@ -103,7 +105,7 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
     def no_trial(self):
         raise AssertionError("built the trial of a decided key")
 
-    monkeypatch.setattr(linear._Gemm, "trial", no_trial)
+    monkeypatch.setattr(gemm._Gemm, "trial", no_trial)
     launched.clear()
     with vk.use_backend("triton", strict=True):
         again = vk.linear_gelu(torch.randn(3, 19, 40), w, b)  # 57 rows: the same bucket
@@ -119,13 +121,13 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
     fastest: the GEMM whose operands descriptors can read (fc1's forward, rows of 24 halves = 48
     bytes) runs it; those reading a 130-wide operand (260-byte rows: the hidden activation, dZ, W2)
     cannot and keep the pointer kernel."""
-    tiles = linear.GEMM_TILES_FP32 if dtype == torch.float32 else linear.GEMM_TILES_16BIT
+    tiles = gemm.GEMM_TILES_FP32 if dtype == torch.float32 else gemm.GEMM_TILES_16BIT
     gpu_path.update({tile: 1.0 + i for i, tile in enumerate(tiles)})
-    gpu_path.update({tile: 0.5 + i / 10 for i, tile in enumerate(linear.GEMM_TILES_TMA)})
+    gpu_path.update({tile: 0.5 + i / 10 for i, tile in enumerate(gemm.GEMM_TILES_TMA)})
     gpu_path.update(
         {"separate": 2.0, "fused": 1.0}
     )  # fc2's bias gradient: the dW GEMM's row sums time faster
-    linear.BIAS_GRAD_CHOOSER.forget()
+    gemm.BIAS_GRAD_CHOOSER.forget()
     spy_launches(monkeypatch)
     d, hidden = 24, 130
     inputs = [
@@ -148,46 +150,44 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
             dtype,
             ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
         )
-    rows = linear.tile_report()
+    rows = gemm.tile_report()
     # (bias, epilogue, tanh, aux, residual, sums, K slices) of each GEMM key
     kinds = {(*r["key"][3:9], r["key"][12] > 1) for r in rows}
     tanh = approximate == "tanh"
-    none, c_columns, a_rows = linear.SUMS_NONE, linear.SUMS_OF_C_COLUMNS, linear.SUMS_OF_A_ROWS
-    assert (True, linear.EPILOGUE_GELU, tanh, True, False, none, False) in kinds  # fc1 + bias + GELU, Z saved
-    assert (True, linear.EPILOGUE_NONE, False, False, True, none, False) in kinds  # fc2 + bias + residual
+    none, c_columns, a_rows = gemm.SUMS_NONE, gemm.SUMS_OF_C_COLUMNS, gemm.SUMS_OF_A_ROWS
+    assert (True, gemm.EPILOGUE_GELU, tanh, True, False, none, False) in kinds  # fc1 + bias + GELU, Z saved
+    assert (True, gemm.EPILOGUE_NONE, False, False, True, none, False) in kinds  # fc2 + bias + residual
     # dZ = dY W2 * gelu'(Z), with its column sums (fc1's bias gradient)
-    assert (False, linear.EPILOGUE_GELU_GRAD, tanh, True, False, c_columns, False) in kinds
-    assert (False, linear.EPILOGUE_NONE, False, False, False, none, True) in kinds  # split-K weight gradients
+    assert (False, gemm.EPILOGUE_GELU_GRAD, tanh, True, False, c_columns, False) in kinds
+    assert (False, gemm.EPILOGUE_NONE, False, False, False, none, True) in kinds  # split-K weight gradients
     # fc2's weight gradient, split over K, with the row sums of dY^T (fc2's bias gradient)
-    assert (False, linear.EPILOGUE_NONE, False, False, False, a_rows, True) in kinds
+    assert (False, gemm.EPILOGUE_NONE, False, False, False, a_rows, True) in kinds
     for r in rows:
         times = {tile: t for tile, t in r["candidates"].items() if isinstance(t, float)}
         assert times == r["candidates"], r  # every candidate of every key computed the right answer
         assert r["chosen"] == min(times, key=times.get)
-    (bias_choice,) = linear.BIAS_GRAD_CHOOSER.report().values()  # both ways validated (dW and db), then timed
+    (bias_choice,) = gemm.BIAS_GRAD_CHOOSER.report().values()  # both ways validated (dW and db), then timed
     assert bias_choice.tile == "fused" and bias_choice.trials == {"separate": 2.0, "fused": 1.0}
-    tma_chosen = {tuple(r["key"][3:9]) for r in rows if r["chosen"].endswith(f"'{linear.TMA}')")}
+    tma_chosen = {tuple(r["key"][3:9]) for r in rows if r["chosen"].endswith(f"'{gemm.TMA}')")}
     if dtype == torch.float32:
         assert not tma_chosen
     else:  # only fc1 + bias + GELU (X W1^T) has no operand 130 wide (hidden, dZ, W2)
-        assert tma_chosen == {(True, linear.EPILOGUE_GELU, tanh, True, False, none)}
+        assert tma_chosen == {(True, gemm.EPILOGUE_GELU, tanh, True, False, none)}
 
 
-TMA_TILE = linear.GemmTile(
-    32, 32, 32, 1, 1, linear.TMA
-)  # walked by 2 persistent programs under the interpreter
+TMA_TILE = gemm.GemmTile(32, 32, 32, 1, 1, gemm.TMA)  # walked by 2 persistent programs under the interpreter
 
 
 def spy_kernels(monkeypatch) -> list:
     """The name of every GEMM kernel launched."""
     names = []
-    original = linear.launch
+    original = gemm.launch
 
     def launch(kernel, *args, **kwargs):
         names.append(kernel.fn.__name__)
         return original(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(linear, "launch", launch)
+    monkeypatch.setattr(gemm, "launch", launch)
     return names
 
 
@@ -197,10 +197,10 @@ def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, a
     X and W1 (fc1 + bias + GELU, saving Z), over the hidden activation and W2^T's W2 (fc2 + bias +
     residual), dY and W2 (dZ = dY W2 * gelu'(Z) with its column sums), dY^T's dY (dW2 with the row
     sums of dY^T, split over K), dZ^T's dZ (dW1, split), dZ and W1 (dX); widths no tile divides."""
-    monkeypatch.setattr(linear, "_matmul_tile", lambda gemm: TMA_TILE)
+    monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm: TMA_TILE)
     kernels = spy_kernels(monkeypatch)
     d, hidden, rows = 24, 40, (4, 33)
-    assert linear.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
+    assert gemm.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
     inputs = [
         torch.randn(*rows, d),
         torch.randn(hidden, d) / math.sqrt(d),
@@ -236,7 +236,7 @@ def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
     )
     results = []
     for tile in (TMA_TILE, TMA_TILE._replace(kernel="pointer")):
-        monkeypatch.setattr(linear, "_matmul_tile", lambda gemm, tile=tile: tile)
+        monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm, tile=tile: tile)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         with vk.use_backend("triton", strict=True):
             y = vk.linear(*leaves, residual=r)
@@ -250,13 +250,13 @@ def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(
     """Rows of 20 halves (40 bytes: not 16-byte aligned), a float32 operand, a column-strided view
     and data starting 2 bytes into a buffer: the TMA tile's dimensions run through the pointer
     kernel, with the right answer."""
-    assert linear.tma_transposed(torch.empty(8, 24, dtype=torch.half)) is False
-    assert linear.tma_transposed(torch.empty(24, 8, dtype=torch.half).t()) is True
-    assert linear.tma_transposed(torch.empty(8, 20, dtype=torch.half)) is None
-    assert linear.tma_transposed(torch.empty(8, 24)) is None
-    assert linear.tma_transposed(torch.empty(8, 48, dtype=torch.half)[:, ::2]) is None
-    assert linear.tma_transposed(torch.empty(8 * 24 + 1, dtype=torch.half)[1:].view(8, 24)) is None
-    monkeypatch.setattr(linear, "_matmul_tile", lambda gemm: TMA_TILE)
+    assert gemm.tma_transposed(torch.empty(8, 24, dtype=torch.half)) is False
+    assert gemm.tma_transposed(torch.empty(24, 8, dtype=torch.half).t()) is True
+    assert gemm.tma_transposed(torch.empty(8, 20, dtype=torch.half)) is None
+    assert gemm.tma_transposed(torch.empty(8, 24)) is None
+    assert gemm.tma_transposed(torch.empty(8, 48, dtype=torch.half)[:, ::2]) is None
+    assert gemm.tma_transposed(torch.empty(8 * 24 + 1, dtype=torch.half)[1:].view(8, 24)) is None
+    monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm: TMA_TILE)
     kernels = spy_kernels(monkeypatch)
     x, w, b = torch.randn(50, 20).half(), (torch.randn(36, 20) / 5).half(), torch.randn(36).half()
     with vk.use_backend("triton", strict=True):
@@ -273,9 +273,9 @@ def test_no_tma_kernel_while_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     a, b = torch.empty(64, 32, dtype=torch.half), torch.empty(32, 48, dtype=torch.half)
-    assert linear.tma_possible(a, b)
+    assert gemm.tma_possible(a, b)
     with FakeTensorMode() as mode:
-        assert not linear.tma_possible(mode.from_tensor(a), mode.from_tensor(b))
+        assert not gemm.tma_possible(mode.from_tensor(a), mode.from_tensor(b))
 
 
 @pytest.mark.parametrize("epilogue", ["bias+residual", "gelu", "gelu_grad", "split"])
@@ -288,17 +288,17 @@ def test_the_gemm_check_names_a_wrong_output(epilogue):
     bias, residual, aux = torch.randn(n), torch.randn(m, n), torch.empty(m, n)
     kwargs = {
         "bias+residual": dict(bias=bias, residual=residual),
-        "gelu": dict(bias=bias, epilogue=linear.EPILOGUE_GELU, aux=aux, tanh=True),
-        "gelu_grad": dict(epilogue=linear.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)),
+        "gelu": dict(bias=bias, epilogue=gemm.EPILOGUE_GELU, aux=aux, tanh=True),
+        "gelu_grad": dict(epilogue=gemm.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)),
         "split": {},
     }[epilogue]
     slices, k_per_split = (3, 8) if epilogue == "split" else (1, k)  # K = 24 in three slices, or one
-    gemm = linear._Gemm(
+    call = gemm._Gemm(
         a,
         b,
         torch.float32,
         kwargs.get("bias"),
-        kwargs.get("epilogue", linear.EPILOGUE_NONE),
+        kwargs.get("epilogue", gemm.EPILOGUE_NONE),
         kwargs.get("tanh", False),
         kwargs.get("aux"),
         kwargs.get("residual"),
@@ -306,8 +306,8 @@ def test_the_gemm_check_names_a_wrong_output(epilogue):
         slices,
         k_per_split,
     )
-    run, check = gemm.trial()
-    outputs = run(linear.GEMM_INTERPRETER_TILE)
+    run, check = call.trial()
+    outputs = run(gemm.GEMM_INTERPRETER_TILE)
     assert len(outputs) == (2 if epilogue == "gelu" else 1)
     assert check(outputs) is None
     for index, name in enumerate(["out", "preact"][: len(outputs)]):
@@ -318,16 +318,16 @@ def test_the_gemm_check_names_a_wrong_output(epilogue):
 
 def test_only_the_validation_rows_are_checked(monkeypatch):
     """Past VALIDATION_ROWS rows a candidate is checked on the first and the last halves of them."""
-    assert linear.validation_rows(4096, torch.device("cpu")) is None
-    rows = linear.validation_rows(10_000, torch.device("cpu"))
+    assert gemm.validation_rows(4096, torch.device("cpu")) is None
+    rows = gemm.validation_rows(10_000, torch.device("cpu"))
     assert rows.tolist() == list(range(2048)) + list(range(10_000 - 2048, 10_000))
-    monkeypatch.setattr(linear, "VALIDATION_ROWS", 8)
-    gemm = linear._Gemm(
+    monkeypatch.setattr(gemm, "VALIDATION_ROWS", 8)
+    call = gemm._Gemm(
         torch.randn(40, 16),
         torch.randn(16, 24),
         torch.float32,
         None,
-        linear.EPILOGUE_NONE,
+        gemm.EPILOGUE_NONE,
         False,
         None,
         None,
@@ -335,8 +335,8 @@ def test_only_the_validation_rows_are_checked(monkeypatch):
         1,
         16,
     )
-    run, check = gemm.trial()
-    (out,) = run(linear.GEMM_INTERPRETER_TILE)
+    run, check = call.trial()
+    (out,) = run(gemm.GEMM_INTERPRETER_TILE)
     assert check([out]) is None
     last = out.clone()
     last[-1] += 1.0
@@ -347,12 +347,12 @@ def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
     """Tracing, graph capture, no GPU: the decided tile, else the first candidate, unmeasured."""
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     launched = spy_launches(monkeypatch)
-    linear.GEMM_CHOOSER.forget()
+    gemm.GEMM_CHOOSER.forget()
     x, w = torch.randn(5, 16), torch.randn(8, 16)
     with vk.use_backend("triton", strict=True):
         y = vk.linear(x, w)
     torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)
-    assert launched == [linear.gemm_candidates(torch.float32, 5, 8)[0]] and linear.tile_report() == []
+    assert launched == [gemm.gemm_candidates(torch.float32, 5, 8)[0]] and gemm.tile_report() == []
 
 
 def test_a_first_call_on_a_gpu_launches_every_candidate():
@@ -368,10 +368,10 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
     per_gemm: dict = {}  # the GEMM (its operand shapes and flags) -> the tiles it launched
     for launch in device.launches:
         if launch.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel"):
-            gemm = (launch.args[-3:], launch.kwargs["EPILOGUE"], launch.kwargs["SUMS"])
-            kernel = linear.TMA if launch.kernel.fn.__name__ == "_linear_tma_kernel" else "pointer"
-            per_gemm.setdefault(repr(gemm), set()).add(
-                linear.GemmTile(
+            operands = (launch.args[-3:], launch.kwargs["EPILOGUE"], launch.kwargs["SUMS"])
+            kernel = gemm.TMA if launch.kernel.fn.__name__ == "_linear_tma_kernel" else "pointer"
+            per_gemm.setdefault(repr(operands), set()).add(
+                gemm.GemmTile(
                     launch.kwargs["BLOCK_M"],
                     launch.kwargs["BLOCK_N"],
                     launch.kwargs["BLOCK_K"],
@@ -382,11 +382,11 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
             )
     # the ViT's 16-bit operands are all readable by descriptors: the TMA kernel's tiles too, each GEMM
     assert per_gemm and all(
-        tiles == set(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA) for tiles in per_gemm.values()
+        tiles == set(gemm.GEMM_TILES_16BIT + gemm.GEMM_TILES_TMA) for tiles in per_gemm.values()
     )
-    small = linear.gemm_candidates(dt, 50, 3072)
+    small = gemm.gemm_candidates(dt, 50, 3072)
     assert small and all(tile.block_m <= 64 for tile in small)
-    assert linear.gemm_candidates(torch.float32, 10_000, 10_000) == linear.GEMM_TILES_FP32
+    assert gemm.gemm_candidates(torch.float32, 10_000, 10_000) == gemm.GEMM_TILES_FP32
 
 
 def test_gemm_keys_are_concrete_under_dynamic_shapes():
@@ -398,9 +398,7 @@ def test_gemm_keys_are_concrete_under_dynamic_shapes():
     a = mode.from_tensor(torch.empty(1576, 768, dtype=torch.bfloat16), symbolic_context=context)
     b = mode.from_tensor(torch.empty(3072, 768, dtype=torch.bfloat16), symbolic_context=context).t()
     assert isinstance(a.shape[0], torch.SymInt)
-    key = linear._Gemm(
-        a, b, torch.bfloat16, None, linear.EPILOGUE_NONE, False, None, None, False, 1, 768
-    ).key()
+    key = gemm._Gemm(a, b, torch.bfloat16, None, gemm.EPILOGUE_NONE, False, None, None, False, 1, 768).key()
     hash(key)
     assert key[9:] == (2048, 3072, 1024, 1, False, True, True, False)
     assert all(type(part) in (bool, int, torch.dtype, torch.device) for part in key)
@@ -422,9 +420,9 @@ def test_patch_embed_forward_tile_is_chosen(gpu_path):
 def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
     from benchmarks import gpu_report_markdown
 
-    gpu_path.update({tile: 0.5 for tile in linear.GEMM_TILES_FP32})
+    gpu_path.update({tile: 0.5 for tile in gemm.GEMM_TILES_FP32})
     with vk.use_backend("triton", strict=True):
         vk.linear(torch.randn(6, 16), torch.randn(8, 16), residual=torch.randn(6, 8))
-    text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": linear.tile_report()}))
+    text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": gemm.tile_report()}))
     assert "## GEMM tiles chosen on this device" in text
     assert "| gemm | cpu, torch.float32, torch.float32, False, 0, 0, False, True, 0, 8, 8, 16, 1," in text

@@ -21,18 +21,23 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vit_kernels import backend  # noqa: E402
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda  # noqa: E402
-from vit_kernels import _tiles  # noqa: E402
-from vit_kernels.ops import attention, layer_norm  # noqa: E402
 from tools.gpu_check import cases  # noqa: E402
 from tools.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
 from tools.gpu_check.int_range import find_overflows  # noqa: E402
 from tools.gpu_check.ptxas import parse  # noqa: E402
 from tools.gpu_check.report import summary_table  # noqa: E402
 from tools.gpu_check.ttgir import transposes_into_dots  # noqa: E402
-from vit_kernels.ops import linear  # noqa: E402
-
+from vit_kernels import (
+    _tiles,  # noqa: E402
+    backend,  # noqa: E402
+)
+from vit_kernels.ops import (  # noqa: E402
+    attention,
+    gemm,
+    layer_norm,
+    linear,  # noqa: E402
+)
 
 H100_MULTIPROCESSORS = ARCHITECTURES[90]["multi_processor_count"]
 
@@ -76,18 +81,18 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
     assert shapes == [(64, 197, 3072)]
     variants = [v for launch in launches for v in expand(launch)]
     tiles = first_seen(
-        linear.GemmTile(
+        gemm.GemmTile(
             v.kwargs["BLOCK_M"],
             v.kwargs["BLOCK_N"],
             v.kwargs["BLOCK_K"],
             v.kwargs["num_warps"],
             v.kwargs["num_stages"],
-            linear.TMA if v.name == "_linear_tma_kernel" else "pointer",
+            gemm.TMA if v.name == "_linear_tma_kernel" else "pointer",
         )
         for v in variants
     )
-    assert tiles == list(linear.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
-    assert tiles == list(linear.GEMM_TILES_16BIT + linear.GEMM_TILES_TMA)
+    assert tiles == list(gemm.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
+    assert tiles == list(gemm.GEMM_TILES_16BIT + gemm.GEMM_TILES_TMA)
     for v in variants:
         blocks = triton.cdiv(64 * 197, v.kwargs["BLOCK_M"]) * triton.cdiv(3072, v.kwargs["BLOCK_N"])
         persistent = v.name == "_linear_tma_kernel"

@@ -160,8 +160,8 @@ def test_host_overhead_cli(tmp_path, capsys):
 
 
 def test_a_gpu_test_run_stopped_by_its_budget_reports_what_ran():
-    from tools import gpu_tests
     from benchmarks import gpu_report_markdown
+    from tools import gpu_tests
 
     output = "....F.s.. [ 10%]\n.E........ [ 20%]\n"
     assert gpu_tests.progress(output) == {"passed": 16, "failed": 1, "errors": 1, "skipped": 1}

@@ -10,8 +10,8 @@ import torch
 
 import vit_kernels as vk
 from tests.helpers import fake_timer
-from vit_kernels import _tiles, _timer
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda
+from vit_kernels import _tiles, _timer
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import layer_norm
 

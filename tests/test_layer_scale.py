@@ -9,8 +9,8 @@ import torch
 
 import vit
 import vit_kernels as vk
-from vit_kernels import nn as vkn
 from tests.helpers import CPU_BACKENDS, check_against_formula
+from vit_kernels import nn as vkn
 
 
 def _gelu(z):

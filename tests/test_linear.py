@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels.activations import GELU_FORMS, gelu_act
 from tests.helpers import (
     CPU_BACKENDS,
     GELU_APPROXIMATIONS,
@@ -16,6 +15,7 @@ from tests.helpers import (
     device_backend_dtypes,
     gelu_formula,
 )
+from vit_kernels.activations import GELU_FORMS, gelu_act
 
 CPU_PAIRS = backend_dtypes([torch.float32, torch.float16])
 
@@ -203,7 +203,7 @@ def test_strided_bias_and_residual_are_read_by_strides(on_backend, residual_layo
 def test_deep_weight_gradient_is_split_over_k():
     """The weight gradient of a (4 x 197)-row input runs as a split-K GEMM (partial sums added in
     float32) and matches the formula."""
-    from vit_kernels.ops.linear import split_k_slices
+    from vit_kernels.ops.gemm import split_k_slices
 
     if "triton" not in CPU_BACKENDS:
         pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on the CPU")
@@ -272,17 +272,17 @@ def test_triton_gelu_backward_reduces_the_bias_gradient(dtype, approximate):
     """dZ = dY * gelu'(Z) and sum_rows dZ (float32) from the one pass of the linear_gelu backward:
     83 rows (several row slices, the last step partial) by 37 columns (a partial column strip),
     against float64; no bias gradient when none is asked for."""
-    from vit_kernels.ops import linear
+    from vit_kernels.ops import gemm
 
     grad, preact = torch.randn(83, 37), torch.randn(83, 37) * 3
     z = preact.to(dtype).double().requires_grad_(True)
     (want,) = torch.autograd.grad(gelu_formula(z, approximate), z, grad.to(dtype).double())
-    dz, db = linear._gelu_backward(grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], True)
+    dz, db = gemm._gelu_backward(grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], True)
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     assert dz.dtype == dtype and db.dtype == torch.float32 and db.shape == (37,)
     torch.testing.assert_close(dz.double(), want, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(db.double(), want.sum(0), atol=tolerance * 10, rtol=tolerance)
-    dz_only, nothing = linear._gelu_backward(
+    dz_only, nothing = gemm._gelu_backward(
         grad.to(dtype), preact.to(dtype), GELU_FORMS[gelu_act(approximate)], False
     )
     assert torch.equal(dz_only, dz) and nothing is None
@@ -294,8 +294,8 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
     linear_gelu backward's GELU' pass (BIAS_GRAD) and by mlp's dZ = dY W2 * gelu'(Z) GEMM
     (SUMS_OF_C_COLUMNS), and only when the bias needs one."""
     from tools.cuda_sim import simulated_cuda
-    from vit_kernels.ops import linear
     from vit_kernels.activations import GELU
+    from vit_kernels.ops import gemm, linear
 
     def flags(with_bias: bool) -> tuple:
         with simulated_cuda(90) as device:
@@ -310,8 +310,8 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
         dz_gemm = {l.kwargs["SUMS"] for l in launches if l.kwargs.get("EPILOGUE") == 2}
         return gelu_pass, dz_gemm
 
-    assert flags(with_bias=True) == ({True}, {linear.SUMS_OF_C_COLUMNS})
-    assert flags(with_bias=False) == ({False}, {linear.SUMS_NONE})
+    assert flags(with_bias=True) == ({True}, {gemm.SUMS_OF_C_COLUMNS})
+    assert flags(with_bias=False) == ({False}, {gemm.SUMS_NONE})
 
 
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the Triton backend does not run here")
@@ -321,11 +321,9 @@ def test_both_ways_of_the_bias_gradient_match_the_formula(monkeypatch, way, dtyp
     """db = sum_rows dY beside dW = dY^T X, by PyTorch's sum after the GEMM ("separate") or by the
     dW GEMM's row sums ("fused", split over K slices too): both candidates, each right, through the
     linear and mlp backwards (the first of BIAS_GRAD_WAYS is what runs without a measurement)."""
-    from vit_kernels.ops import linear
+    from vit_kernels.ops import gemm
 
-    monkeypatch.setattr(
-        linear, "BIAS_GRAD_WAYS", (way,) + tuple(w for w in linear.BIAS_GRAD_WAYS if w != way)
-    )
+    monkeypatch.setattr(gemm, "BIAS_GRAD_WAYS", (way,) + tuple(w for w in gemm.BIAS_GRAD_WAYS if w != way))
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(3, 37, 48, generator=generator, dtype=torch.float64)
     w, b = (
@@ -343,9 +341,7 @@ def test_both_ways_of_the_bias_gradient_match_the_formula(monkeypatch, way, dtyp
         torch.testing.assert_close(
             got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item()
         )
-    dw, db = linear._weight_and_bias_grads_by(
-        way, dy.flatten(0, 1).to(dtype), x.flatten(0, 1).to(dtype), dtype
-    )
+    dw, db = gemm._weight_and_bias_grads_by(way, dy.flatten(0, 1).to(dtype), x.flatten(0, 1).to(dtype), dtype)
     torch.testing.assert_close(
         db.double(), expected[2], rtol=tolerance, atol=tolerance * expected[2].abs().max().item()
     )

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import vit
-from vit.model import sincos_pos_embed
 from tests.helpers import requires_cuda
+from vit.model import sincos_pos_embed
 
 TIMM_COUNTS = {
     "vit_tiny_patch16_224": 5_717_416,
@@ -214,8 +214,8 @@ def test_model_on_triton_backend_matches_torch(name, overrides):
 
 
 def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
-    from vit.data import load_digits
     import vit_kernels as vk
+    from vit.data import load_digits
 
     train, _ = load_digits()
     torch.manual_seed(0)

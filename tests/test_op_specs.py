@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.helpers import TOLERANCES, check_against_formula
-from vit_kernels import _ext, backend
 from tools.op_specs import KERNELS, OPS, SPECS, Shape
+from vit_kernels import _ext, backend
 
 # A small ViT: 8x8 images in 4x4 patches (4 patches + the class token), D = 12 in 3 heads of 4.
 SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)

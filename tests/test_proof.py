@@ -153,25 +153,25 @@ def test_an_empty_problem_proves_nothing(children):
 def test_a_real_gemm_replays_in_a_child(children):
     """The GEMM kernel's recorded launches (its JITFunction, constexprs, strided operands) run in a
     child under the interpreter, as on a GPU they run on the device."""
-    from vit_kernels.ops import linear
+    from vit_kernels.ops import gemm
 
     a, b = torch.randn(13, 40), torch.randn(9, 40).t()
-    gemm = linear._Gemm(
+    call = gemm._Gemm(
         a,
         b,
         torch.float32,
         torch.randn(9),
-        linear.EPILOGUE_GELU,
+        gemm.EPILOGUE_GELU,
         0,
         torch.empty(13, 9),
         None,
-        linear.SUMS_NONE,
+        gemm.SUMS_NONE,
         1,
         64,
     )
-    run, _ = gemm.trial()
-    tiles = [linear.GEMM_INTERPRETER_TILE, linear.GemmTile(16, 16, 32, 1, 1)]
-    assert _proof.verdicts("GEMM", gemm.key(), CPU, tiles, run) == dict.fromkeys(tiles)
+    run, _ = call.trial()
+    tiles = [gemm.GEMM_INTERPRETER_TILE, gemm.GemmTile(16, 16, 32, 1, 1)]
+    assert _proof.verdicts("GEMM", call.key(), CPU, tiles, run) == dict.fromkeys(tiles)
     assert len(children) == 1
 
 

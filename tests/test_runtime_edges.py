@@ -13,7 +13,7 @@ from torch import nn
 
 import vit_kernels as vk
 from vit_kernels import _cli, _explain, _ext, _measure, _signature, _tiles, _triton, _tune_cache, backend
-from vit_kernels.ops import linear
+from vit_kernels.ops import gemm
 
 META = torch.device("meta")
 
@@ -159,13 +159,13 @@ def test_backend_reasons_and_the_fast_paths_limits(monkeypatch):
 
 def test_gemms_with_no_rows_or_columns_still_give_their_sums():
     a = torch.randn(3, 5)
-    c, sums = linear._matmul_and_sums(a, torch.randn(5, 0), torch.float32, sums=linear.SUMS_OF_A_ROWS)
+    c, sums = gemm._matmul_and_sums(a, torch.randn(5, 0), torch.float32, sums=gemm.SUMS_OF_A_ROWS)
     assert c.shape == (3, 0) and torch.allclose(sums, a.sum(1))
-    c, sums = linear._matmul_and_sums(
-        torch.randn(0, 5), torch.randn(5, 4), torch.float32, sums=linear.SUMS_OF_C_COLUMNS
+    c, sums = gemm._matmul_and_sums(
+        torch.randn(0, 5), torch.randn(5, 4), torch.float32, sums=gemm.SUMS_OF_C_COLUMNS
     )
     assert c.shape == (0, 4) and torch.equal(sums, torch.zeros(4))
-    dz, bias_grad = linear._gelu_backward(torch.randn(0, 4), torch.randn(0, 4), 0, True)
+    dz, bias_grad = gemm._gelu_backward(torch.randn(0, 4), torch.randn(0, 4), 0, True)
     assert dz.shape == (0, 4) and torch.equal(bias_grad, torch.zeros(4))
 
 

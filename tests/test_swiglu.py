@@ -8,9 +8,6 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
-from vit_kernels import backend
-from vit_kernels.nn import SwiGLU
-from vit_kernels.ops import swiglu as swiglu_ops
 from tests.helpers import (
     CPU_BACKENDS,
     CUDA,
@@ -21,6 +18,9 @@ from tests.helpers import (
     cuda_param,
     device_reason,
 )
+from vit_kernels import backend
+from vit_kernels.nn import SwiGLU
+from vit_kernels.ops import swiglu as swiglu_ops
 
 HAS_TRITON_CPU = "triton" in CPU_BACKENDS
 needs_triton = pytest.mark.skipif(

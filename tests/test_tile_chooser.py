@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.helpers import fake_timer
-from vit_kernels import _tiles, _timer
 from tools.cuda_sim import simulated_cuda
+from vit_kernels import _tiles, _timer
 from vit_kernels.ops import attention
 
 

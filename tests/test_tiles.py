@@ -33,12 +33,14 @@ from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import (
     NAMES as PATCH_EMBED_NAMES,
+)
+from tests.test_patch_embed import (
     make_inputs,
     patch_embed_formula,
     run_patch_embed,
 )
 from vit_kernels._triton import HAS_TRITON, triton
-from vit_kernels.ops import attention, layer_norm, linear, patch_embed
+from vit_kernels.ops import attention, gemm, layer_norm, linear, patch_embed
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -127,9 +129,9 @@ def gemm_cases(op: str) -> list:
         for dtypes, tiles in (
             (
                 (torch.float16, torch.bfloat16),
-                linear.GEMM_TILES_16BIT + (linear.GEMM_TILES_TMA if op != "patch_embed" else ()),
+                gemm.GEMM_TILES_16BIT + (gemm.GEMM_TILES_TMA if op != "patch_embed" else ()),
             ),
-            ((torch.float32,), linear.GEMM_TILES_FP32),
+            ((torch.float32,), gemm.GEMM_TILES_FP32),
         )
         for dtype in dtypes
         for tile in tiles
@@ -149,7 +151,7 @@ def linear_inputs(n_out: int = N) -> list:
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear"))
 def test_linear_tile(monkeypatch, dtype, tile):
     launched = pin(monkeypatch, linear, "_matmul_tile", tile)
-    assert linear.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, (
+    assert gemm.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, (
         "the weight gradient must take the split-K path"
     )
     inputs = linear_inputs() + [torch.randn(*ROWS, N)]
@@ -226,15 +228,15 @@ def test_gemm_tile_choice_on_the_gpu(dtype):
     """The choice as a user's first call makes it: the fused bias + GELU GEMM of a ViT-B fc1 at batch 24
     (with more rows than are validated), every candidate validated and timed, the fastest one kept
     and launched, the output right."""
-    linear.GEMM_CHOOSER.forget()
+    gemm.GEMM_CHOOSER.forget()
     try:
         x = torch.randn(24, LENGTH, 768, device=CUDA, dtype=dtype)
         w = (torch.randn(3072, 768, device=CUDA) / math.sqrt(768)).to(dtype)
         b = torch.randn(3072, device=CUDA, dtype=dtype)
         with vk.use_backend("triton", strict=True):
             y = vk.linear_gelu(x, w, b)
-        (row,) = linear.tile_report()
-        candidates = linear.gemm_candidates(dtype, 24 * LENGTH, 3072)
+        (row,) = gemm.tile_report()
+        candidates = gemm.gemm_candidates(dtype, 24 * LENGTH, 3072)
         assert set(row["candidates"]) == {repr(tile) for tile in candidates}
         times = {tile: trial for tile, trial in row["candidates"].items() if isinstance(trial, float)}
         assert times, row
@@ -244,7 +246,7 @@ def test_gemm_tile_choice_on_the_gpu(dtype):
         error = (y.double() - exact).abs().max() / exact.abs().max()
         assert error <= max(2 * ((own.double() - exact).abs().max() / exact.abs().max()), 1e-5)
     finally:
-        linear.GEMM_CHOOSER.forget()
+        gemm.GEMM_CHOOSER.forget()
 
 
 # ---- layer_norm ---------------------------------------------------------------------------------

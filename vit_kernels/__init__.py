@@ -9,6 +9,7 @@ print(vk.explain())                              # what ran for each signature, 
 """
 
 from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
+from vit_kernels import backend as _backend
 from vit_kernels.backend import (
     autotune_settings,
     available_backends,
@@ -28,8 +29,6 @@ from vit_kernels.functional import (
     swiglu,
     swiglu_mlp,
 )
-
-from vit_kernels import backend as _backend
 
 _backend.apply_environment()
 

@@ -17,7 +17,6 @@ from typing import Optional, Union
 import torch
 
 from vit_kernels import backend
-from vit_kernels.activations import GELU_APPROXIMATIONS
 from vit_kernels._checks import (
     autocast_dtype,
     cast_all,
@@ -32,6 +31,7 @@ from vit_kernels._checks import (
     check_shape,
     shape_of,
 )
+from vit_kernels.activations import GELU_APPROXIMATIONS
 from vit_kernels.ops import attention as _attention  # noqa: F401  (registers implementations)
 from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401

@@ -15,8 +15,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # launchers must take their GPU paths
 import pytest  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from vit_kernels import _tiles, backend  # noqa: E402
 from tools.cuda_sim import exceptions_caught, simulated_cuda  # noqa: E402
+from vit_kernels import _tiles, backend  # noqa: E402
 
 ARCHS = (90, 80)
 LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the session, per architecture

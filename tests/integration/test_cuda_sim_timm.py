@@ -10,9 +10,8 @@ import timm
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives beside the package, not in it
-from tools.cuda_sim import exceptions_caught, simulated_cuda  # noqa: E402
-
 import vit_kernels as vk  # noqa: E402
+from tools.cuda_sim import exceptions_caught, simulated_cuda  # noqa: E402
 from vit_kernels import _tiles, backend  # noqa: E402
 
 

@@ -3,9 +3,9 @@
 
 import pytest
 import torch
+from exactness import compare, patched_copy
 from transformers import ViTConfig, ViTForImageClassification
 
-from exactness import compare, patched_copy
 from vit_kernels.integrations import huggingface
 
 CONFIG = dict(

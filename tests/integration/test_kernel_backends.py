@@ -6,11 +6,11 @@ swap is exact; these show the kernels behind it hold up inside real models."""
 import pytest
 import timm
 import torch
+from exactness import compare_in_float32, patched_copy
 from torchvision.models import VisionTransformer
 from transformers import ViTConfig, ViTForImageClassification
 
 import vit_kernels as vk
-from exactness import compare_in_float32, patched_copy
 from vit_kernels import backend
 from vit_kernels.integrations import huggingface
 

@@ -6,8 +6,8 @@ import inspect
 import pytest
 import timm
 import torch
-
 from exactness import compare, patched_copy
+
 from vit_kernels import nn as vkn
 
 SMALL = {"img_size": 32, "num_classes": 5}

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from torchvision.models import VisionTransformer, vit_b_16
-
 from exactness import compare, patched_copy
+from torchvision.models import VisionTransformer, vit_b_16
 
 
 @pytest.mark.parametrize("training", [False, True])

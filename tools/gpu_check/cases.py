@@ -17,8 +17,7 @@ import torch
 from tools.cuda_sim import Launch, simulated_cuda
 from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
-from vit_kernels.ops import attention, layer_norm, linear, patch_embed
-from vit_kernels.ops import swiglu
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed, swiglu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)

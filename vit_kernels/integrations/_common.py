@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import vit_kernels.functional as vkf
-
 from vit_kernels.activations import GELU, GELU_TANH, QUICK_GELU, RELU, gelu_act
 from vit_kernels.ops.attention import mask_broadcasts
 

@@ -33,11 +33,13 @@ from vit_kernels.integrations._common import (
     describe_activation,
     fusable_mask,
     is_silu,
-    swiglu_forward as fused_swiglu,
     unfused_forward,
     unknown_forward_args,
     unknown_parts,
     with_fused_forward,
+)
+from vit_kernels.integrations._common import (
+    swiglu_forward as fused_swiglu,
 )
 
 ATTN_IMPLEMENTATION = "vit_kernels"

@@ -37,7 +37,6 @@ from vit_kernels.integrations._common import (
     describe_activation,
     dropout_p,
     fusable_mask,
-    swiglu_forward as fused_swiglu,
     is_identity,
     is_silu,
     project,
@@ -46,6 +45,9 @@ from vit_kernels.integrations._common import (
     unknown_forward_args,
     unknown_parts,
     with_fused_forward,
+)
+from vit_kernels.integrations._common import (
+    swiglu_forward as fused_swiglu,
 )
 from vit_kernels.integrations.torch_nn import swap_layer_norm
 

@@ -26,8 +26,8 @@ from vit_kernels.integrations._common import (
     Swap,
     activation_name,
     describe_activation,
-    unknown_forward_args,
     unfused_forward,
+    unknown_forward_args,
     unknown_parts,
     with_fused_forward,
 )

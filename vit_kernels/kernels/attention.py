@@ -1,0 +1,1573 @@
+"""Attention's Triton kernels: the flash forward, the dK/dV and dQ backward kernels, the
+probabilities kernel, and their per-block helpers (RoPE, masks, dropout) (launched by
+``vit_kernels.ops.attention``).
+"""
+
+from __future__ import annotations
+
+from vit_kernels._triton import (
+    as_float32,
+    tl,
+    triton,
+)
+
+
+# Every attention kernel runs one program per (block of rows, batch * head), flattened onto grid
+# axis 0 (axes 1 and 2 stop at 65,535, which B * H passes at large batches) with the row blocks of
+# one (batch, head) adjacent, so that they share its K and V in L2.
+@triton.jit
+def _block_and_head(seq_len, num_heads, BLOCK: tl.constexpr):
+    """-> (row block, batch * head, batch, head) of this program."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(seq_len, BLOCK)
+    pid_bh = pid // blocks
+    return pid % blocks, pid_bh, pid_bh // num_heads, pid_bh % num_heads
+
+
+# The dropout keep mask z_ij of (batch * head, query i, key j): Philox on the int64 counter
+# (bh * L + i) * L + j, unique for every element of every head and image (no int32 wrap-around).
+# ``query`` and ``key`` are index tensors broadcasting to the tile: (rows_m[:, None], rows_n[None, :])
+# for a (query, key) tile; (rows_m[None, :], rows_n[:, None]) for the dK/dV kernel's (key, query)
+# tile, whose element (j, i) must draw the forward's z_ij.
+@triton.jit
+def _dropout_keep(seed, pid_bh, query, key, seq_len, dropout_p):
+    counter = (pid_bh.to(tl.int64) * seq_len + query) * seq_len + key
+    return tl.rand(seed, counter) >= dropout_p
+
+
+# Tiles are addressed as a 64-bit base pointer per (batch, head, block) plus the tile's own int32
+# offsets (row * row stride + column * column stride, computed once per program), so the inner loops
+# do no 64-bit multiplies. A (rows, BLOCK_D) tile of rows ``rows`` is loaded with masks only where
+# they can be false: on rows (``MASK_ROWS``: the last, partial block of a sequence) and on the head
+# dim's padding (unless ``EVEN_D``, head dim == BLOCK_D); masked elements read 0.
+@triton.jit
+def _load_tile(ptrs, rows, seq_len, mask_d, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASK_ROWS:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=(rows < seq_len)[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows < seq_len)[:, None] & mask_d[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    return tile
+
+
+# Rotary position embedding (ROPE = 1: layout "interleaved", 2: "half"; 0: none, the kernels as
+# without it), applied to q and k as their tiles are loaded (vit_kernels/ops/rope.py):
+#   x' = x cos + rot(x) sin,  rot(x) = (-x1, x0, -x3, x2, ...) on the pairs of the layout,
+#   computed in float32; rows before rope_start = L - L_r (class, register tokens) are not rotated
+#   (cos = 1, sin = 0), row i >= rope_start takes table row i - rope_start.
+# Scores are invariant to one permutation of the head-dim columns of both q and k, so a rotated
+# tile's column c holds the qkv column _rope_cols(c): c for "interleaved", and for "half" the
+# pairs (i, i + Dh/2) made adjacent (columns 0, Dh/2, 1, Dh/2 + 1, ...): both layouts are then the
+# pairs (2i, 2i + 1) of the tile. The tables are read in that same column order, dq and dk are
+# stored back through it; v, dO, out and dv keep their plain order.
+# The partner of tile column c is c ^ 1, read by a second load (the same cache lines), so that a
+# rotated tile is computed from loads alone, in either orientation: k' enters q' k'^T loaded as a
+# (Dh, keys) tile (q' in the dK/dV kernel's k' q'^T as (Dh, queries)), and no computed tile is
+# transposed into a dot (triton-lang/triton#6124, see the dK/dV kernel's query block).
+# Derivative: rot is a signed swap, rot^T = -rot, so the gradient g of x' gives
+# dx = g cos - rot(g sin), the swap of a register tile done by reshape / split / join (into a
+# store, never into a dot).
+@triton.jit
+def _rope_cols(tcols, head_dim, ROPE: tl.constexpr):
+    """The qkv column (within a head) that tile column ``tcols`` holds (see above)."""
+    if ROPE == 2:
+        return tl.where(tcols < head_dim, tcols // 2 + (tcols % 2) * (head_dim // 2), tcols)
+    else:
+        return tcols
+
+
+@triton.jit
+def _rope_tables(
+    cos_base,
+    sin_base,
+    rows,
+    tcols,
+    seq_len,
+    head_dim,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+):
+    """float32 cos and sin of sequence rows ``rows`` and tile columns ``tcols``, index tensors that
+    broadcast to the tile ((R, 1) and (1, D) for a row-major tile, (1, R) and (D, 1) for a
+    transposed one); 1 and 0 (no rotation) for prefix rows and outside the sequence or head dim."""
+    cols = _rope_cols(tcols, head_dim, ROPE)
+    on = (rows >= rope_start) & (rows < seq_len) & (tcols < head_dim)
+    table_rows = rows - rope_start
+    cos = tl.load(cos_base + table_rows * stride_cos_l + cols * stride_cos_d, mask=on, other=1.0)
+    sin = tl.load(sin_base + table_rows * stride_sin_l + cols * stride_sin_d, mask=on, other=0.0)
+    return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
+def _load_rotated(
+    base,
+    rows,
+    tcols,
+    seq_len,
+    head_dim,
+    stride_l,
+    stride_c,
+    cos_base,
+    sin_base,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+    VOLATILE: tl.constexpr,
+):
+    """x' = x cos + rot(x) sin of the q or k tile at ``base`` (one head of one image), in tile column
+    order, for index tensors ``rows``, ``tcols`` as in ``_rope_tables``; 0 outside the sequence and
+    head dim. Returned in the dtype of qkv (a dot operand)."""
+    mask = (rows < seq_len) & (tcols < head_dim)
+    row_offsets = rows * stride_l
+    x = tl.load(
+        base + row_offsets + _rope_cols(tcols, head_dim, ROPE) * stride_c,
+        mask=mask,
+        other=0.0,
+        volatile=VOLATILE,
+    )
+    partner = tl.load(
+        base + row_offsets + _rope_cols(tcols ^ 1, head_dim, ROPE) * stride_c,
+        mask=mask,
+        other=0.0,
+        volatile=VOLATILE,
+    )
+    cos, sin = _rope_tables(
+        cos_base,
+        sin_base,
+        rows,
+        tcols,
+        seq_len,
+        head_dim,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+    )
+    sign = tl.where(tcols % 2 == 0, -1.0, 1.0)
+    return (x.to(tl.float32) * cos + partner.to(tl.float32) * sign * sin).to(x.dtype)
+
+
+@triton.jit
+def _rotated_pair(
+    base,
+    rows,
+    offs_d,
+    seq_len,
+    head_dim,
+    stride_l,
+    stride_c,
+    cos_base,
+    sin_base,
+    rope_start,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_l,
+    stride_sin_d,
+    ROPE: tl.constexpr,
+):
+    """The rotated tile of sequence rows ``rows`` as (rows, Dh) and as (Dh, rows), both from loads."""
+    x = _load_rotated(
+        base,
+        rows[:, None],
+        offs_d[None, :],
+        seq_len,
+        head_dim,
+        stride_l,
+        stride_c,
+        cos_base,
+        sin_base,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+        False,
+    )
+    xt = _load_rotated(
+        base,
+        rows[None, :],
+        offs_d[:, None],
+        seq_len,
+        head_dim,
+        stride_l,
+        stride_c,
+        cos_base,
+        sin_base,
+        rope_start,
+        stride_cos_l,
+        stride_cos_d,
+        stride_sin_l,
+        stride_sin_d,
+        ROPE,
+        False,
+    )
+    return x, xt
+
+
+@triton.jit
+def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dx = g cos - rot(g sin) of a float32 (ROWS, BLOCK_D) gradient tile in tile column order."""
+    even, odd = tl.split(tl.reshape(g * sin, (ROWS, BLOCK_D // 2, 2)))
+    return g * cos - tl.reshape(tl.join(-odd, even), (ROWS, BLOCK_D))
+
+
+# An attention mask (MASK = 1: additive, any float dtype; 2: boolean, True = attend; 0: none, the
+# kernels as without it), broadcast to (B, H, L, L) by its strides (0 along broadcast dims), enters
+# the kernels' unscaled scores s_ij = q_i . k_j as
+#   s_ij + b_ij / scale,   b_ij = mask_ij (additive) or 0 / -inf (boolean),
+# so that scale (s_ij + b_ij / scale) = scale q_i . k_j + b_ij, SDPA's scores. Finite b_ij are
+# clamped to +-limit = +-FLT_MAX * min(scale, 1) first, so that b / scale stays finite: a mask of
+# finfo(float32).min (timm's, transformers') then keeps a row whose every key it masks finite and
+# uniform, as SDPA computes it, where b / scale would overflow to -inf. -inf (and boolean False)
+# removes the key; a row with every key at -inf gets P = 0 (out = 0, no gradient), as SDPA's.
+# The tile is addressed by its (query, key) index tensors rows_m, rows_n broadcasting to it, so the
+# dK/dV kernel's (key, query) tiles load it transposed; outside the sequence it reads b = 0.
+# The mask has no gradient (the kernels decline a mask that requires one).
+@triton.jit
+def _mask_term(
+    mask_base, rows_m, rows_n, seq_len, stride_mask_m, stride_mask_n, inv_scale, limit, MASK: tl.constexpr
+):
+    """b / scale (float32) of the (query rows_m, key rows_n) tile of one head of one image."""
+    inside = (rows_m < seq_len) & (rows_n < seq_len)
+    ptrs = mask_base + rows_m.to(tl.int64) * stride_mask_m + rows_n.to(tl.int64) * stride_mask_n
+    if MASK == 2:
+        keep = tl.load(ptrs, mask=inside, other=1)
+        term = tl.where(keep != 0, 0.0, float("-inf"))
+    else:
+        b = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        b = tl.where((b < -limit) & (b > float("-inf")), -limit, b)
+        b = tl.where((b > limit) & (b < float("inf")), limit, b)
+        term = b * inv_scale
+    return term
+
+
+# One key block of the forward (keys start_n + offs_n) for the query tile q, with c = scale * log2(e):
+#   s_ij = q_i . k_j   (-inf for keys past the sequence: only in the masked tail block, MASK_N)
+#   (with ROPE, q and k rotated: q' . k'_j, k' given as the loaded and rotated (Dh, keys) tile kt)
+#   m_new = max(m_i, max_j s_ij),  alpha = 2^((m_i - m_new) c),  p_ij = 2^((s_ij - m_new) c)
+#   l_i <- alpha l_i + sum_j p_ij,  acc_i <- alpha acc_i + sum_j z_ij / (1 - p) p_ij v_j    -> (acc, l, m_new)
+@triton.jit
+def _attention_fwd_key_block(
+    acc,
+    l_i,
+    m_i,
+    q,
+    kt,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_n,
+    offs_m,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    keep_scale,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    rows_n = start_n + offs_n
+    if ROPE == 0:
+        k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    if ROPE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, kt, input_precision=PRECISION)
+    if MASK_N:
+        s = tl.where((rows_n < seq_len)[None, :], s, float("-inf"))
+    if MASK != 0:
+        s = s + _mask_term(
+            mask_base,
+            offs_m[:, None],
+            rows_n[None, :],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK == 0:
+        alpha = tl.exp2((m_i - m_new) * scale_log2)
+        p = tl.exp2((s - m_new[:, None]) * scale_log2)
+    else:  # a row masked so far has m = -inf: its exponents are taken against 0 (all 2^-inf = 0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - m_safe) * scale_log2)
+        p = tl.exp2((s - m_safe[:, None]) * scale_log2)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(
+            _dropout_keep(seed, pid_bh, offs_m[:, None], rows_n[None, :], seq_len, dropout_p),
+            p * keep_scale,
+            0.0,
+        )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+# Forward, one program per (block of BLOCK_M query rows, batch * head), with c = scale * log2(e):
+#   s_ij = q_i . k_j                                          (unscaled dot products)
+#   m_i = max_j s_ij,  l_i = sum_j 2^((s_ij - m_i) c)         (online over key blocks, rescaled by 2^((m_old - m_new) c))
+#   o_i = (1 / l_i) sum_j z_ij / (1 - p) 2^((s_ij - m_i) c) v_j   (z_ij the dropout keep mask, 1 without dropout)
+#   saved per row: m_i and 1 / l_i, so that P_ij = 2^((s_ij - m_i) c) / l_i
+# The scale enters as the one multiply by c of each exponent (log2(e) folded in on the host; exp2 is
+# the hardware's exponential), applied after subtracting the row max: for the largest terms
+# s_ij - m_i is exact (Sterbenz), so the row max's own term is exactly 2^0 = 1 (one token: P = 1,
+# out = v and dq = dk = 0 exactly), where a fused s_ij c - m_i c would keep the rounding of m_i c in
+# every exponent, and s_ij c, or a log-sum-exp m_i + log2(l_i) / c, would round at the magnitude of
+# s_ij and scale every probability of the row by that rounding.
+# The key blocks run in two parts: the BLOCK_N blocks that lie inside the sequence, with no mask,
+# then (when BLOCK_N does not divide L) one tail block of BLOCK_TAIL keys (L mod BLOCK_N padded to a
+# power of two, at least 16: 16 keys rather than 64 at L = 197), the only one masked on the key
+# length. q is loaded once; rows past the sequence are masked on their loads and stores only
+# (their q reads 0). With ROPE, q and each k block are rotated as loaded (see _rope_cols), k as a
+# (Dh, keys) tile. Shapes: qkv (B, L, 3D), out (B, L, D), row statistics (B*H, L); with ROPE the
+# tables Cos, Sin (B, H, L_r, Dh) by strides (0 where broadcast), rope_start = L - L_r.
+@triton.jit
+def _attention_fwd_kernel(
+    QKV,
+    Out,
+    RowMax,
+    RowInvSum,
+    Seed,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_out_b,
+    stride_out_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    scale_log2, dropout_p = as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols
+    if ROPE == 0:
+        q = _load_tile(
+            q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D
+        )
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        q = _load_rotated(
+            q_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
+    seed = 0
+    keep_scale = 1.0
+    if DROPOUT:
+        seed = tl.load(Seed)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_tile = offs_n[:, None] * stride_qkv_l + cols
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        kt = 0
+        if ROPE != 0:
+            kt = _load_rotated(
+                k_base,
+                (start_n + offs_n)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+        acc, l_i, m_i = _attention_fwd_key_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            kt,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_n,
+            offs_m,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            keep_scale,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_tile = offs_t[:, None] * stride_qkv_l + cols
+        row_offset = tl.cast(full_end, tl.int64) * stride_qkv_l
+        kt_tail = 0
+        if ROPE != 0:
+            kt_tail = _load_rotated(
+                k_base,
+                (full_end + offs_t)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+        acc, l_i, m_i = _attention_fwd_key_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            kt_tail,
+            k_base + row_offset + tail_tile,
+            v_base + row_offset + tail_tile,
+            full_end,
+            offs_t,
+            offs_m,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            keep_scale,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+
+    if MASK == 0:
+        inv_sum = 1.0 / l_i
+    else:  # a row with every key masked: P = 0 (l = 0, m = -inf saved as 0)
+        inv_sum = tl.where(l_i == 0.0, 0.0, 1.0 / l_i)
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+    acc = acc * inv_sum[:, None]
+    mask_m = offs_m < seq_len
+    out_ptrs = (
+        Out
+        + batch.to(tl.int64) * stride_out_b
+        + tl.cast(start_m, tl.int64) * stride_out_l
+        + head * head_dim
+        + (tl.arange(0, BLOCK_M)[:, None] * stride_out_l + offs_d[None, :])
+    )
+    if EVEN_D:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, m_i, mask=mask_m)
+    tl.store(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, inv_sum, mask=mask_m)
+
+
+# The dQ kernel's per-tile recomputation, for query rows rows_m and key rows rows_n of one
+# (batch, head) (the dK/dV kernel computes the same tiles transposed, in its query block):
+#   P = 2^((s - m) c) / l (0 outside the sequence),  P~ = z * P / (1 - p),  dP~ = dO V^T,
+#   dP = z * dP~ / (1 - p)                                      -> (P, P~, dP)
+# Rows past the sequence load q, dO, m and 1 / l as 0: the dQ kernel discards their rows at its
+# store. Keys past the sequence are masked where MASK_N (the dQ kernel's tail block).
+# The row term of the softmax gradient, delta_i = sum_j P_ij dP_ij (= dO_i . O_i), is summed from
+# these same P and dP rather than from the stored output, so that dS_ij = P_ij (dP_ij - delta_i)
+# cancels exactly where the math does (one token; a saturated, one-hot softmax) instead of keeping
+# the rounding difference between two ways of computing dO . v_j.
+@triton.jit
+def _attention_bwd_p_dp(
+    q,
+    k,
+    kt,
+    v,
+    do,
+    row_max,
+    inv_sum,
+    rows_m,
+    rows_n,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    if ROPE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:  # q and k rotated, k' as the (Dh, keys) tile kt (see _rope_cols)
+        s = tl.dot(q, kt, input_precision=PRECISION)
+    if MASK != 0:
+        s = s + _mask_term(
+            mask_base,
+            rows_m[:, None],
+            rows_n[None, :],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
+    p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
+    if MASK_N:
+        p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        keep = _dropout_keep(seed, pid_bh, rows_m[:, None], rows_n[None, :], seq_len, dropout_p)
+        p_dropped = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    else:
+        p_dropped = p
+    return p, p_dropped, dp
+
+
+# One query block of the dK/dV kernel: query rows i = start_m + offs_m against the program's key
+# rows j (its k and v tiles), in (key, query) tiles of BLOCK_N x BLOCK_M (the kernel's formulas):
+#   S^T = k q^T,  P^T = 2^((S^T - m) c) / l,  dP~^T = v dO^T,  dV += P~^T dO,  dK += dS^T q   -> (dK, dV)
+# P~^T and dS^T enter their products as computed, as left operands; the only transposes are of the
+# q and dO tiles as loaded (as the forward's of k). A transposed computed tile feeding tl.dot
+# (tl.trans(P~), out of the accumulator's MMA layout) is what Triton miscompiles on Hopper
+# (triton-lang/triton#6124: a wrong dK on an H100); the compile gate (`make check-gpu`) fails any
+# variant whose TTGIR has one.
+# Loads are masked on the rows only in the tail block (MASK_M), where query rows past the sequence
+# (columns here) get P~ = dS = 0: they load q, dO, m and 1 / l as 0, but a non-finite key gives them
+# S = 0 * inf = NaN, which would reach every dK and dV row. Keys past the sequence are not masked:
+# the kernel discards their rows of dK and dV at its store, which are all they reach.
+@triton.jit
+def _attention_bwd_dkdv_query_block(
+    dk,
+    dv,
+    k,
+    v,
+    q_rot,
+    qt_rot,
+    q_ptrs,
+    do_ptrs,
+    stats_ptrs,
+    Delta,
+    RowMax,
+    RowInvSum,
+    start_m,
+    offs_m,
+    offs_n,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    rows_m = start_m + offs_m
+    if ROPE == 0:
+        q = _load_tile(q_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    else:  # the rotated q' as (queries, Dh) and as (Dh, queries): no computed tile is transposed
+        q = q_rot
+    do = _load_tile(do_ptrs, rows_m, seq_len, mask_d, MASK_M, EVEN_D)
+    if MASK_M:
+        mask_m = rows_m < seq_len
+        row_max = tl.load(RowMax + stats_ptrs, mask=mask_m, other=0.0)
+        inv_sum = tl.load(RowInvSum + stats_ptrs, mask=mask_m, other=0.0)
+        delta = tl.load(Delta + stats_ptrs, mask=mask_m, other=0.0)
+    else:
+        row_max = tl.load(RowMax + stats_ptrs)
+        inv_sum = tl.load(RowInvSum + stats_ptrs)
+        delta = tl.load(Delta + stats_ptrs)
+    if ROPE == 0:
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    else:
+        s_t = tl.dot(k, qt_rot, input_precision=PRECISION)
+    if MASK != 0:  # the (key, query) tile of the mask, loaded transposed
+        s_t = s_t + _mask_term(
+            mask_base,
+            rows_m[None, :],
+            offs_n[:, None],
+            seq_len,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            MASK,
+        )
+    p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    if DROPOUT:
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        keep_t = _dropout_keep(seed, pid_bh, rows_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        p_dropped_t = tl.where(keep_t, p_t * keep_scale, 0.0)
+        dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+    else:
+        p_dropped_t = p_t
+    ds_t = p_t * (dp_t - delta[None, :])
+    if MASK_M:
+        p_dropped_t = tl.where(mask_m[None, :], p_dropped_t, 0.0)
+        ds_t = tl.where(mask_m[None, :], ds_t, 0.0)
+    dv += tl.dot(p_dropped_t.to(do.dtype), do, input_precision=PRECISION)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+# dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks
+# with every tile key-major, (key j, query i): the transposes of the forward's tiles.
+#   S^T = K Q^T,  P^T_ji = 2^((S^T_ji - m_i) c) / l_i,  P~^T = z^T * P^T / (1 - p)
+#   dV = sum_i P~^T_i dO_i                                (O = P~ V)
+#   dP~^T = V dO^T,  dP^T = z^T * dP~^T / (1 - p),  dS^T_ji = P^T_ji (dP^T_ji - delta_i)
+#   dK = scale * sum_i dS^T_i Q_i
+# (the derivative of O = P~ V with respect to V, and of S = scale Q K^T through the softmax,
+# dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik), with respect to K: dK = scale dS^T Q). Key-major, no
+# computed tile is transposed (see the query block). The BLOCK_M query blocks inside the sequence
+# load without masks; the tail (BLOCK_TAIL rows, L mod BLOCK_M padded to a power of two, when
+# BLOCK_M does not divide L) is the only block masked. K and V are loaded once (and again for the
+# tail); the key rows past the sequence are masked on those loads and the stores only. With ROPE
+# (see _rope_cols) K is rotated as loaded, each query block's Q twice (as (queries, Dh) for dK and
+# (Dh, queries) for S^T), and dK, the gradient of the rotated k', is taken back through the rotation:
+# dk = dK' cos - rot(dK' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D), row statistics and
+# delta (B*H, L), rope tables as in the forward.
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    QKV,
+    DOut,
+    RowMax,
+    RowInvSum,
+    Delta,
+    Seed,
+    DQKV,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_do_b,
+    stride_do_l,
+    stride_do_c,
+    stride_dqkv_b,
+    stride_dqkv_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
+    pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    kv_ptrs = (
+        k_base
+        + tl.cast(start_n, tl.int64) * stride_qkv_l
+        + (tl.arange(0, BLOCK_N)[:, None] * stride_qkv_l + cols)
+    )
+    if ROPE == 0:
+        k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        k = _load_rotated(
+            k_base,
+            offs_n[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
+    v = _load_tile(
+        kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D
+    )
+    do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
+    do_cols = offs_d[None, :] * stride_do_c
+    row_stats = pid_bh.to(tl.int64) * seq_len
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tile = offs_m[:, None] * stride_qkv_l + cols
+    do_tile = offs_m[:, None] * stride_do_l + do_cols
+    full_end = (seq_len // BLOCK_M) * BLOCK_M
+    for start_m in range(0, full_end, BLOCK_M):
+        q_rot, qt_rot = (
+            _rotated_pair(
+                q_base,
+                start_m + offs_m,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
+        dk, dv = _attention_bwd_dkdv_query_block(
+            dk,
+            dv,
+            k,
+            v,
+            q_rot,
+            qt_rot,
+            q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile,
+            do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile,
+            row_stats + start_m + offs_m,
+            Delta,
+            RowMax,
+            RowInvSum,
+            start_m,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+    if BLOCK_TAIL > 0:
+        # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
+        # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
+        # at that first load and keeps them live across the loop beside the loop's own (spilling up
+        # to 3.3 KB per thread: float32 at head dim 128).
+        if EVEN_D:
+            kv_mask = (offs_n < seq_len)[:, None]
+        else:
+            kv_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
+        if ROPE == 0:
+            k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
+        else:
+            k = _load_rotated(
+                k_base,
+                offs_n[:, None],
+                offs_d[None, :],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                True,
+            )
+        v = tl.load(
+            kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, mask=kv_mask, other=0.0, volatile=True
+        )
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        q_rot_tail, qt_rot_tail = (
+            _rotated_pair(
+                q_base,
+                full_end + offs_t,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
+        dk, dv = _attention_bwd_dkdv_query_block(
+            dk,
+            dv,
+            k,
+            v,
+            q_rot_tail,
+            qt_rot_tail,
+            q_base + tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols),
+            do_base + tl.cast(full_end, tl.int64) * stride_do_l + (offs_t[:, None] * stride_do_l + do_cols),
+            row_stats + full_end + offs_t,
+            Delta,
+            RowMax,
+            RowInvSum,
+            full_end,
+            offs_t,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+
+    out_ptrs = (
+        DQKV
+        + batch.to(tl.int64) * stride_dqkv_b
+        + tl.cast(start_n, tl.int64) * stride_dqkv_l
+        + head * head_dim
+        + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + offs_d[None, :])
+    )
+    if EVEN_D:
+        out_mask = (offs_n < seq_len)[:, None]
+    else:
+        out_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
+    if ROPE == 0:
+        tl.store(out_ptrs + model_dim, (dk * scale).to(DQKV.dtype.element_ty), mask=out_mask)
+    else:
+        cos, sin = _rope_tables(
+            cos_base,
+            sin_base,
+            offs_n[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+        )
+        dk = _rope_grad(dk * scale, cos, sin, BLOCK_N, BLOCK_D)
+        dk_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_n, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + model_dim
+            + (tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        )
+        tl.store(dk_ptrs, dk.to(DQKV.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptrs + 2 * model_dim, dv.to(DQKV.dtype.element_ty), mask=out_mask)
+
+
+# One key block of the dQ kernel's two passes: k and the recomputed (P, dP) of its query rows,
+# masked on the key length only in the tail block (MASK_N). With ROPE, k is the rotated k' given as
+# k_rot (keys, Dh) and kt_rot (Dh, keys), loaded by the caller.
+@triton.jit
+def _attention_bwd_dq_key_block(
+    q,
+    do,
+    row_max,
+    inv_sum,
+    k_rot,
+    kt_rot,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_m,
+    offs_n,
+    mask_d,
+    seq_len,
+    pid_bh,
+    seed,
+    scale_log2,
+    dropout_p,
+    mask_base,
+    stride_mask_m,
+    stride_mask_n,
+    inv_scale,
+    mask_limit,
+    MASK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    rows_n = start_n + offs_n
+    if ROPE == 0:
+        k = _load_tile(k_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    else:
+        k = k_rot
+    v = _load_tile(v_ptrs, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
+    p, _, dp = _attention_bwd_p_dp(
+        q,
+        k,
+        kt_rot,
+        v,
+        do,
+        row_max,
+        inv_sum,
+        offs_m,
+        rows_n,
+        seq_len,
+        pid_bh,
+        seed,
+        scale_log2,
+        dropout_p,
+        mask_base,
+        stride_mask_m,
+        stride_mask_n,
+        inv_scale,
+        mask_limit,
+        MASK_N,
+        DROPOUT,
+        PRECISION,
+        ROPE,
+        MASK,
+    )
+    return k, p, dp
+
+
+# dQ and delta, one program per (block of BLOCK_M query rows, batch * head), in two passes over the
+# key blocks (it runs before the dK/dV kernel, which reads delta):
+#   delta_i = sum_j P_ij dP_ij / sum_j P_ij           (stored; dividing by the recomputed row sum, 1 up
+#                                                      to the rounding of 1 / l, keeps that rounding a
+#                                                      relative error of dS instead of an absolute one)
+#   dQ = scale * sum_j dS_ij k_j,  dS = P (dP - delta)
+# (the derivative of S = scale Q K^T through the softmax with respect to Q). dS is recomputed in both
+# kernels rather than shared through atomics: a deterministic result. Each pass runs the BLOCK_N
+# key blocks inside the sequence without masks, then the one tail block of BLOCK_TAIL keys (when
+# BLOCK_N does not divide L), the only one masked on the key length. With ROPE (see _rope_cols), q
+# is rotated as loaded, each key block's K as (Dh, keys) for S (both passes) and as (keys, Dh) for dQ
+# (the second), and dQ, the gradient of the rotated q', is taken back through the rotation:
+# dq = dQ' cos - rot(dQ' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D), row statistics and
+# delta (B*H, L), rope tables as in the forward.
+@triton.jit
+def _attention_bwd_dq_kernel(
+    QKV,
+    DOut,
+    RowMax,
+    RowInvSum,
+    Delta,
+    Seed,
+    DQKV,
+    Cos,
+    Sin,
+    Mask,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    rope_start,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    stride_do_b,
+    stride_do_l,
+    stride_do_c,
+    stride_dqkv_b,
+    stride_dqkv_l,
+    stride_cos_b,
+    stride_cos_h,
+    stride_cos_l,
+    stride_cos_d,
+    stride_sin_b,
+    stride_sin_h,
+    stride_sin_l,
+    stride_sin_d,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    scale,
+    scale_log2,
+    dropout_p,
+    inv_scale,
+    mask_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
+    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    mask_base = Mask + batch.to(tl.int64) * stride_mask_b + head.to(tl.int64) * stride_mask_h
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq_len
+    mask_d = offs_d < head_dim
+    cols = offs_d[None, :] * stride_qkv_c
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    if ROPE == 0:
+        q = _load_tile(
+            q_base
+            + tl.cast(start_m, tl.int64) * stride_qkv_l
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols),
+            offs_m,
+            seq_len,
+            mask_d,
+            True,
+            EVEN_D,
+        )
+    else:
+        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
+        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
+        q = _load_rotated(
+            q_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            stride_qkv_l,
+            stride_qkv_c,
+            cos_base,
+            sin_base,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+            False,
+        )
+    do = _load_tile(
+        DOut
+        + batch.to(tl.int64) * stride_do_b
+        + (head * head_dim).to(tl.int64) * stride_do_c
+        + tl.cast(start_m, tl.int64) * stride_do_l
+        + (tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c),
+        offs_m,
+        seq_len,
+        mask_d,
+        True,
+        EVEN_D,
+    )
+    row_stats = pid_bh.to(tl.int64) * seq_len
+    row_max = tl.load(RowMax + row_stats + offs_m, mask=mask_m, other=0.0)
+    inv_sum = tl.load(RowInvSum + row_stats + offs_m, mask=mask_m, other=0.0)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_tile = offs_n[:, None] * stride_qkv_l + cols
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
+
+    weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        kt_first = (
+            _load_rotated(
+                k_base,
+                (start_n + offs_n)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+            if ROPE != 0
+            else 0
+        )
+        _, p, dp = _attention_bwd_dq_key_block(
+            q,
+            do,
+            row_max,
+            inv_sum,
+            0,
+            kt_first,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+        weighted += tl.sum(p * dp, 1)
+        row_sum += tl.sum(p, 1)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        kt_first_tail = (
+            _load_rotated(
+                k_base,
+                (full_end + offs_t)[None, :],
+                offs_d[:, None],
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+                False,
+            )
+            if ROPE != 0
+            else 0
+        )
+        _, p_tail, dp_tail = _attention_bwd_dq_key_block(
+            q,
+            do,
+            row_max,
+            inv_sum,
+            0,
+            kt_first_tail,
+            k_base + tail_ptrs,
+            v_base + tail_ptrs,
+            full_end,
+            offs_m,
+            offs_t,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+        weighted += tl.sum(p_tail * dp_tail, 1)
+        row_sum += tl.sum(p_tail, 1)
+    delta = weighted / tl.where(mask_m & (row_sum != 0.0), row_sum, 1.0)  # 0 / 1 where every key is masked
+    tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        row_offset = tl.cast(start_n, tl.int64) * stride_qkv_l
+        k_rot, kt_rot = (
+            _rotated_pair(
+                k_base,
+                start_n + offs_n,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
+        k, p, dp = _attention_bwd_dq_key_block(
+            q,
+            do,
+            row_max,
+            inv_sum,
+            k_rot,
+            kt_rot,
+            k_base + row_offset + kv_tile,
+            v_base + row_offset + kv_tile,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            False,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_ptrs = tl.cast(full_end, tl.int64) * stride_qkv_l + (offs_t[:, None] * stride_qkv_l + cols)
+        k_rot_tail, kt_rot_tail = (
+            _rotated_pair(
+                k_base,
+                full_end + offs_t,
+                offs_d,
+                seq_len,
+                head_dim,
+                stride_qkv_l,
+                stride_qkv_c,
+                cos_base,
+                sin_base,
+                rope_start,
+                stride_cos_l,
+                stride_cos_d,
+                stride_sin_l,
+                stride_sin_d,
+                ROPE,
+            )
+            if ROPE != 0
+            else (0, 0)
+        )
+        k_tail, p_tail, dp_tail = _attention_bwd_dq_key_block(
+            q,
+            do,
+            row_max,
+            inv_sum,
+            k_rot_tail,
+            kt_rot_tail,
+            k_base + tail_ptrs,
+            v_base + tail_ptrs,
+            full_end,
+            offs_m,
+            offs_t,
+            mask_d,
+            seq_len,
+            pid_bh,
+            seed,
+            scale_log2,
+            dropout_p,
+            mask_base,
+            stride_mask_m,
+            stride_mask_n,
+            inv_scale,
+            mask_limit,
+            True,
+            EVEN_D,
+            DROPOUT,
+            PRECISION,
+            ROPE,
+            MASK,
+        )
+        dq += tl.dot(
+            (p_tail * (dp_tail - delta[:, None])).to(k_tail.dtype), k_tail, input_precision=PRECISION
+        )
+
+    if ROPE == 0:
+        out_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_m, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + offs_d[None, :])
+        )
+        dq = dq * scale
+    else:
+        out_ptrs = (
+            DQKV
+            + batch.to(tl.int64) * stride_dqkv_b
+            + tl.cast(start_m, tl.int64) * stride_dqkv_l
+            + head * head_dim
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        )
+        cos, sin = _rope_tables(
+            cos_base,
+            sin_base,
+            offs_m[:, None],
+            offs_d[None, :],
+            seq_len,
+            head_dim,
+            rope_start,
+            stride_cos_l,
+            stride_cos_d,
+            stride_sin_l,
+            stride_sin_d,
+            ROPE,
+        )
+        dq = _rope_grad(dq * scale, cos, sin, BLOCK_M, BLOCK_D)
+    if EVEN_D:
+        tl.store(out_ptrs, dq.to(DQKV.dtype.element_ty), mask=mask_m[:, None])
+    else:
+        tl.store(out_ptrs, dq.to(DQKV.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# Probabilities for return_probs: P_ij = 2^((s_ij - m_i) c) / l_i, recomputed from the saved row statistics,
+# one program per (block of query rows, batch * head), written to (B, H, L, L).
+@triton.jit
+def _attention_probs_kernel(
+    QKV,
+    RowMax,
+    RowInvSum,
+    Probs,
+    seq_len,
+    num_heads,
+    head_dim,
+    model_dim,
+    stride_qkv_b,
+    stride_qkv_l,
+    stride_qkv_c,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    scale_log2 = as_float32(scale_log2)
+    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq_len
+    mask_d = offs_d < head_dim
+    base = QKV + batch.to(tl.int64) * stride_qkv_b
+    cols = (head * head_dim + offs_d).to(tl.int64) * stride_qkv_c
+    q = tl.load(
+        base + offs_m[:, None].to(tl.int64) * stride_qkv_l + cols[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    row_max = tl.load(RowMax + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
+    inv_sum = tl.load(RowInvSum + pid_bh.to(tl.int64) * seq_len + offs_m, mask=mask_m, other=0.0)
+    probs_base = Probs + pid_bh.to(tl.int64) * seq_len * seq_len + offs_m[:, None].to(tl.int64) * seq_len
+    for start_n in range(0, seq_len, BLOCK_N):
+        rows_n = start_n + offs_n
+        mask_n = rows_n < seq_len
+        k = tl.load(
+            base + rows_n[:, None].to(tl.int64) * stride_qkv_l + (cols + model_dim * stride_qkv_c)[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        p = tl.exp2((s - row_max[:, None]) * scale_log2) * inv_sum[:, None]
+        tl.store(
+            probs_base + rows_n[None, :], p.to(Probs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :]
+        )

@@ -1,0 +1,594 @@
+"""The GEMM engine that linear, linear_gelu, mlp, SwiGLU and patch_embed launch: C = A @ B (+ bias,
+GELU or its gradient, residual, row or column sums) by the kernels of ``vit_kernels.kernels.gemm``,
+with split-K for deep reductions, the tile tables the user's GPU validates and times per key, and
+the bias gradient's two ways."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from vit_kernels._autograd import tracing
+from vit_kernels._signature import bucket
+from vit_kernels._tiles import (
+    FLOORS,
+    TileChooser,
+    first_problem,
+    reference_dtype,
+    report_rows,
+    tile_to_launch,
+)
+from vit_kernels._triton import (
+    TensorDescriptor,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    multiprocessors,
+)
+from vit_kernels.activations import GELU_APPROXIMATIONS, gelu, gelu_backward
+from vit_kernels.kernels.gemm import (
+    _gelu_bwd_kernel,
+    _linear_kernel,
+    _linear_tma_kernel,
+)
+
+# Epilogues of the GEMM kernel.
+EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
+# Sums the GEMM kernel can reduce on the way (a bias gradient without a second read of its input).
+SUMS_NONE, SUMS_OF_C_COLUMNS, SUMS_OF_A_ROWS = 0, 1, 2
+
+
+# GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): candidates that
+# the user's GPU validates and times per key (``vit_kernels._tiles``: dtype, epilogue, size bucket,
+# operand layout), the first one being the default where nothing may be run (tracing, graph capture),
+# for 16 bits 128 x 128 x 64, the one tile a GPU has timed. 16-bit inputs use tensor cores (mma on
+# sm_80, wgmma on sm_90). The 128 x 256, 256 x 128 and
+# 128 x 128 x 128 tiles are the Hopper ones (8 warps as two warpgroups, 3 stages: 144-192 KB of
+# shared memory on sm_90, within its 227 KB, and 96-128 KB on sm_80, whose pipeline keeps one stage
+# fewer); the 64-wide ones serve small problems and sm_80. float32 stays exact (ieee FMA, no tf32),
+# where a 128 x 128 fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every
+# entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills and on shared
+# memory over the limit, and run against float64 by the GPU tests (tests/test_tiles.py).
+TMA = "tma"
+
+
+class GemmTile(NamedTuple):
+    """One launch configuration of a GEMM kernel: its blocks, warps and pipeline stages, and which
+    kernel runs it (``"pointer"``, or ``TMA`` for the persistent TMA kernel). Shown as the plain
+    tuple, without the kernel where it is the pointer one."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    kernel: str = "pointer"
+
+    def __repr__(self) -> str:
+        return repr(tuple(self) if self.kernel != "pointer" else tuple(self)[:5])
+
+
+GEMM_TILES_16BIT = tuple(
+    GemmTile(*tile)
+    for tile in (
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 4),
+        (128, 128, 128, 8, 3),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+    )
+)
+GEMM_TILES_FP32 = tuple(
+    GemmTile(*tile) for tile in ((64, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3))
+)
+# The persistent TMA kernel's tiles (``_linear_tma_kernel``), offered beside the table above on
+# sm_90+ for 16-bit operands that TMA can read (one unit stride, the other 16-byte aligned, 16-byte
+# aligned data): the shapes of Triton's persistent Hopper matmul (128 x 256 and 128 x 128 with 8
+# warps as two warpgroups, 3-4 stages of 32-48 KB). Never the default: the user's GPU validates and
+# times them against the pointer kernel's tiles.
+GEMM_TILES_TMA = tuple(
+    GemmTile(*tile, TMA)
+    for tile in (
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 128, 8, 3),
+    )
+)
+GEMM_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
+GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles shared in L2)
+MAX_BLOCK_K = max(
+    tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32
+)  # split-K slices are multiples of it
+VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
+GEMM_CHOOSER = TileChooser("GEMM")
+
+
+def gemm_config(tile: GemmTile) -> dict:
+    """A tile as the GEMM kernels' launch keywords."""
+    return {
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "GROUP_M": GEMM_GROUP_M,
+        "num_warps": tile.warps,
+        "num_stages": tile.stages,
+    }
+
+
+GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
+
+
+def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
+    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: the dtype's table
+    (with the TMA kernel's where ``tma``), without tiles much larger than the problem (at most
+    max(64, m) rows and max(64, n) columns; the table's smallest tile where none is left)."""
+    tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
+    tiles += GEMM_TILES_TMA if tma else ()
+    fitting = tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
+    return fitting or tiles[-1:]
+
+
+def tma_transposed(t: torch.Tensor) -> Optional[bool]:
+    """How the TMA kernel reads a 2-D 16-bit operand: False by a descriptor over ``t`` (unit column
+    stride), True by one over ``t.t()`` (unit row stride), None where a descriptor cannot (no unit
+    stride, the other stride or the data not 16-byte aligned, a dimension of size 0)."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0 or t.data_ptr() % 16:
+        return None
+    rows, cols = t.stride()
+    aligned = 16 // t.element_size()
+    if cols == 1 and rows % aligned == 0:
+        return False
+    if rows == 1 and cols % aligned == 0:
+        return True
+    return None
+
+
+def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the TMA kernel can run a @ b: on Hopper or newer (the interpreter counts as such),
+    both operands readable by descriptors, not while tracing (torch.compile). Where it cannot, a
+    TMA tile runs the pointer kernel with its dimensions."""
+    if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
+        return False
+    if interpreted(a.device):  # the tests run it under the interpreter where they pin its tiles
+        return True
+    return a.device.type == "cuda" and _hopper_or_newer(a.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device: torch.device) -> bool:
+    """Whether a CUDA device has TMA (compute capability 9.0+); asked once per device."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tile_report() -> list[dict]:
+    """Every GEMM tile choice made in this process: key (device, operand and output dtypes, HAS_BIAS,
+    EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, M bucket, N, K bucket, K slices, unit strides of A's
+    and B's two dimensions), the tile chosen and each candidate's time in ms or why it was excluded."""
+    return report_rows("gemm", GEMM_CHOOSER)
+
+
+def validation_rows(m: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of an m-row output a candidate is checked on: all (None) up to VALIDATION_ROWS, else
+    the first and the last VALIDATION_ROWS / 2 (the first tiles and the masked last ones)."""
+    if m <= VALIDATION_ROWS:
+        return None
+    half = VALIDATION_ROWS // 2
+    return torch.cat([torch.arange(half, device=device), torch.arange(m - half, m, device=device)])
+
+
+def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
+    """How many K slices a GEMM without epilogue is split into so that it fills the GPU: the
+    weight-gradient GEMMs (M, N = layer widths, K = batch x tokens) have few output tiles and a
+    very deep K. Slices are at least 1024 deep on a GPU (64 under the interpreter, which is how the
+    tests exercise the split path on small shapes)."""
+    if interpreted(device):
+        machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_CONFIG["BLOCK_M"]
+    else:
+        machine = multiprocessors(device)
+        min_depth, tile = 1024, 128
+    tiles = cdiv(m, tile) * cdiv(n, tile)
+    slices = min(cdiv(2 * machine, tiles), k // min_depth, 32)
+    return max(1, slices)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, **epilogue) -> torch.Tensor:
+    """C of ``_matmul_and_sums`` (no sums)."""
+    return _matmul_and_sums(a, b, out_dtype, **epilogue)[0]
+
+
+def _matmul_and_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    epilogue: int = EPILOGUE_NONE,
+    gelu_form: int = 0,
+    aux: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    sums: int = SUMS_NONE,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """a (M, K) @ b (K, N) (+ bias, epilogue, residual) -> (C (M, N) contiguous, all read by strides;
+    the sums in float32, or None for SUMS_NONE): SUMS_OF_C_COLUMNS, sum_rows C (N,) before C's
+    rounding; SUMS_OF_A_ROWS, sum_k A (M,).
+    ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
+    EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
+    slices summed in float32. The tile is the one ``_matmul_tile`` gives (chosen on the GPU per key)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        if sums == SUMS_NONE:
+            return c, None
+        if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
+            return c, a.sum(1, dtype=torch.float32)
+        return c, torch.zeros(n, dtype=torch.float32, device=a.device)
+    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
+    slices = split_k_slices(m, n, k, a.device) if plain else 1
+    k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+    slices = cdiv(k, k_per_split) if k > 0 else 1
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
+    c = gemm.output()
+    partial = gemm.launch(_matmul_tile(gemm), c, aux)
+    return gemm.result(c), None if partial is None else partial.sum(0)
+
+
+class _Gemm:
+    """One call of the GEMM kernel: its operands and split, launched with a given tile into given
+    outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
+
+    __slots__ = (
+        "a",
+        "b",
+        "out_dtype",
+        "bias",
+        "epilogue",
+        "gelu_form",
+        "aux",
+        "residual",
+        "sums",
+        "slices",
+        "k_per_split",
+    )
+
+    def __init__(self, a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split):
+        self.a, self.b, self.out_dtype, self.bias, self.epilogue = a, b, out_dtype, bias, epilogue
+        self.gelu_form = gelu_form
+        self.aux, self.residual, self.sums = aux, residual, int(sums)
+        self.slices, self.k_per_split = slices, k_per_split
+
+    def output(self) -> torch.Tensor:
+        """The kernel's C: (M, N) of the output dtype, or a float32 workspace (slices, M, N)."""
+        m, n = self.a.shape[0], self.b.shape[1]
+        if self.slices > 1:
+            return torch.empty((self.slices, m, n), dtype=torch.float32, device=self.a.device)
+        return torch.empty((m, n), dtype=self.out_dtype, device=self.a.device)
+
+    def result(self, c: torch.Tensor) -> torch.Tensor:
+        return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
+
+    def launch(self, tile: GemmTile, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
+        SAVE_PREACT) -> the partial sums asked for (float32: per tile row (cdiv(M, BLOCK_M), N) of C's
+        columns, per K slice (slices, M) of A's rows), else None. A tile naming the TMA variant runs
+        ``_linear_tma_kernel``, else ``_linear_kernel``."""
+        a, b, bias, residual = self.a, self.b, self.bias, self.residual
+        m, k = a.shape
+        n = b.shape[1]
+        config = gemm_config(tile)
+        tile_rows = cdiv(m, config["BLOCK_M"])
+        tiles = tile_rows * cdiv(n, config["BLOCK_N"])
+        partial = None
+        if self.sums != SUMS_NONE:
+            shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
+            partial = torch.empty(shape, dtype=torch.float32, device=a.device)
+        epilogue_args = (
+            c,
+            bias if bias is not None else c,
+            aux if aux is not None else c,
+            residual if residual is not None else c,
+            partial if partial is not None else c,
+        )
+        strides = (
+            m * n if self.slices > 1 else 0,
+            n,
+            bias.stride(0) if bias is not None else 0,
+            aux.stride(0) if aux is not None else 0,
+            *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
+        )
+        flags = dict(
+            HAS_BIAS=bias is not None,
+            EPILOGUE=self.epilogue,
+            GELU_FORM=self.gelu_form,
+            SAVE_PREACT=aux is not None,
+            HAS_RESIDUAL=residual is not None,
+            SUMS=self.sums,
+            PRECISION=dot_precision(a.dtype),
+        )
+        if tile.kernel == TMA and tma_possible(a, b):
+            a_t, b_t = tma_transposed(a), tma_transposed(b)
+            bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+            a_desc = (
+                TensorDescriptor.from_tensor(a.t(), [bk, bm])
+                if a_t
+                else TensorDescriptor.from_tensor(a, [bm, bk])
+            )
+            b_desc = (
+                TensorDescriptor.from_tensor(b.t(), [bn, bk])
+                if b_t
+                else TensorDescriptor.from_tensor(b, [bk, bn])
+            )
+            grid = (min(tiles * self.slices, multiprocessors(a.device)),)
+            launch(
+                _linear_tma_kernel,
+                grid,
+                a_desc,
+                b_desc,
+                *epilogue_args,
+                m,
+                n,
+                k,
+                self.k_per_split,
+                self.slices,
+                *strides,
+                **flags,
+                A_T=a_t,
+                B_T=b_t,
+                **config,
+            )
+            return partial
+        launch(
+            _linear_kernel,
+            (tiles, self.slices),
+            a,
+            b,
+            *epilogue_args,
+            m,
+            n,
+            k,
+            self.k_per_split,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            *strides,
+            **flags,
+            **config,
+        )
+        return partial
+
+    def key(self) -> tuple:
+        """What a tile choice is kept for: device, operand and output dtypes, the epilogue flags, M
+        and K bucketed to powers of two (the batch lives there: rows of the forward and of dX, the
+        reduction of dW), N exact (a layer width), the K slices, and which of A's and B's dimensions
+        have unit stride (W^T and dY^T are read transposed). Plain ints (SymInts made concrete)."""
+        a, b = self.a, self.b
+        (m, k), (_, n), (a_m, a_k), (b_k, b_n) = a.shape, b.shape, a.stride(), b.stride()
+        return (
+            a.device,
+            a.dtype,
+            self.out_dtype,
+            self.bias is not None,
+            self.epilogue,
+            self.gelu_form,
+            self.aux is not None,
+            self.residual is not None,
+            self.sums,
+            bucket(int(m)),
+            int(n),
+            bucket(int(k)),
+            self.slices,
+            bool(a_m == 1),
+            bool(a_k == 1),
+            bool(b_k == 1),
+            bool(b_n == 1),
+        )
+
+    def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+        """The output rows ``rows`` (all when None) computed by PyTorch: [out] (+ [pre-activation]
+        under SAVE_PREACT). In ``dtype`` when given (the reference), else as PyTorch computes it
+        in the operands' own dtypes (its matmul in the operands' dtype, the residual added in its
+        dtype, as ``linear_ref`` does)."""
+
+        def pick(t):
+            t = t if rows is None else t.index_select(0, rows)
+            return t if dtype is None else t.to(dtype)
+
+        approximate = GELU_APPROXIMATIONS[self.gelu_form]
+        z = torch.matmul(pick(self.a), self.b if dtype is None else self.b.to(dtype))
+        if self.bias is not None:
+            z = z + (self.bias if dtype is None else self.bias.to(dtype))
+        outputs = []
+        y = z
+        if self.epilogue == EPILOGUE_GELU:
+            y = gelu(z, approximate)
+            if self.aux is not None:
+                outputs.append(z)
+        elif self.epilogue == EPILOGUE_GELU_GRAD:
+            y = gelu_backward(z, pick(self.aux), approximate)
+        if self.residual is not None:
+            y = y + pick(self.residual)
+        return [y.to(self.out_dtype) if dtype is None else y] + outputs
+
+    def trial(self) -> tuple[Callable, Callable]:
+        """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
+        every output the launch writes: [out] (+ [pre-activation] under SAVE_PREACT) (+ [the sums]:
+        C's column sums (N,) or A's row sums (M,), float32, reduced over tile rows or K slices);
+        ``check`` compares out and the pre-activation on ``validation_rows`` and the sums whole, with
+        PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
+        save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
+        per_row = ["out"] + (["preact"] if save_preact else [])  # checked on validation_rows; the sums whole
+        names = (
+            per_row
+            + {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[
+                self.sums
+            ]
+        )
+
+        def run(tile):
+            aux = torch.empty_like(self.aux) if save_preact else self.aux
+            c = self.output()
+            partial = self.launch(tile, c, aux)
+            outputs = [self.result(c)] + ([aux] if save_preact else [])
+            return outputs + ([partial.sum(0)] if partial is not None else [])
+
+        wide = reference_dtype(self.a.dtype)
+        references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
+
+        @torch.no_grad()
+        def check(outputs):
+            if not references:
+                rows = validation_rows(int(self.a.shape[0]), self.a.device)
+                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
+                if self.sums == SUMS_OF_C_COLUMNS:  # every row of C counts: the whole GEMM, once per key
+                    references[1].append(self.reference(None, wide)[0].sum(0))
+                    references[2].append(self.reference(None, None)[0].float().sum(0))
+                elif self.sums == SUMS_OF_A_ROWS:
+                    references[1].append(self.a.to(wide).sum(1))
+                    references[2].append(self.a.sum(1))
+            rows, exacts, owns = references
+            return first_problem(
+                [
+                    (
+                        name,
+                        actual if rows is None or index >= len(per_row) else actual.index_select(0, rows),
+                        own,
+                        exact,
+                    )
+                    for index, (name, actual, exact, own) in enumerate(
+                        zip(names, outputs, exacts, owns, strict=True)
+                    )
+                ],
+                FLOORS[self.a.dtype],
+            )
+
+        return run, check
+
+
+def _matmul_tile(gemm: _Gemm) -> tuple:
+    """The tile ``_matmul`` launches: see ``vit_kernels._tiles.tile_to_launch``."""
+    return tile_to_launch(
+        GEMM_CHOOSER,
+        gemm.a.device,
+        gemm.key,
+        lambda: GEMM_INTERPRETER_TILE,
+        lambda: gemm_candidates(
+            gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]), tma_possible(gemm.a, gemm.b)
+        ),
+        gemm.trial,
+    )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., K) -> (M, K) by a view where strides allow (the kernel takes any 2-D strides); M or K
+    may be 0."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread
+
+
+def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bias_grad: bool):
+    """dZ = grad * gelu'(preact) (M, N) and, when ``bias_grad``, its column sums (N,) in float32
+    (else None), from one pass. Row slices: about four programs per multiprocessor in all, each
+    slice a whole number of steps."""
+    grad, preact = grad.contiguous(), preact.contiguous()
+    dz = torch.empty_like(preact)
+    rows, cols = preact.shape
+    if dz.numel() == 0:
+        return dz, preact.new_zeros(cols, dtype=torch.float32) if bias_grad else None
+    block_m, block_n, warps = (16, 16, 1) if interpreted(preact.device) else GELU_BWD_BLOCK
+    strips = cdiv(cols, block_n)
+    machine = multiprocessors(preact.device)
+    slices = max(1, min(cdiv(4 * machine, strips), cdiv(rows, block_m), 65535))
+    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
+    slices = cdiv(rows, rows_per_slice)
+    partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
+    launch(
+        _gelu_bwd_kernel,
+        (strips, slices),
+        grad,
+        preact,
+        dz,
+        partial,
+        rows,
+        cols,
+        rows_per_slice,
+        GELU_FORM=gelu_form,
+        BIAS_GRAD=bias_grad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
+    return dz, partial.sum(0) if bias_grad else None
+
+
+# The bias gradient db = sum_rows dY beside dW = dY^T X: "separate" (the dW GEMM, then PyTorch's sum
+# of dY, one more read of dY) or "fused" (the dW GEMM reduces the rows of the dY^T it reads,
+# SUMS_OF_A_ROWS). Both are candidates the user's GPU validates and times per key. The static default
+# is "separate", by occupancy in the compile report: the row sums raise the default 16-bit tile
+# (128 x 128 x 64, 8 warps) from 114 to 152 registers per thread on sm_90, 2 -> 1 CTA per SM, and
+# the compiler hoists the A-tile read out of the first tile column's branch, so every program pays
+# it; the extra read it saves is 2 bytes per element of dY, about 13 us of a ViT-B/16 batch-128
+# fc2 dW GEMM of about 200 us.
+BIAS_GRAD_WAYS = ("separate", "fused")
+BIAS_GRAD_CHOOSER = TileChooser("bias gradient")
+
+
+def _weight_and_bias_grads_by(way: str, dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
+    """(dW = dY^T X in ``dtype``, db = sum_rows dY in float32) the ``way`` named."""
+    if way == "fused":
+        return _matmul_and_sums(dy2.t(), x2, dtype, sums=SUMS_OF_A_ROWS)
+    return _matmul(dy2.t(), x2, dtype), dy2.sum(0, dtype=torch.float32)
+
+
+def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
+    """(run, check) for BIAS_GRAD_CHOOSER: dW and db against PyTorch's own, float64 / float32 exact."""
+
+    def run(way):
+        return list(_weight_and_bias_grads_by(way, dy2, x2, dtype))
+
+    wide = reference_dtype(dy2.dtype)
+    references: list = []  # the exact (dW, db) and PyTorch's own: made on the first check
+
+    @torch.no_grad()
+    def check(outputs):
+        if not references:
+            references.append((dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)))
+            references.append((dy2.t() @ x2, dy2.sum(0)))
+        exact, own = references
+        return first_problem(list(zip(("dW", "db"), outputs, own, exact, strict=True)), FLOORS[dy2.dtype])
+
+    return run, check
+
+
+def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias_grad: bool):
+    """For Y = X W^T + b: dX = dY W, dW = dY^T X and, when ``bias_grad``, db = sum_rows dY (float32;
+    else None), db by the way BIAS_GRAD_CHOOSER keeps for the key."""
+    return _matmul(dy2, weight, x2.dtype), *_weight_and_bias_grads(dy2, x2, weight.dtype, bias_grad)
+
+
+def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype, bias_grad: bool):
+    """dW = dY^T X (N, K) in ``dtype`` and, when ``bias_grad``, db = sum_rows dY (N,) float32, else None."""
+    if not bias_grad:
+        return _matmul(dy2.t(), x2, dtype), None
+    m, n = dy2.shape
+    way = tile_to_launch(
+        BIAS_GRAD_CHOOSER,
+        dy2.device,
+        lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
+        lambda: BIAS_GRAD_WAYS[0],
+        lambda: BIAS_GRAD_WAYS,
+        lambda: _bias_grad_trial(dy2, x2, dtype),
+    )
+    return _weight_and_bias_grads_by(way, dy2, x2, dtype)
