@@ -9,6 +9,9 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "../checks.h"
 
@@ -63,6 +66,24 @@ inline int multiprocessor_count(int device) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   return count;
+}
+
+// Blocks of `kernel` resident per multiprocessor of `device` at `threads` threads and `shared_bytes`
+// of dynamic shared memory. The runtime's answer never changes for these arguments and costs
+// microseconds to ask, so it is asked once per (device, kernel, threads, shared bytes).
+template <typename Kernel>
+int resident_blocks(int device, Kernel kernel, int threads, size_t shared_bytes) {
+  using Key = std::tuple<int, const void*, int, size_t>;
+  static std::mutex mutex;
+  static std::map<Key, int> known;
+  const Key key{device, reinterpret_cast<const void*>(kernel), threads, shared_bytes};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(key);
+  if (found != known.end()) return found->second;
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared_bytes));
+  known.emplace(key, resident);
+  return resident;
 }
 
 inline void check_cuda_input(const char* op, const char* name, const at::Tensor& t) {

@@ -380,9 +380,9 @@ std::tuple<at::Tensor, at::Tensor> run_backward(const at::Tensor& grad_out, cons
     const int groups = static_cast<int>(std::min<int64_t>(rows, kMaxBackwardThreads / row_threads));
     // The row groups' sums meet in shared memory: 2 * cols floats, at most 2 * 256 * 16 * 4 = 32 KiB.
     const size_t shared_bytes = groups > 1 && weight_bias_grad ? 2 * cols * sizeof(float) : 0;
-    int resident = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, row_threads * groups, shared_bytes));
-    const int64_t wave = std::max(1, resident) * static_cast<int64_t>(multiprocessor_count(summed.get_device()));
+    const int device = summed.get_device();
+    const int resident = resident_blocks(device, kernel, row_threads * groups, shared_bytes);
+    const int64_t wave = std::max(1, resident) * static_cast<int64_t>(multiprocessor_count(device));
     const int64_t steps = (rows + groups - 1) / groups;  // row-group steps in all
     const int64_t blocks_wanted = std::min(steps, wave);
     const int64_t rows_per_block = ((steps + blocks_wanted - 1) / blocks_wanted) * groups;
