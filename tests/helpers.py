@@ -12,7 +12,7 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels import _ext, backend
-from vit_kernels._tiles import sibling_scale
+from vit_kernels._tiles import ERROR_RATIO, FLOORS, sibling_scale
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HAS_CUDA = torch.cuda.is_available()
@@ -155,15 +155,6 @@ def max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return (actual.to(reference.device, torch.float64) - reference).abs().max().item()
 
 
-# The floor of the CUDA error bound, in units in the last place of the largest reference value. In
-# float32 PyTorch's own error is itself 1-2 units (cuBLAS, SDPA), so twice it is within the spread of
-# an equally exact summation order: on an H200 the Triton GEMMs and attention in float32 erred by 1.3
-# to 4.5 units against PyTorch's 0.5 to 2. In 16 bits one unit stays the floor: there twice PyTorch's
-# own error decides, and a floor of 4 units (3e-2 in bfloat16) would pass a dK as wrong as the one an
-# H100 computed (1.3e-2 to 8.4e-2, benchmarks/results/h100-2026-11-22.md).
-CUDA_FLOOR_ULPS = {torch.float32: 4}
-
-
 def error_bound(
     reference: torch.Tensor,
     own_error: float,
@@ -171,20 +162,20 @@ def error_bound(
     device: torch.device,
     sibling_scale: float = 0.0,
 ) -> float:
-    """The largest max-abs error allowed against ``reference`` (float64): twice PyTorch's own error
-    ``own_error`` in the same dtype, with a floor for results PyTorch happens to get (nearly) exact.
-    On CUDA the floor is CUDA_FLOOR_ULPS units in the last place of the largest reference value; on
+    """The largest max-abs error allowed against ``reference`` (float64). On CUDA the runtime's rule
+    (``vit_kernels._tiles``): ERROR_RATIO x PyTorch's own error ``own_error`` in the same dtype, with
+    the floor FLOORS[dtype] relative to the largest reference value; on
     the CPU, where interpreted Triton rounds as numpy does, it is ``atol + rtol * max|reference|`` of
     TOLERANCES. ``sibling_scale``: the least scale taken (a tensor that is zero in exact arithmetic,
     attention's dq at length 1, is judged by the scale of the op's other results, as the tile
     choosers judge it: ``vit_kernels._tiles.SIBLING_SCALE``)."""
     scale = max(reference.abs().max().item() if reference.numel() else 0.0, sibling_scale)
     if device.type == "cuda":
-        floor = CUDA_FLOOR_ULPS.get(dtype, 1) * torch.finfo(dtype).eps * scale
+        floor = FLOORS[dtype] * scale
     else:
         atol, rtol = TOLERANCES[dtype]
         floor = atol + rtol * scale
-    return max(floor, 2 * own_error)
+    return max(floor, ERROR_RATIO * own_error)
 
 
 def assert_within_pytorch_error(

@@ -16,14 +16,8 @@ import torch.nn.functional as F
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_linear import mlp_formula
-from tests.test_patch_embed import (
-    NAMES as PATCH_EMBED_NAMES,
-)
-from tests.test_patch_embed import (
-    make_inputs,
-    patch_embed_formula,
-    run_patch_embed,
-)
+from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
+from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
 from tools.cuda_sim import simulated_cuda
 from vit_kernels import _tiles

@@ -31,14 +31,8 @@ from tests.helpers import CUDA, DTYPE_NAMES, check_against_formula, cuda_param, 
 from tests.test_attention import formula_out, out_only
 from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
-from tests.test_patch_embed import (
-    NAMES as PATCH_EMBED_NAMES,
-)
-from tests.test_patch_embed import (
-    make_inputs,
-    patch_embed_formula,
-    run_patch_embed,
-)
+from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
+from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import attention, gemm, layer_norm, linear, patch_embed
 

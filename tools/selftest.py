@@ -42,7 +42,6 @@ from vit_kernels._timer import time_runs
 
 # A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
 # PyTorch's own in the same dtype, or at most the dtype's floor: the tile choosers' rule and table.
-ERROR_FLOORS = FLOORS
 # ViT-S/16 at batch 4; the inputs are those of the op specs (scaled so activations stay O(1)).
 SHAPE = Shape(
     "vit_small_patch16_224",
@@ -122,7 +121,7 @@ def ground_truth(
 def judge(names: list[str], errors: list[float], pytorch_errors: list[float], dtype: torch.dtype) -> dict:
     """Pass/fail of one backend's errors against PyTorch's own, per tensor; the row fields: the
     worst tensor (largest error / bound), its error, PyTorch's error, their ratio, and every tensor."""
-    floor = ERROR_FLOORS[dtype]
+    floor = FLOORS[dtype]
     tensors = []
     for name, error, own in zip(names, errors, pytorch_errors):
         bound = max(ERROR_RATIO * own, floor)
@@ -261,7 +260,7 @@ def header() -> dict:
             "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         },
         "rule": f"pass when relative error <= max({ERROR_RATIO:g} x PyTorch's own, floor) per output and gradient; "
-        f"floors { ({str(k).removeprefix('torch.'): v for k, v in ERROR_FLOORS.items()}) }",
+        f"floors { ({str(k).removeprefix('torch.'): v for k, v in FLOORS.items()}) }",
         "available_backends": backend.available_backends(),
     }
 

@@ -7,8 +7,8 @@ gradients of the cloned leaves against a fixed random upstream gradient), else f
 
 Validation is the tile choosers' rule (``_tiles.first_problem``): every output and every gradient
 within twice the error of the reference implementation run in the call's dtype (PyTorch's own), or
-within the dtype's floor, against the reference computed in float32 (float64 stays float64) on the
-same values, with autocast off.
+within the dtype's floor, against the reference computed in ``_tiles.reference_dtype`` (float64
+for float32 and float64 calls, float32 for 16-bit ones) on the same values, with autocast off.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _measure(candidates, reference, args, validation_args, device, dtype, grad) 
         else []
     )
     with torch.random.fork_rng(devices=devices):
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        wide = _tiles.reference_dtype(dtype)
         expected = _Runner(reference, validation_args, grad, None, wide)
         exact = expected()
         own = _Runner(reference, validation_args, grad, expected.upstream)()  # PyTorch's own, in dtype

@@ -38,9 +38,7 @@ from vit_kernels.integrations._common import (
     unknown_parts,
     with_fused_forward,
 )
-from vit_kernels.integrations._common import (
-    swiglu_forward as fused_swiglu,
-)
+from vit_kernels.integrations._common import swiglu_forward as fused_swiglu
 
 ATTN_IMPLEMENTATION = "vit_kernels"
 

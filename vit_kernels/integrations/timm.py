@@ -46,9 +46,7 @@ from vit_kernels.integrations._common import (
     unknown_parts,
     with_fused_forward,
 )
-from vit_kernels.integrations._common import (
-    swiglu_forward as fused_swiglu,
-)
+from vit_kernels.integrations._common import swiglu_forward as fused_swiglu
 from vit_kernels.integrations.torch_nn import swap_layer_norm
 
 ATTENTION_CHILDREN = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")

@@ -5,11 +5,7 @@ probabilities kernel, and their per-block helpers (RoPE, masks, dropout) (launch
 
 from __future__ import annotations
 
-from vit_kernels._triton import (
-    as_float32,
-    tl,
-    triton,
-)
+from vit_kernels._triton import as_float32, tl, triton
 
 
 # Every attention kernel runs one program per (block of rows, batch * head), flattened onto grid

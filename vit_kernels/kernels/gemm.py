@@ -5,10 +5,7 @@ by ``vit_kernels.ops.gemm`` to linear, linear_gelu, mlp, SwiGLU and patch_embed.
 
 from __future__ import annotations
 
-from vit_kernels._triton import (
-    tl,
-    triton,
-)
+from vit_kernels._triton import tl, triton
 
 # GELU constants, as constexprs: a @triton.jit function may not read plain Python globals (the
 # interpreter allows it, the GPU compiler does not).

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from vit_kernels._triton import (
-    as_float32,
-    tl,
-    triton,
-)
+from vit_kernels._triton import as_float32, tl, triton
 
 
 # Forward, one program per ROWS rows (D <= BLOCK_D columns, one tile per row):

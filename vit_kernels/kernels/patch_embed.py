@@ -5,11 +5,7 @@ kernels (launched by ``vit_kernels.ops.patch_embed``).
 from __future__ import annotations
 
 from vit_kernels._triton import tl, triton
-from vit_kernels.kernels.gemm import (
-    accumulate_dot,
-    block_zero,
-    grouped_tile,
-)
+from vit_kernels.kernels.gemm import accumulate_dot, block_zero, grouped_tile
 
 
 @triton.jit

@@ -4,15 +4,8 @@ gate (launched by ``vit_kernels.ops.swiglu``).
 
 from __future__ import annotations
 
-from vit_kernels._triton import (
-    tl,
-    triton,
-)
-from vit_kernels.kernels.gemm import (
-    accumulate_dot,
-    block_zero,
-    grouped_tile,
-)
+from vit_kernels._triton import tl, triton
+from vit_kernels.kernels.gemm import accumulate_dot, block_zero, grouped_tile
 
 
 # H = silu(G) * U with G = A @ Bg + bg, U = A @ Bu + bu (A = X (M, K); Bg = W_g^T, Bu = W_u^T (K, N),

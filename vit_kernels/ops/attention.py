@@ -29,14 +29,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import (
-    HAS_TRITON,
-    cdiv,
-    dot_precision,
-    interpreted,
-    launch,
-    next_power_of_2,
-)
+from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, next_power_of_2
 from vit_kernels.kernels.attention import (
     _attention_bwd_dkdv_kernel,
     _attention_bwd_dq_kernel,

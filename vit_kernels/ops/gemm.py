@@ -21,20 +21,9 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import (
-    TensorDescriptor,
-    cdiv,
-    dot_precision,
-    interpreted,
-    launch,
-    multiprocessors,
-)
+from vit_kernels._triton import TensorDescriptor, cdiv, dot_precision, interpreted, launch, multiprocessors
 from vit_kernels.activations import GELU_APPROXIMATIONS, gelu, gelu_backward
-from vit_kernels.kernels.gemm import (
-    _gelu_bwd_kernel,
-    _linear_kernel,
-    _linear_tma_kernel,
-)
+from vit_kernels.kernels.gemm import _gelu_bwd_kernel, _linear_kernel, _linear_tma_kernel
 
 # Epilogues of the GEMM kernel.
 EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2

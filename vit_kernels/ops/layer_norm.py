@@ -24,13 +24,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import (
-    HAS_TRITON,
-    cdiv,
-    launch,
-    multiprocessors,
-    next_power_of_2,
-)
+from vit_kernels._triton import HAS_TRITON, cdiv, launch, multiprocessors, next_power_of_2
 from vit_kernels.kernels.layer_norm import _layer_norm_bwd_kernel, _layer_norm_fwd_kernel
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._ext import ExtensionOps
-from vit_kernels._triton import (
-    HAS_TRITON,
-)
+from vit_kernels._triton import HAS_TRITON
 from vit_kernels.activations import GELU_FORMS, NONE, gelu, gelu_act
 from vit_kernels.ops.gemm import (
     EPILOGUE_GELU,

@@ -29,13 +29,7 @@ from vit_kernels.kernels.patch_embed import (
     _patch_embed_bwd_weight_kernel,
     _patch_embed_fwd_kernel,
 )
-from vit_kernels.ops.gemm import (
-    GEMM_INTERPRETER_TILE,
-    GemmTile,
-    gemm_candidates,
-    gemm_config,
-    split_k_slices,
-)
+from vit_kernels.ops.gemm import GEMM_INTERPRETER_TILE, GemmTile, gemm_candidates, gemm_config, split_k_slices
 
 
 def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool) -> tuple[int, ...]:

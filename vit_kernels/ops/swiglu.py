@@ -33,14 +33,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import (
-    HAS_TRITON,
-    cdiv,
-    dot_precision,
-    interpreted,
-    launch,
-    multiprocessors,
-)
+from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors
 from vit_kernels.kernels.swiglu import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 from vit_kernels.ops.gemm import (
     GemmTile,
