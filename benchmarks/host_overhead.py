@@ -16,7 +16,10 @@ calls and in the (stubbed) launch. What PyTorch's calls and Triton's launcher co
 comes on top; this is the part the project controls. It is the small difference of two large times,
 less an estimate of the simulation's cost per call made once per process: on the 2-core CI machine
 the same tree reads 2-60 us for one op in different processes, so compare trees only over several
-processes each, and read it as an order of magnitude, not a measurement to the microsecond.
+processes each, and read it as an order of magnitude, not a measurement to the microsecond. Exact
+and the same on every machine are the two counts beside it, per warm triton call: the Python
+functions of ``vit_kernels`` it enters (``frames``) and the PyTorch calls it makes (``torch calls``:
+tensor attributes, allocations, views; each costs the host 0.1-3 us on a GPU).
 
     python -m benchmarks.host_overhead [--device cuda] [--calls N] [--rounds N] [--ops a,b] [--json FILE]
     python -m benchmarks.host_overhead --simulated-gpu [--calls N] [--rounds N] [--ops a,b] [--json FILE]
@@ -114,7 +117,31 @@ def measure(
     return [measure_op(op, device, calls=calls, rounds=rounds) for op in ops if admit(op)]
 
 
-SIMULATED_COLUMNS = ("triton", "auto")
+SIMULATED_BACKENDS = ("triton", "auto")
+SIMULATED_COLUMNS = (*SIMULATED_BACKENDS, "frames", "torch calls")
+PACKAGE_DIR = str(Path(vk.__file__).resolve().parent)
+
+
+def warm_call_counts(recorder, call: Callable[[], object]) -> tuple[int, int]:
+    """(frames, torch calls) of one ``call()`` on the simulated device: the Python functions of the
+    ``vit_kernels`` package it enters, and the PyTorch calls (a tensor's device read included) it
+    makes, as the recorder counts them."""
+    frames = 0
+
+    def count(frame, event, arg):
+        nonlocal frames
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            frames += 1
+
+    _, before = recorder.mark()
+    sys.setprofile(count)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return frames, sum(recorder.calls[kind] - before[kind] for kind in ("torch", "device"))
+
+
 VIT_B = Shape(
     "vit_base_patch16_224",
     batch=2,
@@ -131,9 +158,10 @@ VIT_B = Shape(
 def measure_simulated(
     ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5
 ) -> list[dict[str, Union[str, float]]]:
-    """{"op": op, "triton": us, "auto": us} per op: our Python per warm forward call (inputs requiring
-    grad) on the simulated sm_90 device, the least over ``rounds`` loops of ``calls`` calls (ours is
-    the small difference of two large times, so other processes' load shows in it: load only adds)."""
+    """{"op": op, "triton": us, "auto": us, "frames": n, "torch calls": n} per op: our Python per warm
+    forward call (inputs requiring grad) on the simulated sm_90 device, the least over ``rounds``
+    loops of ``calls`` calls (ours is the small difference of two large times, so other processes'
+    load shows in it: load only adds), and the counts of one warm triton call (``warm_call_counts``)."""
     from tools.cuda_sim import simulated_cuda
 
     rows = []
@@ -144,7 +172,7 @@ def measure_simulated(
                 k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()
             }
             row: dict[str, Union[str, float]] = {"op": op}
-            for name in SIMULATED_COLUMNS:
+            for name in SIMULATED_BACKENDS:
                 with vk.use_backend(name, strict=name != "auto"):
                     call = functools.partial(SPECS[op].run, VIT_B, **inputs)
                     for _ in range(3):  # the first call decides the backend and the tile
@@ -161,12 +189,16 @@ def measure_simulated(
                         finally:
                             gc.enable()
                         samples.append(recorder.our_seconds(wall, mark) / calls * 1e6)
+                    if name == "triton":
+                        row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
                 row[name] = min(samples)
             rows.append(row)
     return rows
 
 
-def _cell(value: Union[str, float]) -> str:
+def _cell(value: Union[str, float, int]) -> str:
+    if isinstance(value, int):
+        return str(value)
     return f"{value:.1f}" if isinstance(value, float) else "n/a"
 
 
@@ -224,7 +256,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         device = "simulated sm_90"
         print(
             f"our Python per warm call on the {device} device ({VIT_B.label}, bfloat16, forward, inputs requiring "
-            "grad; PyTorch's calls and the launch excluded), us:"
+            "grad; PyTorch's calls and the launch excluded), us; and one warm triton call's vit_kernels frames and "
+            "PyTorch calls:"
         )
         print(table(rows, columns=SIMULATED_COLUMNS))
     else:

@@ -52,6 +52,35 @@ def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
     rows = host_overhead.measure_simulated(("layer_norm", "attention"), calls=3, rounds=1)
     assert [row["op"] for row in rows] == ["layer_norm", "attention"]
     for row in rows:
-        for column in host_overhead.SIMULATED_COLUMNS:
+        for column in host_overhead.SIMULATED_BACKENDS:
             assert isinstance(row[column], float) and 0.0 <= row[column] < 10_000, row
+        assert isinstance(row["frames"], int) and isinstance(row["torch calls"], int), row
     assert "triton" in host_overhead.table(rows, columns=host_overhead.SIMULATED_COLUMNS)
+
+
+# What one warm forward call on the triton backend may cost the host at most, per op, at ViT-B/16
+# shapes in bfloat16 (inputs requiring grad): (vit_kernels frames entered, PyTorch calls made).
+# Exact counts, the same on every machine: a change that adds to a warm call fails here, and lowers
+# or raises the budget knowingly (python -m benchmarks.host_overhead --simulated-gpu prints them).
+WARM_CALL_BUDGETS = {
+    "patch_embed": (29, 63),
+    "attention": (43, 30),
+    "linear_gelu": (38, 52),
+    "linear": (35, 58),
+    "mlp": (62, 95),
+    "layer_norm": (29, 51),
+    "swiglu": (35, 67),
+    "swiglu_mlp": (59, 110),
+}
+
+
+def test_a_warm_triton_call_stays_within_its_frame_and_pytorch_call_budget():
+    rows = host_overhead.measure_simulated(tuple(WARM_CALL_BUDGETS), calls=1, rounds=1)
+    over = {
+        row["op"]: (row["frames"], row["torch calls"])
+        for row in rows
+        if row["frames"] > WARM_CALL_BUDGETS[row["op"]][0]
+        or row["torch calls"] > WARM_CALL_BUDGETS[row["op"]][1]
+    }
+    assert not over, f"warm calls over their (frames, PyTorch calls) budgets {WARM_CALL_BUDGETS}: {over}"
+    assert all(row["frames"] > 0 and row["torch calls"] > 0 for row in rows), rows
