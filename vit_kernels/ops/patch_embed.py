@@ -7,6 +7,7 @@ T = [cls ; E] + pos                       (N, L [+1], D)
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -35,8 +36,9 @@ from vit_kernels.ops.gemm import GEMM_INTERPRETER_TILE, GemmTile, gemm_candidate
 def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_cls: bool) -> tuple[int, ...]:
     """-> (N, D, K = C*P*P, L, T, grid width)."""
     n, _, height, width = images.shape
+    dim, *patch_shape = weight.shape
     num_patches = (height // patch_size) * (width // patch_size)
-    return n, weight.shape[0], weight[0].numel(), num_patches, num_patches + int(has_cls), width // patch_size
+    return n, dim, math.prod(patch_shape), num_patches, num_patches + int(has_cls), width // patch_size
 
 
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
@@ -93,12 +95,8 @@ if HAS_TRITON:
             tokens,
             grid_w,
             patch_size,
-            images.stride(0),
-            images.stride(1),
-            images.stride(2),
-            images.stride(3),
-            w2.stride(0),
-            w2.stride(1),
+            *images.stride(),
+            *w2.stride(),
             bias.stride(0) if bias is not None else 0,
         )
         flags = dict(
@@ -120,8 +118,9 @@ if HAS_TRITON:
             **config,
         )
 
-    def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
-        """The forward tile to launch: see ``vit_kernels._tiles.tile_to_launch``. A candidate is
+    def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+        """The forward tile to launch for an output of ``out_dtype``: see
+        ``vit_kernels._tiles.tile_to_launch``. A candidate is
         checked on ``validation_images`` against conv2d (+ class token and position embedding) in
         float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
         n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
@@ -130,7 +129,7 @@ if HAS_TRITON:
             return (
                 images.device,
                 images.dtype,
-                _out_dtype(images, cls_token, pos_embed),
+                out_dtype,
                 bias is not None,
                 cls_token is not None,
                 pos_embed is not None,
@@ -190,7 +189,7 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
         out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
-        _launch_fwd(args, flags, fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size))
+        _launch_fwd(args, flags, fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype))
         return out
 
     torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
@@ -206,7 +205,7 @@ if HAS_TRITON:
         """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
         n, dim, k_dim, num_patches, tokens, grid_w = _geometry(images, weight, patch_size, has_cls)
         grad_out = grad_out.to(images.dtype).contiguous()
-        strides = (images.stride(0), images.stride(1), images.stride(2), images.stride(3))
+        strides = images.stride()
         precision = dot_precision(images.dtype)
         tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
         warps = 1 if interpreted(images.device) else 4
@@ -261,12 +260,8 @@ if HAS_TRITON:
             tokens,
             grid_w,
             patch_size,
-            dimages.stride(0),
-            dimages.stride(1),
-            dimages.stride(2),
-            dimages.stride(3),
-            w2.stride(0),
-            w2.stride(1),
+            *dimages.stride(),
+            *w2.stride(),
             HAS_CLS=has_cls,
             PRECISION=precision,
             BLOCK_M=tile_m,
