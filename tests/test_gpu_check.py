@@ -32,12 +32,8 @@ from vit_kernels import (
     _tiles,  # noqa: E402
     backend,  # noqa: E402
 )
-from vit_kernels.ops import (  # noqa: E402
-    attention,
-    gemm,
-    layer_norm,
-    linear,  # noqa: E402
-)
+from vit_kernels.kernels.gemm import _linear_tma_kernel  # noqa: E402
+from vit_kernels.ops import attention, gemm, layer_norm, linear  # noqa: E402
 
 H100_MULTIPROCESSORS = ARCHITECTURES[90]["multi_processor_count"]
 
@@ -162,7 +158,7 @@ def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
     )
     assert tma.error is None and tma.spill_bytes == 0 and tma.tma and tma.tensor_cores == "wgmma"
     assert pointer.error is None and not pointer.tma
-    assert linear._linear_tma_kernel.min_capability == 90
+    assert _linear_tma_kernel.min_capability == 90
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
