@@ -97,7 +97,7 @@ constexpr double kTanhCubic = 0.044715;
 // quick: gelu(z) = z s, s = sigmoid(1.702 z) = 1 / (1 + exp(-1.702 z));  gelu'(z) = s + 1.702 z s (1 - s).
 // Where tanh u or s nears -1 or 1, 1 + tanh u, 1 - tanh^2 u and 1 - s are taken without cancellation:
 // with e = exp(-2|u|), 1 + tanh u = 2 / (1 + e) (u >= 0) or 2e / (1 + e), 1 - tanh^2 u = 4e / (1 + e)^2,
-// and 1 - s = sigmoid(-1.702 z).
+// and with e = exp(-1.702 |z|), s = 1 / (1 + e) (z >= 0) or e / (1 + e), s (1 - s) = e / (1 + e)^2.
 template <typename acc_t>
 struct TanhTerms {
   acc_t one_plus_t, sech2;
@@ -130,8 +130,9 @@ VIT_KERNELS_INLINE acc_t gelu_grad(acc_t z) {
     const acc_t du = acc_t(kSqrt2OverPi) * (acc_t(1) + acc_t(3 * kTanhCubic) * z * z);
     return acc_t(0.5) * t.one_plus_t + acc_t(0.5) * z * t.sech2 * du;
   } else if constexpr (kForm == kGeluQuick) {
-    const acc_t s = acc_t(1) / (acc_t(1) + exp_of(acc_t(-kQuickGeluSlope) * z));
-    return s + acc_t(kQuickGeluSlope) * z * s / (acc_t(1) + exp_of(acc_t(kQuickGeluSlope) * z));
+    const acc_t e = exp_of(acc_t(-kQuickGeluSlope) * (z < acc_t(0) ? -z : z));
+    const acc_t inv = acc_t(1) / (acc_t(1) + e);
+    return (z >= acc_t(0) ? inv : e * inv) + acc_t(kQuickGeluSlope) * z * e * inv * inv;
   } else {
     return acc_t(0.5) * (acc_t(1) + erf_of(z * acc_t(kInvSqrt2))) + z * acc_t(kInvSqrt2Pi) * exp_of(acc_t(-0.5) * z * z);
   }

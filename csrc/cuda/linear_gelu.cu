@@ -43,7 +43,8 @@ __device__ __forceinline__ float tanh_gelu_arg(float z) {
   return 0.7978845608028654f * (z + 0.044715f * z * z * z);
 }
 
-// quick form: 1 - s = sigmoid(-1.702 z), computed as such rather than by cancellation.
+// quick form's derivative from one e = exp(-1.702 |z|) in [0, 1]: s = 1 / (1 + e) for z >= 0 and
+// e / (1 + e) below, s (1 - s) = e / (1 + e)^2, without cancellation or overflow.
 template <int kForm>
 __device__ __forceinline__ float gelu(float z) {
   if constexpr (kForm == kGeluTanh) {
@@ -62,8 +63,9 @@ __device__ __forceinline__ float gelu_grad(float z) {
     return 0.5f * t.one_plus_t + 0.5f * z * t.sech2 * 0.7978845608028654f * (1.0f + 0.134145f * z * z);
   } else if constexpr (kForm == kGeluQuick) {
     constexpr float kSlope = static_cast<float>(kQuickGeluSlope);
-    const float s = 1.0f / (1.0f + expf(-kSlope * z));
-    return s + kSlope * z * s / (1.0f + expf(kSlope * z));
+    const float e = expf(-kSlope * fabsf(z));
+    const float inv = 1.0f / (1.0f + e);
+    return (z >= 0.0f ? inv : e * inv) + kSlope * z * e * inv * inv;
   } else {
     return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * expf(-0.5f * z * z);
   }

@@ -40,7 +40,8 @@ def _tanh_terms(u):
 #   1 tanh:   gelu(z) = 0.5 z (1 + t), t = tanh(sqrt(2/pi) (z + c z^3));
 #             gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2)
 #   2 quick:  gelu(z) = z s, s = sigmoid(1.702 z);   gelu'(z) = s + 1.702 z s (1 - s),
-#             1 - s = sigmoid(-1.702 z) computed as such, not by cancellation
+#             with one e = exp(-1.702 |z|) in [0, 1]: s = 1 / (1 + e) for z >= 0 and e / (1 + e)
+#             below, s (1 - s) = e / (1 + e)^2, without cancellation or overflow
 # (tanh's argument is written tensor * constexpr: the interpreter makes constexpr * tensor a constexpr)
 @triton.jit
 def _gelu(z, GELU_FORM: tl.constexpr):
@@ -58,8 +59,9 @@ def _gelu_grad(z, GELU_FORM: tl.constexpr):
         one_plus_t, sech2 = _tanh_terms((z + GELU_TANH_C * z * z * z) * SQRT_2_OVER_PI)
         return 0.5 * one_plus_t + 0.5 * z * sech2 * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_C * z * z)
     if GELU_FORM == 2:
-        s = 1.0 / (1.0 + tl.exp(z * -QUICK_GELU_SLOPE))
-        return s + z * QUICK_GELU_SLOPE * s / (1.0 + tl.exp(z * QUICK_GELU_SLOPE))
+        e = tl.exp(tl.abs(z) * -QUICK_GELU_SLOPE)
+        inv = 1.0 / (1.0 + e)
+        return tl.where(z >= 0, inv, e * inv) + z * QUICK_GELU_SLOPE * e * inv * inv
     return 0.5 * (1.0 + tl.math.erf(z * INV_SQRT_2)) + z * tl.exp(-0.5 * z * z) * INV_SQRT_2PI
 
 
