@@ -150,8 +150,9 @@ bench-gate: $(STAMP)
 # The GPU compile gate, without a GPU. check-gpu: every Triton kernel variant the launchers can
 # choose on CUDA (every candidate tile) compiled ahead of time for sm_80 and sm_90, failing on a
 # compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
-# overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). Compiled
-# kernels are cached by Triton (~/.triton/cache), so a second run only re-checks.
+# overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). What each
+# variant's compile found is kept in build/gpu-check-compiled (per Triton version and gate source):
+# a second run only re-checks, and make test-cuda-sim reads the variants the gate compiled there.
 GPU_CHECK_OUT ?= build/check-gpu
 GPU_CHECK_TARGETS ?= 80,90
 check-gpu: $(STAMP)

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda  # noqa: E402
 from tools.gpu_check import cases  # noqa: E402
-from tools.gpu_check.compile import Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
+from tools.gpu_check.compile import Compiled, Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
 from tools.gpu_check.int_range import find_overflows  # noqa: E402
 from tools.gpu_check.ptxas import parse  # noqa: E402
 from tools.gpu_check.report import summary_table  # noqa: E402
@@ -204,6 +204,30 @@ def test_int32_index_overflow_is_found_in_real_triton_ir(wide):
     else:
         assert len(overflows) == 1 and overflows[0].bits == 32 and overflows[0].high == 69999 * 40000
         assert find_overflows(resources.ttir, {"stride": 4}, variant.grid) == []
+
+
+def test_what_a_compile_found_is_reused_by_exact_key_or_by_kind(tmp_path, monkeypatch):
+    """The gate reads a variant back only under its exact key (an alignment of its own compiles
+    anew); the simulated device reads any launch of the kind. A kept answer is returned as kept."""
+    aligned = Variant(_offsets_kernel, (4, 1, 1), (on_meta(torch.float32, 64), 32), {"WIDE": True}, "")
+    odd = Variant(_offsets_kernel, (4, 1, 1), (on_meta(torch.float32, 64), 33), {"WIDE": True}, "")
+    bound, odd_bound = bind(aligned, 90), bind(odd, 90)
+    assert bound.kind == odd_bound.kind and bound.key != odd_bound.key
+    compiled = Compiled(tmp_path)
+    first = compiled.compile(aligned, 90, bound)
+    assert first.error is None and first.registers > 0
+    assert compiled.exact(bound) == first and compiled.exact(odd_bound) is None
+    assert compiled.of_kind(odd_bound) == first
+
+    compiles = []
+    monkeypatch.setattr("tools.gpu_check.compile.compile_variant", lambda *job: compiles.append(job) or first)
+    assert (
+        compiled.compile(aligned, 90, bound) == first
+        and compiled.compile(odd, 90, odd_bound, any_of_kind=True) == first
+    )
+    assert compiles == []
+    compiled.compile(odd, 90, odd_bound)
+    assert len(compiles) == 1
 
 
 def test_a_compile_error_is_reported_not_raised():

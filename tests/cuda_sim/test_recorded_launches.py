@@ -2,7 +2,9 @@
 the compile gate's own binder and compiler (tools.gpu_check), one launch per kernel variant:
 the launch a GPU user's call makes compiles, fits the SM, does not spill and has no transpose of a
 computed tile feeding a dot. Runs after every
-other test of the stage (conftest orders it last), on the launches they recorded."""
+other test of the stage (conftest orders it last), on the launches they recorded. A variant the
+compile gate (or an earlier run) already compiled, in a launch of the same kind, is read from its
+folder (``tools.gpu_check.compile.Compiled``): .ci/run runs the gate first."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import pytest
 
 from tests.cuda_sim.conftest import ARCHS, LAUNCHES
 from tools.gpu_check.__main__ import variant_failures
-from tools.gpu_check.compile import bind, compile_variant, expand
+from tools.gpu_check.compile import COMPILED_FOLDER, Compiled, bind, expand
 
 _JOBS: list = []  # (variant, capability, bound), shared with forked workers
+_COMPILED = Compiled(COMPILED_FOLDER)
 
 
 def _compile(index: int):
     variant, capability, bound = _JOBS[index]
-    return compile_variant(variant, capability, bound)
+    return _COMPILED.compile(variant, capability, bound, any_of_kind=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda arch: f"sm{arch}")

@@ -26,17 +26,31 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from tools.gpu_check import cases as sweeps
-from tools.gpu_check.compile import GRID_LIMITS, TARGETS, Resources, Variant, bind, compile_variant, expand
+from tools.gpu_check.compile import (
+    COMPILED_FOLDER,
+    GRID_LIMITS,
+    TARGETS,
+    Compiled,
+    Resources,
+    Variant,
+    bind,
+    compile_variant,
+    expand,
+)
 from tools.gpu_check.int_range import find_overflows
 from tools.gpu_check.report import write_reports
 
 FP32_SPILL_BUDGET = 0  # bytes of local memory per thread allowed in a float32-only variant
 _JOBS: list = []  # (variant, capability, bound), shared with forked workers
+_COMPILED: list = [None]  # the Compiled folder in use, or None: compile everything afresh
 
 
 def _compile_job(index: int) -> Resources:
     variant, capability, bound = _JOBS[index]
-    return compile_variant(variant, capability, bound)
+    compiled = _COMPILED[0]
+    return (
+        compile_variant(variant, capability, bound) if compiled is None else compiled.compile(*_JOBS[index])
+    )
 
 
 def _is_16bit(bound) -> bool:
@@ -99,6 +113,12 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (80, 90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     parser.add_argument("--out", default="build/check-gpu", help="folder for report.json and report.md")
+    parser.add_argument(
+        "--compiled",
+        default=str(COMPILED_FOLDER),
+        help="folder keeping what each exact variant's compile found, reused by later runs and by the "
+        "simulated device's compile of its recorded launches (empty: compile every variant afresh)",
+    )
     args = parser.parse_args(argv)
     targets = [int(t) for t in args.targets.split(",")]
     unknown = [t for t in targets if t not in TARGETS]
@@ -116,6 +136,7 @@ def main(argv=None) -> int:
     jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
     keys = list(jobs)
     _JOBS[:] = [jobs[k] for k in keys]
+    _COMPILED[0] = Compiled(Path(args.compiled)) if args.compiled else None
     print(
         f"gpu_check: {len(launches)} launches, {len(keys)} unique variants to compile for "
         f"{', '.join(f'sm_{t}' for t in targets)}",

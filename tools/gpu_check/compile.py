@@ -6,12 +6,20 @@ attribute, large integers become i64), then compiled with ``triton.compile`` for
 Registers, spill (local) bytes and stack come from the cubin through the ``cuobjdump`` that ships
 with Triton; shared memory from the compiled kernel's metadata; tensor-core use from the PTX;
 transposes of computed tiles feeding a dot (triton-lang/triton#6124) from the TTGIR (``ttgir``).
+
+What a compile found is kept on disk (``Compiled``) by the variant's exact key and by its kind
+(the key without Triton's divisibility attributes): the compile gate reads exact keys only, so each
+alignment of a GEMM (whose registers and shared memory differ with it) is compiled once; the
+simulated device, which compiles one launch per kind, reads any launch of the kind the gate or an
+earlier run compiled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -37,6 +45,8 @@ TARGETS = {
     90: {"regs": 65536, "threads": 2048, "ctas": 32, "smem_sm": 233472, "smem_block": 232448},
 }
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
+# where the gate and the simulated device keep what their compiles found (``Compiled``)
+COMPILED_FOLDER = Path(__file__).resolve().parents[2] / "build" / "gpu-check-compiled"
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -114,6 +124,7 @@ class Bound:
     attrs: dict
     options: Any
     key: str = field(default="")
+    kind: str = field(default="")  # the key without the attributes (which arguments are multiples of 16)
 
 
 @functools.cache
@@ -136,17 +147,19 @@ def bind(variant: Variant, capability: int) -> Bound:
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound_args, specialization, options
     )
-    text = repr(
-        (
-            kernel.cache_key,
-            sorted(signature.items()),
-            sorted(constexprs.items(), key=str),
-            sorted(attrs.items(), key=str),
-            sorted(options.__dict__.items(), key=str),
-            capability,
-        )
+    parts = (
+        kernel.cache_key,
+        sorted(signature.items()),
+        sorted(constexprs.items(), key=str),
+        sorted(options.__dict__.items(), key=str),
+        capability,
     )
-    return Bound(signature, constexprs, attrs, options, hashlib.sha256(text.encode()).hexdigest()[:20])
+    key, kind = (_digest(repr(parts + (sorted(attrs.items(), key=str),))), _digest(repr(parts)))
+    return Bound(signature, constexprs, attrs, options, key, kind)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 @dataclass
@@ -196,6 +209,47 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
         computed_transposes=[str(t) for t in computed_transposes(compiled.asm["ttgir"])],
         ttir=compiled.asm["ttir"],
     )
+
+
+class Compiled:
+    """What compiles found (``Resources``), on disk in ``folder``: one JSON file per exact key and one
+    per kind. The folder's name carries Triton's version and this module's and ``ttgir``'s sources,
+    so a change to the compiler or to how resources are read starts afresh (a kernel's source is in
+    its key). Files are written whole (a temporary file renamed), so parallel compiles share it."""
+
+    def __init__(self, folder: Path):
+        here = Path(__file__).parent
+        sources = (here / "compile.py").read_bytes() + (here / "ttgir.py").read_bytes()
+        self.folder = Path(folder) / f"triton-{triton.__version__}-{hashlib.sha256(sources).hexdigest()[:12]}"
+
+    def _read(self, name: str) -> Optional[Resources]:
+        try:
+            return Resources(**json.loads((self.folder / f"{name}.json").read_text()))
+        except FileNotFoundError:
+            return None
+
+    def exact(self, bound: Bound) -> Optional[Resources]:
+        return self._read(bound.key)
+
+    def of_kind(self, bound: Bound) -> Optional[Resources]:
+        return self._read(f"kind-{bound.kind}")
+
+    def compile(
+        self, variant: Variant, capability: int, bound: Bound, *, any_of_kind: bool = False
+    ) -> Resources:
+        """``compile_variant``'s answer, read from the folder where this key (with ``any_of_kind``:
+        any key of its kind) was compiled before, else compiled and kept."""
+        found = self.of_kind(bound) if any_of_kind else self.exact(bound)
+        if found is not None:
+            return found
+        resources = compile_variant(variant, capability, bound)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(dataclasses.asdict(resources))
+        for name in (bound.key, f"kind-{bound.kind}"):
+            temporary = self.folder / f".{name}.{os.getpid()}.tmp"
+            temporary.write_text(text)
+            os.replace(temporary, self.folder / f"{name}.json")
+        return resources
 
 
 def _cuobjdump(cubin: bytes) -> dict[str, int]:
