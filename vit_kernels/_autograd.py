@@ -80,8 +80,10 @@ def differentiable(
     def call(*args: Any) -> Any:
         if tracing():
             return op(*args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return Function.apply(*args)
+        if torch.is_grad_enabled():
+            for a in args:  # a loop, not any() over a generator: no frame per argument
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return Function.apply(*args)
         return body(*args)
 
     call.__name__ = name

@@ -63,14 +63,14 @@ def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
 # Exact counts, the same on every machine: a change that adds to a warm call fails here, and lowers
 # or raises the budget knowingly (python -m benchmarks.host_overhead --simulated-gpu prints them).
 WARM_CALL_BUDGETS = {
-    "patch_embed": (28, 51),
-    "attention": (43, 27),
-    "linear_gelu": (38, 50),
-    "linear": (35, 56),
-    "mlp": (62, 91),
-    "layer_norm": (29, 51),
-    "swiglu": (35, 64),
-    "swiglu_mlp": (59, 105),
+    "patch_embed": (25, 51),
+    "attention": (34, 27),
+    "linear_gelu": (26, 47),
+    "linear": (23, 53),
+    "mlp": (40, 85),
+    "layer_norm": (24, 51),
+    "swiglu": (27, 64),
+    "swiglu_mlp": (41, 102),
 }
 
 

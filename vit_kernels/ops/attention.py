@@ -222,8 +222,14 @@ def _chooser_key(
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
     rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
-    batch, seq_len, _, head_dim = (int(size) for size in _shape(qkv, num_heads))
-    key = (str(qkv.device), str(qkv.dtype), head_dim, seq_len, _signature.bucket(batch * num_heads))
+    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
+    key = (
+        str(qkv.device),
+        str(qkv.dtype),
+        int(head_dim),
+        int(seq_len),
+        _signature.bucket(int(batch) * num_heads),
+    )
     if rope is not None:
         key += (f"rope={rope[2]}",)
     return key if mask is None else key + (f"mask={MASK_KINDS[_mask_code(mask)]}",)
@@ -403,6 +409,7 @@ if HAS_TRITON:
     def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None, mask=None) -> None:
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         bm, bn, warps, stages = tile
+        block_d = _block_d(head_dim)
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         launch(
@@ -432,8 +439,8 @@ if HAS_TRITON:
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_TAIL=_tail_block(bn, seq_len),
-            BLOCK_D=_block_d(head_dim),
-            EVEN_D=head_dim == _block_d(head_dim),
+            BLOCK_D=block_d,
+            EVEN_D=head_dim == block_d,
             DROPOUT=dropout_p > 0,
             PRECISION=dot_precision(qkv.dtype),
             ROPE=code,
@@ -541,9 +548,10 @@ if HAS_TRITON:
             inv_scale,
             limit,
         )
+        block_d = _block_d(head_dim)
         flags = dict(
-            BLOCK_D=_block_d(head_dim),
-            EVEN_D=head_dim == _block_d(head_dim),
+            BLOCK_D=block_d,
+            EVEN_D=head_dim == block_d,
             DROPOUT=dropout_p > 0,
             PRECISION=dot_precision(qkv.dtype),
             ROPE=code,

@@ -102,8 +102,9 @@ VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and l
 GEMM_CHOOSER = TileChooser("GEMM")
 
 
+@functools.lru_cache(maxsize=None)
 def gemm_config(tile: GemmTile) -> dict:
-    """A tile as the GEMM kernels' launch keywords."""
+    """A tile as the GEMM kernels' launch keywords (one dict per tile, shared: read, never change it)."""
     return {
         "BLOCK_M": tile.block_m,
         "BLOCK_N": tile.block_n,
@@ -212,9 +213,9 @@ def _matmul_and_sums(
     rounding; SUMS_OF_A_ROWS, sum_k A (M,).
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
     EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
-    slices summed in float32. The tile is the one ``_matmul_tile`` gives (chosen on the GPU per key)."""
-    m, k = a.shape
-    n = b.shape[1]
+    slices summed in float32. The tile is the one ``_matmul_tile`` gives (chosen on the GPU per key);
+    a call seen before takes its split and its tile's key from ``_PLANS``."""
+    (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         if sums == SUMS_NONE:
@@ -222,14 +223,51 @@ def _matmul_and_sums(
         if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
             return c, a.sum(1, dtype=torch.float32)
         return c, torch.zeros(n, dtype=torch.float32, device=a.device)
-    plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
-    slices = split_k_slices(m, n, k, a.device) if plain else 1
-    k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
-    slices = cdiv(k, k_per_split) if k > 0 else 1
+    plan_key = (
+        m,
+        k,
+        n,
+        a.stride(),
+        b.stride(),
+        a.device,
+        a.dtype,
+        out_dtype,
+        bias is None,
+        epilogue,
+        gelu_form,
+        aux is None,
+        residual is None,
+        sums,
+    )
+    try:
+        plan = _PLANS.get(plan_key)
+    except TypeError:  # a symbolic size or stride (traced with dynamic shapes) has no hash: not kept
+        plan_key = plan = None
+    if plan is None:
+        plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
+        slices = split_k_slices(m, n, k, a.device) if plain else 1
+        k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
+        slices = cdiv(k, k_per_split) if k > 0 else 1
+    else:
+        slices, k_per_split, tile_key = plan
     gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
+    # a decided call: one lookup of the tile its key chose (later choices, pins and forgetting apply)
+    tile = None if plan is None or tile_key is None else GEMM_CHOOSER.chosen(tile_key)
+    if tile is None:
+        tile = _matmul_tile(gemm)
+        if plan_key is not None:
+            if len(_PLANS) >= PLAN_ENTRIES:
+                _PLANS.clear()
+            _PLANS[plan_key] = (slices, k_per_split, None if interpreted(a.device) else gemm.key())
     c = gemm.output()
-    partial = gemm.launch(_matmul_tile(gemm), c, aux)
+    partial = gemm.launch(tile, c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
+
+
+# The split and the tile chooser's key of each GEMM call seen, by everything they are computed from
+# (sizes, strides, device, dtypes, flags): a decided call skips computing them. Cleared when full.
+_PLANS: dict[tuple, tuple[int, int, Optional[tuple]]] = {}
+PLAN_ENTRIES = 4096
 
 
 class _Gemm:

@@ -217,7 +217,8 @@ if HAS_TRITON:
         mean and rstd (rows,) fp32."""
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else None
-        rows, dim = (int(size) for size in x2.shape)
+        rows, dim = x2.shape
+        rows, dim = int(rows), int(dim)  # SymInts made concrete (traced with dynamic shapes)
         block_d = next_power_of_2(dim)
 
         def trial():

@@ -91,8 +91,8 @@ class _DualGemm:
         m, n = self.x2.shape[0], self.gate_weight.shape[0]
         h = torch.empty((m, n), dtype=self.x2.dtype, device=self.x2.device)
         preact = (m, n) if self.save_preact else (0,)
-        g, u = (torch.empty(preact, dtype=h.dtype, device=h.device) for _ in range(2))
-        return h, g, u
+        g = torch.empty(preact, dtype=h.dtype, device=h.device)
+        return h, g, torch.empty(preact, dtype=h.dtype, device=h.device)
 
     def launch(self, tile: GemmTile, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
@@ -463,7 +463,11 @@ if HAS_TRITON:
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether autograd will record a call on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any() over a generator: no frame per tensor
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
