@@ -1,0 +1,38 @@
+"""A GEMM call seen before skips working out its K split and its tile's key (``ops.gemm._PLANS``),
+but still reads its tile from the chooser on every call: a tile chosen, pinned or forgotten after
+the plan was made is the one launched."""
+
+from __future__ import annotations
+
+import torch
+
+import vit_kernels as vk
+from vit_kernels.kernels.gemm import _linear_kernel
+from vit_kernels.ops import gemm
+
+
+def _launched_blocks(sim, call) -> list[tuple[int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of each pointer-GEMM launch ``call()`` makes."""
+    start = len(sim.launches)
+    call()
+    return [
+        (launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_K"])
+        for launch in sim.launches[start:]
+        if launch.kernel is _linear_kernel
+    ]
+
+
+def test_a_planned_gemm_launches_the_tile_its_key_holds_now(sim):
+    x = torch.randn(16, 197, 192, device="cuda", dtype=torch.float32)
+    w = torch.randn(576, 192, device="cuda", dtype=torch.float32)
+    gemm._PLANS.clear()
+    with vk.use_backend("triton", strict=True):
+        assert _launched_blocks(sim, lambda: vk.linear(x, w)), "no pointer-kernel launch (candidates tried)"
+        ((*_, tile_key),) = gemm._PLANS.values()
+        chosen = gemm.GEMM_CHOOSER.chosen(tile_key)
+        other = next(t for t in gemm.gemm_candidates(torch.float32, 16 * 197, 576, False) if t != chosen)
+        gemm.GEMM_CHOOSER.pin(tile_key, other)
+        assert _launched_blocks(sim, lambda: vk.linear(x, w)) == [other[:3]]
+        assert len(gemm._PLANS) == 1  # the plan was used, not made again
+        gemm.GEMM_CHOOSER.pin(tile_key, chosen)
+        assert _launched_blocks(sim, lambda: vk.linear(x, w)) == [chosen[:3]]
