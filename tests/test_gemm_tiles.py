@@ -420,3 +420,38 @@ def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
     text = "\n".join(gpu_report_markdown._tiles({"gemm_tiles": gemm.tile_report()}))
     assert "## GEMM tiles chosen on this device" in text
     assert "| gemm | cpu, torch.float32, torch.float32, False, 0, 0, False, True, 0, 8, 8, 16, 1," in text
+
+
+def test_gemm_plans_are_kept_per_call_and_cleared_when_full(monkeypatch):
+    """A call's plan (its K split and tile key) is kept by its sizes, strides, dtypes and flags, at
+    most PLAN_ENTRIES of them (cleared when full); the results are the formula's throughout."""
+    monkeypatch.setattr(gemm, "PLAN_ENTRIES", 2)
+    gemm._PLANS.clear()
+    sizes = []
+    for rows in (3, 5, 7, 5):
+        a, b = torch.randn(rows, 24), torch.randn(40, 24)
+        c = gemm._matmul(a, b.t(), torch.float32)
+        expected = a.double() @ b.double().t()
+        assert (c.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), rows
+        sizes.append(len(gemm._PLANS))
+    assert sizes == [1, 2, 1, 2]  # the third shape found it full: cleared, then its own plan kept
+
+
+def test_a_gemm_traced_with_symbolic_sizes_keeps_no_plan(monkeypatch):
+    """Symbolic sizes (torch.compile's dynamic shapes) have no hash: such a call is planned afresh
+    and kept nowhere, instead of failing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    a = mode.from_tensor(torch.empty(197, 64), symbolic_context=context)
+    b = mode.from_tensor(torch.empty(96, 64), symbolic_context=context).t()
+    assert isinstance(a.shape[0], torch.SymInt)
+    launched = []
+    monkeypatch.setattr(gemm._Gemm, "launch", lambda self, tile, c, aux: launched.append(tile))
+    gemm._PLANS.clear()
+    with mode:
+        c, _ = gemm._matmul_and_sums(a, b, torch.float32)
+    assert launched == [gemm.GEMM_INTERPRETER_TILE] and tuple(c.shape) == (197, 96)
+    assert gemm._PLANS == {}

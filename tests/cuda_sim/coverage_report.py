@@ -16,8 +16,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import coverage
+from coverage.parser import PythonParser
 
 RULES = (  # (text in the enclosing condition or statement, reason)
     ("interpreted(", "interpreter branch (CPU tensors under TRITON_INTERPRET=1): run by make test"),
@@ -97,6 +99,17 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
     return "unexplained"
 
 
+def statement_lines(path: Path, measured: Optional[list[int]]) -> set[int]:
+    """The statements (by first line, as ``missing`` names them) of ``measured``, the lines another
+    run's data holds: a condition spread over several lines is recorded at the line that ran, not
+    at its statement's first."""
+    if not measured:
+        return set()
+    parser = PythonParser(filename=str(path))
+    parser.parse_source()
+    return set(parser.first_lines(measured))
+
+
 CPU_SUITE = "run by make test on the CPU (the interpreter, the C++ kernels, tracing, bad input, the cache)"
 INTEGRATION = "run by make test-integration (the adapters on the real timm, transformers and torchvision)"
 
@@ -162,8 +175,10 @@ def main(argv=None) -> int:
         unrun = unrun_lines(
             path,
             missing,
-            set(cpu.lines(filename) or ()) if cpu is not None else set(),
-            frozenset(integration.lines(filename) or ()) if integration is not None else frozenset(),
+            statement_lines(path, cpu.lines(filename) if cpu is not None else None),
+            frozenset(
+                statement_lines(path, integration.lines(filename) if integration is not None else None)
+            ),
         )
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:
