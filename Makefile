@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lint test-cuda-sim demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
+.PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -57,8 +57,8 @@ test: $(STAMP)
 # architecture; fails on any exception, also one that auto or a tile chooser would have caught.
 # Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md (CUDA_SIM_REPORT_ARGS:
 # e.g. --cpu-suite build/cpu-suite/.coverage --integration build/integration/.coverage: the coverage
-# of make test's first stage and of make test-integration (each run under `python -m coverage run`),
-# which then explain the lines only those suites run; benchmarks/results/cuda-sim-coverage.md is made so).
+# of make test's first stage and of make test-integration, which then explain the lines only those
+# suites run; make coverage-report measures all three and writes benchmarks/results/cuda-sim-coverage.md).
 CUDA_SIM_OUT ?= build/cuda-sim
 CUDA_SIM_REPORT_ARGS ?=
 test-cuda-sim: $(STAMP)
@@ -67,6 +67,23 @@ test-cuda-sim: $(STAMP)
 		tests/cuda_sim $(PYTEST_ARGS)
 	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report --out $(CUDA_SIM_OUT)/coverage.md \
 		$(CUDA_SIM_REPORT_ARGS)
+
+# The committed coverage report, benchmarks/results/cuda-sim-coverage.md: the simulated device's
+# coverage (its tests without the compile of their launches, which runs no runtime line), each line
+# it leaves unrun explained by the code around it or by the coverage of make test's first stage and
+# of make test-integration, both measured here (about 25 minutes on 2 cores).
+coverage-report: $(STAMP) $(INT_STAMP)
+	mkdir -p build/cpu-suite build/integration $(CUDA_SIM_OUT)
+	TRITON_INTERPRET=1 COVERAGE_FILE=build/cpu-suite/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
+		-m "not slow and not aot and not gpu" $(PYTEST_ARGS)
+	cd tests/integration && TRITON_INTERPRET=1 COVERAGE_FILE=$(abspath build/integration/.coverage) ../../$(INT_PY) \
+		-m coverage run --source=vit_kernels -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir=. \
+		-c pytest.ini .
+	env -u TRITON_INTERPRET COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
+		tests/cuda_sim --deselect tests/cuda_sim/test_recorded_launches.py
+	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report \
+		--out benchmarks/results/cuda-sim-coverage.md --cpu-suite build/cpu-suite/.coverage \
+		--integration build/integration/.coverage
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)

@@ -99,6 +99,12 @@ def _reason(tree_parents: dict, node: ast.AST, source: str) -> str:
     return "unexplained"
 
 
+def _in_package(filename: str) -> str:
+    """``vit_kernels/...`` of a module's path, wherever the package lies."""
+    parts = Path(filename).parts
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("vit_kernels") :])
+
+
 def statement_lines(path: Path, measured: Optional[list[int]]) -> set[int]:
     """The statements (by first line, as ``missing`` names them) of ``measured``, the lines another
     run's data holds: a condition spread over several lines is recorded at the line that ran, not
@@ -159,6 +165,13 @@ def main(argv=None) -> int:
     if args.integration:
         integration = coverage.CoverageData(basename=args.integration)
         integration.read()
+    # the integration tests run the package as installed in their own environment: its files are
+    # matched to this tree's by their path from the package folder on
+    installed = {_in_package(f): f for f in integration.measured_files()} if integration is not None else {}
+
+    def installed_lines(module: str) -> Optional[list[int]]:
+        return integration.lines(installed[module]) if module in installed else None
+
     root = Path.cwd()
     rows, details, unexplained = [], [], 0
     total_statements = total_missing = 0
@@ -176,9 +189,7 @@ def main(argv=None) -> int:
             path,
             missing,
             statement_lines(path, cpu.lines(filename) if cpu is not None else None),
-            frozenset(
-                statement_lines(path, integration.lines(filename) if integration is not None else None)
-            ),
+            frozenset(statement_lines(path, installed_lines(_in_package(filename)))),
         )
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:
