@@ -48,9 +48,9 @@ _COMPILED: list = [None]  # the Compiled folder in use, or None: compile everyth
 def _compile_job(index: int) -> Resources:
     variant, capability, bound = _JOBS[index]
     compiled = _COMPILED[0]
-    return (
-        compile_variant(variant, capability, bound) if compiled is None else compiled.compile(*_JOBS[index])
-    )
+    if compiled is None:
+        return compile_variant(variant, capability, bound)
+    return compiled.compile(variant, capability, bound)
 
 
 def _is_16bit(bound) -> bool:
