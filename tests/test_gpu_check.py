@@ -2,6 +2,7 @@
 expansion, real ahead-of-time compiles for sm_80/sm_90 with resource usage, the int32 overflow
 analysis on real Triton IR, and the ptxas log parser."""
 
+import dataclasses
 import os
 import re
 
@@ -228,6 +229,15 @@ def test_what_a_compile_found_is_reused_by_exact_key_or_by_kind(tmp_path, monkey
     assert compiles == []
     compiled.compile(odd, 90, odd_bound)
     assert len(compiles) == 1
+
+    # a file that is not a whole record is compiled again; a compile error is returned, not kept
+    (compiled.folder / f"{bound.key}.json").write_text('{"registers": 3')
+    failed = dataclasses.replace(first, error="ptxas killed")
+    monkeypatch.setattr(
+        "tools.gpu_check.compile.compile_variant", lambda *job: compiles.append(job) or failed
+    )
+    assert compiled.compile(aligned, 90, bound) == failed and len(compiles) == 2
+    assert compiled.exact(bound) is None
 
 
 def test_a_compile_error_is_reported_not_raised():

@@ -225,7 +225,7 @@ class Compiled:
     def _read(self, name: str) -> Optional[Resources]:
         try:
             return Resources(**json.loads((self.folder / f"{name}.json").read_text()))
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError, TypeError):  # absent, or not a whole record: compile again
             return None
 
     def exact(self, bound: Bound) -> Optional[Resources]:
@@ -238,11 +238,16 @@ class Compiled:
         self, variant: Variant, capability: int, bound: Bound, *, any_of_kind: bool = False
     ) -> Resources:
         """``compile_variant``'s answer, read from the folder where this key (with ``any_of_kind``:
-        any key of its kind) was compiled before, else compiled and kept."""
-        found = self.of_kind(bound) if any_of_kind else self.exact(bound)
+        else any key of its kind) was compiled before, else compiled and kept. A compile error is not
+        kept: it may have been the machine's (memory, disk), and is cheap to meet again."""
+        found = self.exact(bound)
+        if found is None and any_of_kind:
+            found = self.of_kind(bound)
         if found is not None:
             return found
         resources = compile_variant(variant, capability, bound)
+        if resources.error is not None:
+            return resources
         self.folder.mkdir(parents=True, exist_ok=True)
         text = json.dumps(dataclasses.asdict(resources))
         for name in (bound.key, f"kind-{bound.kind}"):

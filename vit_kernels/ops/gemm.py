@@ -223,13 +223,15 @@ def _matmul_and_sums(
         if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
             return c, a.sum(1, dtype=torch.float32)
         return c, torch.zeros(n, dtype=torch.float32, device=a.device)
+    device = a.device
     plan_key = (
         m,
         k,
         n,
         a.stride(),
         b.stride(),
-        a.device,
+        device,
+        multiprocessors(device),  # the split fills the GPU (the simulated sm_90 and sm_80 share one index)
         a.dtype,
         out_dtype,
         bias is None,
@@ -245,7 +247,7 @@ def _matmul_and_sums(
         plan_key = plan = None
     if plan is None:
         plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
-        slices = split_k_slices(m, n, k, a.device) if plain else 1
+        slices = split_k_slices(m, n, k, device) if plain else 1
         k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
         slices = cdiv(k, k_per_split) if k > 0 else 1
     else:
@@ -258,14 +260,15 @@ def _matmul_and_sums(
         if plan_key is not None:
             if len(_PLANS) >= PLAN_ENTRIES:
                 _PLANS.clear()
-            _PLANS[plan_key] = (slices, k_per_split, None if interpreted(a.device) else gemm.key())
+            _PLANS[plan_key] = (slices, k_per_split, None if interpreted(device) else gemm.key())
     c = gemm.output()
     partial = gemm.launch(tile, c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
 
 
 # The split and the tile chooser's key of each GEMM call seen, by everything they are computed from
-# (sizes, strides, device, dtypes, flags): a decided call skips computing them. Cleared when full.
+# (sizes, strides, device and its multiprocessors, dtypes, flags): a decided call skips computing
+# them. Cleared when full.
 _PLANS: dict[tuple, tuple[int, int, Optional[tuple]]] = {}
 PLAN_ENTRIES = 4096
 
