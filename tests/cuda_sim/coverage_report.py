@@ -105,15 +105,11 @@ def _in_package(filename: str) -> str:
     return "/".join(parts[len(parts) - 1 - parts[::-1].index("vit_kernels") :])
 
 
-def statement_lines(path: Path, measured: Optional[list[int]]) -> set[int]:
+def statement_lines(parser: PythonParser, measured: Optional[list[int]]) -> set[int]:
     """The statements (by first line, as ``missing`` names them) of ``measured``, the lines another
-    run's data holds: a condition spread over several lines is recorded at the line that ran, not
-    at its statement's first."""
-    if not measured:
-        return set()
-    parser = PythonParser(filename=str(path))
-    parser.parse_source()
-    return set(parser.first_lines(measured))
+    run's data holds for ``parser``'s file: a condition spread over several lines is recorded at the
+    line that ran, not at its statement's first."""
+    return set(parser.first_lines(measured)) if measured else set()
 
 
 CPU_SUITE = "run by make test on the CPU (the interpreter, the C++ kernels, tracing, bad input, the cache)"
@@ -185,11 +181,13 @@ def main(argv=None) -> int:
             f"| `{relative}` | {len(statements)} | {len(missing)} | "
             f"{100 * (len(statements) - len(missing)) / max(1, len(statements)):.0f}% |"
         )
+        parser = PythonParser(filename=str(path))
+        parser.parse_source()
         unrun = unrun_lines(
             path,
             missing,
-            statement_lines(path, cpu.lines(filename) if cpu is not None else None),
-            frozenset(statement_lines(path, installed_lines(_in_package(filename)))),
+            statement_lines(parser, cpu.lines(filename) if cpu is not None else None),
+            frozenset(statement_lines(parser, installed_lines(_in_package(filename)))),
         )
         unexplained += sum(reason == "unexplained" for *_, reason in unrun)
         if unrun:

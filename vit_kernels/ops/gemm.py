@@ -257,7 +257,7 @@ def _matmul_and_sums(
     tile = None if plan is None or tile_key is None else GEMM_CHOOSER.chosen(tile_key)
     if tile is None:
         tile = _matmul_tile(gemm)
-        if plan_key is not None:
+        if plan is None and plan_key is not None:
             if len(_PLANS) >= PLAN_ENTRIES:
                 _PLANS.clear()
             _PLANS[plan_key] = (slices, k_per_split, None if interpreted(device) else gemm.key())

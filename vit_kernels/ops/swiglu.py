@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._signature import bucket
+from vit_kernels._signature import bucket, needs_grad
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
@@ -461,18 +461,9 @@ if HAS_TRITON:
     )
 
 
-def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether autograd will record a call on these tensors."""
-    if torch.is_grad_enabled():
-        for t in tensors:  # a loop, not any() over a generator: no frame per tensor
-            if t is not None and t.requires_grad:
-                return True
-    return False
-
-
 def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
     """The Triton implementation of ``vk.swiglu`` (inference skips writing G and U)."""
-    if not _needs_grad(x, gate_weight, gate_bias, up_weight, up_bias):
+    if not needs_grad((x, gate_weight, gate_bias, up_weight, up_bias)):
         return swiglu_infer(x, gate_weight, gate_bias, up_weight, up_bias)
     return swiglu_fwd(x, gate_weight, gate_bias, up_weight, up_bias)[0]
 
@@ -480,7 +471,7 @@ def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
 def swiglu_mlp_triton(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual=None):
     """The Triton implementation of ``vk.swiglu_mlp`` (inference skips writing G and U)."""
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual)
-    if not _needs_grad(*args):
+    if not needs_grad(args):
         return swiglu_mlp_infer(*args)
     return swiglu_mlp_fwd(*args)[0]
 
