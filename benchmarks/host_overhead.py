@@ -10,16 +10,17 @@ time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directl
 Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
-GPU runs, launches stubbed), this project's own Python per warm call of ``vk.<op>`` on the triton
-and auto backends at ViT-B/16 shapes in bfloat16: each call's time less what it spends in PyTorch's
-calls and in the (stubbed) launch. What PyTorch's calls and Triton's launcher cost on a real GPU
-comes on top; this is the part the project controls. It is the small difference of two large times,
-less an estimate of the simulation's cost per call made once per process: on the 2-core CI machine
-the same tree reads 2-60 us for one op in different processes, so compare trees only over several
-processes each, and read it as an order of magnitude, not a measurement to the microsecond. Exact
-and the same on every machine are the two counts beside it, per warm triton call: the Python
-functions of ``vit_kernels`` it enters (``frames``) and the PyTorch calls it makes (``torch calls``:
-tensor attributes, allocations, views; each costs the host 0.1-3 us on a GPU).
+GPU runs, launches stubbed), this project's own Python per warm call of ``vk.<op>`` at ViT-B/16
+shapes in bfloat16: forward on the triton and auto backends, backward on triton. Each call's time is
+taken less what it spends in PyTorch's calls and in the (stubbed) launch, and less what entering
+those calls costs the simulation (the calls of one warm call made again with nothing of ours around
+them: ``Recorder.entry_seconds``). An autograd Function's apply and the autograd engine are
+PyTorch's; the forward and backward they call are ours. What PyTorch's calls and Triton's launcher
+cost on a real GPU comes on top; this is the part the project controls. It is the small difference
+of two large times, an upper bound read to a few microseconds. Exact and the same on every machine
+are the counts beside it, per warm triton call each way: the Python functions of ``vit_kernels`` it
+enters (``frames``) and the PyTorch calls it makes (``torch calls``: tensor attributes,
+allocations, views; each costs the host 0.1-3 us on a GPU).
 
     python -m benchmarks.host_overhead [--device cuda] [--calls N] [--rounds N] [--ops a,b] [--json FILE]
     python -m benchmarks.host_overhead --simulated-gpu [--calls N] [--rounds N] [--ops a,b] [--json FILE]
@@ -118,14 +119,22 @@ def measure(
 
 
 SIMULATED_BACKENDS = ("triton", "auto")
-SIMULATED_COLUMNS = (*SIMULATED_BACKENDS, "frames", "torch calls")
+SIMULATED_COLUMNS = (
+    *SIMULATED_BACKENDS,
+    "frames",
+    "torch calls",
+    "backward",
+    "bwd frames",
+    "bwd torch calls",
+)
 PACKAGE_DIR = str(Path(vk.__file__).resolve().parent)
 
 
 def warm_call_counts(recorder, call: Callable[[], object]) -> tuple[int, int]:
     """(frames, torch calls) of one ``call()`` on the simulated device: the Python functions of the
     ``vit_kernels`` package it enters, and the PyTorch calls (a tensor's device read included) it
-    makes, as the recorder counts them."""
+    makes, as the recorder counts them (an autograd Function's apply and the autograd engine count
+    as one PyTorch call each, and what our code they call makes is counted too)."""
     frames = 0
 
     def count(frame, event, arg):
@@ -142,6 +151,30 @@ def warm_call_counts(recorder, call: Callable[[], object]) -> tuple[int, int]:
     return frames, sum(recorder.calls[kind] - before[kind] for kind in ("torch", "device"))
 
 
+def _least_ours(recorder, call: Callable[[], object], calls: int, rounds: int, before=None) -> float:
+    """Our Python per ``call()`` in us: the least over ``rounds`` loops of ``calls`` calls, the
+    simulation's cost of entering the calls it makes taken out (``Recorder.entry_seconds``).
+    ``before``: run untimed ahead of each call (a forward, whose graph the timed backward uses)."""
+    prepare = before or (lambda: None)
+    prepare()
+    entry = recorder.entry_seconds(recorder.capture(call))
+    samples = []
+    for _ in range(rounds):
+        gc.collect()
+        gc.disable()  # a collection inside the loop would count as ours (timeit does the same)
+        try:
+            ours = 0.0
+            for _ in range(calls):
+                prepare()
+                mark, started = recorder.mark(), time.perf_counter()
+                call()
+                ours += recorder.our_seconds(time.perf_counter() - started, mark, entry)
+        finally:
+            gc.enable()
+        samples.append(ours / calls * 1e6)
+    return max(0.0, min(samples))
+
+
 VIT_B = Shape(
     "vit_base_patch16_224",
     batch=2,
@@ -155,13 +188,31 @@ VIT_B = Shape(
 )
 
 
+def _forward_then_backward(call: Callable[[], object]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, backward): ``call()`` kept as a graph, then its backward from fixed random output
+    gradients (one per output, made at the first forward)."""
+    graph: dict[str, list] = {}
+
+    def forward():
+        outputs = call()
+        graph["outputs"] = outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        graph.setdefault("grads", [torch.randn_like(o) for o in outputs])
+
+    def backward():
+        torch.autograd.backward(graph["outputs"], graph["grads"])
+
+    return forward, backward
+
+
 def measure_simulated(
     ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5
 ) -> list[dict[str, Union[str, float]]]:
-    """{"op": op, "triton": us, "auto": us, "frames": n, "torch calls": n} per op: our Python per warm
-    forward call (inputs requiring grad) on the simulated sm_90 device, the least over ``rounds``
-    loops of ``calls`` calls (ours is the small difference of two large times, so other processes'
-    load shows in it: load only adds), and the counts of one warm triton call (``warm_call_counts``)."""
+    """{"op": op, "triton": us, "auto": us, "frames": n, "torch calls": n, "backward": us,
+    "bwd frames": n, "bwd torch calls": n} per op: our Python per warm forward call (inputs
+    requiring grad) on the simulated sm_90 device by backend, and per warm backward call on the
+    triton backend, the least over ``rounds`` loops of ``calls`` calls (ours is the small difference
+    of two large times, so other processes' load shows in it: load only adds), and the counts of
+    one warm triton call each way (``warm_call_counts``)."""
     from tools.cuda_sim import simulated_cuda
 
     rows = []
@@ -177,21 +228,17 @@ def measure_simulated(
                     call = functools.partial(SPECS[op].run, VIT_B, **inputs)
                     for _ in range(3):  # the first call decides the backend and the tile
                         call()
-                    samples = []
-                    for _ in range(rounds):
-                        gc.collect()
-                        gc.disable()  # a collection inside the loop would count as ours (timeit does the same)
-                        try:
-                            mark, started = recorder.mark(), time.perf_counter()
-                            for _ in range(calls):
-                                call()
-                            wall = time.perf_counter() - started
-                        finally:
-                            gc.enable()
-                        samples.append(recorder.our_seconds(wall, mark) / calls * 1e6)
-                    if name == "triton":
-                        row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
-                row[name] = min(samples)
+                    row[name] = _least_ours(recorder, call, calls, rounds)
+                    if name != "triton":
+                        continue
+                    row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
+                    forward, backward = _forward_then_backward(call)
+                    for _ in range(3):  # the backward's own first-call decisions
+                        forward()
+                        backward()
+                    row["backward"] = _least_ours(recorder, backward, calls, rounds, before=forward)
+                    forward()
+                    row["bwd frames"], row["bwd torch calls"] = warm_call_counts(recorder, backward)
             rows.append(row)
     return rows
 
@@ -255,9 +302,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = measure_simulated(ops, args.calls or 200, args.rounds or 5)
         device = "simulated sm_90"
         print(
-            f"our Python per warm call on the {device} device ({VIT_B.label}, bfloat16, forward, inputs requiring "
-            "grad; PyTorch's calls and the launch excluded), us; and one warm triton call's vit_kernels frames and "
-            "PyTorch calls:"
+            f"our Python per warm call on the {device} device ({VIT_B.label}, bfloat16, inputs requiring grad; "
+            "PyTorch's calls and the launch excluded), us, forward by backend and backward on triton; and one warm "
+            "triton call's vit_kernels frames and PyTorch calls each way:"
         )
         print(table(rows, columns=SIMULATED_COLUMNS))
     else:

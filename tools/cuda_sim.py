@@ -36,22 +36,28 @@ The recorder also clocks the host time spent in PyTorch's own calls (and a simul
 ``device``) and in the (recorded) launches, and counts those calls, so ``our_seconds`` tells how much
 of a call is this project's Python: the host overhead a GPU user pays above PyTorch's and Triton's
 (``benchmarks.host_overhead``). Simulated tensors make PyTorch's calls much slower than on a GPU,
-but that time is not counted as ours; entering each such call still costs the simulation about
-a microsecond of Python outside the clock, measured once (``call_overhead``) and subtracted per call.
+but that time is not counted as ours. Entering each such call still costs the simulation up to a
+few microseconds of Python outside the clock, depending on the call (its arguments, the mode that
+turns ``cuda`` into simulated tensors): ``capture`` keeps the calls one warm call makes,
+``entry_seconds`` makes exactly those again with nothing of ours around them, and what they cost
+outside the clock is taken out of the call's time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import sys
 import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 from unittest import mock
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -87,6 +93,7 @@ ARCHITECTURES = {
 
 _inside_torch = threading.local()
 _clock = threading.local()  # .depth: inside a clocked call; .recorder: where its seconds go
+_NOTHING = functools.partial(int)  # a trivial C call: what a replay loop costs per call, less ours
 CALL_KINDS = ("torch", "device", "launch")  # a torch-function call, a tensor's device, a Triton launch
 _tensor_device = torch._C.TensorBase.device.__get__
 _VALUE_READS = {
@@ -182,7 +189,8 @@ class SimulatedCudaTensor(torch.Tensor):
     def device(self) -> torch.device:
         if _depth():
             return _tensor_device(self)
-        return _clocked(_cuda0, "device")  # PyTorch's own getter on a GPU: not this project's time
+        # PyTorch's own getter on a GPU: not this project's time
+        return _clocked(_cuda0, "device", getattr, (self, "device"))
 
     @property
     def is_cuda(self) -> bool:
@@ -198,8 +206,8 @@ class SimulatedCudaTensor(torch.Tensor):
             return _VALUE_READS[func]
         if func is torch.Tensor.tolist:
             return tree_map(lambda _: 0, torch._C.TensorBase.tolist(torch.zeros(args[0].shape)))
-        if func in _RUNS_OUR_CODE:
-            return _RUNS_OUR_CODE[func](*args, **(kwargs or {}))
+        if func in _RUNS_OUR_CODE:  # the engine's Python and C++ are PyTorch's; our backward is paused
+            return _clocked(lambda: _RUNS_OUR_CODE[func](*args, **(kwargs or {})), "torch")
         _inside_torch.depth = _depth() + 1
         try:
             out = super().__torch_function__(func, types, args, kwargs)
@@ -241,21 +249,69 @@ def _cuda0() -> torch.device:
     return torch.device("cuda", 0)
 
 
-def _clocked(call, kind: str = "torch"):
-    """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them.
-    ``kind`` (``CALL_KINDS``): how it was entered, whose cost outside the clock
-    ``Recorder.call_overhead`` takes out."""
+def _clocked(
+    call, kind: str, entry: Optional[Callable] = None, args: tuple = (), kwargs: Optional[dict] = None
+):
+    """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them
+    (less what ``_ours`` pauses inside it: our code that PyTorch calls back). ``kind``
+    (``CALL_KINDS``): how it was entered, counted. ``entry(*args, **kwargs)`` is the call as our code
+    made it, which enters the simulation again: ``Recorder.capture`` keeps it (None: a call that
+    runs our code inside, not to be made again)."""
     recorder = getattr(_clock, "recorder", None)
     if recorder is None or getattr(_clock, "depth", 0):
         return call()
-    _clock.depth = 1
+    if entry is not None and recorder.captured is not None:
+        if not recorder.captured:  # a replay starts in the grad mode the calls were made in
+            recorder.captured.append(functools.partial(torch._C._set_grad_enabled, torch.is_grad_enabled()))
+        recorder.captured.append(functools.partial(entry, *args, **(kwargs or {})))
+    _clock.depth, outer_paused, _clock.paused = 1, getattr(_clock, "paused", 0.0), 0.0
     started = time.perf_counter()
     try:
         return call()
     finally:
-        recorder.not_ours += time.perf_counter() - started
+        recorder.not_ours += time.perf_counter() - started - _clock.paused
         recorder.calls[kind] += 1
-        _clock.depth = 0
+        _clock.depth, _clock.paused = 0, outer_paused
+
+
+def _ours(fn: Callable) -> Callable:
+    """``fn`` (our code that PyTorch calls: an autograd Function's forward or backward), whose time
+    inside a clocked call (``Function.apply``, the autograd engine) is ours again, and whose own
+    PyTorch calls are clocked one by one."""
+
+    def run(*args, **kwargs):
+        if not getattr(_clock, "depth", 0):
+            return fn(*args, **kwargs)
+        _clock.depth, started = 0, time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _clock.paused += time.perf_counter() - started
+            _clock.depth = 1
+
+    return run
+
+
+def _our_backward(backward: Callable) -> Callable:
+    """An autograd Function's backward with our part ``_ours``: inside ``once_differentiable``
+    (PyTorch's wrapper, rebuilt around it) where the backward has it."""
+    inner = getattr(backward, "__wrapped__", None)
+    return once_differentiable(_ours(inner)) if inner is not None else _ours(backward)
+
+
+_function_apply = torch.autograd.Function.apply.__func__
+
+
+def _clocked_apply(cls, *args, **kwargs):
+    """``torch.autograd.Function.apply``: PyTorch's Python and C++ around our forward (``_ours``)."""
+    return _clocked(lambda: _function_apply(cls, *args, **kwargs), "torch")
+
+
+def _our_functions() -> list:
+    """The autograd Functions of ``vit_kernels`` (``_autograd.differentiable``'s)."""
+    return [
+        cls for cls in torch.autograd.Function.__subclasses__() if cls.__module__.startswith("vit_kernels")
+    ]
 
 
 class _CudaAsMeta(TorchFunctionMode):
@@ -264,7 +320,7 @@ class _CudaAsMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _RUNS_OUR_CODE:
             return func(*args, **(kwargs or {}))
-        return _clocked(lambda: self._moved(func, types, args, kwargs))
+        return _clocked(lambda: self._moved(func, types, args, kwargs), "torch", func, args, kwargs)
 
     def _moved(self, func, types, args, kwargs):
         kwargs = dict(kwargs or {})
@@ -308,38 +364,60 @@ class Recorder:
         self.launches: list[Launch] = []
         self.not_ours = 0.0
         self.calls = {kind: 0 for kind in CALL_KINDS}  # clocked calls by how they were entered
-        self._overheads: dict[str, float] = {}
+        self.captured: Optional[list[Callable[[], object]]] = None  # inside ``capture``
 
     def mark(self) -> tuple[float, dict[str, int]]:
         """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
         return self.not_ours, dict(self.calls)
 
-    def our_seconds(self, wall: float, mark: tuple[float, dict[str, int]]) -> float:
-        """Of ``wall`` seconds that began at ``mark``: this project's Python (PyTorch's calls, the
-        launches and the simulation's cost of entering each of them taken out)."""
-        not_ours = self.not_ours - mark[0]
-        entering = sum((self.calls[kind] - mark[1][kind]) * self.call_overhead(kind) for kind in CALL_KINDS)
-        return max(0.0, wall - not_ours - entering)
+    def our_seconds(self, wall: float, mark: tuple[float, dict[str, int]], entering: float = 0.0) -> float:
+        """Of ``wall`` seconds that began at ``mark``: this project's Python, with PyTorch's calls and
+        the launches (clocked) taken out, and ``entering``: the simulation's unclocked seconds of
+        entering them (``entry_seconds`` per call, times the calls). Noise can make one call's
+        figure negative: sum or take the least of many before reading it."""
+        return wall - (self.not_ours - mark[0]) - entering
 
-    def call_overhead(self, kind: str) -> float:
-        """Seconds of unclocked simulation Python per clocked call of ``kind``: the least per-call
-        remainder of a loop of such calls with nothing of ours around them (best of 5): reading a
-        simulated tensor's dtype (``"torch"``, a torch-function call) or its device (``"device"``).
-        A launch's entry is Triton's own Python on a GPU too: 0."""
-        if kind == "launch":
-            return 0.0
-        if kind not in self._overheads:
-            before = self.not_ours, dict(self.calls)  # the probe's own calls are not counted anywhere
-            probe, rounds = torch.empty(1, device="cuda"), 2000
-            best = float("inf")
-            for _ in range(5):
+    def capture(self, call: Callable[[], object]) -> list[Callable[[], object]]:
+        """Run ``call()`` once; return the clocked calls it made (PyTorch's calls, devices read,
+        launches; the outermost only), each as a thunk that makes it again as our code made it."""
+        self.captured = []
+        try:
+            call()
+            return self.captured
+        finally:
+            self.captured = None
+
+    def entry_seconds(
+        self, captured: list[Callable[[], object]], rounds: int = 5, repeats: int = 20
+    ) -> float:
+        """What entering the ``captured`` calls costs the simulation outside its clock: they are made
+        again with nothing of ours around them, and what is left of their time once the clocked
+        seconds and the replay loop's own cost (a loop of as many trivial C calls) are taken out is
+        the simulation's. The least over ``rounds`` (load only adds), per making of all of them.
+        What the replay does is neither counted nor kept."""
+        saved = self.not_ours, dict(self.calls), len(self.launches), torch.is_grad_enabled()
+        blanks = [_NOTHING] * len(captured)
+        best = float("inf")
+        gc.disable()  # a collection inside a loop would count as the simulation's
+        try:
+            for _ in range(rounds):
                 not_ours, started = self.not_ours, time.perf_counter()
-                for _ in range(rounds):
-                    probe.dtype if kind == "torch" else probe.device  # noqa: B018 - a clocked call, nothing else
-                best = min(best, (time.perf_counter() - started - (self.not_ours - not_ours)) / rounds)
-            self.not_ours, self.calls = before
-            self._overheads[kind] = max(0.0, best)
-        return self._overheads[kind]
+                for _ in range(repeats):
+                    for again in captured:
+                        again()
+                replayed = time.perf_counter() - started - (self.not_ours - not_ours)
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    for again in blanks:
+                        again()
+                looped = time.perf_counter() - started
+                best = min(best, (replayed - looped) / repeats)
+        finally:
+            gc.enable()
+            torch._C._set_grad_enabled(saved[3])
+            self.not_ours, self.calls = saved[0], saved[1]
+            del self.launches[saved[2] :]
+        return max(0.0, best)
 
     def kernels(self) -> set[str]:
         return {launch.kernel.fn.__name__ for launch in self.launches}
@@ -426,7 +504,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
                 Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs)
             )
 
-        _clocked(launch, "launch")
+        _clocked(launch, "launch", self[grid], args, kwargs)
 
     cuda = torch.cuda
     patches = [
@@ -446,8 +524,19 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(
             BackwardCFunction,
             "saved_tensors",
-            property(lambda ctx: tuple(_simulated(t) for t in _saved_tensors(ctx))),
+            property(
+                lambda ctx: _clocked(lambda: tuple(_simulated(t) for t in _saved_tensors(ctx)), "torch")
+            ),
             create=True,
+        ),
+        mock.patch.object(torch.autograd.Function, "apply", classmethod(_clocked_apply)),
+        *(
+            patch
+            for cls in _our_functions()
+            for patch in (
+                mock.patch.object(cls, "forward", staticmethod(_ours(cls.forward))),
+                mock.patch.object(cls, "backward", staticmethod(_our_backward(cls.backward))),
+            )
         ),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
