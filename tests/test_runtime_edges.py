@@ -5,6 +5,7 @@ arguments, cache folders, the fast path's limits, empty GEMMs with sums, patchin
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import pytest
@@ -278,3 +279,36 @@ def test_patching_refuses_unknown_forward_arguments_and_parts(monkeypatch):
     extra_part[0].adapter = nn.Linear(16, 16)
     skipped = dict(vk.patch_model(extra_part).skipped)
     assert "submodules ['adapter']" in skipped["0"]
+
+
+def test_a_launch_configuration_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
+    """A decided call looks its launch configuration up by its sizes; symbolic ones (torch.compile's
+    dynamic shapes) have no hash, so theirs is made afresh, the same as for the concrete sizes, and
+    not kept. An error of the configuration itself is not taken for that."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from vit_kernels.ops import attention
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
+    seq_len = mode.from_tensor(torch.empty(197), symbolic_context=context).shape[0]
+    assert isinstance(seq_len, torch.SymInt)
+    tile = attention.AttentionTile(64, 32, 4, 3)
+    attention._launch_config.cache_clear()
+    grid, config = _triton.cached_call(
+        attention._launch_config, tile, True, seq_len, 24, 96, torch.bfloat16, False, 0, 0
+    )
+    assert attention._launch_config.cache_info().currsize == 0
+    concrete_grid, concrete = _triton.cached_call(
+        attention._launch_config, tile, True, 197, 24, 96, torch.bfloat16, False, 0, 0
+    )
+    assert attention._launch_config.cache_info().currsize == 1
+    assert config == concrete and [int(g) for g in grid] == list(concrete_grid) == [7 * 24]
+    assert concrete["BLOCK_TAIL"] == 16 and concrete["BLOCK_D"] == 128 and not concrete["EVEN_D"]
+
+    def broken(size):
+        raise TypeError("a bug of the configuration")
+
+    with pytest.raises(TypeError, match="a bug of the configuration"):
+        _triton.cached_call(functools.lru_cache(broken), 3)

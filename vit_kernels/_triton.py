@@ -11,7 +11,7 @@ import contextlib
 import functools
 import threading
 import types
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -63,6 +63,16 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), on the host (see ``cdiv``)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cached_call(made: Callable, *args):
+    """``made(*args)`` of a ``functools.lru_cache``'d ``made`` (a launch's configuration from the
+    call's sizes: a decided call looks it up); made afresh, and kept nowhere, where the sizes are
+    symbolic (torch.compile with dynamic shapes: a SymInt has no hash)."""
+    try:
+        return made(*args)
+    except TypeError:
+        return made.__wrapped__(*args)
 
 
 def dot_precision(dtype) -> str:
@@ -131,6 +141,7 @@ __all__ = [
     "cdiv",
     "dot_precision",
     "as_float32",
+    "cached_call",
     "interpreted",
     "launch",
     "multiprocessors",

@@ -12,6 +12,7 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -29,7 +30,15 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, next_power_of_2
+from vit_kernels._triton import (
+    HAS_TRITON,
+    cached_call,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    next_power_of_2,
+)
 from vit_kernels.kernels.attention import (
     _attention_bwd_dkdv_kernel,
     _attention_bwd_dq_kernel,
@@ -39,6 +48,7 @@ from vit_kernels.kernels.attention import (
 from vit_kernels.ops.rope import apply_rope, tables_4d
 
 LOG2E = 1.4426950408889634
+LAUNCH_ENTRIES = 4096  # distinct calls whose chooser key and launch configuration are kept
 MAX_HEAD_DIM = 256
 
 
@@ -222,25 +232,62 @@ def _chooser_key(
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
     rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
-    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
-    key = (
-        str(qkv.device),
-        str(qkv.dtype),
-        int(head_dim),
+    batch, seq_len, three_d = qkv.shape
+    return _key_of(
+        qkv.device,
+        qkv.dtype,
+        int(three_d) // 3 // num_heads,
         int(seq_len),
-        _signature.bucket(int(batch) * num_heads),
+        int(batch) * num_heads,
+        None if rope is None else rope[2],
+        None if mask is None else _mask_code(mask),
     )
-    if rope is not None:
-        key += (f"rope={rope[2]}",)
-    return key if mask is None else key + (f"mask={MASK_KINDS[_mask_code(mask)]}",)
+
+
+@functools.lru_cache(maxsize=LAUNCH_ENTRIES)
+def _key_of(device, dtype, head_dim: int, seq_len: int, batch_heads: int, rope_layout, mask_code) -> tuple:
+    """``_chooser_key`` from the call's sizes and kinds (made once per distinct call)."""
+    key = (str(device), str(dtype), head_dim, seq_len, _signature.bucket(batch_heads))
+    if rope_layout is not None:
+        key += (f"rope={rope_layout}",)
+    return key if mask_code is None else key + (f"mask={MASK_KINDS[mask_code]}",)
+
+
+@functools.lru_cache(maxsize=LAUNCH_ENTRIES)
+def _launch_config(
+    tile: AttentionTile,
+    over_keys: bool,
+    seq_len: int,
+    batch_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    dropout: bool,
+    rope_code: int,
+    mask_code: int,
+) -> tuple[tuple[int], dict]:
+    """(grid, keyword arguments) of one launch of an attention kernel with ``tile``: its programs
+    walk query blocks (the forward, dQ) or, ``over_keys``, key blocks (dK/dV), each looping over the
+    other kind (whose last block is the tail). Made once per distinct launch: a decided call looks
+    it up (``cached_call``)."""
+    bm, bn, warps, stages = tile
+    rows, looped = (bn, bm) if over_keys else (bm, bn)
+    block_d = _block_d(head_dim)
+    return _row_blocks(rows, seq_len, batch_heads), dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_TAIL=_tail_block(looped, seq_len),
+        BLOCK_D=block_d,
+        EVEN_D=head_dim == block_d,
+        DROPOUT=dropout,
+        PRECISION=dot_precision(dtype),
+        ROPE=rope_code,
+        MASK=mask_code,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
-
-
-def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], rope_layout: str) -> Optional[tuple]:
-    """The launchers' rope argument: None, or (cos, sin, layout)."""
-    return None if cos is None else (cos, sin, rope_layout)
 
 
 def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) -> tuple[tuple, int]:
@@ -407,14 +454,26 @@ def _check_against_pytorch(
 if HAS_TRITON:
 
     def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None, mask=None) -> None:
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        bm, bn, warps, stages = tile
-        block_d = _block_d(head_dim)
+        batch, seq_len, three_d = qkv.shape
+        model_dim = three_d // 3
+        head_dim = model_dim // num_heads
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
+        grid, config = cached_call(
+            _launch_config,
+            tile,
+            False,
+            seq_len,
+            batch * num_heads,
+            head_dim,
+            qkv.dtype,
+            dropout_p > 0,
+            code,
+            mask_code,
+        )
         launch(
             _attention_fwd_kernel,
-            _row_blocks(bm, seq_len, batch * num_heads),
+            grid,
             qkv,
             out,
             stats[0],
@@ -436,28 +495,17 @@ if HAS_TRITON:
             dropout_p,
             inv_scale,
             limit,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_TAIL=_tail_block(bn, seq_len),
-            BLOCK_D=block_d,
-            EVEN_D=head_dim == block_d,
-            DROPOUT=dropout_p > 0,
-            PRECISION=dot_precision(qkv.dtype),
-            ROPE=code,
-            MASK=mask_code,
-            num_warps=warps,
-            num_stages=stages,
+            **config,
         )
 
     def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
-        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
+        batch, seq_len, three_d = qkv.shape
+        out = torch.empty((batch, seq_len, three_d // 3), dtype=qkv.dtype, device=qkv.device)
         stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         return out, stats
 
     def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
         """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
-        _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tile):
@@ -474,8 +522,10 @@ if HAS_TRITON:
             FWD_CHOOSER,
             qkv.device,
             lambda: _chooser_key(qkv, num_heads, rope, mask),
-            lambda: _interpreter_tile(seq_len),
-            lambda: fwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
+            lambda: _interpreter_tile(qkv.shape[1]),
+            lambda: fwd_candidates(
+                qkv.dtype, _shape(qkv, num_heads)[3], qkv.shape[1], rope is not None, mask is not None
+            ),
             trial,
         )
 
@@ -494,7 +544,7 @@ if HAS_TRITON:
         and 1 / the row sum of the exponentials. With tables cos, sin (broadcastable to (B, H, L_r, Dh)),
         q and k rotated (``rope_layout``) inside the kernel; with a mask (boolean or additive,
         broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
-        rope = _rope(cos, sin, rope_layout)
+        rope = None if cos is None else (cos, sin, rope_layout)
         out, stats = _fwd_outputs(qkv, num_heads)
         _launch_fwd(
             qkv,
@@ -516,7 +566,9 @@ if HAS_TRITON:
         grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
     ) -> torch.Tensor:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+        batch, seq_len, three_d = qkv.shape
+        model_dim = three_d // 3
+        head_dim = model_dim // num_heads
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
@@ -548,44 +600,15 @@ if HAS_TRITON:
             inv_scale,
             limit,
         )
-        block_d = _block_d(head_dim)
-        flags = dict(
-            BLOCK_D=block_d,
-            EVEN_D=head_dim == block_d,
-            DROPOUT=dropout_p > 0,
-            PRECISION=dot_precision(qkv.dtype),
-            ROPE=code,
-            MASK=mask_code,
-        )
-        (dq_m, dq_n, dq_warps, dq_stages), (kv_m, kv_n, kv_warps, kv_stages) = tiles
-        # the tails: of the dQ kernel's loop over key blocks, of the dK/dV kernel's over query blocks
-        launch(
-            _attention_bwd_dq_kernel,
-            _row_blocks(dq_m, seq_len, batch * num_heads),
-            *args,
-            **flags,
-            BLOCK_M=dq_m,
-            BLOCK_N=dq_n,
-            BLOCK_TAIL=_tail_block(dq_n, seq_len),
-            num_warps=dq_warps,
-            num_stages=dq_stages,
-        )
-        launch(
-            _attention_bwd_dkdv_kernel,
-            _row_blocks(kv_n, seq_len, batch * num_heads),
-            *args,
-            **flags,
-            BLOCK_M=kv_m,
-            BLOCK_N=kv_n,
-            BLOCK_TAIL=_tail_block(kv_m, seq_len),
-            num_warps=kv_warps,
-            num_stages=kv_stages,
-        )
+        shared = (seq_len, batch * num_heads, head_dim, qkv.dtype, dropout_p > 0, code, mask_code)
+        grid, config = cached_call(_launch_config, tiles[0], False, *shared)
+        launch(_attention_bwd_dq_kernel, grid, *args, **config)
+        grid, config = cached_call(_launch_config, tiles[1], True, *shared)
+        launch(_attention_bwd_dkdv_kernel, grid, *args, **config)
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
         """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
-        _, seq_len, _, head_dim = _shape(qkv, num_heads)
 
         def trial():
             def run(tiles):
@@ -607,8 +630,10 @@ if HAS_TRITON:
             BWD_CHOOSER,
             qkv.device,
             lambda: _chooser_key(qkv, num_heads, rope, mask),
-            lambda: (_interpreter_tile(seq_len),) * 2,
-            lambda: bwd_candidates(qkv.dtype, head_dim, seq_len, rope is not None, mask is not None),
+            lambda: (_interpreter_tile(qkv.shape[1]),) * 2,
+            lambda: bwd_candidates(
+                qkv.dtype, _shape(qkv, num_heads)[3], qkv.shape[1], rope is not None, mask is not None
+            ),
             trial,
         )
 
@@ -627,7 +652,7 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
         q and k; the tables and the mask get none)."""
-        rope = _rope(cos, sin, rope_layout)
+        rope = None if cos is None else (cos, sin, rope_layout)
         return _launch_bwd(
             grad_out,
             qkv,

@@ -21,7 +21,15 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import TensorDescriptor, cdiv, dot_precision, interpreted, launch, multiprocessors
+from vit_kernels._triton import (
+    TensorDescriptor,
+    cached_call,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    multiprocessors,
+)
 from vit_kernels.activations import GELU_APPROXIMATIONS, gelu, gelu_backward
 from vit_kernels.kernels.gemm import _gelu_bwd_kernel, _linear_kernel, _linear_tma_kernel
 
@@ -116,6 +124,36 @@ def gemm_config(tile: GemmTile) -> dict:
 
 
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(
+    tile: GemmTile,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    has_bias: bool,
+    epilogue: int,
+    gelu_form: int,
+    save_preact: bool,
+    has_residual: bool,
+    sums: int,
+) -> tuple[int, int, dict]:
+    """(tile rows, tiles of C, the launch's keywords: the epilogue's flags and the tile's
+    configuration) of one GEMM launch with ``tile`` on (M, N) of C, made once per distinct launch
+    (a decided call looks it up)."""
+    config = gemm_config(tile)
+    tile_rows = cdiv(m, config["BLOCK_M"])
+    flags = dict(
+        HAS_BIAS=has_bias,
+        EPILOGUE=epilogue,
+        GELU_FORM=gelu_form,
+        SAVE_PREACT=save_preact,
+        HAS_RESIDUAL=has_residual,
+        SUMS=sums,
+        PRECISION=dot_precision(dtype),
+    )
+    return tile_rows, tile_rows * cdiv(n, config["BLOCK_N"]), {**flags, **config}
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
@@ -315,9 +353,19 @@ class _Gemm:
         a, b, bias, residual = self.a, self.b, self.bias, self.residual
         m, k = a.shape
         n = b.shape[1]
-        config = gemm_config(tile)
-        tile_rows = cdiv(m, config["BLOCK_M"])
-        tiles = tile_rows * cdiv(n, config["BLOCK_N"])
+        tile_rows, tiles, config = cached_call(
+            _launch_config,
+            tile,
+            m,
+            n,
+            a.dtype,
+            bias is not None,
+            self.epilogue,
+            self.gelu_form,
+            aux is not None,
+            residual is not None,
+            self.sums,
+        )
         partial = None
         if self.sums != SUMS_NONE:
             shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
@@ -335,15 +383,6 @@ class _Gemm:
             bias.stride(0) if bias is not None else 0,
             aux.stride(0) if aux is not None else 0,
             *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
-        )
-        flags = dict(
-            HAS_BIAS=bias is not None,
-            EPILOGUE=self.epilogue,
-            GELU_FORM=self.gelu_form,
-            SAVE_PREACT=aux is not None,
-            HAS_RESIDUAL=residual is not None,
-            SUMS=self.sums,
-            PRECISION=dot_precision(a.dtype),
         )
         if tile.kernel == TMA and tma_possible(a, b):
             a_t, b_t = tma_transposed(a), tma_transposed(b)
@@ -371,7 +410,6 @@ class _Gemm:
                 self.k_per_split,
                 self.slices,
                 *strides,
-                **flags,
                 A_T=a_t,
                 B_T=b_t,
                 **config,
@@ -390,7 +428,6 @@ class _Gemm:
             *a.stride(),
             *b.stride(),
             *strides,
-            **flags,
             **config,
         )
         return partial
@@ -526,21 +563,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread
 
 
+@functools.lru_cache(maxsize=4096)
+def row_slices(rows: int, cols: int, block_m: int, block_n: int, machine: int) -> tuple[int, int, int]:
+    """(column strips, row slices, rows per slice) of an elementwise pass over (rows, cols) that also
+    sums its columns per slice (float32 partials): about four programs per multiprocessor of
+    ``machine`` in all, each slice a whole number of ``block_m``-row steps."""
+    strips = cdiv(cols, block_n)
+    slices = max(1, min(cdiv(4 * machine, strips), cdiv(rows, block_m), 65535))
+    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
+    return strips, cdiv(rows, rows_per_slice), rows_per_slice
+
+
 def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bias_grad: bool):
     """dZ = grad * gelu'(preact) (M, N) and, when ``bias_grad``, its column sums (N,) in float32
-    (else None), from one pass. Row slices: about four programs per multiprocessor in all, each
-    slice a whole number of steps."""
+    (else None), from one pass over ``row_slices``."""
     grad, preact = grad.contiguous(), preact.contiguous()
     dz = torch.empty_like(preact)
     rows, cols = preact.shape
     if dz.numel() == 0:
         return dz, preact.new_zeros(cols, dtype=torch.float32) if bias_grad else None
     block_m, block_n, warps = (16, 16, 1) if interpreted(preact.device) else GELU_BWD_BLOCK
-    strips = cdiv(cols, block_n)
-    machine = multiprocessors(preact.device)
-    slices = max(1, min(cdiv(4 * machine, strips), cdiv(rows, block_m), 65535))
-    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
-    slices = cdiv(rows, rows_per_slice)
+    strips, slices, rows_per_slice = cached_call(
+        row_slices, rows, cols, block_m, block_n, multiprocessors(preact.device)
+    )
     partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
     launch(
         _gelu_bwd_kernel,

@@ -335,7 +335,8 @@ if HAS_TRITON:
         """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
         s2, dy2 = _rows(summed), _rows(grad_y)
         dsum2 = _rows(grad_sum) if grad_sum is not None else None
-        rows, dim = (int(size) for size in s2.shape)
+        rows, dim = s2.shape
+        rows, dim = int(rows), int(dim)  # SymInts made concrete (traced with dynamic shapes)
         block_d = next_power_of_2(dim)
 
         def trial():

@@ -7,6 +7,7 @@ T = [cls ; E] + pos                       (N, L [+1], D)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -24,7 +25,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch
+from vit_kernels._triton import HAS_TRITON, cached_call, cdiv, dot_precision, interpreted, launch
 from vit_kernels.kernels.patch_embed import (
     _patch_embed_bwd_input_kernel,
     _patch_embed_bwd_weight_kernel,
@@ -69,6 +70,22 @@ def _out_dtype(images: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embe
         if extra is not None:
             out_dtype = torch.promote_types(out_dtype, extra.dtype)
     return out_dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
+    """((BLOCK_D, BLOCK_K, BLOCK_M, warps), K slices, rows per slice, the weight gradient's grid,
+    the input gradient's grid) of the backward's launches over ``rows`` patches: dW's reduction over
+    the rows split as ``split_k_slices`` says, in slices of whole SPLIT_ROWS. Made once per distinct
+    call (a decided call looks it up)."""
+    tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(device) else (64, 64, 64)
+    warps = 1 if interpreted(device) else 4
+    slices = split_k_slices(dim, k_dim, rows, device)
+    rows_per_split = max(1, cdiv(cdiv(rows, slices), SPLIT_ROWS)) * SPLIT_ROWS
+    slices = max(1, cdiv(rows, rows_per_split))
+    weight_grid = (cdiv(dim, tile_d), cdiv(k_dim, tile_k), slices)
+    input_grid = (cdiv(rows, tile_m), cdiv(k_dim, tile_k))
+    return (tile_d, tile_k, tile_m, warps), slices, rows_per_split, weight_grid, input_grid
 
 
 if HAS_TRITON:
@@ -207,18 +224,15 @@ if HAS_TRITON:
         grad_out = grad_out.to(images.dtype).contiguous()
         strides = images.stride()
         precision = dot_precision(images.dtype)
-        tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(images.device) else (64, 64, 64)
-        warps = 1 if interpreted(images.device) else 4
-        slices = split_k_slices(dim, k_dim, n * num_patches, images.device)
-        rows_per_split = max(1, cdiv(cdiv(n * num_patches, slices), SPLIT_ROWS)) * SPLIT_ROWS
-        slices = max(1, cdiv(n * num_patches, rows_per_split))
+        (tile_d, tile_k, tile_m, warps), slices, rows_per_split, grid, input_grid = cached_call(
+            _bwd_plan, n * num_patches, dim, k_dim, images.device
+        )
         partial = slices > 1
         dw = torch.empty(
             (slices, dim, k_dim) if partial else (dim, k_dim),
             dtype=torch.float32 if partial else weight.dtype,
             device=images.device,
         )
-        grid = (cdiv(dim, tile_d), cdiv(k_dim, tile_k), slices)
         launch(
             _patch_embed_bwd_weight_kernel,
             grid,
@@ -247,10 +261,9 @@ if HAS_TRITON:
             return images.new_empty(0), dw.view(weight.shape)
         dimages = torch.empty_like(images)
         w2 = weight.reshape(dim, k_dim)
-        grid = (cdiv(n * num_patches, tile_m), cdiv(k_dim, tile_k))
         launch(
             _patch_embed_bwd_input_kernel,
-            grid,
+            input_grid,
             grad_out,
             w2,
             dimages,

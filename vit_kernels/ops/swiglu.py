@@ -33,7 +33,15 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import HAS_TRITON, cdiv, dot_precision, interpreted, launch, multiprocessors
+from vit_kernels._triton import (
+    HAS_TRITON,
+    cached_call,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+    multiprocessors,
+)
 from vit_kernels.kernels.swiglu import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 from vit_kernels.ops.gemm import (
     GemmTile,
@@ -41,6 +49,7 @@ from vit_kernels.ops.gemm import (
     _rows,
     _weight_and_bias_grads,
     gemm_config,
+    row_slices,
     validation_rows,
 )
 
@@ -220,7 +229,7 @@ SWIGLU_BWD_BLOCK = (16, 128, 4)
 
 def _swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bias_grad: bool):
     """dG, dU (M, N) in G's dtype and, when ``bias_grad``, their column sums (N,) float32 (else None),
-    from one pass. Row slices: about four programs per multiprocessor in all."""
+    from one pass over ``row_slices``."""
     dh = dh.contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
     rows, cols = g.shape
@@ -228,10 +237,9 @@ def _swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bias_gr
         zeros = g.new_zeros(cols, dtype=torch.float32) if bias_grad else None
         return dg, du, zeros, None if zeros is None else zeros.clone()
     block_m, block_n, warps = (16, 16, 1) if interpreted(g.device) else SWIGLU_BWD_BLOCK
-    strips = cdiv(cols, block_n)
-    slices = max(1, min(cdiv(4 * multiprocessors(g.device), strips), cdiv(rows, block_m), 65535))
-    rows_per_slice = cdiv(cdiv(rows, slices), block_m) * block_m
-    slices = cdiv(rows, rows_per_slice)
+    strips, slices, rows_per_slice = cached_call(
+        row_slices, rows, cols, block_m, block_n, multiprocessors(g.device)
+    )
     if bias_grad:
         partial_g = torch.empty((slices, cols), dtype=torch.float32, device=g.device)
         partial_u = torch.empty_like(partial_g)
