@@ -299,12 +299,13 @@ def _our_backward(backward: Callable) -> Callable:
     return once_differentiable(_ours(inner)) if inner is not None else _ours(backward)
 
 
-_function_apply = torch.autograd.Function.apply.__func__
+# a classmethod in Python (torch 2.13) or in C (2.14): bound to the class at each call
+_function_apply = torch.autograd.Function.__dict__["apply"]
 
 
 def _clocked_apply(cls, *args, **kwargs):
     """``torch.autograd.Function.apply``: PyTorch's Python and C++ around our forward (``_ours``)."""
-    return _clocked(lambda: _function_apply(cls, *args, **kwargs), "torch")
+    return _clocked(lambda: _function_apply.__get__(None, cls)(*args, **kwargs), "torch")
 
 
 def _our_functions() -> list:
