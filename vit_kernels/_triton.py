@@ -65,6 +65,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+LAUNCH_CONFIGS = 4096  # distinct calls each launch-configuration lookup keeps (lru_cache's maxsize)
+
+
 def cached_call(made: Callable, *args):
     """``made(*args)`` of a ``functools.lru_cache``'d ``made`` (a launch's configuration from the
     call's sizes: a decided call looks it up); made afresh, and kept nowhere, where the sizes are
@@ -142,6 +145,7 @@ __all__ = [
     "dot_precision",
     "as_float32",
     "cached_call",
+    "LAUNCH_CONFIGS",
     "interpreted",
     "launch",
     "multiprocessors",

@@ -32,6 +32,7 @@ from vit_kernels._tiles import (
 )
 from vit_kernels._triton import (
     HAS_TRITON,
+    LAUNCH_CONFIGS,
     cached_call,
     cdiv,
     dot_precision,
@@ -48,7 +49,6 @@ from vit_kernels.kernels.attention import (
 from vit_kernels.ops.rope import apply_rope, tables_4d
 
 LOG2E = 1.4426950408889634
-LAUNCH_ENTRIES = 4096  # distinct calls whose chooser key and launch configuration are kept
 MAX_HEAD_DIM = 256
 
 
@@ -244,7 +244,7 @@ def _chooser_key(
     )
 
 
-@functools.lru_cache(maxsize=LAUNCH_ENTRIES)
+@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _key_of(device, dtype, head_dim: int, seq_len: int, batch_heads: int, rope_layout, mask_code) -> tuple:
     """``_chooser_key`` from the call's sizes and kinds (made once per distinct call)."""
     key = (str(device), str(dtype), head_dim, seq_len, _signature.bucket(batch_heads))
@@ -253,7 +253,7 @@ def _key_of(device, dtype, head_dim: int, seq_len: int, batch_heads: int, rope_l
     return key if mask_code is None else key + (f"mask={MASK_KINDS[mask_code]}",)
 
 
-@functools.lru_cache(maxsize=LAUNCH_ENTRIES)
+@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _launch_config(
     tile: AttentionTile,
     over_keys: bool,

@@ -22,6 +22,7 @@ from vit_kernels._tiles import (
     tile_to_launch,
 )
 from vit_kernels._triton import (
+    LAUNCH_CONFIGS,
     TensorDescriptor,
     cached_call,
     cdiv,
@@ -126,7 +127,7 @@ def gemm_config(tile: GemmTile) -> dict:
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _launch_config(
     tile: GemmTile,
     m: int,
@@ -563,7 +564,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def row_slices(rows: int, cols: int, block_m: int, block_n: int, machine: int) -> tuple[int, int, int]:
     """(column strips, row slices, rows per slice) of an elementwise pass over (rows, cols) that also
     sums its columns per slice (float32 partials): about four programs per multiprocessor of

@@ -25,7 +25,15 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import HAS_TRITON, cached_call, cdiv, dot_precision, interpreted, launch
+from vit_kernels._triton import (
+    HAS_TRITON,
+    LAUNCH_CONFIGS,
+    cached_call,
+    cdiv,
+    dot_precision,
+    interpreted,
+    launch,
+)
 from vit_kernels.kernels.patch_embed import (
     _patch_embed_bwd_input_kernel,
     _patch_embed_bwd_weight_kernel,
@@ -72,7 +80,7 @@ def _out_dtype(images: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embe
     return out_dtype
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
     """((BLOCK_D, BLOCK_K, BLOCK_M, warps), K slices, rows per slice, the weight gradient's grid,
     the input gradient's grid) of the backward's launches over ``rows`` patches: dW's reduction over
