@@ -40,7 +40,9 @@ but that time is not counted as ours. Entering each such call still costs the si
 few microseconds of Python outside the clock, depending on the call (its arguments, the mode that
 turns ``cuda`` into simulated tensors): ``capture`` keeps the calls one warm call makes,
 ``entry_seconds`` makes exactly those again with nothing of ours around them, and what they cost
-outside the clock is taken out of the call's time.
+outside the clock is taken out of the call's time. An autograd Function's ``apply`` and the autograd
+engine are clocked as PyTorch's too; the package's Functions' forward and backward, which they call,
+are ours again inside them (``_ours`` pauses the clock).
 """
 
 from __future__ import annotations
@@ -396,7 +398,7 @@ class Recorder:
         seconds and the replay loop's own cost (a loop of as many trivial C calls) are taken out is
         the simulation's. The least over ``rounds`` (load only adds), per making of all of them.
         What the replay does is neither counted nor kept."""
-        saved = self.not_ours, dict(self.calls), len(self.launches), torch.is_grad_enabled()
+        saved = self.not_ours, dict(self.calls), len(self.launches), torch.is_grad_enabled(), gc.isenabled()
         blanks = [_NOTHING] * len(captured)
         best = float("inf")
         gc.disable()  # a collection inside a loop would count as the simulation's
@@ -414,7 +416,8 @@ class Recorder:
                 looped = time.perf_counter() - started
                 best = min(best, (replayed - looped) / repeats)
         finally:
-            gc.enable()
+            if saved[4]:
+                gc.enable()
             torch._C._set_grad_enabled(saved[3])
             self.not_ours, self.calls = saved[0], saved[1]
             del self.launches[saved[2] :]
