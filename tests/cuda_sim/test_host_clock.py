@@ -49,7 +49,9 @@ def test_our_seconds_counts_our_python_and_not_pytorchs_calls():
                 samples.append((recorder.our_seconds(wall, mark, entry), wall))
             best[name] = min(samples)
     (pytorch_ours, pytorch_wall), (ours, _) = best["pytorch"], best["ours"]
-    assert abs(pytorch_ours) < 0.1 * pytorch_wall, best
+    assert -0.25 * pytorch_wall < pytorch_ours < 0.1 * pytorch_wall, (
+        best
+    )  # the least of 7: noise may go below 0
     assert 0.95 * BUSY_S < ours < 1.1 * BUSY_S + 0.25 * pytorch_wall, best
 
 
@@ -86,10 +88,14 @@ def test_an_autograd_functions_apply_and_the_engine_are_pytorchs_and_its_forward
     with simulated_cuda(90) as recorder:
         x = torch.randn(64, 64, device="cuda", requires_grad=True)
         y = _Busy.apply(x, BUSY_S)
-        ours, _ = _ours_and_wall(recorder, lambda: _Busy.apply(x, BUSY_S), 3)
-        assert 0.95 * 3 * BUSY_S < ours < 1.2 * 3 * BUSY_S, ours
-        ours, _ = _ours_and_wall(recorder, lambda: y.backward(torch.ones_like(y), retain_graph=True), 3)
-        assert 0.95 * 3 * BUSY_S < ours < 1.2 * 3 * BUSY_S, ours
+        # the least of 5 calls: another process's load only adds
+        ours = min(_ours_and_wall(recorder, lambda: _Busy.apply(x, BUSY_S), 1)[0] for _ in range(5))
+        assert 0.95 * BUSY_S < ours < 1.2 * BUSY_S, ours
+        grad = torch.ones_like(y)
+        ours = min(
+            _ours_and_wall(recorder, lambda: y.backward(grad, retain_graph=True), 1)[0] for _ in range(5)
+        )
+        assert 0.95 * BUSY_S < ours < 1.2 * BUSY_S, ours
         # with nothing of ours inside, what apply and the engine cost (PyTorch's) is taken out
         ours, wall = _ours_and_wall(recorder, lambda: _Busy.apply(x, 0.0), 200)
         assert ours < 0.5 * wall, (ours, wall)
