@@ -232,11 +232,11 @@ def _chooser_key(
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
     rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
-    batch, seq_len, three_d = qkv.shape
+    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
     return _key_of(
         qkv.device,
         qkv.dtype,
-        int(three_d) // 3 // num_heads,
+        int(head_dim),
         int(seq_len),
         int(batch) * num_heads,
         None if rope is None else rope[2],
@@ -454,9 +454,7 @@ def _check_against_pytorch(
 if HAS_TRITON:
 
     def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None, mask=None) -> None:
-        batch, seq_len, three_d = qkv.shape
-        model_dim = three_d // 3
-        head_dim = model_dim // num_heads
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
         (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
         grid, config = cached_call(
@@ -499,8 +497,8 @@ if HAS_TRITON:
         )
 
     def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq_len, three_d = qkv.shape
-        out = torch.empty((batch, seq_len, three_d // 3), dtype=qkv.dtype, device=qkv.device)
+        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
+        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
         stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
         return out, stats
 
@@ -566,9 +564,7 @@ if HAS_TRITON:
         grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
     ) -> torch.Tensor:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
-        batch, seq_len, three_d = qkv.shape
-        model_dim = three_d // 3
-        head_dim = model_dim // num_heads
+        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
         (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
