@@ -86,8 +86,7 @@ def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
     the input gradient's grid) of the backward's launches over ``rows`` patches: dW's reduction over
     the rows split as ``split_k_slices`` says, in slices of whole SPLIT_ROWS. Made once per distinct
     call (a decided call looks it up)."""
-    tile_d, tile_k, tile_m = (32, 32, 32) if interpreted(device) else (64, 64, 64)
-    warps = 1 if interpreted(device) else 4
+    tile_d, tile_k, tile_m, warps = (32, 32, 32, 1) if interpreted(device) else (64, 64, 64, 4)
     slices = split_k_slices(dim, k_dim, rows, device)
     rows_per_split = max(1, cdiv(cdiv(rows, slices), SPLIT_ROWS)) * SPLIT_ROWS
     slices = max(1, cdiv(rows, rows_per_split))
