@@ -510,3 +510,34 @@ def test_a_loss_on_the_probabilities_alone(on_backend):
         (attention_formula(exact_input, 2)[1] * upstream.double()).sum(), exact_input
     )
     torch.testing.assert_close(mine.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    "triton" not in CPU_BACKENDS, reason="Triton runs on the CPU only under TRITON_INTERPRET=1"
+)
+def test_a_call_without_dropout_reads_no_seed_and_allocates_none():
+    """Without dropout the kernels never read the seed: every call passes one tensor per device,
+    made outside inference mode so that a later call with gradients may save it, and never while
+    tracing (a graph must not hold a global tensor)."""
+    attention._UNUSED_SEEDS.clear()
+    qkv = torch.randn(2, 5, 3 * 16, dtype=torch.float32)
+    with vk.use_backend("triton", strict=True):
+        with torch.inference_mode():
+            served = vk.attention(qkv, 2)
+        seed = attention._UNUSED_SEEDS[qkv.device]
+        assert not seed.is_inference()
+        leaf = qkv.clone().requires_grad_(True)
+        trained = vk.attention(leaf, 2)
+        (grad,) = torch.autograd.grad((trained * trained).sum(), leaf)
+        assert attention._UNUSED_SEEDS == {qkv.device: seed}
+    wide = qkv.double().requires_grad_(True)
+    expected = formula_out(wide, 2)
+    (expected_grad,) = torch.autograd.grad((expected * expected).sum(), wide)
+    assert_close(served, expected, torch.float32, "out (inference mode)")
+    assert_close(trained.detach(), expected.detach(), torch.float32, "out")
+    assert_close(grad, expected_grad, torch.float32, "dqkv")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        traced = attention._unused_seed(qkv.device)
+    assert traced is not seed and attention._UNUSED_SEEDS == {qkv.device: seed}

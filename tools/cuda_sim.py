@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_map
 
 from vit_kernels import _ext, _measure, _proof, _signature, _tiles, backend
 from vit_kernels._tune_cache import DiskCache
+from vit_kernels.ops import attention
 
 ARCHITECTURES = {
     90: dict(
@@ -553,6 +554,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_proof, "run_child", _proof.replay_in_this_process),
         mock.patch.dict(_proof._settings, children=1),
         mock.patch.object(backend, "_disk", DiskCache(None)),
+        mock.patch.dict(attention._UNUSED_SEEDS, clear=True),  # a simulated tensor must not outlive it
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)
         mock.patch.object(backend, "_TENSOR_TYPES", backend._TENSOR_TYPES + (SimulatedCudaTensor,)),

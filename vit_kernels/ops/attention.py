@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
-from vit_kernels._autograd import differentiable, direct
+from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import (
     FLOORS,
@@ -776,8 +776,10 @@ def attention_triton(
     scale = head_dim**-0.5 if scale is None else scale
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=qkv.device)
-    else:
-        seed = torch.empty(1, dtype=torch.int64, device=qkv.device)
+    else:  # the shared seed (while tracing, a fresh one)
+        seed = None if tracing() else _UNUSED_SEEDS.get(qkv.device)
+        if seed is None:
+            seed = _unused_seed(qkv.device)
     if cos is None and attn_mask is None:
         out, stats = attention_fwd(qkv, num_heads, scale, dropout_p, seed)
     else:
@@ -787,6 +789,21 @@ def attention_triton(
     if cos is not None or attn_mask is not None:
         return out, probs_by_torch(qkv, num_heads, scale, cos, sin, rope_layout, attn_mask)
     return out, attention_probs(qkv, stats, num_heads, scale)
+
+
+_UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_seed(device: torch.device) -> torch.Tensor:
+    """The seed argument of a call without dropout, which the kernels never read: one int64 tensor
+    per device (``_UNUSED_SEEDS``), made once outside inference mode (so that autograd may save it)
+    instead of an allocation per call. While tracing, a fresh one: a graph must not hold a global
+    tensor."""
+    with torch.inference_mode(False):
+        seed = torch.zeros(1, dtype=torch.int64, device=device)
+    if not tracing() and not _signature.capturing_cuda_graph():
+        _UNUSED_SEEDS[device] = seed
+    return seed
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
