@@ -281,31 +281,42 @@ def test_patching_refuses_unknown_forward_arguments_and_parts(monkeypatch):
     assert "submodules ['adapter']" in skipped["0"]
 
 
-def test_a_launch_configuration_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
-    """A decided call looks its launch configuration up by its sizes; symbolic ones (torch.compile's
-    dynamic shapes) have no hash, so theirs is made afresh, the same as for the concrete sizes, and
-    not kept. An error of the configuration itself is not taken for that."""
+def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
+    """A decided call looks its launch plan up by its sizes; symbolic ones (torch.compile's dynamic
+    shapes) have no hash, so theirs is made afresh, the same as for the concrete sizes, and not kept.
+    A kept plan is stale once any tile choice changes. An error of a configuration is not taken for
+    a missing hash."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     from vit_kernels.ops import attention
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
-    seq_len = mode.from_tensor(torch.empty(197), symbolic_context=context).shape[0]
-    assert isinstance(seq_len, torch.SymInt)
+    dynamic_length = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.STATIC]
+    )
+    symbolic = mode.from_tensor(torch.empty(2, 197, 3 * 12 * 96), symbolic_context=dynamic_length)
+    concrete = torch.empty(2, 197, 3 * 12 * 96)
+    assert isinstance(symbolic.shape[1], torch.SymInt)
     tile = attention.AttentionTile(64, 32, 4, 3)
-    attention._launch_config.cache_clear()
-    grid, config = _triton.cached_call(
-        attention._launch_config, tile, True, seq_len, 24, 96, torch.bfloat16, False, 0, 0
-    )
-    assert attention._launch_config.cache_info().currsize == 0
-    concrete_grid, concrete = _triton.cached_call(
-        attention._launch_config, tile, True, 197, 24, 96, torch.bfloat16, False, 0, 0
-    )
-    assert attention._launch_config.cache_info().currsize == 1
-    assert config == concrete and [int(g) for g in grid] == list(concrete_grid) == [7 * 24]
-    assert concrete["BLOCK_TAIL"] == 16 and concrete["BLOCK_D"] == 128 and not concrete["EVEN_D"]
+    plans: dict = {}
+
+    def plan_of(qkv):
+        key = attention._plan_key(qkv, 12, 0.0, None, None)
+        assert _tiles.decided(plans, key) is None
+        made = attention._launch_config(tile, True, qkv, 12, 0.0, None, None)
+        chooser_key = functools.partial(attention._chooser_key, qkv, 12)
+        return key, _tiles.keep(plans, key, made, attention.FWD_CHOOSER, qkv.device, chooser_key)
+
+    _, (grid, config) = plan_of(symbolic)
+    assert plans == {}
+    key, (concrete_grid, concrete_config) = plan_of(concrete)  # the interpreter's: kept
+    assert config == concrete_config and [int(g) for g in grid] == list(concrete_grid) == [7 * 24]
+    assert concrete_config["BLOCK_TAIL"] == 16 and concrete_config["BLOCK_D"] == 128
+    assert not concrete_config["EVEN_D"]
+    assert _tiles.decided(plans, key) == (concrete_grid, concrete_config)
+    attention.FWD_CHOOSER.pin(("another key",), tile)
+    assert _tiles.decided(plans, key) is None
 
     def broken(size):
         raise TypeError("a bug of the configuration")

@@ -13,8 +13,9 @@ choice made earlier is used, else the first candidate (the default). With the in
 tensors) the launcher runs its fixed small tile instead.
 
 ``TileChooser.report()`` lists per key every candidate's time or why it was excluded;
-``report_rows`` makes that JSON-able. ``tile_to_launch`` is the whole decision a launcher makes per
-call (interpreter, chosen tile).
+``report_rows`` makes that JSON-able. ``tile_to_launch`` is the whole decision a launcher makes for
+a call (interpreter, chosen tile); ``decided`` and ``keep`` hold what a launcher works out from
+that tile (its grid and constants) per call signature, so that a decided call is one lookup.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from vit_kernels import _autograd, _proof, _signature, _timer
-from vit_kernels._triton import interpreted, recording
+from vit_kernels._triton import LAUNCH_CONFIGS, interpreted, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 Tile = tuple  # a NamedTuple of one kernel's launch parameters, or a tuple of them (attention's pairs)
@@ -154,6 +155,9 @@ class TileChooser:
     (keyed by the GPU's name and the software versions), so a second process measures nothing again."""
 
     instances: list["TileChooser"] = []  # every chooser, for forget_all and the reports
+    # Counts every change of any chooser's choices (a choice made or read from disk, pinned,
+    # forgotten): a launch plan made under another generation is stale (``decided``).
+    generation = 0
 
     def __init__(self, name: str):
         self.name = name
@@ -181,8 +185,7 @@ class TileChooser:
         stored_tile = None if stored is None else _as_tile(stored["tile"])
         cached = next((c for c in candidates if c == stored_tile), None)
         if cached is not None:
-            hit = self._chosen[key] = Choice(cached, {"from the tile cache": stored.get("trials")})
-            return hit.tile
+            return self._keep(key, Choice(cached, {"from the tile cache": stored.get("trials")})).tile
         if not can_measure(device) or recording():  # recording: an outer chooser's proof, see _proof
             return candidates[0]
         with self._lock, without_autocast():
@@ -191,7 +194,7 @@ class TileChooser:
                 hit = self._measure(key, device, candidates, run, check)
                 if hit is None:  # an empty problem: nothing to validate or time, nothing decided
                     return candidates[0]
-                self._chosen[key] = hit
+                self._keep(key, hit)
                 if disk_key is not None:
                     _disk.put(
                         disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}}
@@ -226,7 +229,12 @@ class TileChooser:
     def pin(self, key: tuple, tile: Tile) -> None:
         """Launch ``tile`` for ``key`` from now on in this process, unmeasured (tooling: the compile
         gate runs each candidate with the flags its trial leaves out, such as dropout)."""
-        self._chosen[key] = Choice(tile, {"pinned": tile})
+        self._keep(key, Choice(tile, {"pinned": tile}))
+
+    def _keep(self, key: tuple, choice: Choice) -> Choice:
+        self._chosen[key] = choice
+        TileChooser.generation += 1
+        return choice
 
     def chosen(self, key: tuple) -> Optional[Tile]:
         hit = self._chosen.get(key)
@@ -238,6 +246,7 @@ class TileChooser:
 
     def forget(self) -> None:
         self._chosen.clear()
+        TileChooser.generation += 1
 
     @classmethod
     def forget_all(cls) -> None:
@@ -266,6 +275,32 @@ def tile_to_launch(
         run, check = trial()
         tile = chooser.choose(chosen_key, device, candidates(), run, check)
     return tile
+
+
+def decided(plans: dict, key: tuple):
+    """The launch plan ``keep`` stored in ``plans`` for a call signature ``key``, if made under the
+    current generation of tile choices (a choice made, pinned or forgotten since makes it stale),
+    else None. A key of symbolic sizes (traced with dynamic shapes) has no hash: None."""
+    try:
+        hit = plans.get(key)
+    except TypeError:
+        return None
+    return hit[1] if hit is not None and hit[0] == TileChooser.generation else None
+
+
+def keep(plans: dict, key: tuple, plan, chooser: TileChooser, device: torch.device, chooser_key: Callable):
+    """``plan`` (what a launcher works out from the tile ``tile_to_launch`` gave it: grid, constants),
+    stored for ``decided`` when its tile is settled: the interpreter's, or the one ``chooser`` keeps
+    for ``chooser_key()``; not a default launched while nothing could be measured (tracing, graph
+    capture), whose key chooses later. Cleared when full; a key without a hash is kept nowhere."""
+    if interpreted(device) or chooser.chosen(chooser_key()) is not None:
+        try:
+            if len(plans) >= LAUNCH_CONFIGS:
+                plans.clear()
+            plans[key] = (TileChooser.generation, plan)
+        except TypeError:
+            pass
+    return plan
 
 
 def _plain(part):

@@ -12,7 +12,6 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -24,7 +23,9 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
+    decided,
     first_problem,
+    keep,
     plain_repr,
     reference_dtype,
     report_rows,
@@ -32,8 +33,6 @@ from vit_kernels._tiles import (
 )
 from vit_kernels._triton import (
     HAS_TRITON,
-    LAUNCH_CONFIGS,
-    cached_call,
     cdiv,
     dot_precision,
     interpreted,
@@ -233,74 +232,78 @@ def _chooser_key(
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
     rope layout of a rotating call and the kind of a masked call's mask (each its own kernel variant)."""
     batch, seq_len, _, head_dim = _shape(qkv, num_heads)
-    return _key_of(
-        qkv.device,
-        qkv.dtype,
+    key = (
+        str(qkv.device),
+        str(qkv.dtype),
         int(head_dim),
         int(seq_len),
-        int(batch) * num_heads,
-        None if rope is None else rope[2],
-        None if mask is None else _mask_code(mask),
+        _signature.bucket(int(batch) * num_heads),
     )
+    if rope is not None:
+        key += (f"rope={rope[2]}",)
+    return key if mask is None else key + (f"mask={MASK_KINDS[_mask_code(mask)]}",)
 
 
-@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
-def _key_of(device, dtype, head_dim: int, seq_len: int, batch_heads: int, rope_layout, mask_code) -> tuple:
-    """``_chooser_key`` from the call's sizes and kinds (made once per distinct call)."""
-    key = (str(device), str(dtype), head_dim, seq_len, _signature.bucket(batch_heads))
-    if rope_layout is not None:
-        key += (f"rope={rope_layout}",)
-    return key if mask_code is None else key + (f"mask={MASK_KINDS[mask_code]}",)
-
-
-@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _launch_config(
     tile: AttentionTile,
     over_keys: bool,
-    seq_len: int,
-    batch_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    dropout: bool,
-    rope_code: int,
-    mask_code: int,
+    qkv: torch.Tensor,
+    num_heads: int,
+    dropout_p: float,
+    rope: Optional[tuple],
+    mask: Optional[torch.Tensor],
 ) -> tuple[tuple[int], dict]:
     """(grid, keyword arguments) of one launch of an attention kernel with ``tile``: its programs
     walk query blocks (the forward, dQ) or, ``over_keys``, key blocks (dK/dV), each looping over the
-    other kind (whose last block is the tail). Made once per distinct launch: a decided call looks
-    it up (``cached_call``)."""
+    other kind (whose last block is the tail). A decided call finds it in its plan (``_plan_key``)."""
+    batch, seq_len, _, head_dim = _shape(qkv, num_heads)
     bm, bn, warps, stages = tile
     rows, looped = (bn, bm) if over_keys else (bm, bn)
     block_d = _block_d(head_dim)
-    return _row_blocks(rows, seq_len, batch_heads), dict(
+    return _row_blocks(rows, seq_len, batch * num_heads), dict(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_TAIL=_tail_block(looped, seq_len),
         BLOCK_D=block_d,
         EVEN_D=head_dim == block_d,
-        DROPOUT=dropout,
-        PRECISION=dot_precision(dtype),
-        ROPE=rope_code,
-        MASK=mask_code,
+        DROPOUT=dropout_p > 0,
+        PRECISION=dot_precision(qkv.dtype),
+        ROPE=0 if rope is None else ROPE_CODES[rope[2]],
+        MASK=0 if mask is None else _mask_code(mask),
         num_warps=warps,
         num_stages=stages,
     )
 
 
+def _plan_key(qkv: torch.Tensor, num_heads: int, dropout_p: float, rope: Optional[tuple], mask) -> tuple:
+    """Everything a call's tile choice and launch configurations depend on: the plans of a decided
+    call are kept under it (``_tiles.decided``)."""
+    return (
+        qkv.shape,
+        qkv.dtype,
+        qkv.device,
+        num_heads,
+        dropout_p > 0,
+        None if rope is None else rope[2],
+        None if mask is None else mask.dtype,
+    )
+
+
+_FWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, (grid, keyword arguments))
+_BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, ((grid, kwargs) of dQ, of dK/dV))
+
+
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
 
 
-def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) -> tuple[tuple, int]:
-    """((Cos, Sin, rope_start, the 8 table strides), ROPE) for the kernels: the tables as (B, H, L_r, Dh)
+def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) -> tuple:
+    """(Cos, Sin, rope_start, the 8 table strides) for the kernels: the tables as (B, H, L_r, Dh)
     views (stride 0 where broadcast) and rope_start = L - L_r; without rope, qkv as placeholder
-    pointers (never read) and ROPE = 0."""
+    pointers (never read)."""
     if rope is None:
-        return (qkv, qkv, 0, (0,) * 8), 0
-    cos, sin, layout = rope
-    cos, sin = tables_4d(qkv, num_heads, cos, sin)
-    return (cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())), ROPE_CODES[
-        layout
-    ]
+        return qkv, qkv, 0, (0,) * 8
+    cos, sin = tables_4d(qkv, num_heads, rope[0], rope[1])
+    return cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())
 
 
 MASK_KINDS = {1: "additive", 2: "boolean"}  # the kernels' MASK (0: no mask)
@@ -311,21 +314,19 @@ def _mask_code(mask: torch.Tensor) -> int:
     return 2 if mask.dtype == torch.bool else 1
 
 
-def _mask_launch_args(
-    qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float
-) -> tuple[tuple, int]:
-    """((Mask, its 4 strides, 1 / scale, limit), MASK) for the kernels: the mask as a (B, H, L, L)
-    view (stride 0 where broadcast) and the clamp limit of its finite values (see ``_mask_term``);
-    without a mask, qkv as a placeholder pointer (never read) and MASK = 0."""
+def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float) -> tuple:
+    """(Mask, its 4 strides, 1 / scale, limit) for the kernels: the mask as a (B, H, L, L) view
+    (stride 0 where broadcast) and the clamp limit of its finite values (see ``_mask_term``); without
+    a mask, qkv as a placeholder pointer (never read)."""
     if mask is None:
-        return (qkv, (0,) * 4, 1.0, FLOAT32_MAX), 0
+        return qkv, (0,) * 4, 1.0, FLOAT32_MAX
     batch, seq_len = qkv.shape[0], qkv.shape[1]
     if mask.dtype == torch.float64:
         mask = finite_cast(mask, torch.float32)
     full = mask.expand(batch, num_heads, seq_len, seq_len)
     # FLT_MAX * scale, a little below it so that limit / scale rounds to at most FLT_MAX
     limit = FLOAT32_MAX * min(scale, 1.0) * (1 - 2**-20)
-    return (full, full.stride(), 1.0 / scale, limit), _mask_code(mask)
+    return full, full.stride(), 1.0 / scale, limit
 
 
 def mask_for_sdpa(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -453,22 +454,12 @@ def _check_against_pytorch(
 
 if HAS_TRITON:
 
-    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, tile, rope=None, mask=None) -> None:
+    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, plan, rope=None, mask=None) -> None:
+        """The forward kernel, launched by ``plan``: (grid, keyword arguments) of ``_launch_config``."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
-        (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
-        grid, config = cached_call(
-            _launch_config,
-            tile,
-            False,
-            seq_len,
-            batch * num_heads,
-            head_dim,
-            qkv.dtype,
-            dropout_p > 0,
-            code,
-            mask_code,
-        )
+        cos, sin, rope_start, table_strides = _rope_launch_args(qkv, num_heads, rope)
+        mask, mask_strides, inv_scale, limit = _mask_launch_args(qkv, num_heads, mask, scale)
+        grid, config = plan
         launch(
             _attention_fwd_kernel,
             grid,
@@ -508,7 +499,8 @@ if HAS_TRITON:
         def trial():
             def run(tile):
                 out, stats = _fwd_outputs(qkv, num_heads)
-                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, tile, rope, mask)
+                plan = _launch_config(tile, False, qkv, num_heads, 0.0, rope, mask)
+                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, plan, rope, mask)
                 return [out]
 
             n = _validation_images(qkv, num_heads)
@@ -544,31 +536,33 @@ if HAS_TRITON:
         broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
         rope = None if cos is None else (cos, sin, rope_layout)
         out, stats = _fwd_outputs(qkv, num_heads)
-        _launch_fwd(
-            qkv,
-            out,
-            stats,
-            seed,
-            num_heads,
-            scale,
-            dropout_p,
-            fwd_tile(qkv, num_heads, scale, seed, rope, mask),
-            rope,
-            mask,
-        )
+        key = _plan_key(qkv, num_heads, dropout_p, rope, mask)
+        plan = decided(_FWD_PLANS, key)
+        if plan is None:
+            tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
+            plan = keep(
+                _FWD_PLANS,
+                key,
+                _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask),
+                FWD_CHOOSER,
+                qkv.device,
+                lambda: _chooser_key(qkv, num_heads, rope, mask),
+            )
+        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, plan, rope, mask)
         return out, stats
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
     def _launch_bwd(
-        grad_out, qkv, stats, seed, num_heads, scale, dropout_p, tiles, rope=None, mask=None
+        grad_out, qkv, stats, seed, num_heads, scale, dropout_p, plans, rope=None, mask=None
     ) -> torch.Tensor:
-        """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D)."""
+        """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D), launched by
+        ``plans`` (``_bwd_configs``)."""
         batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
         delta = torch.empty_like(stats[0])
         dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
-        (cos, sin, rope_start, table_strides), code = _rope_launch_args(qkv, num_heads, rope)
-        (mask, mask_strides, inv_scale, limit), mask_code = _mask_launch_args(qkv, num_heads, mask, scale)
+        cos, sin, rope_start, table_strides = _rope_launch_args(qkv, num_heads, rope)
+        mask, mask_strides, inv_scale, limit = _mask_launch_args(qkv, num_heads, mask, scale)
         args = (
             qkv,
             grad_out,
@@ -596,19 +590,25 @@ if HAS_TRITON:
             inv_scale,
             limit,
         )
-        shared = (seq_len, batch * num_heads, head_dim, qkv.dtype, dropout_p > 0, code, mask_code)
-        grid, config = cached_call(_launch_config, tiles[0], False, *shared)
-        launch(_attention_bwd_dq_kernel, grid, *args, **config)
-        grid, config = cached_call(_launch_config, tiles[1], True, *shared)
-        launch(_attention_bwd_dkdv_kernel, grid, *args, **config)
+        (dq_grid, dq_config), (dkdv_grid, dkdv_config) = plans
+        launch(_attention_bwd_dq_kernel, dq_grid, *args, **dq_config)
+        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *args, **dkdv_config)
         return dqkv
+
+    def _bwd_configs(tiles, qkv, num_heads, dropout_p, rope, mask) -> tuple:
+        """The (grid, keyword arguments) of the dQ launch and of the dK/dV launch with ``tiles``."""
+        return (
+            _launch_config(tiles[0], False, qkv, num_heads, dropout_p, rope, mask),
+            _launch_config(tiles[1], True, qkv, num_heads, dropout_p, rope, mask),
+        )
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
         """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
 
         def trial():
             def run(tiles):
-                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, tiles, rope, mask)]
+                plans = _bwd_configs(tiles, qkv, num_heads, 0.0, rope, mask)
+                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, plans, rope, mask)]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(
@@ -649,18 +649,19 @@ if HAS_TRITON:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
         q and k; the tables and the mask get none)."""
         rope = None if cos is None else (cos, sin, rope_layout)
-        return _launch_bwd(
-            grad_out,
-            qkv,
-            stats,
-            seed,
-            num_heads,
-            scale,
-            dropout_p,
-            bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask),
-            rope,
-            mask,
-        )
+        key = _plan_key(qkv, num_heads, dropout_p, rope, mask)
+        plans = decided(_BWD_PLANS, key)
+        if plans is None:
+            tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
+            plans = keep(
+                _BWD_PLANS,
+                key,
+                _bwd_configs(tiles, qkv, num_heads, dropout_p, rope, mask),
+                BWD_CHOOSER,
+                qkv.device,
+                lambda: _chooser_key(qkv, num_heads, rope, mask),
+            )
+        return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, plans, rope, mask)
 
     attention_bwd = direct(
         torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd), _attention_bwd
