@@ -50,9 +50,10 @@ def spy_launches(monkeypatch, wrong=None) -> list:
     launched = []
     original = gemm._Gemm.launch
 
-    def launch(self, tile, c, aux):
+    def launch(self, config, c, aux):
+        tile = config[0]
         launched.append(tile)
-        column_sums = original(self, tile, c, aux)
+        column_sums = original(self, config, c, aux)
         if tile == wrong:
             c.mul_(1.02)
         return column_sums
@@ -423,9 +424,9 @@ def test_the_gpu_report_lists_the_gemm_tiles(gpu_path):
 
 
 def test_gemm_plans_are_kept_per_call_and_cleared_when_full(monkeypatch):
-    """A call's plan (its K split and tile key) is kept by its sizes, strides, dtypes and flags, at
-    most PLAN_ENTRIES of them (cleared when full); the results are the formula's throughout."""
-    monkeypatch.setattr(gemm, "PLAN_ENTRIES", 2)
+    """A call's plan (its K split and launch) is kept by its sizes, strides, dtypes and flags, at
+    most LAUNCH_CONFIGS of them (cleared when full); the results are the formula's throughout."""
+    monkeypatch.setattr(_tiles, "LAUNCH_CONFIGS", 2)
     gemm._PLANS.clear()
     sizes = []
     for rows in (3, 5, 7, 5):
@@ -449,7 +450,7 @@ def test_a_gemm_traced_with_symbolic_sizes_keeps_no_plan(monkeypatch):
     b = mode.from_tensor(torch.empty(96, 64), symbolic_context=context).t()
     assert isinstance(a.shape[0], torch.SymInt)
     launched = []
-    monkeypatch.setattr(gemm._Gemm, "launch", lambda self, tile, c, aux: launched.append(tile))
+    monkeypatch.setattr(gemm._Gemm, "launch", lambda self, config, c, aux: launched.append(config[0]))
     gemm._PLANS.clear()
     with mode:
         c, _ = gemm._matmul_and_sums(a, b, torch.float32)

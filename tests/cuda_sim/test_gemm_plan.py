@@ -1,6 +1,6 @@
-"""A GEMM call seen before skips working out its K split and its tile's key (``ops.gemm._PLANS``),
-but still reads its tile from the chooser on every call: a tile chosen, pinned or forgotten after
-the plan was made is the one launched."""
+"""A GEMM call seen before skips working out its K split, tile and launch (``ops.gemm._PLANS``), until
+a tile choice changes: a tile chosen, pinned or forgotten after the plan was made is the one
+launched."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ def test_a_planned_gemm_launches_the_tile_its_key_holds_now(sim):
     gemm._PLANS.clear()
     with vk.use_backend("triton", strict=True):
         assert _launched_blocks(sim, lambda: vk.linear(x, w)), "no pointer-kernel launch (candidates tried)"
-        ((*_, tile_key),) = gemm._PLANS.values()
+        (tile_key,) = gemm.GEMM_CHOOSER.report()
         chosen = gemm.GEMM_CHOOSER.chosen(tile_key)
         other = next(t for t in gemm.gemm_candidates(torch.float32, 16 * 197, 576, False) if t != chosen)
         gemm.GEMM_CHOOSER.pin(tile_key, other)
         assert _launched_blocks(sim, lambda: vk.linear(x, w)) == [other[:3]]
-        assert len(gemm._PLANS) == 1  # the plan was used, not made again
+        assert len(gemm._PLANS) == 1  # the plan was made again, under its key
         gemm.GEMM_CHOOSER.pin(tile_key, chosen)
         assert _launched_blocks(sim, lambda: vk.linear(x, w)) == [chosen[:3]]

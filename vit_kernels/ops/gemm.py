@@ -16,7 +16,9 @@ from vit_kernels._signature import bucket
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
+    decided,
     first_problem,
+    keep,
     reference_dtype,
     report_rows,
     tile_to_launch,
@@ -127,7 +129,6 @@ def gemm_config(tile: GemmTile) -> dict:
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
 
 
-@functools.lru_cache(maxsize=LAUNCH_CONFIGS)
 def _launch_config(
     tile: GemmTile,
     m: int,
@@ -141,8 +142,8 @@ def _launch_config(
     sums: int,
 ) -> tuple[int, int, dict]:
     """(tile rows, tiles of C, the launch's keywords: the epilogue's flags and the tile's
-    configuration) of one GEMM launch with ``tile`` on (M, N) of C, made once per distinct launch
-    (a decided call looks it up)."""
+    configuration) of one GEMM launch with ``tile`` on (M, N) of C (a decided call finds it in its
+    plan, ``_PLANS``)."""
     config = gemm_config(tile)
     tile_rows = cdiv(m, config["BLOCK_M"])
     flags = dict(
@@ -253,7 +254,7 @@ def _matmul_and_sums(
     ``aux`` (M, N), contiguous: written with the pre-activation under EPILOGUE_GELU, read under
     EPILOGUE_GELU_GRAD. Without bias, epilogue, residual or sums of C, a deep K is split into
     slices summed in float32. The tile is the one ``_matmul_tile`` gives (chosen on the GPU per key);
-    a call seen before takes its split and its tile's key from ``_PLANS``."""
+    a call seen before takes its split, tile and launch configuration from ``_PLANS``."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:  # nothing to compute (an empty K still runs: its result is the epilogue of 0)
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -280,36 +281,28 @@ def _matmul_and_sums(
         residual is None,
         sums,
     )
-    try:
-        plan = _PLANS.get(plan_key)
-    except TypeError:  # a symbolic size or stride (traced with dynamic shapes) has no hash: not kept
-        plan_key = plan = None
+    plan = decided(_PLANS, plan_key)
     if plan is None:
         plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
         slices = split_k_slices(m, n, k, device) if plain else 1
         k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
         slices = cdiv(k, k_per_split) if k > 0 else 1
-    else:
-        slices, k_per_split, tile_key = plan
-    gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
-    # a decided call: one lookup of the tile its key chose (later choices, pins and forgetting apply)
-    tile = None if plan is None or tile_key is None else GEMM_CHOOSER.chosen(tile_key)
-    if tile is None:
+        gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
         tile = _matmul_tile(gemm)
-        if plan is None and plan_key is not None:
-            if len(_PLANS) >= PLAN_ENTRIES:
-                _PLANS.clear()
-            _PLANS[plan_key] = (slices, k_per_split, None if interpreted(device) else gemm.key())
+        plan = keep(
+            _PLANS, plan_key, (slices, k_per_split, gemm.config(tile, aux)), GEMM_CHOOSER, device, gemm.key
+        )
+    else:
+        gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, plan[0], plan[1])
     c = gemm.output()
-    partial = gemm.launch(tile, c, aux)
+    partial = gemm.launch(plan[2], c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
 
 
-# The split and the tile chooser's key of each GEMM call seen, by everything they are computed from
-# (sizes, strides, device and its multiprocessors, dtypes, flags): a decided call skips computing
-# them. Cleared when full.
-_PLANS: dict[tuple, tuple[int, int, Optional[tuple]]] = {}
-PLAN_ENTRIES = 4096
+# The split and the launch (``_Gemm.config``) of each GEMM call seen, by everything they are computed
+# from (sizes, strides, device and its multiprocessors, dtypes, flags), for ``_tiles.decided``: a
+# decided call skips computing them.
+_PLANS: dict[tuple, tuple] = {}
 
 
 class _Gemm:
@@ -346,27 +339,32 @@ class _Gemm:
     def result(self, c: torch.Tensor) -> torch.Tensor:
         return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
 
-    def launch(self, tile: GemmTile, c: torch.Tensor, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Launch with ``tile`` writing C into ``c`` (and the pre-activation into ``aux`` under
-        SAVE_PREACT) -> the partial sums asked for (float32: per tile row (cdiv(M, BLOCK_M), N) of C's
-        columns, per K slice (slices, M) of A's rows), else None. A tile naming the TMA variant runs
-        ``_linear_tma_kernel``, else ``_linear_kernel``."""
-        a, b, bias, residual = self.a, self.b, self.bias, self.residual
-        m, k = a.shape
-        n = b.shape[1]
-        tile_rows, tiles, config = cached_call(
-            _launch_config,
+    def config(self, tile: GemmTile, aux: Optional[torch.Tensor]) -> tuple:
+        """(tile, tile rows, tiles of C, keywords) of a launch with ``tile`` (``_launch_config``)."""
+        return tile, *_launch_config(
             tile,
-            m,
-            n,
-            a.dtype,
-            bias is not None,
+            self.a.shape[0],
+            self.b.shape[1],
+            self.a.dtype,
+            self.bias is not None,
             self.epilogue,
             self.gelu_form,
             aux is not None,
-            residual is not None,
+            self.residual is not None,
             self.sums,
         )
+
+    def launch(
+        self, launch_config: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """Launch by ``launch_config`` (``config``) writing C into ``c`` (and the pre-activation into
+        ``aux`` under SAVE_PREACT) -> the partial sums asked for (float32: per tile row
+        (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows), else None. A tile
+        naming the TMA variant runs ``_linear_tma_kernel``, else ``_linear_kernel``."""
+        a, b, bias, residual = self.a, self.b, self.bias, self.residual
+        m, k = a.shape
+        n = b.shape[1]
+        tile, tile_rows, tiles, config = launch_config
         partial = None
         if self.sums != SUMS_NONE:
             shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
@@ -504,7 +502,7 @@ class _Gemm:
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
             c = self.output()
-            partial = self.launch(tile, c, aux)
+            partial = self.launch(self.config(tile, aux), c, aux)
             outputs = [self.result(c)] + ([aux] if save_preact else [])
             return outputs + ([partial.sum(0)] if partial is not None else [])
 
