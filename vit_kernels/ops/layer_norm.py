@@ -18,7 +18,9 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
+    decided,
     first_problem,
+    keep,
     plain_repr,
     reference_dtype,
     report_rows,
@@ -111,6 +113,10 @@ def bwd_candidates(block_d: int) -> tuple[BackwardTile, ...]:
 
 FWD_CHOOSER = TileChooser("layer_norm forward")
 BWD_CHOOSER = TileChooser("layer_norm backward")
+# Per call signature (rows x D, dtype, device, the optional inputs), for ``_tiles.decided``: the
+# forward's (grid, keywords), the backward's (programs, rows per program, keywords).
+_FWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, tuple] = {}
 
 
 def tile_report() -> list[dict]:
@@ -167,13 +173,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    def _launch_fwd(x2, r2, weight, bias, eps, outputs, tile) -> None:
+    def _fwd_config(tile, rows: int, dim: int, r2, weight, bias) -> tuple[tuple[int], dict]:
+        """(grid, keywords) of a forward launch with ``tile`` over ``rows`` rows of ``dim``."""
+        per_program, warps = tile
+        return (cdiv(rows, per_program),), dict(
+            ROWS=per_program,
+            BLOCK_D=next_power_of_2(dim),
+            HAS_RESIDUAL=r2 is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            num_warps=warps,
+        )
+
+    def _launch_fwd(x2, r2, weight, bias, eps, outputs, plan) -> None:
+        """The forward kernel, launched by ``plan`` (``_fwd_config``)."""
         y, summed, mean, rstd = outputs
         rows, dim = x2.shape
-        per_program, warps = tile
+        grid, config = plan
         launch(
             _layer_norm_fwd_kernel,
-            (cdiv(rows, per_program),),
+            grid,
             x2,
             r2 if r2 is not None else x2,
             weight if weight is not None else x2,
@@ -191,12 +210,7 @@ if HAS_TRITON:
             weight.stride(0) if weight is not None else 0,
             bias.stride(0) if bias is not None else 0,
             eps,
-            ROWS=per_program,
-            BLOCK_D=next_power_of_2(dim),
-            HAS_RESIDUAL=r2 is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            num_warps=warps,
+            **config,
         )
 
     def _fwd_outputs(x2: torch.Tensor, has_residual: bool) -> tuple[torch.Tensor, ...]:
@@ -217,53 +231,70 @@ if HAS_TRITON:
         mean and rstd (rows,) fp32."""
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else None
-        rows, dim = x2.shape
-        rows, dim = int(rows), int(dim)  # SymInts made concrete (traced with dynamic shapes)
-        block_d = next_power_of_2(dim)
-
-        def trial():
-            def run(tile):
-                outputs = _fwd_outputs(x2, r2 is not None)
-                _launch_fwd(x2, r2, weight, bias, eps, outputs, tile)
-                return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
-
-            def references():
-                return (
-                    _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
-                    _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
-                )
-
-            return run, _check_parts(("y", "s"), references, x2.dtype)
-
-        key = (
-            str(x.device),
-            str(x.dtype),
-            block_d,
-            residual is not None,
-            weight is not None,
-            bias is not None,
-            _signature.bucket(rows),
-        )
         outputs = _fwd_outputs(x2, residual is not None)
-        _launch_fwd(
-            x2,
-            r2,
-            weight,
-            bias,
-            eps,
-            outputs,
-            _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial),
-        )
+        plan_key = (x2.shape, x.dtype, x.device, residual is None, weight is None, bias is None)
+        plan = decided(_FWD_PLANS, plan_key)
+        if plan is None:
+            rows, dim = (int(n) for n in x2.shape)  # SymInts made concrete (traced with dynamic shapes)
+            block_d = next_power_of_2(dim)
+
+            def trial():
+                def run(tile):
+                    outputs = _fwd_outputs(x2, r2 is not None)
+                    _launch_fwd(
+                        x2, r2, weight, bias, eps, outputs, _fwd_config(tile, rows, dim, r2, weight, bias)
+                    )
+                    return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
+
+                def references():
+                    return (
+                        _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
+                        _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
+                    )
+
+                return run, _check_parts(("y", "s"), references, x2.dtype)
+
+            key = (
+                str(x.device),
+                str(x.dtype),
+                block_d,
+                residual is not None,
+                weight is not None,
+                bias is not None,
+                _signature.bucket(rows),
+            )
+            tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
+            made = _fwd_config(tile, rows, dim, r2, weight, bias)
+            plan = keep(_FWD_PLANS, plan_key, made, FWD_CHOOSER, x.device, lambda: key)
+        _launch_fwd(x2, r2, weight, bias, eps, outputs, plan)
         y, summed, mean, rstd = outputs
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
     torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())(_layer_norm_fwd)
 
-    def _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile) -> None:
+    def _bwd_config(tile, rows: int, dim: int, dsum2, weight, needs_weight_bias, device) -> tuple:
+        """(programs, rows per program, keywords) of a backward launch with ``tile``: one program per
+        tile of rows, at most ``programs per SM`` x SMs."""
+        tile_rows, per_sm, warps = tile
+        programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(device)))
+        return (
+            programs,
+            cdiv(cdiv(rows, tile_rows), programs),
+            dict(
+                ROWS=tile_rows,
+                BLOCK_D=next_power_of_2(dim),
+                HAS_DSUM=dsum2 is not None,
+                HAS_WEIGHT=weight is not None,
+                NEEDS_WB=needs_weight_bias,
+                num_warps=warps,
+            ),
+        )
+
+    def _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, plan) -> None:
+        """The backward kernel, launched by ``plan`` (``_bwd_config``)."""
         ds, partial_w, partial_b = outputs
         rows, dim = s2.shape
-        tile_rows, _, warps = tile
-        programs = partial_w.shape[0] if needs_weight_bias else _bwd_programs(s2, tile)
+        programs, rows_per_program, config = plan
         launch(
             _layer_norm_bwd_kernel,
             (programs,),
@@ -278,28 +309,20 @@ if HAS_TRITON:
             partial_b,
             rows,
             dim,
-            cdiv(cdiv(rows, tile_rows), programs),
+            rows_per_program,
             s2.stride(0),
             dy2.stride(0),
             dsum2.stride(0) if dsum2 is not None else 0,
             ds.stride(0),
             weight.stride(0) if weight is not None else 0,
-            ROWS=tile_rows,
-            BLOCK_D=next_power_of_2(dim),
-            HAS_DSUM=dsum2 is not None,
-            HAS_WEIGHT=weight is not None,
-            NEEDS_WB=needs_weight_bias,
-            num_warps=warps,
+            **config,
         )
 
-    def _bwd_programs(s2: torch.Tensor, tile: tuple) -> int:
-        """Programs of a backward launch: one per tile of rows, at most ``programs per SM`` x SMs."""
-        tile_rows, per_sm, _ = tile
-        return max(1, min(cdiv(s2.shape[0], tile_rows), per_sm * multiprocessors(s2.device)))
-
-    def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, tile: tuple) -> tuple[torch.Tensor, ...]:
+    def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, programs: int) -> tuple[torch.Tensor, ...]:
+        """ds like s2, and the per-program partial sums of d(weight) and d(bias) (programs, D) fp32
+        ((1, D), unwritten, without them)."""
         ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
-        partials = (_bwd_programs(s2, tile) if needs_weight_bias else 1, s2.shape[1])
+        partials = (programs if needs_weight_bias else 1, s2.shape[1])
         partial_w = torch.empty(partials, dtype=torch.float32, device=s2.device)
         return ds, partial_w, torch.empty_like(partial_w)
 
@@ -335,37 +358,44 @@ if HAS_TRITON:
         """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
         s2, dy2 = _rows(summed), _rows(grad_y)
         dsum2 = _rows(grad_sum) if grad_sum is not None else None
-        rows, dim = s2.shape
-        rows, dim = int(rows), int(dim)  # SymInts made concrete (traced with dynamic shapes)
-        block_d = next_power_of_2(dim)
+        plan_key = (s2.shape, s2.dtype, s2.device, grad_sum is None, weight is None, needs_weight_bias)
+        plan = decided(_BWD_PLANS, plan_key)
+        if plan is None:
+            rows, dim = (int(n) for n in s2.shape)  # SymInts made concrete (traced with dynamic shapes)
+            block_d = next_power_of_2(dim)
 
-        def trial():
-            def run(tile):
-                outputs = _bwd_outputs(s2, needs_weight_bias, tile)
-                _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
-                ds, partial_w, partial_b = outputs
-                return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
+            def config(tile):
+                return _bwd_config(tile, rows, dim, dsum2, weight, needs_weight_bias, s2.device)
 
-            def references():
-                return tuple(
-                    _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
-                    for dtype in (reference_dtype(s2.dtype), s2.dtype)
-                )
+            def trial():
+                def run(tile):
+                    tried = config(tile)
+                    outputs = _bwd_outputs(s2, needs_weight_bias, tried[0])
+                    _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, tried)
+                    ds, partial_w, partial_b = outputs
+                    return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
 
-            return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
+                def references():
+                    return tuple(
+                        _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
+                        for dtype in (reference_dtype(s2.dtype), s2.dtype)
+                    )
 
-        key = (
-            str(summed.device),
-            str(summed.dtype),
-            block_d,
-            grad_sum is not None,
-            weight is not None,
-            needs_weight_bias,
-            _signature.bucket(rows),
-        )
-        tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
-        outputs = _bwd_outputs(s2, needs_weight_bias, tile)
-        _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, needs_weight_bias, outputs, tile)
+                return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
+
+            key = (
+                str(summed.device),
+                str(summed.dtype),
+                block_d,
+                grad_sum is not None,
+                weight is not None,
+                needs_weight_bias,
+                _signature.bucket(rows),
+            )
+            tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
+            plan = keep(_BWD_PLANS, plan_key, config(tile), BWD_CHOOSER, summed.device, lambda: key)
+        outputs = _bwd_outputs(s2, needs_weight_bias, plan[0])
+        _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, plan)
         ds, partial_w, partial_b = outputs
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
