@@ -20,7 +20,9 @@ from vit_kernels._signature import bucket
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
+    decided,
     first_problem,
+    keep,
     reference_dtype,
     report_rows,
     tile_to_launch,
@@ -53,6 +55,7 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
 VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
 FWD_CHOOSER = TileChooser("patch_embed forward")
+_FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, constants)
 
 
 def tile_report() -> list[dict]:
@@ -98,7 +101,7 @@ def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
 if HAS_TRITON:
 
     def _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size):
-        """-> (output, the forward kernel's arguments and flags but the tile)."""
+        """-> (output, the forward kernel's arguments but its constants)."""
         n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
         w2 = weight.reshape(dim, k_dim)
         out = torch.empty(
@@ -123,23 +126,45 @@ if HAS_TRITON:
             *w2.stride(),
             bias.stride(0) if bias is not None else 0,
         )
-        flags = dict(
+        return out, args
+
+    def _fwd_config(
+        tile: GemmTile, args: tuple, images, bias, cls_token, pos_embed
+    ) -> tuple[tuple[int], dict]:
+        """(grid, constants) of a forward launch with ``tile`` on the arguments ``args``."""
+        rows, dim = args[6], args[7]
+        config = gemm_config(tile)
+        return (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),), dict(
             HAS_BIAS=bias is not None,
             HAS_CLS=cls_token is not None,
             HAS_POS=pos_embed is not None,
             PRECISION=dot_precision(images.dtype),
-        )
-        return out, args, flags
-
-    def _launch_fwd(args: tuple, flags: dict, tile: GemmTile) -> None:
-        rows, dim = args[6], args[7]
-        config = gemm_config(tile)
-        launch(
-            _patch_embed_fwd_kernel,
-            (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),),
-            *args,
-            **flags,
             **config,
+        )
+
+    def _launch_fwd(args: tuple, plan: tuple) -> None:
+        """The forward kernel on ``args``, launched by ``plan`` (``_fwd_config``)."""
+        grid, config = plan
+        launch(_patch_embed_fwd_kernel, grid, *args, **config)
+
+    def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+        """What a forward tile choice is kept for: dtypes, the optional inputs, the GEMM's rows
+        (bucketed), columns and depth, the patch and the tokens, and whether the images are
+        channels-last. Plain ints (SymInts made concrete)."""
+        n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
+        return (
+            images.device,
+            images.dtype,
+            out_dtype,
+            bias is not None,
+            cls_token is not None,
+            pos_embed is not None,
+            bucket(int(n) * int(tokens)),
+            int(dim),
+            int(k_dim),
+            patch_size,
+            int(tokens),
+            bool(images.stride(1) == 1),
         )
 
     def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
@@ -147,28 +172,12 @@ if HAS_TRITON:
         ``vit_kernels._tiles.tile_to_launch``. A candidate is
         checked on ``validation_images`` against conv2d (+ class token and position embedding) in
         float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
-        n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
-
-        def key():
-            return (
-                images.device,
-                images.dtype,
-                out_dtype,
-                bias is not None,
-                cls_token is not None,
-                pos_embed is not None,
-                bucket(int(n) * int(tokens)),
-                int(dim),
-                int(k_dim),
-                patch_size,
-                int(tokens),
-                bool(images.stride(1) == 1),
-            )
+        n, dim, _, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
 
         def trial():
             def run(tile):
-                out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
-                _launch_fwd(args, flags, tile)
+                out, args = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
+                _launch_fwd(args, _fwd_config(tile, args, images, bias, cls_token, pos_embed))
                 return [out]
 
             wide = reference_dtype(images.dtype)
@@ -197,7 +206,7 @@ if HAS_TRITON:
         return tile_to_launch(
             FWD_CHOOSER,
             images.device,
-            key,
+            lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
             lambda: GEMM_INTERPRETER_TILE,
             lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)),
             trial,
@@ -212,8 +221,31 @@ if HAS_TRITON:
         patch_size: int,
     ) -> torch.Tensor:
         """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
-        out, args, flags = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
-        _launch_fwd(args, flags, fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype))
+        out, args = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
+        plan_key = (
+            images.shape,
+            images.stride(),
+            images.dtype,
+            images.device,
+            weight.shape,
+            out.dtype,
+            bias is None,
+            cls_token is None,
+            pos_embed is None,
+            patch_size,
+        )
+        plan = decided(_FWD_PLANS, plan_key)
+        if plan is None:
+            tile = fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype)
+            plan = keep(
+                _FWD_PLANS,
+                plan_key,
+                _fwd_config(tile, args, images, bias, cls_token, pos_embed),
+                FWD_CHOOSER,
+                images.device,
+                lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype),
+            )
+        _launch_fwd(args, plan)
         return out
 
     torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)

@@ -28,7 +28,9 @@ from vit_kernels._signature import bucket, needs_grad
 from vit_kernels._tiles import (
     FLOORS,
     TileChooser,
+    decided,
     first_problem,
+    keep,
     reference_dtype,
     report_rows,
     tile_to_launch,
@@ -103,12 +105,24 @@ class _DualGemm:
         g = torch.empty(preact, dtype=h.dtype, device=h.device)
         return h, g, torch.empty(preact, dtype=h.dtype, device=h.device)
 
-    def launch(self, tile: GemmTile, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
+    def config(self, tile: GemmTile) -> tuple[tuple[int], dict]:
+        """(grid, constants) of a launch with ``tile``."""
+        m, n = self.x2.shape[0], self.gate_weight.shape[0]
+        config = gemm_config(tile)
+        return (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),), dict(
+            HAS_BIAS_G=self.gate_bias is not None,
+            HAS_BIAS_U=self.up_bias is not None,
+            SAVE_PREACT=self.save_preact,
+            PRECISION=dot_precision(self.x2.dtype),
+            **config,
+        )
+
+    def launch(self, plan: tuple, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
+        """Launch by ``plan`` (``config``) into H, G and U."""
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
         m, k = x2.shape
         n = wg.shape[0]
-        config = gemm_config(tile)
-        grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
+        grid, config = plan
         # W^T (K, N) by strides: B[k, n] = W[n, k]
         launch(
             _swiglu_fwd_kernel,
@@ -129,10 +143,6 @@ class _DualGemm:
             *wu.stride()[::-1],
             bg.stride(0) if bg is not None else 0,
             bu.stride(0) if bu is not None else 0,
-            HAS_BIAS_G=bg is not None,
-            HAS_BIAS_U=bu is not None,
-            SAVE_PREACT=self.save_preact,
-            PRECISION=dot_precision(x2.dtype),
             **config,
         )
 
@@ -176,7 +186,7 @@ class _DualGemm:
 
         def run(tile):
             h, g, u = self.outputs()
-            self.launch(tile, h, g, u)
+            self.launch(self.config(tile), h, g, u)
             return [h, g, u][: len(names)]
 
         wide = reference_dtype(self.x2.dtype)
@@ -217,9 +227,28 @@ def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bo
     unless ``save_preact``."""
     gemm = _DualGemm(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
     h, g, u = gemm.outputs()
-    if h.numel() > 0:  # an empty K still runs: H = silu(b_g) * b_u
-        gemm.launch(_dual_tile(gemm), h, g, u)
+    if h.numel() == 0:  # (an empty K still runs: H = silu(b_g) * b_u)
+        return h, g, u
+    plan_key = (
+        x2.shape,
+        x2.stride(),
+        gate_weight.shape,
+        gate_weight.stride(),
+        up_weight.stride(),
+        x2.dtype,
+        x2.device,
+        gate_bias is None,
+        up_bias is None,
+        save_preact,
+    )
+    plan = decided(_PLANS, plan_key)
+    if plan is None:
+        plan = keep(_PLANS, plan_key, gemm.config(_dual_tile(gemm)), SWIGLU_CHOOSER, x2.device, gemm.key)
+    gemm.launch(plan, h, g, u)
     return h, g, u
+
+
+_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, constants)
 
 
 # (rows per step, columns per program, warps): 16 elements per thread of each of the five tiles
