@@ -615,6 +615,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
 # fc2 dW GEMM of about 200 us.
 BIAS_GRAD_WAYS = ("separate", "fused")
 BIAS_GRAD_CHOOSER = TileChooser("bias gradient")
+_BIAS_GRAD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: the way
 
 
 def _weight_and_bias_grads_by(way: str, dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
@@ -654,13 +655,21 @@ def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dty
     """dW = dY^T X (N, K) in ``dtype`` and, when ``bias_grad``, db = sum_rows dY (N,) float32, else None."""
     if not bias_grad:
         return _matmul(dy2.t(), x2, dtype), None
-    m, n = dy2.shape
-    way = tile_to_launch(
-        BIAS_GRAD_CHOOSER,
-        dy2.device,
-        lambda: (dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])),
-        lambda: BIAS_GRAD_WAYS[0],
-        lambda: BIAS_GRAD_WAYS,
-        lambda: _bias_grad_trial(dy2, x2, dtype),
-    )
+    plan_key = (dy2.shape, x2.shape[1], dy2.dtype, dtype, dy2.device)
+    way = decided(_BIAS_GRAD_PLANS, plan_key)
+    if way is None:
+        m, n = dy2.shape
+
+        def key():
+            return dy2.device, dy2.dtype, bucket(int(m)), int(n), int(x2.shape[1])
+
+        way = tile_to_launch(
+            BIAS_GRAD_CHOOSER,
+            dy2.device,
+            key,
+            lambda: BIAS_GRAD_WAYS[0],
+            lambda: BIAS_GRAD_WAYS,
+            lambda: _bias_grad_trial(dy2, x2, dtype),
+        )
+        keep(_BIAS_GRAD_PLANS, plan_key, way, BIAS_GRAD_CHOOSER, dy2.device, key)
     return _weight_and_bias_grads_by(way, dy2, x2, dtype)
