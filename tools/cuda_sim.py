@@ -467,6 +467,7 @@ def _clear_device_caches() -> None:
             for value in list(vars(module).values()):
                 if callable(getattr(value, "cache_clear", None)) and hasattr(value, "__wrapped__"):
                     value.cache_clear()
+    _tiles.TileChooser.generation += 1  # the launch plans made for another device are stale
 
 
 _untimeable = _signature.untimeable
