@@ -801,7 +801,7 @@ def _unused_seed(device: torch.device) -> torch.Tensor:
     instead of an allocation per call. While tracing, a fresh one: a graph must not hold a global
     tensor."""
     with torch.inference_mode(False):
-        seed = torch.zeros(1, dtype=torch.int64, device=device)
+        seed = torch.empty(1, dtype=torch.int64, device=device)
     if not tracing() and not _signature.capturing_cuda_graph():
         _UNUSED_SEEDS[device] = seed
     return seed
