@@ -65,7 +65,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-LAUNCH_CONFIGS = 4096  # distinct calls each launch-configuration lookup keeps (lru_cache's maxsize)
+LAUNCH_CONFIGS = 4096  # distinct calls each launch lookup keeps (lru_cache's maxsize, a plan table's size)
 
 
 def cached_call(made: Callable, *args):

@@ -287,13 +287,12 @@ def _matmul_and_sums(
         slices = split_k_slices(m, n, k, device) if plain else 1
         k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
         slices = cdiv(k, k_per_split) if k > 0 else 1
-        gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
-        tile = _matmul_tile(gemm)
-        plan = keep(
-            _PLANS, plan_key, (slices, k_per_split, gemm.config(tile, aux)), GEMM_CHOOSER, device, gemm.key
-        )
     else:
-        gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, plan[0], plan[1])
+        slices, k_per_split, _ = plan
+    gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
+    if plan is None:
+        made = (slices, k_per_split, gemm.config(_matmul_tile(gemm), aux))
+        plan = keep(_PLANS, plan_key, made, GEMM_CHOOSER, device, gemm.key)
     c = gemm.output()
     partial = gemm.launch(plan[2], c, aux)
     return gemm.result(c), None if partial is None else partial.sum(0)
