@@ -48,17 +48,16 @@ def spy_launches(monkeypatch, wrong=None) -> list:
     """Record the tile of every GEMM launch; the ``wrong`` tile's output is scaled by 1.02 (a 2% error,
     as wrong as the H100's wrong attention tile)."""
     launched = []
-    original = gemm._Gemm.launch
+    original = gemm._launch
 
-    def launch(self, config, c, aux):
-        tile = config[0]
-        launched.append(tile)
-        column_sums = original(self, config, c, aux)
-        if tile == wrong:
+    def launch(plan, *args):
+        launched.append(plan.tile)
+        c, partial = original(plan, *args)
+        if plan.tile == wrong:
             c.mul_(1.02)
-        return column_sums
+        return c, partial
 
-    monkeypatch.setattr(gemm._Gemm, "launch", launch)
+    monkeypatch.setattr(gemm, "_launch", launch)
     return launched
 
 
@@ -450,7 +449,9 @@ def test_a_gemm_traced_with_symbolic_sizes_keeps_no_plan(monkeypatch):
     b = mode.from_tensor(torch.empty(96, 64), symbolic_context=context).t()
     assert isinstance(a.shape[0], torch.SymInt)
     launched = []
-    monkeypatch.setattr(gemm._Gemm, "launch", lambda self, config, c, aux: launched.append(config[0]))
+    monkeypatch.setattr(
+        gemm, "_launch", lambda plan, *args: launched.append(plan.tile) or (torch.empty(plan.c_shape), None)
+    )
     gemm._PLANS.clear()
     with mode:
         c, _ = gemm._matmul_and_sums(a, b, torch.float32)

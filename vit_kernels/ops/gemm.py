@@ -129,33 +129,17 @@ def gemm_config(tile: GemmTile) -> dict:
 GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
 
 
-def _launch_config(
-    tile: GemmTile,
-    m: int,
-    n: int,
-    dtype: torch.dtype,
-    has_bias: bool,
-    epilogue: int,
-    gelu_form: int,
-    save_preact: bool,
-    has_residual: bool,
-    sums: int,
-) -> tuple[int, int, dict]:
-    """(tile rows, tiles of C, the launch's keywords: the epilogue's flags and the tile's
-    configuration) of one GEMM launch with ``tile`` on (M, N) of C (a decided call finds it in its
-    plan, ``_PLANS``)."""
-    config = gemm_config(tile)
-    tile_rows = cdiv(m, config["BLOCK_M"])
-    flags = dict(
-        HAS_BIAS=has_bias,
-        EPILOGUE=epilogue,
-        GELU_FORM=gelu_form,
-        SAVE_PREACT=save_preact,
-        HAS_RESIDUAL=has_residual,
-        SUMS=sums,
-        PRECISION=dot_precision(dtype),
-    )
-    return tile_rows, tile_rows * cdiv(n, config["BLOCK_N"]), {**flags, **config}
+class GemmPlan(NamedTuple):
+    """Everything one GEMM launch with a tile needs besides its tensors (``_Gemm.plan``): a decided
+    call finds it in ``_PLANS`` and only allocates and launches (``_launch``)."""
+
+    tile: GemmTile
+    slices: int  # K slices: C is a float32 workspace (slices, M, N) summed after the launch when > 1
+    c_shape: tuple
+    partial_shape: Optional[tuple]  # of the float32 partial sums, None without sums
+    grid: tuple  # of the pointer kernel: (tiles of C, K slices)
+    args: tuple  # the pointer kernel's arguments after its tensors: sizes, then strides
+    config: dict  # the kernels' keywords: the epilogue's flags and the tile's configuration
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
@@ -263,44 +247,97 @@ def _matmul_and_sums(
         if sums == SUMS_OF_A_ROWS:  # A's rows still have their sums where B has no columns
             return c, a.sum(1, dtype=torch.float32)
         return c, torch.zeros(n, dtype=torch.float32, device=a.device)
-    device = a.device
     plan_key = (
         m,
         k,
         n,
         a.stride(),
         b.stride(),
-        device,
-        multiprocessors(device),  # the split fills the GPU (the simulated sm_90 and sm_80 share one index)
+        a.device,
         a.dtype,
         out_dtype,
-        bias is None,
+        None if bias is None else bias.stride(0),
         epilogue,
         gelu_form,
-        aux is None,
-        residual is None,
+        None if aux is None else aux.stride(0),
+        None if residual is None else residual.stride(),
         sums,
     )
     plan = decided(_PLANS, plan_key)
     if plan is None:
         plain = bias is None and epilogue == EPILOGUE_NONE and residual is None and sums != SUMS_OF_C_COLUMNS
-        slices = split_k_slices(m, n, k, device) if plain else 1
+        slices = split_k_slices(m, n, k, a.device) if plain else 1
         k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
         slices = cdiv(k, k_per_split) if k > 0 else 1
+        gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
+        plan = keep(_PLANS, plan_key, gemm.plan(_matmul_tile(gemm)), GEMM_CHOOSER, a.device, gemm.key)
+    c, partial = _launch(plan, a, b, out_dtype, bias, aux, residual)
+    return c.sum(0).to(out_dtype) if plan.slices > 1 else c, None if partial is None else partial.sum(0)
+
+
+def _launch(
+    plan: GemmPlan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    aux: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launch ``plan`` on its operands into fresh outputs -> (C: (M, N) in ``out_dtype``, or the
+    float32 workspace (slices, M, N) of a split K; the float32 partial sums asked for: per tile row
+    (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows, else None). ``aux``
+    (M, N) is written with the pre-activation under EPILOGUE_GELU. A tile naming the TMA variant
+    runs ``_linear_tma_kernel`` where the operands allow (``tma_possible``), else ``_linear_kernel``."""
+    device = a.device
+    c = torch.empty(plan.c_shape, dtype=torch.float32 if plan.slices > 1 else out_dtype, device=device)
+    partial = None
+    if plan.partial_shape is not None:
+        partial = torch.empty(plan.partial_shape, dtype=torch.float32, device=device)
+    outputs = (
+        c,
+        c if bias is None else bias,
+        c if aux is None else aux,
+        c if residual is None else residual,
+        c if partial is None else partial,
+    )
+    if plan.tile.kernel == TMA and tma_possible(a, b):
+        _launch_tma(plan, a, b, outputs)
     else:
-        slices, k_per_split, _ = plan
-    gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
-    if plan is None:
-        made = (slices, k_per_split, gemm.config(_matmul_tile(gemm), aux))
-        plan = keep(_PLANS, plan_key, made, GEMM_CHOOSER, device, gemm.key)
-    c = gemm.output()
-    partial = gemm.launch(plan[2], c, aux)
-    return gemm.result(c), None if partial is None else partial.sum(0)
+        launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, **plan.config)
+    return c, partial
 
 
-# The split and the launch (``_Gemm.config``) of each GEMM call seen, by everything they are computed
-# from (sizes, strides, device and its multiprocessors, dtypes, flags), for ``_tiles.decided``: a
-# decided call skips computing them.
+def _launch_tma(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple) -> None:
+    """``plan`` by the persistent TMA kernel: A and B read through descriptors (over the transposed
+    view where that dimension has the unit stride), one program per multiprocessor at most."""
+    a_t, b_t = tma_transposed(a), tma_transposed(b)
+    bm, bn, bk = plan.tile.block_m, plan.tile.block_n, plan.tile.block_k
+    a_desc = (
+        TensorDescriptor.from_tensor(a.t(), [bk, bm]) if a_t else TensorDescriptor.from_tensor(a, [bm, bk])
+    )
+    b_desc = (
+        TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_t else TensorDescriptor.from_tensor(b, [bk, bn])
+    )
+    tiles, slices = plan.grid
+    sizes, strides = plan.args[:4], plan.args[8:]  # without the pointer kernel's operand strides
+    launch(
+        _linear_tma_kernel,
+        (min(tiles * slices, multiprocessors(a.device)),),
+        a_desc,
+        b_desc,
+        *outputs,
+        *sizes,
+        slices,
+        *strides,
+        A_T=a_t,
+        B_T=b_t,
+        **plan.config,
+    )
+
+
+# The launch (``GemmPlan``) of each GEMM call seen, by everything it is computed from (sizes, strides,
+# device, dtypes, flags), for ``_tiles.decided``: a decided call skips computing it.
 _PLANS: dict[tuple, tuple] = {}
 
 
@@ -328,107 +365,42 @@ class _Gemm:
         self.aux, self.residual, self.sums = aux, residual, int(sums)
         self.slices, self.k_per_split = slices, k_per_split
 
-    def output(self) -> torch.Tensor:
-        """The kernel's C: (M, N) of the output dtype, or a float32 workspace (slices, M, N)."""
-        m, n = self.a.shape[0], self.b.shape[1]
-        if self.slices > 1:
-            return torch.empty((self.slices, m, n), dtype=torch.float32, device=self.a.device)
-        return torch.empty((m, n), dtype=self.out_dtype, device=self.a.device)
-
-    def result(self, c: torch.Tensor) -> torch.Tensor:
-        return c.sum(0).to(self.out_dtype) if self.slices > 1 else c
-
-    def config(self, tile: GemmTile, aux: Optional[torch.Tensor]) -> tuple:
-        """(tile, tile rows, tiles of C, keywords) of a launch with ``tile`` (``_launch_config``)."""
-        return tile, *_launch_config(
+    def plan(self, tile: GemmTile) -> GemmPlan:
+        """The launch of this call with ``tile``."""
+        a, b, bias, aux, residual = self.a, self.b, self.bias, self.aux, self.residual
+        (m, k), n = a.shape, b.shape[1]
+        tile_rows = cdiv(m, tile.block_m)
+        partial_shape = {SUMS_NONE: None, SUMS_OF_C_COLUMNS: (tile_rows, n), SUMS_OF_A_ROWS: (self.slices, m)}
+        flags = dict(
+            HAS_BIAS=bias is not None,
+            EPILOGUE=self.epilogue,
+            GELU_FORM=self.gelu_form,
+            SAVE_PREACT=aux is not None,
+            HAS_RESIDUAL=residual is not None,
+            SUMS=self.sums,
+            PRECISION=dot_precision(a.dtype),
+        )
+        return GemmPlan(
             tile,
-            self.a.shape[0],
-            self.b.shape[1],
-            self.a.dtype,
-            self.bias is not None,
-            self.epilogue,
-            self.gelu_form,
-            aux is not None,
-            self.residual is not None,
-            self.sums,
-        )
-
-    def launch(
-        self, launch_config: tuple, c: torch.Tensor, aux: Optional[torch.Tensor]
-    ) -> Optional[torch.Tensor]:
-        """Launch by ``launch_config`` (``config``) writing C into ``c`` (and the pre-activation into
-        ``aux`` under SAVE_PREACT) -> the partial sums asked for (float32: per tile row
-        (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows), else None. A tile
-        naming the TMA variant runs ``_linear_tma_kernel``, else ``_linear_kernel``."""
-        a, b, bias, residual = self.a, self.b, self.bias, self.residual
-        m, k = a.shape
-        n = b.shape[1]
-        tile, tile_rows, tiles, config = launch_config
-        partial = None
-        if self.sums != SUMS_NONE:
-            shape = (tile_rows, n) if self.sums == SUMS_OF_C_COLUMNS else (self.slices, m)
-            partial = torch.empty(shape, dtype=torch.float32, device=a.device)
-        epilogue_args = (
-            c,
-            bias if bias is not None else c,
-            aux if aux is not None else c,
-            residual if residual is not None else c,
-            partial if partial is not None else c,
-        )
-        strides = (
-            m * n if self.slices > 1 else 0,
-            n,
-            bias.stride(0) if bias is not None else 0,
-            aux.stride(0) if aux is not None else 0,
-            *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
-        )
-        if tile.kernel == TMA and tma_possible(a, b):
-            a_t, b_t = tma_transposed(a), tma_transposed(b)
-            bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-            a_desc = (
-                TensorDescriptor.from_tensor(a.t(), [bk, bm])
-                if a_t
-                else TensorDescriptor.from_tensor(a, [bm, bk])
-            )
-            b_desc = (
-                TensorDescriptor.from_tensor(b.t(), [bn, bk])
-                if b_t
-                else TensorDescriptor.from_tensor(b, [bk, bn])
-            )
-            grid = (min(tiles * self.slices, multiprocessors(a.device)),)
-            launch(
-                _linear_tma_kernel,
-                grid,
-                a_desc,
-                b_desc,
-                *epilogue_args,
+            self.slices,
+            (self.slices, m, n) if self.slices > 1 else (m, n),
+            partial_shape[self.sums],
+            (tile_rows * cdiv(n, tile.block_n), self.slices),
+            (
                 m,
                 n,
                 k,
                 self.k_per_split,
-                self.slices,
-                *strides,
-                A_T=a_t,
-                B_T=b_t,
-                **config,
-            )
-            return partial
-        launch(
-            _linear_kernel,
-            (tiles, self.slices),
-            a,
-            b,
-            *epilogue_args,
-            m,
-            n,
-            k,
-            self.k_per_split,
-            *a.stride(),
-            *b.stride(),
-            *strides,
-            **config,
+                *a.stride(),
+                *b.stride(),
+                m * n if self.slices > 1 else 0,
+                n,
+                0 if bias is None else bias.stride(0),
+                0 if aux is None else aux.stride(0),
+                *((0, 0) if residual is None else residual.stride()),
+            ),
+            {**flags, **gemm_config(tile)},
         )
-        return partial
 
     def key(self) -> tuple:
         """What a tile choice is kept for: device, operand and output dtypes, the epilogue flags, M
@@ -500,9 +472,9 @@ class _Gemm:
 
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
-            c = self.output()
-            partial = self.launch(self.config(tile, aux), c, aux)
-            outputs = [self.result(c)] + ([aux] if save_preact else [])
+            plan = self.plan(tile)
+            c, partial = _launch(plan, self.a, self.b, self.out_dtype, self.bias, aux, self.residual)
+            outputs = [c.sum(0).to(self.out_dtype) if plan.slices > 1 else c] + ([aux] if save_preact else [])
             return outputs + ([partial.sum(0)] if partial is not None else [])
 
         wide = reference_dtype(self.a.dtype)
