@@ -97,53 +97,30 @@ class _DualGemm:
         self.x2, self.gate_weight, self.gate_bias = x2, gate_weight, gate_bias
         self.up_weight, self.up_bias, self.save_preact = up_weight, up_bias, save_preact
 
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fresh (H, G, U) (M, N) in x's dtype; G and U empty (0,) without SAVE_PREACT."""
-        m, n = self.x2.shape[0], self.gate_weight.shape[0]
-        h = torch.empty((m, n), dtype=self.x2.dtype, device=self.x2.device)
-        preact = (m, n) if self.save_preact else (0,)
-        g = torch.empty(preact, dtype=h.dtype, device=h.device)
-        return h, g, torch.empty(preact, dtype=h.dtype, device=h.device)
-
-    def config(self, tile: GemmTile) -> tuple[tuple[int], dict]:
-        """(grid, constants) of a launch with ``tile``."""
-        m, n = self.x2.shape[0], self.gate_weight.shape[0]
-        config = gemm_config(tile)
-        return (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),), dict(
-            HAS_BIAS_G=self.gate_bias is not None,
-            HAS_BIAS_U=self.up_bias is not None,
-            SAVE_PREACT=self.save_preact,
-            PRECISION=dot_precision(self.x2.dtype),
-            **config,
-        )
-
-    def launch(self, plan: tuple, h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> None:
-        """Launch by ``plan`` (``config``) into H, G and U."""
+    def plan(self, tile: GemmTile) -> tuple[tuple[int], tuple, dict]:
+        """(grid, the arguments after the tensors, constants) of a launch with ``tile``."""
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
-        m, k = x2.shape
-        n = wg.shape[0]
-        grid, config = plan
-        # W^T (K, N) by strides: B[k, n] = W[n, k]
-        launch(
-            _swiglu_fwd_kernel,
-            grid,
-            x2,
-            wg,
-            wu,
-            bg if bg is not None else h,
-            bu if bu is not None else h,
-            h,
-            g if self.save_preact else h,
-            u if self.save_preact else h,
+        (m, k), n = x2.shape, wg.shape[0]
+        args = (
             m,
             n,
             k,
             *x2.stride(),
-            *wg.stride()[::-1],
+            *wg.stride()[::-1],  # W^T (K, N) by strides: B[k, n] = W[n, k]
             *wu.stride()[::-1],
-            bg.stride(0) if bg is not None else 0,
-            bu.stride(0) if bu is not None else 0,
-            **config,
+            0 if bg is None else bg.stride(0),
+            0 if bu is None else bu.stride(0),
+        )
+        return (
+            (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),),
+            args,
+            dict(
+                HAS_BIAS_G=bg is not None,
+                HAS_BIAS_U=bu is not None,
+                SAVE_PREACT=self.save_preact,
+                PRECISION=dot_precision(x2.dtype),
+                **gemm_config(tile),
+            ),
         )
 
     def key(self) -> tuple:
@@ -185,9 +162,8 @@ class _DualGemm:
         names = ["H"] + (["G", "U"] if self.save_preact else [])
 
         def run(tile):
-            h, g, u = self.outputs()
-            self.launch(self.config(tile), h, g, u)
-            return [h, g, u][: len(names)]
+            gemm = self.x2, self.gate_weight, self.gate_bias, self.up_weight, self.up_bias
+            return list(_launch(self.plan(tile), *gemm, self.save_preact))[: len(names)]
 
         wide = reference_dtype(self.x2.dtype)
         references: list = []
@@ -225,10 +201,9 @@ def _dual_tile(gemm: _DualGemm) -> GemmTile:
 def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool):
     """(H, G, U) (M, Hd) of rows x2 (M, D), from one launch of the dual GEMM; G and U are empty (0,)
     unless ``save_preact``."""
-    gemm = _DualGemm(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
-    h, g, u = gemm.outputs()
-    if h.numel() == 0:  # (an empty K still runs: H = silu(b_g) * b_u)
-        return h, g, u
+    m, n = x2.shape[0], gate_weight.shape[0]
+    if m == 0 or n == 0:
+        return _outputs(m, n, x2, save_preact)
     plan_key = (
         x2.shape,
         x2.stride(),
@@ -237,18 +212,51 @@ def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bo
         up_weight.stride(),
         x2.dtype,
         x2.device,
-        gate_bias is None,
-        up_bias is None,
+        None if gate_bias is None else gate_bias.stride(0),
+        None if up_bias is None else up_bias.stride(0),
         save_preact,
     )
     plan = decided(_PLANS, plan_key)
     if plan is None:
-        plan = keep(_PLANS, plan_key, gemm.config(_dual_tile(gemm)), SWIGLU_CHOOSER, x2.device, gemm.key)
-    gemm.launch(plan, h, g, u)
+        gemm = _DualGemm(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
+        plan = keep(_PLANS, plan_key, gemm.plan(_dual_tile(gemm)), SWIGLU_CHOOSER, x2.device, gemm.key)
+    return _launch(plan, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
+
+
+def _outputs(m: int, n: int, x2: torch.Tensor, save_preact: bool) -> tuple:
+    """Fresh (H, G, U) (M, N) in x's dtype; G and U empty (0,) without SAVE_PREACT."""
+    dtype, device = x2.dtype, x2.device
+    preact = (m, n) if save_preact else (0,)
+    return (
+        torch.empty((m, n), dtype=dtype, device=device),
+        torch.empty(preact, dtype=dtype, device=device),
+        torch.empty(preact, dtype=dtype, device=device),
+    )
+
+
+def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool) -> tuple:
+    """Launch ``plan`` (``_DualGemm.plan``) into fresh (H, G, U) (``_outputs``) and return them (an
+    empty K still runs: H = silu(b_g) * b_u)."""
+    grid, args, config = plan
+    h, g, u = _outputs(args[0], args[1], x2, save_preact)
+    launch(
+        _swiglu_fwd_kernel,
+        grid,
+        x2,
+        gate_weight,
+        up_weight,
+        h if gate_bias is None else gate_bias,
+        h if up_bias is None else up_bias,
+        h,
+        g if save_preact else h,
+        u if save_preact else h,
+        *args,
+        **config,
+    )
     return h, g, u
 
 
-_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, constants)
+_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, arguments, constants)
 
 
 # (rows per step, columns per program, warps): 16 elements per thread of each of the five tiles
