@@ -302,7 +302,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
     plans: dict = {}
 
     def plan_of(qkv):
-        key = attention._plan_key(qkv, 12, 0.0, None, None)
+        key = attention._plan_key(qkv, 12, 0.125, 0.0, None, None)
         assert _tiles.decided(plans, key) is None
         made = attention._launch_config(tile, True, qkv, 12, 0.0, None, None)
         chooser_key = functools.partial(attention._chooser_key, qkv, 12)

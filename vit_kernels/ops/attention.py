@@ -275,35 +275,56 @@ def _launch_config(
     )
 
 
-def _plan_key(qkv: torch.Tensor, num_heads: int, dropout_p: float, rope: Optional[tuple], mask) -> tuple:
-    """Everything a call's tile choice and launch configurations depend on: the plans of a decided
-    call are kept under it (``_tiles.decided``)."""
-    return (
-        qkv.shape,
-        qkv.dtype,
-        qkv.device,
-        num_heads,
-        dropout_p > 0,
-        None if rope is None else rope[2],
-        None if mask is None else mask.dtype,
-    )
+def _plan_key(
+    qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, rope: Optional[tuple], mask
+) -> tuple:
+    """Everything a call's tile choice and launch depend on besides its tensors' data: the plans of a
+    decided call are kept under it (``_tiles.decided``)."""
+    key = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, num_heads, scale, dropout_p)
+    if rope is not None:
+        key += (rope[2], rope[0].shape, rope[0].stride(), rope[1].shape, rope[1].stride())
+    return key if mask is None else key + (mask.dtype, mask.shape, mask.stride())
 
 
-_FWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, (grid, keyword arguments))
-_BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, ((grid, kwargs) of dQ, of dK/dV))
+_FWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, _fwd_plan)
+_BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key + dO's strides -> (generation, _bwd_plan)
 
 
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
 
 
-def _rope_launch_args(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple]) -> tuple:
-    """(Cos, Sin, rope_start, the 8 table strides) for the kernels: the tables as (B, H, L_r, Dh)
-    views (stride 0 where broadcast) and rope_start = L - L_r; without rope, qkv as placeholder
-    pointers (never read)."""
-    if rope is None:
-        return qkv, qkv, 0, (0,) * 8
-    cos, sin = tables_4d(qkv, num_heads, rope[0], rope[1])
-    return cos, sin, int(qkv.shape[1]) - int(cos.shape[2]), (*cos.stride(), *sin.stride())
+def _launch_tensors(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple], mask) -> tuple:
+    """(Cos, Sin, Mask) for the kernels: the tables and the mask as (B, H, L_r, Dh) and (B, H, L, L)
+    views (stride 0 where broadcast; a float64 mask cast to float32); qkv as the placeholder pointer
+    (never read) of each one absent."""
+    cos, sin = (qkv, qkv) if rope is None else tables_4d(qkv, num_heads, rope[0], rope[1])
+    if mask is not None:
+        if mask.dtype == torch.float64:
+            mask = finite_cast(mask, torch.float32)
+        batch, seq_len = qkv.shape[0], qkv.shape[1]
+        return cos, sin, mask.expand(batch, num_heads, seq_len, seq_len)
+    return cos, sin, qkv
+
+
+def _strides_of_new(shape: tuple) -> tuple:
+    """The strides of a tensor ``torch.empty(shape)`` (a dimension of size 0 counts as 1)."""
+    return torch.empty(shape, device="meta").stride()
+
+
+def _launch_scalars(qkv, num_heads, scale, rope, mask) -> tuple[tuple, tuple, tuple]:
+    """The kernels' integer and float arguments, in three runs: (L, H, Dh, D, rope_start = L - L_r,
+    qkv's strides), (the 8 table strides, the 4 mask strides), (1 / scale, the clamp limit of the
+    mask's finite values: see ``_mask_term``); zeros and placeholders where rope or the mask is absent."""
+    _, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+    cos, sin, full = _launch_tensors(qkv, num_heads, rope, mask)
+    rope_start, table_strides = (
+        (0, (0,) * 8) if rope is None else (seq_len - cos.shape[2], (*cos.stride(), *sin.stride()))
+    )
+    head = (seq_len, num_heads, head_dim, model_dim, rope_start, *qkv.stride())
+    if mask is None:
+        return head, (*table_strides, 0, 0, 0, 0), (1.0, FLOAT32_MAX)
+    # FLT_MAX * scale, a little below it so that limit / scale rounds to at most FLT_MAX
+    return head, (*table_strides, *full.stride()), (1.0 / scale, FLOAT32_MAX * min(scale, 1.0) * (1 - 2**-20))
 
 
 MASK_KINDS = {1: "additive", 2: "boolean"}  # the kernels' MASK (0: no mask)
@@ -312,21 +333,6 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 def _mask_code(mask: torch.Tensor) -> int:
     return 2 if mask.dtype == torch.bool else 1
-
-
-def _mask_launch_args(qkv: torch.Tensor, num_heads: int, mask: Optional[torch.Tensor], scale: float) -> tuple:
-    """(Mask, its 4 strides, 1 / scale, limit) for the kernels: the mask as a (B, H, L, L) view
-    (stride 0 where broadcast) and the clamp limit of its finite values (see ``_mask_term``); without
-    a mask, qkv as a placeholder pointer (never read)."""
-    if mask is None:
-        return qkv, (0,) * 4, 1.0, FLOAT32_MAX
-    batch, seq_len = qkv.shape[0], qkv.shape[1]
-    if mask.dtype == torch.float64:
-        mask = finite_cast(mask, torch.float32)
-    full = mask.expand(batch, num_heads, seq_len, seq_len)
-    # FLT_MAX * scale, a little below it so that limit / scale rounds to at most FLT_MAX
-    limit = FLOAT32_MAX * min(scale, 1.0) * (1 - 2**-20)
-    return full, full.stride(), 1.0 / scale, limit
 
 
 def mask_for_sdpa(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -454,43 +460,26 @@ def _check_against_pytorch(
 
 if HAS_TRITON:
 
-    def _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, plan, rope=None, mask=None) -> None:
-        """The forward kernel, launched by ``plan``: (grid, keyword arguments) of ``_launch_config``."""
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        cos, sin, rope_start, table_strides = _rope_launch_args(qkv, num_heads, rope)
-        mask, mask_strides, inv_scale, limit = _mask_launch_args(qkv, num_heads, mask, scale)
-        grid, config = plan
-        launch(
-            _attention_fwd_kernel,
-            grid,
-            qkv,
-            out,
-            stats[0],
-            stats[1],
-            seed,
-            cos,
-            sin,
-            mask,
-            seq_len,
-            num_heads,
-            head_dim,
-            model_dim,
-            rope_start,
-            *qkv.stride(),
-            *out.stride()[:2],
-            *table_strides,
-            *mask_strides,
-            scale * LOG2E,
-            dropout_p,
-            inv_scale,
-            limit,
-            **config,
-        )
-
-    def _fwd_outputs(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
+        """(out's shape, the statistics' shape, grid, arguments after the tensors, keywords) of the
+        forward launch with ``tile``."""
         batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
-        out = torch.empty((batch, seq_len, model_dim), dtype=qkv.dtype, device=qkv.device)
-        stats = torch.empty((2, batch * num_heads, seq_len), dtype=torch.float32, device=qkv.device)
+        head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
+        grid, config = _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask)
+        out_shape = (batch, seq_len, model_dim)
+        out_strides = _strides_of_new(out_shape)[:2]
+        args = (*head, *out_strides, *strides, scale * LOG2E, dropout_p, inv_scale, limit)
+        return out_shape, (2, batch * num_heads, seq_len), grid, args, config
+
+    def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
+        out_shape, stats_shape, grid, args, config = plan
+        out = torch.empty(out_shape, dtype=qkv.dtype, device=qkv.device)
+        stats = torch.empty(stats_shape, dtype=torch.float32, device=qkv.device)
+        cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
+        launch(
+            _attention_fwd_kernel, grid, qkv, out, stats[0], stats[1], seed, cos, sin, mask, *args, **config
+        )
         return out, stats
 
     def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
@@ -498,10 +487,11 @@ if HAS_TRITON:
 
         def trial():
             def run(tile):
-                out, stats = _fwd_outputs(qkv, num_heads)
-                plan = _launch_config(tile, False, qkv, num_heads, 0.0, rope, mask)
-                _launch_fwd(qkv, out, stats, seed, num_heads, scale, 0.0, plan, rope, mask)
-                return [out]
+                return [
+                    _launch_fwd(
+                        _fwd_plan(tile, qkv, num_heads, scale, 0.0, rope, mask), qkv, seed, rope, mask
+                    )[0]
+                ]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(
@@ -535,80 +525,65 @@ if HAS_TRITON:
         q and k rotated (``rope_layout``) inside the kernel; with a mask (boolean or additive,
         broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
         rope = None if cos is None else (cos, sin, rope_layout)
-        out, stats = _fwd_outputs(qkv, num_heads)
-        key = _plan_key(qkv, num_heads, dropout_p, rope, mask)
+        key = _plan_key(qkv, num_heads, scale, dropout_p, rope, mask)
         plan = decided(_FWD_PLANS, key)
         if plan is None:
             tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
             plan = keep(
                 _FWD_PLANS,
                 key,
-                _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask),
+                _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask),
                 FWD_CHOOSER,
                 qkv.device,
                 lambda: _chooser_key(qkv, num_heads, rope, mask),
             )
-        _launch_fwd(qkv, out, stats, seed, num_heads, scale, dropout_p, plan, rope, mask)
-        return out, stats
+        return _launch_fwd(plan, qkv, seed, rope, mask)
 
     torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
 
-    def _launch_bwd(
-        grad_out, qkv, stats, seed, num_heads, scale, dropout_p, plans, rope=None, mask=None
-    ) -> torch.Tensor:
-        """The dQ kernel (first: it writes delta), then the dK/dV kernel -> dqkv (B, L, 3D), launched by
-        ``plans`` (``_bwd_configs``)."""
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        delta = torch.empty_like(stats[0])
-        dqkv = torch.empty((batch, seq_len, 3 * model_dim), dtype=qkv.dtype, device=qkv.device)
-        cos, sin, rope_start, table_strides = _rope_launch_args(qkv, num_heads, rope)
-        mask, mask_strides, inv_scale, limit = _mask_launch_args(qkv, num_heads, mask, scale)
+    def _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
+        """(dqkv's shape, (grid, keywords) of the dQ launch and of the dK/dV launch with ``tiles``, the
+        arguments after the tensors)."""
+        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
+        head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
+        dqkv_shape = (batch, seq_len, 3 * model_dim)
         args = (
-            qkv,
-            grad_out,
-            stats[0],
-            stats[1],
-            delta,
-            seed,
-            dqkv,
-            cos,
-            sin,
-            mask,
-            seq_len,
-            num_heads,
-            head_dim,
-            model_dim,
-            rope_start,
-            *qkv.stride(),
+            *head,
             *grad_out.stride(),
-            *dqkv.stride()[:2],
-            *table_strides,
-            *mask_strides,
+            *_strides_of_new(dqkv_shape)[:2],
+            *strides,
             scale,
             scale * LOG2E,
             dropout_p,
             inv_scale,
             limit,
         )
-        (dq_grid, dq_config), (dkdv_grid, dkdv_config) = plans
-        launch(_attention_bwd_dq_kernel, dq_grid, *args, **dq_config)
-        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *args, **dkdv_config)
-        return dqkv
-
-    def _bwd_configs(tiles, qkv, num_heads, dropout_p, rope, mask) -> tuple:
-        """The (grid, keyword arguments) of the dQ launch and of the dK/dV launch with ``tiles``."""
         return (
+            dqkv_shape,
             _launch_config(tiles[0], False, qkv, num_heads, dropout_p, rope, mask),
             _launch_config(tiles[1], True, qkv, num_heads, dropout_p, rope, mask),
+            args,
         )
+
+    def _launch_bwd(plan, grad_out, qkv, stats, seed, rope=None, mask=None) -> torch.Tensor:
+        """The dQ kernel (first: it writes delta), then the dK/dV kernel, launched by ``plan``
+        (``_bwd_plan``) -> dqkv (B, L, 3D)."""
+        dqkv_shape, (dq_grid, dq_config), (dkdv_grid, dkdv_config), args = plan
+        delta = torch.empty_like(stats[0])
+        dqkv = torch.empty(dqkv_shape, dtype=qkv.dtype, device=qkv.device)
+        cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
+        tensors = (qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin, mask)
+        launch(_attention_bwd_dq_kernel, dq_grid, *tensors, *args, **dq_config)
+        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *tensors, *args, **dkdv_config)
+        return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
         """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
 
         def trial():
             def run(tiles):
-                plans = _bwd_configs(tiles, qkv, num_heads, 0.0, rope, mask)
-                return [_launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, 0.0, plans, rope, mask)]
+                plan = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, 0.0, rope, mask)
+                return [_launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)]
 
             n = _validation_images(qkv, num_heads)
             return run, _check_against_pytorch(
@@ -649,19 +624,19 @@ if HAS_TRITON:
         """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
         q and k; the tables and the mask get none)."""
         rope = None if cos is None else (cos, sin, rope_layout)
-        key = _plan_key(qkv, num_heads, dropout_p, rope, mask)
-        plans = decided(_BWD_PLANS, key)
-        if plans is None:
+        key = (*_plan_key(qkv, num_heads, scale, dropout_p, rope, mask), grad_out.stride())
+        plan = decided(_BWD_PLANS, key)
+        if plan is None:
             tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
-            plans = keep(
+            plan = keep(
                 _BWD_PLANS,
                 key,
-                _bwd_configs(tiles, qkv, num_heads, dropout_p, rope, mask),
+                _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask),
                 BWD_CHOOSER,
                 qkv.device,
                 lambda: _chooser_key(qkv, num_heads, rope, mask),
             )
-        return _launch_bwd(grad_out, qkv, stats, seed, num_heads, scale, dropout_p, plans, rope, mask)
+        return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
 
     attention_bwd = direct(
         torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd), _attention_bwd
