@@ -113,8 +113,8 @@ def bwd_candidates(block_d: int) -> tuple[BackwardTile, ...]:
 
 FWD_CHOOSER = TileChooser("layer_norm forward")
 BWD_CHOOSER = TileChooser("layer_norm backward")
-# Per call signature (rows x D, dtype, device, the optional inputs), for ``_tiles.decided``: the
-# forward's (grid, keywords), the backward's (programs, rows per program, keywords).
+# Per call signature (rows x D, row strides, dtype, device, the optional inputs, eps), for
+# ``_tiles.decided``: the forward's ``_fwd_plan``, the backward's ``_bwd_plan``.
 _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
 
@@ -173,52 +173,60 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    def _fwd_config(tile, rows: int, dim: int, r2, weight, bias) -> tuple[tuple[int], dict]:
-        """(grid, keywords) of a forward launch with ``tile`` over ``rows`` rows of ``dim``."""
+    def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict]:
+        """(grid, arguments after the tensors, keywords) of a forward launch with ``tile`` on rows
+        x2 (+ r2) (rows, D)."""
+        rows, dim = x2.shape
         per_program, warps = tile
-        return (cdiv(rows, per_program),), dict(
-            ROWS=per_program,
-            BLOCK_D=next_power_of_2(dim),
-            HAS_RESIDUAL=r2 is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            num_warps=warps,
+        args = (
+            rows,
+            dim,
+            x2.stride(0),
+            0 if r2 is None else r2.stride(0),
+            dim,  # y's row stride (y is new, D > 0)
+            dim,
+            0 if weight is None else weight.stride(0),
+            0 if bias is None else bias.stride(0),
+            eps,
+        )
+        return (
+            (cdiv(rows, per_program),),
+            args,
+            dict(
+                ROWS=per_program,
+                BLOCK_D=next_power_of_2(dim),
+                HAS_RESIDUAL=r2 is not None,
+                HAS_WEIGHT=weight is not None,
+                HAS_BIAS=bias is not None,
+                num_warps=warps,
+            ),
         )
 
-    def _launch_fwd(x2, r2, weight, bias, eps, outputs, plan) -> None:
-        """The forward kernel, launched by ``plan`` (``_fwd_config``)."""
-        y, summed, mean, rstd = outputs
-        rows, dim = x2.shape
-        grid, config = plan
+    def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
+        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> y (rows, D), s = x + r (rows, D)
+        (empty (0,) without r2), mean and rstd (rows,) float32."""
+        grid, args, config = plan
+        rows, dim = args[0], args[1]
+        dtype, device = x2.dtype, x2.device
+        y = torch.empty((rows, dim), dtype=dtype, device=device)
+        summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
+        mean = torch.empty(rows, dtype=torch.float32, device=device)
+        rstd = torch.empty_like(mean)
         launch(
             _layer_norm_fwd_kernel,
             grid,
             x2,
-            r2 if r2 is not None else x2,
-            weight if weight is not None else x2,
-            bias if bias is not None else x2,
+            x2 if r2 is None else r2,
+            x2 if weight is None else weight,
+            x2 if bias is None else bias,
             y,
             summed,
             mean,
             rstd,
-            rows,
-            dim,
-            x2.stride(0),
-            r2.stride(0) if r2 is not None else 0,
-            y.stride(0),
-            dim,
-            weight.stride(0) if weight is not None else 0,
-            bias.stride(0) if bias is not None else 0,
-            eps,
+            *args,
             **config,
         )
-
-    def _fwd_outputs(x2: torch.Tensor, has_residual: bool) -> tuple[torch.Tensor, ...]:
-        rows, dim = x2.shape
-        y = torch.empty((rows, dim), dtype=x2.dtype, device=x2.device)
-        summed = torch.empty((rows, dim) if has_residual else (0,), dtype=x2.dtype, device=x2.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x2.device)
-        return y, summed, mean, torch.empty_like(mean)
+        return y, summed, mean, rstd
 
     def _layer_norm_fwd(
         x: torch.Tensor,
@@ -231,8 +239,16 @@ if HAS_TRITON:
         mean and rstd (rows,) fp32."""
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else None
-        outputs = _fwd_outputs(x2, residual is not None)
-        plan_key = (x2.shape, x.dtype, x.device, residual is None, weight is None, bias is None)
+        plan_key = (
+            x2.shape,
+            x2.stride(0),
+            x.dtype,
+            x.device,
+            None if r2 is None else r2.stride(0),
+            None if weight is None else weight.stride(0),
+            None if bias is None else bias.stride(0),
+            eps,
+        )
         plan = decided(_FWD_PLANS, plan_key)
         if plan is None:
             rows, dim = (int(n) for n in x2.shape)  # SymInts made concrete (traced with dynamic shapes)
@@ -240,10 +256,7 @@ if HAS_TRITON:
 
             def trial():
                 def run(tile):
-                    outputs = _fwd_outputs(x2, r2 is not None)
-                    _launch_fwd(
-                        x2, r2, weight, bias, eps, outputs, _fwd_config(tile, rows, dim, r2, weight, bias)
-                    )
+                    outputs = _launch_fwd(_fwd_plan(tile, x2, r2, weight, bias, eps), x2, r2, weight, bias)
                     return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
 
                 def references():
@@ -264,67 +277,63 @@ if HAS_TRITON:
                 _signature.bucket(rows),
             )
             tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
-            made = _fwd_config(tile, rows, dim, r2, weight, bias)
+            made = _fwd_plan(tile, x2, r2, weight, bias, eps)
             plan = keep(_FWD_PLANS, plan_key, made, FWD_CHOOSER, x.device, lambda: key)
-        _launch_fwd(x2, r2, weight, bias, eps, outputs, plan)
-        y, summed, mean, rstd = outputs
+        y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
     torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())(_layer_norm_fwd)
 
-    def _bwd_config(tile, rows: int, dim: int, dsum2, weight, needs_weight_bias, device) -> tuple:
-        """(programs, rows per program, keywords) of a backward launch with ``tile``: one program per
-        tile of rows, at most ``programs per SM`` x SMs."""
-        tile_rows, per_sm, warps = tile
-        programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(device)))
-        return (
-            programs,
-            cdiv(cdiv(rows, tile_rows), programs),
-            dict(
-                ROWS=tile_rows,
-                BLOCK_D=next_power_of_2(dim),
-                HAS_DSUM=dsum2 is not None,
-                HAS_WEIGHT=weight is not None,
-                NEEDS_WB=needs_weight_bias,
-                num_warps=warps,
-            ),
-        )
-
-    def _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, plan) -> None:
-        """The backward kernel, launched by ``plan`` (``_bwd_config``)."""
-        ds, partial_w, partial_b = outputs
+    def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
+        """(grid, the partial sums' shape, arguments after the tensors, keywords) of a backward launch
+        with ``tile`` on rows (rows, D): one program per tile of rows, at most ``programs per SM`` x SMs;
+        the partial sums of d(weight) and d(bias) per program ((1, D), unwritten, without them)."""
         rows, dim = s2.shape
-        programs, rows_per_program, config = plan
+        tile_rows, per_sm, warps = tile
+        programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(s2.device)))
+        args = (
+            rows,
+            dim,
+            cdiv(cdiv(rows, tile_rows), programs),
+            s2.stride(0),
+            dy2.stride(0),
+            0 if dsum2 is None else dsum2.stride(0),
+            dim,  # ds's row stride (ds is new, D > 0)
+            0 if weight is None else weight.stride(0),
+        )
+        config = dict(
+            ROWS=tile_rows,
+            BLOCK_D=next_power_of_2(dim),
+            HAS_DSUM=dsum2 is not None,
+            HAS_WEIGHT=weight is not None,
+            NEEDS_WB=needs_weight_bias,
+            num_warps=warps,
+        )
+        return (programs,), (programs if needs_weight_bias else 1, dim), args, config
+
+    def _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
+        """The backward kernel launched by ``plan`` (``_bwd_plan``) -> ds like s2, the partial sums of
+        d(weight) and d(bias) float32."""
+        grid, partials, args, config = plan
+        ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
+        partial_w = torch.empty(partials, dtype=torch.float32, device=s2.device)
+        partial_b = torch.empty_like(partial_w)
         launch(
             _layer_norm_bwd_kernel,
-            (programs,),
+            grid,
             s2,
             dy2,
-            dsum2 if dsum2 is not None else dy2,
-            weight if weight is not None else s2,
+            dy2 if dsum2 is None else dsum2,
+            s2 if weight is None else weight,
             mean,
             rstd,
             ds,
             partial_w,
             partial_b,
-            rows,
-            dim,
-            rows_per_program,
-            s2.stride(0),
-            dy2.stride(0),
-            dsum2.stride(0) if dsum2 is not None else 0,
-            ds.stride(0),
-            weight.stride(0) if weight is not None else 0,
+            *args,
             **config,
         )
-
-    def _bwd_outputs(s2: torch.Tensor, needs_weight_bias: bool, programs: int) -> tuple[torch.Tensor, ...]:
-        """ds like s2, and the per-program partial sums of d(weight) and d(bias) (programs, D) fp32
-        ((1, D), unwritten, without them)."""
-        ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
-        partials = (programs if needs_weight_bias else 1, s2.shape[1])
-        partial_w = torch.empty(partials, dtype=torch.float32, device=s2.device)
-        return ds, partial_w, torch.empty_like(partial_w)
+        return ds, partial_w, partial_b
 
     def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:
         """PyTorch's ds (+ dS), and d(weight), d(bias) when asked, from the forward's mean and rstd,
@@ -358,21 +367,25 @@ if HAS_TRITON:
         """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
         s2, dy2 = _rows(summed), _rows(grad_y)
         dsum2 = _rows(grad_sum) if grad_sum is not None else None
-        plan_key = (s2.shape, s2.dtype, s2.device, grad_sum is None, weight is None, needs_weight_bias)
+        plan_key = (
+            s2.shape,
+            s2.stride(0),
+            dy2.stride(0),
+            s2.dtype,
+            s2.device,
+            None if dsum2 is None else dsum2.stride(0),
+            None if weight is None else weight.stride(0),
+            needs_weight_bias,
+        )
         plan = decided(_BWD_PLANS, plan_key)
         if plan is None:
             rows, dim = (int(n) for n in s2.shape)  # SymInts made concrete (traced with dynamic shapes)
             block_d = next_power_of_2(dim)
 
-            def config(tile):
-                return _bwd_config(tile, rows, dim, dsum2, weight, needs_weight_bias, s2.device)
-
             def trial():
                 def run(tile):
-                    tried = config(tile)
-                    outputs = _bwd_outputs(s2, needs_weight_bias, tried[0])
-                    _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, tried)
-                    ds, partial_w, partial_b = outputs
+                    tried = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
+                    ds, partial_w, partial_b = _launch_bwd(tried, s2, dy2, dsum2, weight, mean, rstd)
                     return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
 
                 def references():
@@ -393,10 +406,9 @@ if HAS_TRITON:
                 _signature.bucket(rows),
             )
             tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
-            plan = keep(_BWD_PLANS, plan_key, config(tile), BWD_CHOOSER, summed.device, lambda: key)
-        outputs = _bwd_outputs(s2, needs_weight_bias, plan[0])
-        _launch_bwd(s2, dy2, dsum2, weight, mean, rstd, outputs, plan)
-        ds, partial_w, partial_b = outputs
+            made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
+            plan = keep(_BWD_PLANS, plan_key, made, BWD_CHOOSER, summed.device, lambda: key)
+        ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
     layer_norm_bwd = direct(
