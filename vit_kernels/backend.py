@@ -797,11 +797,14 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
         return None
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
     parts: list = [op, _context_choice.get() or _process_choice, torch.is_grad_enabled(), autocast]
+    append = parts.append
     for a in args:
-        if isinstance(a, torch.Tensor):
-            parts.append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), type(a)))
-        elif type(a) in _PLAIN:
-            parts.append((type(a), a))
+        kind = type(a)
+        if kind in _PLAIN:  # its type, then its value (a type is never a value here: unambiguous)
+            append(kind)
+            append(a)
+        elif kind in _TENSOR_TYPES or isinstance(a, torch.Tensor):
+            append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), kind))
         else:  # a list, an array, ...: validation will say what was expected
             return None
     return tuple(parts)
