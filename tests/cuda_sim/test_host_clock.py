@@ -122,13 +122,13 @@ def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
 # PyTorch call each.
 WARM_CALL_BUDGETS = {
     "patch_embed": (16, 50, 11, 29),
-    "attention": (20, 24, 14, 16),
-    "linear_gelu": (23, 47, 32, 60),
-    "linear": (20, 53, 28, 50),
-    "mlp": (34, 84, 46, 90),
-    "layer_norm": (16, 51, 12, 36),
-    "swiglu": (18, 60, 50, 94),
-    "swiglu_mlp": (29, 97, 71, 132),
+    "attention": (16, 21, 12, 14),
+    "linear_gelu": (20, 41, 26, 48),
+    "linear": (17, 46, 22, 38),
+    "mlp": (28, 71, 34, 65),
+    "layer_norm": (15, 45, 11, 33),
+    "swiglu": (17, 50, 38, 69),
+    "swiglu_mlp": (25, 80, 53, 95),
 }
 COUNTS = ("frames", "torch calls", "bwd frames", "bwd torch calls")
 
