@@ -289,10 +289,14 @@ def decided(plans: dict, key: tuple):
 
 
 def keep(plans: dict, key: tuple, plan, chooser: TileChooser, device: torch.device, chooser_key: Callable):
-    """``plan`` (what a launcher works out from the tile ``tile_to_launch`` gave it: grid, constants),
-    stored for ``decided`` when its tile is settled: the interpreter's, or the one ``chooser`` keeps
-    for ``chooser_key()``; not a default launched while nothing could be measured (tracing, graph
-    capture), whose key chooses later. Cleared when full; a key without a hash is kept nowhere."""
+    """``plan`` (what a launcher works out from the tile ``tile_to_launch`` gave it: grid, constants,
+    output shapes, the arguments after the tensors), stored for ``decided`` when its tile is settled:
+    the interpreter's, or the one ``chooser`` keeps for ``chooser_key()``; not a default launched
+    while nothing could be measured (graph capture), whose key chooses later. Nothing made while
+    tracing is kept: its sizes and scalars may be symbolic (a SymFloat hashes). Cleared when full; a
+    key without a hash is kept nowhere."""
+    if _autograd.tracing():
+        return plan
     if interpreted(device) or chooser.chosen(chooser_key()) is not None:
         try:
             if len(plans) >= LAUNCH_CONFIGS:

@@ -306,11 +306,6 @@ def _launch_tensors(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple], ma
     return cos, sin, qkv
 
 
-def _strides_of_new(shape: tuple) -> tuple:
-    """The strides of a tensor ``torch.empty(shape)`` (a dimension of size 0 counts as 1)."""
-    return torch.empty(shape, device="meta").stride()
-
-
 def _launch_scalars(qkv, num_heads, scale, rope, mask) -> tuple[tuple, tuple, tuple]:
     """The kernels' integer and float arguments, in three runs: (L, H, Dh, D, rope_start = L - L_r,
     qkv's strides), (the 8 table strides, the 4 mask strides), (1 / scale, the clamp limit of the
@@ -466,10 +461,9 @@ if HAS_TRITON:
         batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
         head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
         grid, config = _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask)
-        out_shape = (batch, seq_len, model_dim)
-        out_strides = _strides_of_new(out_shape)[:2]
+        out_strides = (seq_len * model_dim, model_dim)  # of the new (B, L, D) out (L, D > 0: validated)
         args = (*head, *out_strides, *strides, scale * LOG2E, dropout_p, inv_scale, limit)
-        return out_shape, (2, batch * num_heads, seq_len), grid, args, config
+        return (batch, seq_len, model_dim), (2, batch * num_heads, seq_len), grid, args, config
 
     def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
@@ -550,7 +544,8 @@ if HAS_TRITON:
         args = (
             *head,
             *grad_out.stride(),
-            *_strides_of_new(dqkv_shape)[:2],
+            seq_len * 3 * model_dim,  # the new (B, L, 3D) dqkv's strides
+            3 * model_dim,
             *strides,
             scale,
             scale * LOG2E,

@@ -342,8 +342,8 @@ _PLANS: dict[tuple, tuple] = {}
 
 
 class _Gemm:
-    """One call of the GEMM kernel: its operands and split, launched with a given tile into given
-    outputs (the call's own, or a candidate's fresh ones while tiles are tried)."""
+    """One GEMM call being planned: its operands and split, for the tile choice (``key``, ``trial``)
+    and the launch plan of a tile (``plan``); a decided call builds none."""
 
     __slots__ = (
         "a",

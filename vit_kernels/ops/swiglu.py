@@ -88,8 +88,9 @@ def tile_report() -> list[dict]:
 
 
 class _DualGemm:
-    """One call of the dual GEMM: x2 (M, K), the gate and up weights (N, K), their biases; launched
-    with a given tile into given outputs (the call's own, or a candidate's while tiles are tried)."""
+    """One dual-GEMM call being planned: x2 (M, K), the gate and up weights (N, K), their biases, for
+    the tile choice (``key``, ``trial``) and the launch plan of a tile (``plan``); a decided call
+    builds none."""
 
     __slots__ = ("x2", "gate_weight", "gate_bias", "up_weight", "up_bias", "save_preact")
 
