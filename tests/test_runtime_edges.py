@@ -323,3 +323,45 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
 
     with pytest.raises(TypeError, match="a bug of the configuration"):
         _triton.cached_call(functools.lru_cache(broken), 3)
+
+
+def test_a_plan_made_while_tracing_is_kept_nowhere():
+    """Under a dispatch mode that traces (fake tensors, make_fx, AOTAutograd) a plan's sizes and
+    scalars may be symbolic, and a SymFloat hashes: even a settled tile's plan is not kept there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    chooser = _tiles.TileChooser("a test's launches")
+    chooser.pin(("key",), "tile")
+    plans: dict = {}
+    with FakeTensorMode():
+        assert _tiles.keep(plans, ("call",), "plan", chooser, META, lambda: ("key",)) == "plan"
+    assert plans == {}
+    assert _tiles.keep(plans, ("call",), "plan", chooser, META, lambda: ("key",)) == "plan"
+    assert _tiles.decided(plans, ("call",)) == "plan"
+    chooser.forget()
+
+
+@pytest.mark.skipif(
+    backend.triton_device_reason(torch.device("cpu")) is not None, reason="needs the interpreter"
+)
+def test_a_warm_call_with_another_scale_or_eps_launches_by_its_own_plan():
+    """A plan holds the launch's scalars (attention's scale and dropout, LayerNorm's eps): calls that
+    differ only in them, in turn and again, each compute by their own."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 9, 3 * 2 * 16)
+    q, k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2).double() for t in qkv.chunk(3, dim=-1))
+    x, weight, bias = torch.randn(3, 5, 24) * 3, torch.randn(24), torch.randn(24)
+    with vk.use_backend("triton", strict=True):
+        for scale in (0.1, 0.7, 0.1, 0.7):
+            expected = torch.softmax(q @ k.transpose(-2, -1) * scale, -1) @ v
+            out = vk.attention(qkv, 2, scale=scale)
+            torch.testing.assert_close(
+                out.double(), expected.transpose(1, 2).flatten(2), atol=2e-5, rtol=2e-5
+            )
+        for eps in (1e-5, 10.0, 1e-5, 10.0):
+            s = x.double()
+            mean, var = s.mean(-1, keepdim=True), s.var(-1, unbiased=False, keepdim=True)
+            expected = (s - mean) / torch.sqrt(var + eps) * weight.double() + bias.double()
+            torch.testing.assert_close(
+                vk.layer_norm(x, weight, bias, eps).double(), expected, atol=2e-5, rtol=2e-5
+            )
