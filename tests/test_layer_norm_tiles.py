@@ -99,7 +99,7 @@ def test_every_candidate_is_validated_and_the_fastest_kept(choosing_on_the_cpu):
 def test_the_forward_check_catches_a_wrong_output(part):
     x, residual = torch.randn(9, 40), torch.randn(9, 40)
     weight, bias = torch.randn(40), torch.randn(40)
-    check = layer_norm._check_parts(
+    check = _tiles.check_against(
         ("y", "s"),
         lambda: (
             layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float64),
@@ -120,7 +120,7 @@ def test_the_backward_check_catches_a_wrong_gradient(part):
     s, dy, dsum = torch.randn(9, 40) * 2 + 1, torch.randn(9, 40), torch.randn(9, 40)
     weight = torch.randn(40)
     mean, rstd = s.mean(-1), (s.var(-1, unbiased=False) + 1e-5).rsqrt()
-    check = layer_norm._check_parts(
+    check = _tiles.check_against(
         ("ds", "dweight", "dbias"),
         lambda: tuple(
             layer_norm._pytorch_backward(dy, dsum, s, weight, mean, rstd, True, dtype)

@@ -95,6 +95,26 @@ def first_problem(
     return None
 
 
+def check_against(
+    names: Sequence[str],
+    references: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+    dtype: torch.dtype,
+    parts_of: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = list,
+) -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
+    """A check for the TileChooser, by ``first_problem``'s rule with ``dtype``'s floor: the named
+    parts of a candidate's outputs (``parts_of(outputs)``: all of them by default) against
+    ``references() -> (exact, PyTorch's own in the same dtype)``, made once, at the first check."""
+    made: list = []
+
+    def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
+        if not made:
+            made.extend(references())
+        exact, own = made
+        return first_problem(list(zip(names, parts_of(outputs), own, exact, strict=True)), FLOORS[dtype])
+
+    return check
+
+
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a candidate's exact reference is computed in: float64 for float32 (and float64)
     inputs, float32 for 16-bit ones."""

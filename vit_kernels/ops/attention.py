@@ -21,10 +21,9 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import (
-    FLOORS,
     TileChooser,
     decided,
-    first_problem,
+    check_against,
     keep,
     plain_repr,
     reference_dtype,
@@ -432,25 +431,15 @@ def _check_against_pytorch(
     within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
     inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` and with ``mask`` where given.
     The references are computed once, on first use."""
-    wide = reference_dtype(qkv.dtype)
-    references: list = []
 
-    def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
-        if not references:
-            with torch.enable_grad():
-                references.append(_reference_attention(qkv, num_heads, scale, grad_out, wide, rope, mask))
-                references.append(
-                    _reference_attention(qkv, num_heads, scale, grad_out, qkv.dtype, rope, mask)
-                )
-        return first_problem(
-            [
-                (name, actual, own, exact)
-                for name, actual, exact, own in zip(names, parts_of(outputs), *references)
-            ],
-            FLOORS[qkv.dtype],
-        )
+    def references():
+        with torch.enable_grad():
+            return tuple(
+                _reference_attention(qkv, num_heads, scale, grad_out, dtype, rope, mask)
+                for dtype in (reference_dtype(qkv.dtype), qkv.dtype)
+            )
 
-    return check
+    return check_against(names, references, qkv.dtype, parts_of)
 
 
 if HAS_TRITON:

@@ -14,10 +14,9 @@ import torch
 from vit_kernels._autograd import tracing
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import (
-    FLOORS,
     TileChooser,
     decided,
-    first_problem,
+    check_against,
     keep,
     reference_dtype,
     report_rows,
@@ -478,36 +477,26 @@ class _Gemm:
             return outputs + ([partial.sum(0)] if partial is not None else [])
 
         wide = reference_dtype(self.a.dtype)
-        references: list = []  # rows, the reference's outputs, PyTorch's own: made on the first check
+        rows = validation_rows(int(self.a.shape[0]), self.a.device)
+
+        def parts_of(outputs):
+            return [
+                actual if rows is None or index >= len(per_row) else actual.index_select(0, rows)
+                for index, actual in enumerate(outputs)
+            ]
 
         @torch.no_grad()
-        def check(outputs):
-            if not references:
-                rows = validation_rows(int(self.a.shape[0]), self.a.device)
-                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
-                if self.sums == SUMS_OF_C_COLUMNS:  # every row of C counts: the whole GEMM, once per key
-                    references[1].append(self.reference(None, wide)[0].sum(0))
-                    references[2].append(self.reference(None, None)[0].float().sum(0))
-                elif self.sums == SUMS_OF_A_ROWS:
-                    references[1].append(self.a.to(wide).sum(1))
-                    references[2].append(self.a.sum(1))
-            rows, exacts, owns = references
-            return first_problem(
-                [
-                    (
-                        name,
-                        actual if rows is None or index >= len(per_row) else actual.index_select(0, rows),
-                        own,
-                        exact,
-                    )
-                    for index, (name, actual, exact, own) in enumerate(
-                        zip(names, outputs, exacts, owns, strict=True)
-                    )
-                ],
-                FLOORS[self.a.dtype],
-            )
+        def references():
+            exact, own = self.reference(rows, wide), self.reference(rows, None)
+            if self.sums == SUMS_OF_C_COLUMNS:  # every row of C counts: the whole GEMM, once per key
+                exact.append(self.reference(None, wide)[0].sum(0))
+                own.append(self.reference(None, None)[0].float().sum(0))
+            elif self.sums == SUMS_OF_A_ROWS:
+                exact.append(self.a.to(wide).sum(1))
+                own.append(self.a.sum(1))
+            return exact, own
 
-        return run, check
+        return run, check_against(names, references, self.a.dtype, parts_of)
 
 
 def _matmul_tile(gemm: _Gemm) -> tuple:
@@ -602,18 +591,12 @@ def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
     def run(way):
         return list(_weight_and_bias_grads_by(way, dy2, x2, dtype))
 
-    wide = reference_dtype(dy2.dtype)
-    references: list = []  # the exact (dW, db) and PyTorch's own: made on the first check
-
     @torch.no_grad()
-    def check(outputs):
-        if not references:
-            references.append((dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)))
-            references.append((dy2.t() @ x2, dy2.sum(0)))
-        exact, own = references
-        return first_problem(list(zip(("dW", "db"), outputs, own, exact, strict=True)), FLOORS[dy2.dtype])
+    def references():
+        wide = reference_dtype(dy2.dtype)
+        return (dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)), (dy2.t() @ x2, dy2.sum(0))
 
-    return run, check
+    return run, check_against(("dW", "db"), references, dy2.dtype)
 
 
 def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias_grad: bool):

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import (
-    FLOORS,
     TileChooser,
     decided,
-    first_problem,
+    check_against,
     keep,
     plain_repr,
     reference_dtype,
@@ -139,23 +138,6 @@ def _tile(
     return tile_to_launch(chooser, device, lambda: key, lambda: candidates[0], lambda: candidates, trial)
 
 
-def _check_parts(
-    names: tuple[str, ...], references: Callable[[], tuple[list, list]], dtype: torch.dtype
-) -> Callable[[list[torch.Tensor]], Optional[str]]:
-    """A check for the TileChooser: each named output within twice PyTorch's own error against the
-    exact result, ``references() -> (exact (float64, or float32 for 16-bit inputs), PyTorch's own in
-    the same dtype)``, computed once, on first use."""
-    computed: list = []
-
-    def check(outputs: list[torch.Tensor]) -> Optional[str]:
-        if not computed:
-            computed.extend(references())
-        exact, own = computed
-        return first_problem(list(zip(names, outputs, own, exact)), FLOORS[dtype])
-
-    return check
-
-
 def _pytorch_forward(x2, r2, weight, bias, eps, dtype):
     """PyTorch's y (and s) for rows x2 (+ r2), computed in ``dtype``."""
     s = x2.to(dtype) if r2 is None else x2.to(dtype) + r2.to(dtype)
@@ -265,7 +247,7 @@ if HAS_TRITON:
                         _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
                     )
 
-                return run, _check_parts(("y", "s"), references, x2.dtype)
+                return run, check_against(("y",) if r2 is None else ("y", "s"), references, x2.dtype)
 
             key = (
                 str(x.device),
@@ -394,7 +376,8 @@ if HAS_TRITON:
                         for dtype in (reference_dtype(s2.dtype), s2.dtype)
                     )
 
-                return run, _check_parts(("ds", "dweight", "dbias"), references, s2.dtype)
+                names = ("ds", "dweight", "dbias") if needs_weight_bias else ("ds",)
+                return run, check_against(names, references, s2.dtype)
 
             key = (
                 str(summed.device),

@@ -18,10 +18,9 @@ from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import (
-    FLOORS,
     TileChooser,
     decided,
-    first_problem,
+    check_against,
     keep,
     reference_dtype,
     report_rows,
@@ -181,27 +180,26 @@ if HAS_TRITON:
                 return [out]
 
             wide = reference_dtype(images.dtype)
-            references: list = []  # the images checked, the reference's output, PyTorch's own: on the first check
+            picked = validation_images(int(n), images.device)
 
-            def reference(picked, dtype):
+            @torch.no_grad()
+            def reference(dtype):
                 def cast(t):
                     return t if t is None or dtype is None else t.to(dtype)
 
                 subset = images if picked is None else images.index_select(0, picked)
-                return patch_embed_ref(
-                    cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
-                )
+                return [
+                    patch_embed_ref(
+                        cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
+                    )
+                ]
 
-            @torch.no_grad()
-            def check(outputs):
-                if not references:
-                    picked = validation_images(int(n), images.device)
-                    references.extend((picked, reference(picked, wide), reference(picked, None)))
-                picked, exact, own = references
-                out = outputs[0] if picked is None else outputs[0].index_select(0, picked)
-                return first_problem([("out", out, own, exact)], FLOORS[images.dtype])
+            def parts_of(outputs):
+                return [outputs[0] if picked is None else outputs[0].index_select(0, picked)]
 
-            return run, check
+            return run, check_against(
+                ["out"], lambda: (reference(wide), reference(None)), images.dtype, parts_of
+            )
 
         return tile_to_launch(
             FWD_CHOOSER,

@@ -26,10 +26,9 @@ from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket, needs_grad
 from vit_kernels._tiles import (
-    FLOORS,
     TileChooser,
     decided,
-    first_problem,
+    check_against,
     keep,
     reference_dtype,
     report_rows,
@@ -167,23 +166,18 @@ class _DualGemm:
             return list(_launch(self.plan(tile), *gemm, self.save_preact))[: len(names)]
 
         wide = reference_dtype(self.x2.dtype)
-        references: list = []
+        rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
 
         @torch.no_grad()
-        def check(outputs):
-            if not references:
-                rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
-                references.extend((rows, self.reference(rows, wide), self.reference(rows, None)))
-            rows, exacts, owns = references
-            return first_problem(
-                [
-                    (name, actual if rows is None else actual.index_select(0, rows), own, exact)
-                    for name, actual, exact, own in zip(names, outputs, exacts, owns, strict=True)
-                ],
-                FLOORS[self.x2.dtype],
-            )
+        def references():
+            return self.reference(rows, wide), self.reference(rows, None)
 
-        return run, check
+        return run, check_against(
+            names,
+            references,
+            self.x2.dtype,
+            lambda outputs: [t if rows is None else t.index_select(0, rows) for t in outputs],
+        )
 
 
 def _dual_tile(gemm: _DualGemm) -> GemmTile:
