@@ -22,8 +22,8 @@ from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import (
     TileChooser,
-    decided,
     check_against,
+    decided,
     keep,
     plain_repr,
     reference_dtype,

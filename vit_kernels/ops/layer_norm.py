@@ -17,8 +17,8 @@ from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._tiles import (
     TileChooser,
-    decided,
     check_against,
+    decided,
     keep,
     plain_repr,
     reference_dtype,

@@ -19,8 +19,8 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
 from vit_kernels._tiles import (
     TileChooser,
-    decided,
     check_against,
+    decided,
     keep,
     reference_dtype,
     report_rows,

@@ -27,8 +27,8 @@ from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket, needs_grad
 from vit_kernels._tiles import (
     TileChooser,
-    decided,
     check_against,
+    decided,
     keep,
     reference_dtype,
     report_rows,
