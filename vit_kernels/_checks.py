@@ -108,6 +108,27 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return autocast_dtype_of(device.type)
 
 
+def one_device_and_dtype(
+    name: str,
+    first: torch.Tensor,
+    kept: Optional[dict[str, Optional[torch.Tensor]]] = None,
+    /,
+    **operands: Optional[torch.Tensor],
+) -> tuple[Optional[torch.Tensor], ...]:
+    """A GEMM op's tensors checked: ``operands`` and ``kept`` (a residual, a class token: tensors
+    added, not multiplied) on ``first``'s device; ``first`` and ``operands`` cast to autocast's dtype
+    where it is on; then all of ``first``'s dtype, ``kept`` too unless autocast is on (its adds
+    promote). None entries are absent tensors. -> (first, *operands), as cast."""
+    kept = kept or {}
+    check_same_device(name, first, **operands, **kept)
+    amp = autocast_dtype(first.device)
+    first, *cast = cast_all(amp, first, *operands.values())
+    check_same_dtype(name, first, **dict(zip(operands, cast)))
+    if amp is None:
+        check_same_dtype(name, first, **kept)
+    return (first, *cast)
+
+
 def cast_all(
     dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]
 ) -> tuple[Optional[torch.Tensor], ...]:

@@ -29,6 +29,7 @@ from vit_kernels._checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    one_device_and_dtype,
     shape_of,
 )
 from vit_kernels.activations import GELU_APPROXIMATIONS
@@ -79,12 +80,9 @@ def _prepare_patch_embed(images, weight, bias, patch_size, cls_token, pos_embed)
     if pos_embed is not None:
         check_float_tensor("pos_embed", pos_embed)
         check_shape("pos_embed", pos_embed, (1, tokens, dim), "(1, L + class token, D)")
-    check_same_device("images", images, weight=weight, bias=bias, cls_token=cls_token, pos_embed=pos_embed)
-    amp = autocast_dtype(images.device)
-    images, weight, bias = cast_all(amp, images, weight, bias)
-    check_same_dtype("images", images, weight=weight, bias=bias)
-    if amp is None:
-        check_same_dtype("images", images, cls_token=cls_token, pos_embed=pos_embed)
+    images, weight, bias = one_device_and_dtype(
+        "images", images, dict(cls_token=cls_token, pos_embed=pos_embed), weight=weight, bias=bias
+    )
     return images.device, images.dtype, (images, weight, bias, patch_size, cls_token, pos_embed)
 
 
@@ -238,12 +236,7 @@ def fold_layer_scale(
 def _prepare_linear(x, weight, bias, residual):
     out_features = _check_linear_args(x, weight, bias)
     _check_residual(residual, (*x.shape[:-1], out_features), "(..., N)")
-    check_same_device("x", x, weight=weight, bias=bias, residual=residual)
-    amp = autocast_dtype(x.device)
-    x, weight, bias = cast_all(amp, x, weight, bias)
-    check_same_dtype("x", x, weight=weight, bias=bias)
-    if amp is None:
-        check_same_dtype("x", x, residual=residual)
+    x, weight, bias = one_device_and_dtype("x", x, dict(residual=residual), weight=weight, bias=bias)
     return x.device, x.dtype, (x, weight, bias, residual)
 
 
@@ -265,9 +258,7 @@ def linear_gelu(
 def _prepare_linear_gelu(x, weight, bias, approximate):
     _check_linear_args(x, weight, bias)
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
-    check_same_device("x", x, weight=weight, bias=bias)
-    x, weight, bias = cast_all(autocast_dtype(x.device), x, weight, bias)
-    check_same_dtype("x", x, weight=weight, bias=bias)
+    x, weight, bias = one_device_and_dtype("x", x, weight=weight, bias=bias)
     return x.device, x.dtype, (x, weight, bias, approximate)
 
 
@@ -301,24 +292,15 @@ def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, res
         x, fc2_weight, fc2_bias, residual, hidden, ("fc2_weight", "fc2_bias", "fc1_weight")
     )
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
-    check_same_device(
+    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias = one_device_and_dtype(
         "x",
         x,
+        dict(residual=residual),
         fc1_weight=fc1_weight,
         fc1_bias=fc1_bias,
         fc2_weight=fc2_weight,
         fc2_bias=fc2_bias,
-        residual=residual,
     )
-    amp = autocast_dtype(x.device)
-    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias = cast_all(
-        amp, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias
-    )
-    check_same_dtype(
-        "x", x, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight, fc2_bias=fc2_bias
-    )
-    if amp is None:
-        check_same_dtype("x", x, residual=residual)
     return x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
 
 
@@ -397,13 +379,7 @@ def _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias) -> int:
 
 def _prepare_swiglu(x, gate_weight, gate_bias, up_weight, up_bias):
     _check_swiglu_args(x, gate_weight, gate_bias, up_weight, up_bias)
-    check_same_device(
-        "x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias
-    )
-    x, gate_weight, gate_bias, up_weight, up_bias = cast_all(
-        autocast_dtype(x.device), x, gate_weight, gate_bias, up_weight, up_bias
-    )
-    check_same_dtype(
+    x, gate_weight, gate_bias, up_weight, up_bias = one_device_and_dtype(
         "x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias
     )
     return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias)
@@ -442,22 +418,10 @@ def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weig
     _check_output_projection(
         x, down_weight, down_bias, residual, hidden, ("down_weight", "down_bias", "gate_weight")
     )
-    weights = dict(
-        gate_weight=gate_weight,
-        gate_bias=gate_bias,
-        up_weight=up_weight,
-        up_bias=up_bias,
-        down_weight=down_weight,
-        down_bias=down_bias,
-    )
-    check_same_device("x", x, **weights, residual=residual)
-    amp = autocast_dtype(x.device)
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias = cast_all(
-        amp, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
-    )
-    check_same_dtype(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias = one_device_and_dtype(
         "x",
         x,
+        dict(residual=residual),
         gate_weight=gate_weight,
         gate_bias=gate_bias,
         up_weight=up_weight,
@@ -465,8 +429,6 @@ def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weig
         down_weight=down_weight,
         down_bias=down_bias,
     )
-    if amp is None:
-        check_same_dtype("x", x, residual=residual)
     return (
         x.device,
         x.dtype,
