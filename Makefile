@@ -10,6 +10,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The integration environment (see test-integration), defined here: coverage-report, above it,
+# names its stamp as a prerequisite, which make expands where the rule is read.
+INT_VENV := .venv-integration
+INT_PY := $(INT_VENV)/bin/python
+INT_STAMP := $(INT_VENV)/.installed
+INT_SOURCES := $(shell find vit_kernels vit -name '*.py') $(wildcard csrc/*.cpp csrc/*.h)
 PYTEST_ARGS ?=
 
 .PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
@@ -132,10 +138,6 @@ gpu-session: $(STAMP)
 # own (pins in tests/integration/requirements.txt: a matching torch/torchvision pair). The project is
 # installed there as a wheel (its extension built CPU-only), so the tree's extension, built for the
 # main venv's torch, stays untouched; --import-mode=importlib keeps the tree off sys.path.
-INT_VENV := .venv-integration
-INT_PY := $(INT_VENV)/bin/python
-INT_STAMP := $(INT_VENV)/.installed
-INT_SOURCES := $(shell find vit_kernels vit -name '*.py') $(wildcard csrc/*.cpp csrc/*.h)
 
 $(INT_STAMP): pyproject.toml setup.py tests/integration/requirements.txt $(INT_SOURCES)
 	test -x $(INT_PY) || $(PYTHON) -m venv $(INT_VENV)
