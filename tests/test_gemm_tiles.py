@@ -357,7 +357,7 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
         x, w1, w2 = (
             torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072))
         )
-        out, hidden, preact = linear.mlp_fwd(x, w1, None, w2, None, None, GELU)
+        out, hidden, preact = linear.mlp_fwd(x, w1, None, w2, None, None, GELU, True)
         linear.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
     per_gemm: dict = {}  # the GEMM (its operand shapes and flags) -> the tiles it launched
     for launch in device.launches:

@@ -301,8 +301,8 @@ def test_triton_bias_gradients_ride_in_the_passes_that_write_dz():
         with simulated_cuda(90) as device:
             x = torch.empty(4, 197, 64, device="cuda")
             w1, w2 = torch.empty(256, 64, device="cuda"), torch.empty(64, 256, device="cuda")
-            out, preact = linear.linear_fwd(x, w1, None, None, GELU)
-            _, hidden, preact2 = linear.mlp_fwd(x, w1, None, w2, None, None, GELU)
+            out, preact = linear.linear_fwd(x, w1, None, None, GELU, True)
+            _, hidden, preact2 = linear.mlp_fwd(x, w1, None, w2, None, None, GELU, True)
             linear.linear_bwd(torch.empty_like(out), x, w1, preact, GELU, with_bias)
             linear.mlp_bwd(torch.empty_like(x), x, w1, w2, hidden, preact2, GELU, with_bias, False)
         launches = device.launches

@@ -19,19 +19,37 @@ def cases(device: str = "cpu"):
     x = _grad(2, 5, 12)
     return {
         "layer_norm_fwd": (lambda: ops.layer_norm_fwd, (x, _grad(12), _grad(12), 1e-5, _grad(2, 5, 12))),
-        "linear_fwd": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), _grad(2, 5, 8), "none")),
-        "linear_fwd_gelu": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), None, "gelu_tanh")),
+        "linear_fwd": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), _grad(2, 5, 8), "none", True)),
+        "linear_fwd_gelu": (lambda: ops.linear_fwd, (x, _grad(8, 12), _grad(8), None, "gelu_tanh", True)),
         "mlp_fwd": (
             lambda: ops.mlp_fwd,
-            (x, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12), "gelu"),
+            (x, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12), "gelu", True),
         ),
-        # the inference ops (no gradient will be asked for: inputs that do not require it)
-        "linear_gelu_infer": (
-            lambda: ops.linear_gelu_infer,
-            (x.detach(), torch.randn(8, 12, device=device), None, "gelu"),
+        "swiglu_fwd": (
+            lambda: ops.swiglu_fwd,
+            (x, _grad(16, 12), _grad(16), _grad(16, 12), None, None, None, None, True),
         ),
-        "mlp_infer": (
-            lambda: ops.mlp_infer,
+        "swiglu_fwd_down": (
+            lambda: ops.swiglu_fwd,
+            (
+                x,
+                _grad(16, 12),
+                None,
+                _grad(16, 12),
+                _grad(16),
+                _grad(12, 16),
+                _grad(12),
+                _grad(2, 5, 12),
+                True,
+            ),
+        ),
+        # without the pre-activations (no gradient will be asked for: inputs that do not require it)
+        "linear_fwd_gelu_inference": (
+            lambda: ops.linear_fwd,
+            (x.detach(), torch.randn(8, 12, device=device), None, None, "gelu", False),
+        ),
+        "mlp_fwd_inference": (
+            lambda: ops.mlp_fwd,
             (
                 x.detach(),
                 torch.randn(16, 12, device=device),
@@ -40,25 +58,25 @@ def cases(device: str = "cpu"):
                 None,
                 x.detach(),
                 "gelu_tanh",
+                False,
             ),
         ),
-        "swiglu_fwd": (lambda: ops.swiglu_fwd, (x, _grad(16, 12), _grad(16), _grad(16, 12), None)),
-        "swiglu_mlp_fwd": (
-            lambda: ops.swiglu_mlp_fwd,
-            (x, _grad(16, 12), None, _grad(16, 12), _grad(16), _grad(12, 16), _grad(12), _grad(2, 5, 12)),
-        ),
-        "swiglu_infer": (
-            lambda: ops.swiglu_infer,
+        "swiglu_fwd_inference": (
+            lambda: ops.swiglu_fwd,
             (
                 x.detach(),
                 torch.randn(16, 12, device=device),
                 None,
                 torch.randn(16, 12, device=device),
                 torch.randn(16, device=device),
+                None,
+                None,
+                None,
+                False,
             ),
         ),
-        "swiglu_mlp_infer": (
-            lambda: ops.swiglu_mlp_infer,
+        "swiglu_fwd_down_inference": (
+            lambda: ops.swiglu_fwd,
             (
                 x.detach(),
                 torch.randn(16, 12, device=device),
@@ -68,6 +86,7 @@ def cases(device: str = "cpu"):
                 torch.randn(12, 16, device=device),
                 None,
                 x.detach(),
+                False,
             ),
         ),
         "patch_embed_fwd": (

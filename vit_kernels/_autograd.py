@@ -32,8 +32,18 @@ def tracing() -> bool:
     ) or torch._C._are_functorch_transforms_active()
 
 
-def direct(op: Callable, body: Callable) -> Callable:
-    """``op`` while tracing, ``body`` (its implementation, same arguments) in eager mode."""
+def _register(body: Callable) -> tuple[str, Callable]:
+    """Register ``body`` (a Triton op's Python implementation, named ``_<name>``, its schema read from
+    its annotations) as ``torch.library.triton_op`` ``vit_kernels::<name>`` -> (name, the op)."""
+    name = body.__name__.lstrip("_")
+    torch.library.triton_op(f"vit_kernels::{name}", mutates_args=())(body)
+    return name, getattr(torch.ops.vit_kernels, name).default
+
+
+def direct(body: Callable) -> Callable:
+    """Register ``body`` as an op (``_register``) -> a callable: the op while tracing, ``body`` (same
+    arguments) in eager mode."""
+    _, op = _register(body)
 
     def call(*args: Any) -> Any:
         return op(*args) if tracing() else body(*args)
@@ -42,24 +52,21 @@ def direct(op: Callable, body: Callable) -> Callable:
 
 
 def differentiable(
-    qualname: str,
+    body: Callable,
     backward: Callable,
     setup_context: Callable,
-    body: Callable,
     double_backward: bool = False,
 ) -> Callable:
-    """Register ``backward`` / ``setup_context`` as the autograd of op ``qualname``
-    ("vit_kernels::name") and return the op's eager-fast callable: the registered op while tracing;
-    otherwise an ``autograd.Function`` with the same forward (``body``, the op's Python
-    implementation), setup_context and backward when a
-    gradient will be needed, and the forward alone when none will. ``double_backward``: the backward
-    is made of differentiable ops (a second derivative goes through it); otherwise it launches
-    kernels, and a second derivative through it raises instead of treating it as a constant.
-    ``backward`` takes None for an output that receives no gradient (eagerly no zeros are made for
-    the outputs only backward reads, such as a saved pre-activation)."""
-    torch.library.register_autograd(qualname, backward, setup_context=setup_context)
-    namespace, name = qualname.split("::")
-    op = getattr(getattr(torch.ops, namespace), name).default
+    """Register ``body`` as an op (``_register``) with ``backward`` / ``setup_context`` as its
+    autograd and return the op's eager-fast callable: the registered op while tracing;
+    otherwise an ``autograd.Function`` with the same forward (``body``), setup_context and backward
+    when a gradient will be needed, and the forward alone when none will. ``double_backward``: the
+    backward is made of differentiable ops (a second derivative goes through it); otherwise it
+    launches kernels, and a second derivative through it raises instead of treating it as a
+    constant. ``backward`` takes None for an output that receives no gradient (eagerly no zeros are
+    made for the outputs only backward reads, such as a saved pre-activation)."""
+    name, op = _register(body)
+    torch.library.register_autograd(f"vit_kernels::{name}", backward, setup_context=setup_context)
 
     def function_forward(ctx, *args):
         ctx.set_materialize_grads(False)  # an output without a gradient gives None, not a tensor of zeros

@@ -136,6 +136,7 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                     _t(dt, dim) if has_bias else None,
                     _t(rdt, *x) if has_residual else None,
                     NONE,
+                    False,
                 )
                 linear.linear_bwd(torch.empty_like(out), inp, weight, _t(dt, 0), NONE, has_bias)
 
@@ -151,11 +152,10 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
 
             def run_gelu(dt=dt, x=x, dim=dim, has_bias=has_bias, activation=activation):
                 inp, weight = _t(dt, *x), _t(dt, 4 * dim, dim)
-                out, preact = linear.linear_fwd(
-                    inp, weight, _t(dt, 4 * dim) if has_bias else None, None, activation
-                )
+                bias = _t(dt, 4 * dim) if has_bias else None
+                out, preact = linear.linear_fwd(inp, weight, bias, None, activation, True)
                 linear.linear_bwd(torch.empty_like(out), inp, weight, preact, activation, has_bias)
-                linear.linear_gelu_infer(inp, weight, _t(dt, 4 * dim) if has_bias else None, activation)
+                linear.linear_fwd(inp, weight, bias, None, activation, False)
 
             yield Case("linear_gelu", precision, model, f"bias={has_bias} {activation}", batch, run_gelu)
         mlp_flags = (
@@ -187,7 +187,7 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                 has_residual=has_residual,
             ):
                 inp, w1, w2 = _t(dt, *x), _t(dt, 4 * dim, dim), _t(dt, dim, 4 * dim)
-                out, hidden, preact = linear.mlp_fwd(
+                args = (
                     inp,
                     w1,
                     _t(dt, 4 * dim) if bias1 else None,
@@ -196,16 +196,9 @@ def _linear_cases(sweep: Sweep) -> Iterator[Case]:
                     _t(rdt, *x) if has_residual else None,
                     activation,
                 )
+                out, hidden, preact = linear.mlp_fwd(*args, True)
                 linear.mlp_bwd(torch.empty_like(out), inp, w1, w2, hidden, preact, activation, bias1, bias2)
-                linear.mlp_infer(
-                    inp,
-                    w1,
-                    _t(dt, 4 * dim) if bias1 else None,
-                    w2,
-                    _t(dt, dim) if bias2 else None,
-                    _t(rdt, *x) if has_residual else None,
-                    activation,
-                )
+                linear.mlp_fwd(*args, False)
 
             yield Case(
                 "mlp",
@@ -388,13 +381,9 @@ def _swiglu_cases(sweep: Sweep) -> Iterator[Case]:
                 wd = _t(dt, dim, hidden)
                 bg, bu, bd = (_t(dt, hidden), _t(dt, hidden), _t(dt, dim)) if has_bias else (None, None, None)
                 residual = _t(rdt, batch, TOKENS, dim) if has_residual else None
-                out, h, g, u = swiglu.swiglu_mlp_fwd(x, wg, bg, wu, bu, wd, bd, residual)
-                swiglu.swiglu_mlp_bwd(
-                    torch.empty_like(out), x, wg, wu, wd, h, g, u, has_bias, has_bias, has_bias
-                )
-                swiglu.swiglu_mlp_infer(x, wg, bg, wu, bu, wd, bd, residual)
-                h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu)
-                swiglu.swiglu_bwd(torch.empty_like(h), x, wg, wu, g, u, has_bias, has_bias)
+                out, h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu, wd, bd, residual, True)
+                swiglu.swiglu_bwd(torch.empty_like(out), x, wg, wu, wd, h, g, u, has_bias, has_bias, has_bias)
+                swiglu.swiglu_fwd(x, wg, bg, wu, bu, wd, bd, residual, False)
 
             yield Case("swiglu_mlp", precision, model, f"bias={has_bias} residual={has_residual}", batch, run)
             if (
@@ -404,9 +393,11 @@ def _swiglu_cases(sweep: Sweep) -> Iterator[Case]:
                 def run_swiglu(dt=dt, dim=dim, hidden=hidden, batch=batch, has_bias=has_bias):
                     x, wg, wu = _t(dt, batch, TOKENS, dim), _t(dt, hidden, dim), _t(dt, hidden, dim)
                     bg, bu = (_t(dt, hidden), _t(dt, hidden)) if has_bias else (None, None)
-                    h, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu)
-                    swiglu.swiglu_bwd(torch.empty_like(h), x, wg, wu, g, u, has_bias, has_bias)
-                    swiglu.swiglu_infer(x, wg, bg, wu, bu)
+                    h, empty, g, u = swiglu.swiglu_fwd(x, wg, bg, wu, bu, None, None, None, True)
+                    swiglu.swiglu_bwd(
+                        torch.empty_like(h), x, wg, wu, None, empty, g, u, has_bias, has_bias, False
+                    )
+                    swiglu.swiglu_fwd(x, wg, bg, wu, bu, None, None, None, False)
 
                 yield Case("swiglu", precision, model, f"bias={has_bias}", batch, run_swiglu)
 

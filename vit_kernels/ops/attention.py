@@ -522,8 +522,6 @@ if HAS_TRITON:
             )
         return _launch_fwd(plan, qkv, seed, rope, mask)
 
-    torch.library.triton_op("vit_kernels::attention_fwd", mutates_args=())(_attention_fwd)
-
     def _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
         """(dqkv's shape, (grid, keywords) of the dQ launch and of the dK/dV launch with ``tiles``, the
         arguments after the tensors)."""
@@ -622,9 +620,7 @@ if HAS_TRITON:
             )
         return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
 
-    attention_bwd = direct(
-        torch.library.triton_op("vit_kernels::attention_bwd", mutates_args=())(_attention_bwd), _attention_bwd
-    )
+    attention_bwd = direct(_attention_bwd)
 
     def _attention_probs(
         qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float
@@ -658,8 +654,6 @@ if HAS_TRITON:
         )
         return probs
 
-    torch.library.triton_op("vit_kernels::attention_probs", mutates_args=())(_attention_probs)
-
     def _fwd_setup_context(ctx, inputs, output):
         qkv, num_heads, scale, dropout_p, seed, *extra = inputs
         cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
@@ -688,9 +682,7 @@ if HAS_TRITON:
         )
         return (dqkv, *nones)
 
-    attention_fwd = differentiable(
-        "vit_kernels::attention_fwd", _fwd_backward, _fwd_setup_context, _attention_fwd
-    )
+    attention_fwd = differentiable(_attention_fwd, _fwd_backward, _fwd_setup_context)
 
     def _probs_setup_context(ctx, inputs, output):
         qkv, stats, num_heads, scale = inputs
@@ -711,10 +703,9 @@ if HAS_TRITON:
         return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
 
     attention_probs = differentiable(
-        "vit_kernels::attention_probs",
+        _attention_probs,
         _probs_backward,
         _probs_setup_context,
-        _attention_probs,
         double_backward=True,
     )
 

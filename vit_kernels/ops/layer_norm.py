@@ -264,8 +264,6 @@ if HAS_TRITON:
         y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
-    torch.library.triton_op("vit_kernels::layer_norm_fwd", mutates_args=())(_layer_norm_fwd)
-
     def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
         """(grid, the partial sums' shape, arguments after the tensors, keywords) of a backward launch
         with ``tile`` on rows (rows, D): one program per tile of rows, at most ``programs per SM`` x SMs;
@@ -394,10 +392,7 @@ if HAS_TRITON:
         ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)
         return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
-    layer_norm_bwd = direct(
-        torch.library.triton_op("vit_kernels::layer_norm_bwd", mutates_args=())(_layer_norm_bwd),
-        _layer_norm_bwd,
-    )
+    layer_norm_bwd = direct(_layer_norm_bwd)
 
     def _fwd_setup_context(ctx, inputs, output):
         x, weight, bias, eps, residual = inputs
@@ -422,9 +417,7 @@ if HAS_TRITON:
             ds if has_residual else None,
         )
 
-    layer_norm_fwd = differentiable(
-        "vit_kernels::layer_norm_fwd", _fwd_backward, _fwd_setup_context, _layer_norm_fwd
-    )
+    layer_norm_fwd = differentiable(_layer_norm_fwd, _fwd_backward, _fwd_setup_context)
 
 
 def layer_norm_triton(

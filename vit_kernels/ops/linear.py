@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._ext import ExtensionOps
+from vit_kernels._signature import needs_grad
 from vit_kernels._triton import HAS_TRITON
 from vit_kernels.activations import GELU_FORMS, NONE, gelu, gelu_act
 from vit_kernels.ops.gemm import (
@@ -42,13 +43,16 @@ if HAS_TRITON:
         bias: Optional[torch.Tensor],
         residual: Optional[torch.Tensor],
         activation: str,
+        save_preact: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """act(x @ W^T + b) (+ residual) (..., N), and the pre-activation (..., N) for GELU (else empty)."""
+        """act(x @ W^T + b) (+ residual) (..., N), and GELU's pre-activation (..., N) that backward
+        reads when ``save_preact`` (else empty: where no gradient will be asked for, not written)."""
         x2 = _rows(x)
         n = weight.shape[0]
         out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
         has_gelu = activation != NONE
-        preact = torch.empty((x2.shape[0], n) if has_gelu else (0,), dtype=x.dtype, device=x.device)
+        save = has_gelu and save_preact
+        preact = torch.empty((x2.shape[0], n) if save else (0,), dtype=x.dtype, device=x.device)
         out = _matmul(
             x2,
             weight.t(),
@@ -56,13 +60,11 @@ if HAS_TRITON:
             bias=bias,
             epilogue=EPILOGUE_GELU if has_gelu else EPILOGUE_NONE,
             gelu_form=GELU_FORMS.get(activation, 0),
-            aux=preact if has_gelu else None,
+            aux=preact if save else None,
             residual=_rows(residual) if residual is not None else None,
         )
         shape = (*x.shape[:-1], n)
-        return out.view(shape), preact.view(shape) if has_gelu else preact
-
-    torch.library.triton_op("vit_kernels::linear_fwd", mutates_args=())(_linear_fwd)
+        return out.view(shape), preact.view(shape) if save else preact
 
     def _linear_bwd(
         grad_out: torch.Tensor,
@@ -81,43 +83,21 @@ if HAS_TRITON:
             dx, dw, db = _input_and_weight_grads(dy2, _rows(x), weight, needs_bias)
         return dx.view(x.shape), dw, db.to(weight.dtype) if needs_bias else dy2.new_empty(0)
 
-    linear_bwd = direct(
-        torch.library.triton_op("vit_kernels::linear_bwd", mutates_args=())(_linear_bwd), _linear_bwd
-    )
+    linear_bwd = direct(_linear_bwd)
 
     def _linear_setup_context(ctx, inputs, output):
-        x, weight, bias, residual, activation = inputs
+        x, weight, bias, residual, activation, _ = inputs
         ctx.save_for_backward(x, weight, output[1])
         ctx.activation, ctx.has_bias, ctx.has_residual = activation, bias is not None, residual is not None
 
     def _linear_backward(ctx, grad_out, grad_preact):
         if grad_out is None:
-            return None, None, None, None, None
+            return (None,) * 6
         x, weight, preact = ctx.saved_tensors
         dx, dw, db = linear_bwd(grad_out, x, weight, preact, ctx.activation, ctx.has_bias)
-        return dx, dw, db if ctx.has_bias else None, grad_out if ctx.has_residual else None, None
+        return dx, dw, db if ctx.has_bias else None, grad_out if ctx.has_residual else None, None, None
 
-    linear_fwd = differentiable(
-        "vit_kernels::linear_fwd", _linear_backward, _linear_setup_context, _linear_fwd
-    )
-
-    def _linear_gelu_infer(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        activation: str,
-    ) -> torch.Tensor:
-        """gelu(x @ W^T + b) (..., N) where no gradient will be asked for: the GEMM with its bias +
-        GELU epilogue, without writing the pre-activation (M x N) that only backward reads."""
-        out = _matmul(
-            _rows(x), weight.t(), x.dtype, bias=bias, epilogue=EPILOGUE_GELU, gelu_form=GELU_FORMS[activation]
-        )
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-    linear_gelu_infer = direct(
-        torch.library.triton_op("vit_kernels::linear_gelu_infer", mutates_args=())(_linear_gelu_infer),
-        _linear_gelu_infer,
-    )
+    linear_fwd = differentiable(_linear_fwd, _linear_backward, _linear_setup_context)
 
     def _mlp_fwd(
         x: torch.Tensor,
@@ -127,16 +107,14 @@ if HAS_TRITON:
         fc2_bias: Optional[torch.Tensor],
         residual: Optional[torch.Tensor],
         activation: str,
+        save_preact: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fc2(gelu(fc1(x))) (+ residual) (..., D_out), with the hidden H and pre-activation Z (M, Hd)."""
+        """fc2(gelu(fc1(x))) (+ residual) (..., D_out), with the hidden H (M, Hd) and, when
+        ``save_preact``, the pre-activation Z (M, Hd) (else empty): fc1 with its bias + GELU epilogue,
+        then fc2 (+ residual) with its bias."""
         x2 = _rows(x)
-        preact = torch.empty((x2.shape[0], fc1_weight.shape[0]), dtype=x.dtype, device=x.device)
-        out, hidden = _mlp_gemms(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, preact)
-        return out.view(*x.shape[:-1], fc2_weight.shape[0]), hidden, preact
-
-    def _mlp_gemms(x2, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, preact):
-        """(out (M, D_out), hidden (M, Hd)) of rows x2 (M, D): fc1 with its bias + GELU epilogue (also
-        writing the pre-activation into ``preact`` unless it is None), then fc2 (+ residual)."""
+        m, n = x2.shape[0], fc1_weight.shape[0]
+        preact = torch.empty((m, n) if save_preact else (0,), dtype=x.dtype, device=x.device)
         hidden = _matmul(
             x2,
             fc1_weight.t(),
@@ -144,37 +122,16 @@ if HAS_TRITON:
             bias=fc1_bias,
             epilogue=EPILOGUE_GELU,
             gelu_form=GELU_FORMS[activation],
-            aux=preact,
+            aux=preact if save_preact else None,
         )
-        out_dtype = torch.result_type(x2, residual) if residual is not None else x2.dtype
         out = _matmul(
             hidden,
             fc2_weight.t(),
-            out_dtype,
+            torch.result_type(x, residual) if residual is not None else x.dtype,
             bias=fc2_bias,
             residual=_rows(residual) if residual is not None else None,
         )
-        return out, hidden
-
-    torch.library.triton_op("vit_kernels::mlp_fwd", mutates_args=())(_mlp_fwd)
-
-    def _mlp_infer(
-        x: torch.Tensor,
-        fc1_weight: torch.Tensor,
-        fc1_bias: Optional[torch.Tensor],
-        fc2_weight: torch.Tensor,
-        fc2_bias: Optional[torch.Tensor],
-        residual: Optional[torch.Tensor],
-        activation: str,
-    ) -> torch.Tensor:
-        """fc2(gelu(fc1(x))) (+ residual) (..., D_out) where no gradient will be asked for: the
-        pre-activation (M x Hd), which only backward reads, is not written."""
-        out, _ = _mlp_gemms(_rows(x), fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, None)
-        return out.view(*x.shape[:-1], fc2_weight.shape[0])
-
-    mlp_infer = direct(
-        torch.library.triton_op("vit_kernels::mlp_infer", mutates_args=())(_mlp_infer), _mlp_infer
-    )
+        return out.view(*x.shape[:-1], fc2_weight.shape[0]), hidden, preact
 
     def _mlp_bwd(
         grad_out: torch.Tensor,
@@ -212,57 +169,42 @@ if HAS_TRITON:
             db2.to(fc2_weight.dtype) if needs_bias2 else empty,
         )
 
-    mlp_bwd = direct(torch.library.triton_op("vit_kernels::mlp_bwd", mutates_args=())(_mlp_bwd), _mlp_bwd)
+    mlp_bwd = direct(_mlp_bwd)
 
     def _mlp_setup_context(ctx, inputs, output):
-        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation = inputs
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, activation, _ = inputs
         ctx.save_for_backward(x, fc1_weight, fc2_weight, output[1], output[2])
         ctx.activation = activation
         ctx.has = (fc1_bias is not None, fc2_bias is not None, residual is not None)
 
     def _mlp_backward(ctx, grad_out, grad_hidden, grad_preact):
         if grad_out is None:
-            return (None,) * 7
+            return (None,) * 8
         x, fc1_weight, fc2_weight, hidden, preact = ctx.saved_tensors
         has_b1, has_b2, has_residual = ctx.has
         dx, dw1, db1, dw2, db2 = mlp_bwd(
             grad_out, x, fc1_weight, fc2_weight, hidden, preact, ctx.activation, has_b1, has_b2
         )
-        return (
-            dx,
-            dw1,
-            db1 if has_b1 else None,
-            dw2,
-            db2 if has_b2 else None,
-            grad_out if has_residual else None,
-            None,
-        )
+        residual_grad = grad_out if has_residual else None
+        return dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None, residual_grad, None, None
 
-    mlp_fwd = differentiable("vit_kernels::mlp_fwd", _mlp_backward, _mlp_setup_context, _mlp_fwd)
+    mlp_fwd = differentiable(_mlp_fwd, _mlp_backward, _mlp_setup_context)
 
 
 def linear_triton(x, weight, bias=None, residual=None):
     """The Triton implementation of ``vk.linear`` (arguments already validated)."""
-    return linear_fwd(x, weight, bias, residual, NONE)[0]
-
-
-def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether autograd will record a call on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return linear_fwd(x, weight, bias, residual, NONE, False)[0]
 
 
 def linear_gelu_triton(x, weight, bias=None, approximate="none"):
     """The Triton implementation of ``vk.linear_gelu`` (inference skips writing the pre-activation)."""
-    if not _needs_grad(x, weight, bias):
-        return linear_gelu_infer(x, weight, bias, gelu_act(approximate))
-    return linear_fwd(x, weight, bias, None, gelu_act(approximate))[0]
+    return linear_fwd(x, weight, bias, None, gelu_act(approximate), needs_grad((x, weight, bias)))[0]
 
 
 def mlp_triton(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate="none", residual=None):
     """The Triton implementation of ``vk.mlp`` (inference skips writing the pre-activation)."""
-    if not _needs_grad(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual):
-        return mlp_infer(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))
-    return mlp_fwd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))[0]
+    args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, gelu_act(approximate))
+    return mlp_fwd(*args, needs_grad(args))[0]
 
 
 def linear_extension(x, weight, bias=None, residual=None):

@@ -246,8 +246,6 @@ if HAS_TRITON:
         _launch_fwd(args, plan)
         return out
 
-    torch.library.triton_op("vit_kernels::patch_embed_fwd", mutates_args=())(_patch_embed_fwd)
-
     def _patch_embed_bwd(
         grad_out: torch.Tensor,
         images: torch.Tensor,
@@ -321,10 +319,7 @@ if HAS_TRITON:
         )
         return dimages, dw.view(weight.shape)
 
-    patch_embed_bwd = direct(
-        torch.library.triton_op("vit_kernels::patch_embed_bwd", mutates_args=())(_patch_embed_bwd),
-        _patch_embed_bwd,
-    )
+    patch_embed_bwd = direct(_patch_embed_bwd)
 
     def _setup_context(ctx, inputs, output):
         images, weight, bias, cls_token, pos_embed, patch_size = inputs
@@ -344,9 +339,7 @@ if HAS_TRITON:
         dpos = per_token.to(grad_out.dtype) if has_pos else None
         return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
 
-    patch_embed_fwd = differentiable(
-        "vit_kernels::patch_embed_fwd", _backward, _setup_context, _patch_embed_fwd
-    )
+    patch_embed_fwd = differentiable(_patch_embed_fwd, _backward, _setup_context)
 
 
 def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_embed=None):

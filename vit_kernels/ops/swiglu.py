@@ -12,7 +12,8 @@ The gate and up projections are one launch of a dual-accumulator GEMM (each prog
 tile once for both weights), with the biases and the gating in its epilogue; it writes G and U
 beside H only when a gradient will be asked for. The down projection (+ residual), dH, dX and the
 weight gradients are the GEMM engine of ``vit_kernels.ops.gemm``; one elementwise pass makes dG,
-dU and their column sums (the bias gradients).
+dU and their column sums (the bias gradients). Both layers are one registered pair of ops,
+``swiglu_fwd`` and ``swiglu_bwd``, whose down projection is optional.
 """
 
 from __future__ import annotations
@@ -319,126 +320,33 @@ if HAS_TRITON:
         gate_bias: Optional[torch.Tensor],
         up_weight: torch.Tensor,
         up_bias: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """H (..., Hd), and the pre-activations G, U (M, Hd) that backward reads."""
-        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, True)
-        return h.view(*x.shape[:-1], gate_weight.shape[0]), g, u
-
-    torch.library.triton_op("vit_kernels::swiglu_fwd", mutates_args=())(_swiglu_fwd)
-
-    def _swiglu_infer(
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        gate_bias: Optional[torch.Tensor],
-        up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """H (..., Hd) where no gradient will be asked for: G and U are not written."""
-        h, _, _ = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, False)
-        return h.view(*x.shape[:-1], gate_weight.shape[0])
-
-    swiglu_infer = direct(
-        torch.library.triton_op("vit_kernels::swiglu_infer", mutates_args=())(_swiglu_infer), _swiglu_infer
-    )
-
-    def _swiglu_bwd(
-        grad_h: torch.Tensor,
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        up_weight: torch.Tensor,
-        g: torch.Tensor,
-        u: torch.Tensor,
-        needs_bias_g: bool,
-        needs_bias_u: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> dx (..., D), dW_g, db_g, dW_u, db_u (the biases' empty when absent)."""
-        dh2 = _rows(grad_h).to(x.dtype)
-        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
-            dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
-        )
-        empty = dh2.new_empty(0)
-        return (
-            dx.view(x.shape),
-            dwg,
-            dbg.to(gate_weight.dtype) if needs_bias_g else empty,
-            dwu,
-            dbu.to(up_weight.dtype) if needs_bias_u else empty,
-        )
-
-    swiglu_bwd = direct(
-        torch.library.triton_op("vit_kernels::swiglu_bwd", mutates_args=())(_swiglu_bwd), _swiglu_bwd
-    )
-
-    def _swiglu_setup_context(ctx, inputs, output):
-        x, gate_weight, gate_bias, up_weight, up_bias = inputs
-        ctx.save_for_backward(x, gate_weight, up_weight, output[1], output[2])
-        ctx.has = (gate_bias is not None, up_bias is not None)
-
-    def _swiglu_backward_op(ctx, grad_h, grad_g, grad_u):
-        if grad_h is None:
-            return (None,) * 5
-        x, gate_weight, up_weight, g, u = ctx.saved_tensors
-        has_bg, has_bu = ctx.has
-        dx, dwg, dbg, dwu, dbu = swiglu_bwd(grad_h, x, gate_weight, up_weight, g, u, has_bg, has_bu)
-        return dx, dwg, dbg if has_bg else None, dwu, dbu if has_bu else None
-
-    swiglu_fwd = differentiable(
-        "vit_kernels::swiglu_fwd", _swiglu_backward_op, _swiglu_setup_context, _swiglu_fwd
-    )
-
-    def _down(h2, down_weight, down_bias, residual):
-        """H W_d^T + b_d (+ residual) (M, D_out), the residual added in the GEMM's epilogue."""
-        out_dtype = torch.result_type(h2, residual) if residual is not None else h2.dtype
-        return _matmul(
-            h2,
+        down_weight: Optional[torch.Tensor],
+        down_bias: Optional[torch.Tensor],
+        residual: Optional[torch.Tensor],
+        save_preact: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """swiglu (no ``down_weight``): H (..., Hd); swiglu_mlp: Y = H W_d^T + b_d (+ residual)
+        (..., D_out), the residual added in the down GEMM's epilogue. Then H (M, Hd) when there is a
+        down projection (its weight gradient reads it; else empty), and the pre-activations G, U
+        (M, Hd) that backward reads when ``save_preact`` (else empty: not written)."""
+        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, save_preact)
+        if down_weight is None:
+            return h.view(*x.shape[:-1], gate_weight.shape[0]), h.new_empty(0), g, u
+        out = _matmul(
+            h,
             down_weight.t(),
-            out_dtype,
+            torch.result_type(x, residual) if residual is not None else x.dtype,
             bias=down_bias,
             residual=_rows(residual) if residual is not None else None,
         )
-
-    def _swiglu_mlp_fwd(
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        gate_bias: Optional[torch.Tensor],
-        up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor],
-        down_weight: torch.Tensor,
-        down_bias: Optional[torch.Tensor],
-        residual: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Y (..., D_out), with H, G, U (M, Hd) that backward reads."""
-        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, True)
-        out = _down(h, down_weight, down_bias, residual)
         return out.view(*x.shape[:-1], down_weight.shape[0]), h, g, u
 
-    torch.library.triton_op("vit_kernels::swiglu_mlp_fwd", mutates_args=())(_swiglu_mlp_fwd)
-
-    def _swiglu_mlp_infer(
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        gate_bias: Optional[torch.Tensor],
-        up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor],
-        down_weight: torch.Tensor,
-        down_bias: Optional[torch.Tensor],
-        residual: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """Y (..., D_out) where no gradient will be asked for: G and U are not written."""
-        h, _, _ = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, False)
-        return _down(h, down_weight, down_bias, residual).view(*x.shape[:-1], down_weight.shape[0])
-
-    swiglu_mlp_infer = direct(
-        torch.library.triton_op("vit_kernels::swiglu_mlp_infer", mutates_args=())(_swiglu_mlp_infer),
-        _swiglu_mlp_infer,
-    )
-
-    def _swiglu_mlp_bwd(
+    def _swiglu_bwd(
         grad_out: torch.Tensor,
         x: torch.Tensor,
         gate_weight: torch.Tensor,
         up_weight: torch.Tensor,
-        down_weight: torch.Tensor,
+        down_weight: Optional[torch.Tensor],
         h: torch.Tensor,
         g: torch.Tensor,
         u: torch.Tensor,
@@ -448,15 +356,19 @@ if HAS_TRITON:
     ) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     ]:
-        """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (the biases' empty when absent): dW_d, db_d from
-        dY and H (``_weight_and_bias_grads``), dH = dY W_d, then the gate and up gradients."""
+        """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (those of an absent bias or down projection
+        empty): dW_d, db_d from dY and H (``_weight_and_bias_grads``) and dH = dY W_d where there is a
+        down projection (else dH = dY), then the gate and up gradients."""
         dy2 = _rows(grad_out).to(x.dtype)
-        dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
-        dh2 = _matmul(dy2, down_weight, x.dtype)
+        empty = dy2.new_empty(0)
+        if down_weight is None:
+            dh2, dwd, dbd = dy2, empty, None
+        else:
+            dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
+            dh2 = _matmul(dy2, down_weight, x.dtype)
         dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
             dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
         )
-        empty = dy2.new_empty(0)
         return (
             dx.view(x.shape),
             dwg,
@@ -467,22 +379,19 @@ if HAS_TRITON:
             dbd.to(down_weight.dtype) if needs_bias_d else empty,
         )
 
-    swiglu_mlp_bwd = direct(
-        torch.library.triton_op("vit_kernels::swiglu_mlp_bwd", mutates_args=())(_swiglu_mlp_bwd),
-        _swiglu_mlp_bwd,
-    )
+    swiglu_bwd = direct(_swiglu_bwd)
 
-    def _swiglu_mlp_setup_context(ctx, inputs, output):
-        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual = inputs
+    def _swiglu_setup_context(ctx, inputs, output):
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual, _ = inputs
         ctx.save_for_backward(x, gate_weight, up_weight, down_weight, output[1], output[2], output[3])
         ctx.has = (gate_bias is not None, up_bias is not None, down_bias is not None, residual is not None)
 
-    def _swiglu_mlp_backward_op(ctx, grad_out, grad_h, grad_g, grad_u):
+    def _swiglu_backward_op(ctx, grad_out, grad_h, grad_g, grad_u):
         if grad_out is None:
-            return (None,) * 8
+            return (None,) * 9
         x, gate_weight, up_weight, down_weight, h, g, u = ctx.saved_tensors
         has_bg, has_bu, has_bd, has_residual = ctx.has
-        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_mlp_bwd(
+        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_bwd(
             grad_out, x, gate_weight, up_weight, down_weight, h, g, u, has_bg, has_bu, has_bd
         )
         return (
@@ -491,29 +400,25 @@ if HAS_TRITON:
             dbg if has_bg else None,
             dwu,
             dbu if has_bu else None,
-            dwd,
+            None if down_weight is None else dwd,
             dbd if has_bd else None,
             grad_out if has_residual else None,
+            None,
         )
 
-    swiglu_mlp_fwd = differentiable(
-        "vit_kernels::swiglu_mlp_fwd", _swiglu_mlp_backward_op, _swiglu_mlp_setup_context, _swiglu_mlp_fwd
-    )
+    swiglu_fwd = differentiable(_swiglu_fwd, _swiglu_backward_op, _swiglu_setup_context)
 
 
 def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
     """The Triton implementation of ``vk.swiglu`` (inference skips writing G and U)."""
-    if not needs_grad((x, gate_weight, gate_bias, up_weight, up_bias)):
-        return swiglu_infer(x, gate_weight, gate_bias, up_weight, up_bias)
-    return swiglu_fwd(x, gate_weight, gate_bias, up_weight, up_bias)[0]
+    args = (x, gate_weight, gate_bias, up_weight, up_bias)
+    return swiglu_fwd(*args, None, None, None, needs_grad(args))[0]
 
 
 def swiglu_mlp_triton(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual=None):
     """The Triton implementation of ``vk.swiglu_mlp`` (inference skips writing G and U)."""
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual)
-    if not needs_grad(args):
-        return swiglu_mlp_infer(*args)
-    return swiglu_mlp_fwd(*args)[0]
+    return swiglu_fwd(*args, needs_grad(args))[0]
 
 
 def swiglu_ref(
