@@ -54,7 +54,7 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
 VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
 FWD_CHOOSER = TileChooser("patch_embed forward")
-_FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, constants)
+_FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: ``_fwd_plan``
 
 
 def tile_report() -> list[dict]:
@@ -99,22 +99,13 @@ def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
 
 if HAS_TRITON:
 
-    def _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size):
-        """-> (output, the forward kernel's arguments but its constants)."""
+    def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
+        """(out's shape, out's dtype, (D, K, T), the arguments after the tensors, grid, constants) of a
+        forward launch with ``tile``."""
         n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
-        w2 = weight.reshape(dim, k_dim)
-        out = torch.empty(
-            (n, tokens, dim), dtype=_out_dtype(images, cls_token, pos_embed), device=images.device
-        )
-        pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
-        cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
+        w2 = weight.reshape(dim, k_dim)  # a view, or a contiguous copy: its strides follow weight's
+        config = gemm_config(tile)
         args = (
-            images,
-            w2,
-            bias if bias is not None else out,
-            cls,
-            pos,
-            out,
             n * tokens,
             dim,
             k_dim,
@@ -125,26 +116,37 @@ if HAS_TRITON:
             *w2.stride(),
             bias.stride(0) if bias is not None else 0,
         )
-        return out, args
-
-    def _fwd_config(
-        tile: GemmTile, args: tuple, images, bias, cls_token, pos_embed
-    ) -> tuple[tuple[int], dict]:
-        """(grid, constants) of a forward launch with ``tile`` on the arguments ``args``."""
-        rows, dim = args[6], args[7]
-        config = gemm_config(tile)
-        return (cdiv(rows, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),), dict(
+        constants = dict(
             HAS_BIAS=bias is not None,
             HAS_CLS=cls_token is not None,
             HAS_POS=pos_embed is not None,
             PRECISION=dot_precision(images.dtype),
             **config,
         )
+        grid = (cdiv(n * tokens, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),)
+        out_dtype = _out_dtype(images, cls_token, pos_embed)
+        return (n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants
 
-    def _launch_fwd(args: tuple, plan: tuple) -> None:
-        """The forward kernel on ``args``, launched by ``plan`` (``_fwd_config``)."""
-        grid, config = plan
-        launch(_patch_embed_fwd_kernel, grid, *args, **config)
+    def _launch_fwd(plan: tuple, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
+        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> tokens (N, T, D)."""
+        out_shape, out_dtype, (dim, k_dim, tokens), args, grid, constants = plan
+        out = torch.empty(out_shape, dtype=out_dtype, device=images.device)
+        pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
+        cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
+        w2 = weight.reshape(dim, k_dim)
+        launch(
+            _patch_embed_fwd_kernel,
+            grid,
+            images,
+            w2,
+            bias if bias is not None else out,
+            cls,
+            pos,
+            out,
+            *args,
+            **constants,
+        )
+        return out
 
     def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
         """What a forward tile choice is kept for: dtypes, the optional inputs, the GEMM's rows
@@ -175,9 +177,8 @@ if HAS_TRITON:
 
         def trial():
             def run(tile):
-                out, args = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
-                _launch_fwd(args, _fwd_config(tile, args, images, bias, cls_token, pos_embed))
-                return [out]
+                plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size)
+                return [_launch_fwd(plan, images, weight, bias, cls_token, pos_embed)]
 
             wide = reference_dtype(images.dtype)
             picked = validation_images(int(n), images.device)
@@ -219,32 +220,31 @@ if HAS_TRITON:
         patch_size: int,
     ) -> torch.Tensor:
         """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
-        out, args = _fwd_args(images, weight, bias, cls_token, pos_embed, patch_size)
         plan_key = (
             images.shape,
             images.stride(),
             images.dtype,
             images.device,
             weight.shape,
-            out.dtype,
-            bias is None,
-            cls_token is None,
-            pos_embed is None,
+            weight.stride(),
+            None if bias is None else bias.stride(0),
+            None if cls_token is None else cls_token.dtype,
+            None if pos_embed is None else pos_embed.dtype,
             patch_size,
         )
         plan = decided(_FWD_PLANS, plan_key)
         if plan is None:
-            tile = fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype)
+            out_dtype = _out_dtype(images, cls_token, pos_embed)
+            tile = fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
             plan = keep(
                 _FWD_PLANS,
                 plan_key,
-                _fwd_config(tile, args, images, bias, cls_token, pos_embed),
+                _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size),
                 FWD_CHOOSER,
                 images.device,
-                lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out.dtype),
+                lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
             )
-        _launch_fwd(args, plan)
-        return out
+        return _launch_fwd(plan, images, weight, bias, cls_token, pos_embed)
 
     def _patch_embed_bwd(
         grad_out: torch.Tensor,
