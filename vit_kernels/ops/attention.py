@@ -457,8 +457,9 @@ if HAS_TRITON:
     def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
         out_shape, stats_shape, grid, args, config = plan
-        out = torch.empty(out_shape, dtype=qkv.dtype, device=qkv.device)
-        stats = torch.empty(stats_shape, dtype=torch.float32, device=qkv.device)
+        device = qkv.device
+        out = torch.empty(out_shape, dtype=qkv.dtype, device=device)
+        stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
         cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
         launch(
             _attention_fwd_kernel, grid, qkv, out, stats[0], stats[1], seed, cos, sin, mask, *args, **config
@@ -551,10 +552,11 @@ if HAS_TRITON:
         """The dQ kernel (first: it writes delta), then the dK/dV kernel, launched by ``plan``
         (``_bwd_plan``) -> dqkv (B, L, 3D)."""
         dqkv_shape, (dq_grid, dq_config), (dkdv_grid, dkdv_config), args = plan
-        delta = torch.empty_like(stats[0])
+        row_max, inv_sum = stats[0], stats[1]
+        delta = torch.empty_like(row_max)
         dqkv = torch.empty(dqkv_shape, dtype=qkv.dtype, device=qkv.device)
         cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
-        tensors = (qkv, grad_out, stats[0], stats[1], delta, seed, dqkv, cos, sin, mask)
+        tensors = (qkv, grad_out, row_max, inv_sum, delta, seed, dqkv, cos, sin, mask)
         launch(_attention_bwd_dq_kernel, dq_grid, *tensors, *args, **dq_config)
         launch(_attention_bwd_dkdv_kernel, dkdv_grid, *tensors, *args, **dkdv_config)
         return dqkv

@@ -139,6 +139,7 @@ class GemmPlan(NamedTuple):
     grid: tuple  # of the pointer kernel: (tiles of C, K slices)
     args: tuple  # the pointer kernel's arguments after its tensors: sizes, then strides
     config: dict  # the kernels' keywords: the epilogue's flags and the tile's configuration
+    device: torch.device  # where the outputs are allocated (a plan is kept per device)
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
@@ -288,7 +289,7 @@ def _launch(
     (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows, else None). ``aux``
     (M, N) is written with the pre-activation under EPILOGUE_GELU. A tile naming the TMA variant
     runs ``_linear_tma_kernel`` where the operands allow (``tma_possible``), else ``_linear_kernel``."""
-    device = a.device
+    device = plan.device
     c = torch.empty(plan.c_shape, dtype=torch.float32 if plan.slices > 1 else out_dtype, device=device)
     partial = None
     if plan.partial_shape is not None:
@@ -399,6 +400,7 @@ class _Gemm:
                 *((0, 0) if residual is None else residual.stride()),
             ),
             {**flags, **gemm_config(tile)},
+            a.device,
         )
 
     def key(self) -> tuple:
@@ -516,7 +518,8 @@ def _matmul_tile(gemm: _Gemm) -> tuple:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., K) -> (M, K) by a view where strides allow (the kernel takes any 2-D strides); M or K
     may be 0."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    *rows, k = t.shape
+    return t.reshape(math.prod(rows), k)
 
 
 GELU_BWD_BLOCK = (32, 128, 4)  # (rows per step, columns per program, warps): 16 elements per thread

@@ -49,10 +49,11 @@ if HAS_TRITON:
         reads when ``save_preact`` (else empty: where no gradient will be asked for, not written)."""
         x2 = _rows(x)
         n = weight.shape[0]
-        out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
+        dtype = x.dtype
+        out_dtype = torch.result_type(x, residual) if residual is not None else dtype
         has_gelu = activation != NONE
         save = has_gelu and save_preact
-        preact = torch.empty((x2.shape[0], n) if save else (0,), dtype=x.dtype, device=x.device)
+        preact = torch.empty((x2.shape[0], n) if save else (0,), dtype=dtype, device=x.device)
         out = _matmul(
             x2,
             weight.t(),
@@ -114,11 +115,12 @@ if HAS_TRITON:
         then fc2 (+ residual) with its bias."""
         x2 = _rows(x)
         m, n = x2.shape[0], fc1_weight.shape[0]
-        preact = torch.empty((m, n) if save_preact else (0,), dtype=x.dtype, device=x.device)
+        dtype = x.dtype
+        preact = torch.empty((m, n) if save_preact else (0,), dtype=dtype, device=x.device)
         hidden = _matmul(
             x2,
             fc1_weight.t(),
-            x2.dtype,
+            dtype,
             bias=fc1_bias,
             epilogue=EPILOGUE_GELU,
             gelu_form=GELU_FORMS[activation],
@@ -127,7 +129,7 @@ if HAS_TRITON:
         out = _matmul(
             hidden,
             fc2_weight.t(),
-            torch.result_type(x, residual) if residual is not None else x.dtype,
+            torch.result_type(x, residual) if residual is not None else dtype,
             bias=fc2_bias,
             residual=_rows(residual) if residual is not None else None,
         )
