@@ -126,9 +126,9 @@ WARM_CALL_BUDGETS = {
     "linear_gelu": (18, 38, 26, 43),
     "linear": (17, 43, 22, 34),
     "mlp": (25, 66, 34, 59),
-    "layer_norm": (15, 45, 11, 33),
-    "swiglu": (17, 50, 38, 63),
-    "swiglu_mlp": (24, 77, 53, 87),
+    "layer_norm": (15, 43, 11, 29),
+    "swiglu": (17, 48, 38, 63),
+    "swiglu_mlp": (24, 75, 53, 87),
 }
 COUNTS = ("frames", "torch calls", "bwd frames", "bwd torch calls")
 

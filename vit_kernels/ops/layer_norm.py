@@ -155,9 +155,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict]:
-        """(grid, arguments after the tensors, keywords) of a forward launch with ``tile`` on rows
-        x2 (+ r2) (rows, D)."""
+    def _fwd_plan(
+        tile, x2, r2, weight, bias, eps
+    ) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
+        """(grid, arguments after the tensors, keywords, the outputs' dtype and device) of a forward
+        launch with ``tile`` on rows x2 (+ r2) (rows, D)."""
         rows, dim = x2.shape
         per_program, warps = tile
         args = (
@@ -182,14 +184,15 @@ if HAS_TRITON:
                 HAS_BIAS=bias is not None,
                 num_warps=warps,
             ),
+            x2.dtype,
+            x2.device,
         )
 
     def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
         """The forward kernel launched by ``plan`` (``_fwd_plan``) -> y (rows, D), s = x + r (rows, D)
         (empty (0,) without r2), mean and rstd (rows,) float32."""
-        grid, args, config = plan
+        grid, args, config, dtype, device = plan
         rows, dim = args[0], args[1]
-        dtype, device = x2.dtype, x2.device
         y = torch.empty((rows, dim), dtype=dtype, device=device)
         summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
         mean = torch.empty(rows, dtype=torch.float32, device=device)
@@ -265,8 +268,8 @@ if HAS_TRITON:
         return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
     def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
-        """(grid, the partial sums' shape, arguments after the tensors, keywords) of a backward launch
-        with ``tile`` on rows (rows, D): one program per tile of rows, at most ``programs per SM`` x SMs;
+        """(grid, the partial sums' shape, arguments after the tensors, keywords, ds's dtype and device)
+        of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most ``programs per SM`` x SMs;
         the partial sums of d(weight) and d(bias) per program ((1, D), unwritten, without them)."""
         rows, dim = s2.shape
         tile_rows, per_sm, warps = tile
@@ -289,14 +292,14 @@ if HAS_TRITON:
             NEEDS_WB=needs_weight_bias,
             num_warps=warps,
         )
-        return (programs,), (programs if needs_weight_bias else 1, dim), args, config
+        return (programs,), (programs if needs_weight_bias else 1, dim), args, config, s2.dtype, s2.device
 
     def _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
         """The backward kernel launched by ``plan`` (``_bwd_plan``) -> ds like s2, the partial sums of
         d(weight) and d(bias) float32."""
-        grid, partials, args, config = plan
-        ds = torch.empty(s2.shape, dtype=s2.dtype, device=s2.device)
-        partial_w = torch.empty(partials, dtype=torch.float32, device=s2.device)
+        grid, partials, args, config, dtype, device = plan
+        ds = torch.empty((args[0], args[1]), dtype=dtype, device=device)
+        partial_w = torch.empty(partials, dtype=torch.float32, device=device)
         partial_b = torch.empty_like(partial_w)
         launch(
             _layer_norm_bwd_kernel,

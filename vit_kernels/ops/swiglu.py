@@ -98,8 +98,9 @@ class _DualGemm:
         self.x2, self.gate_weight, self.gate_bias = x2, gate_weight, gate_bias
         self.up_weight, self.up_bias, self.save_preact = up_weight, up_bias, save_preact
 
-    def plan(self, tile: GemmTile) -> tuple[tuple[int], tuple, dict]:
-        """(grid, the arguments after the tensors, constants) of a launch with ``tile``."""
+    def plan(self, tile: GemmTile) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
+        """(grid, the arguments after the tensors, constants, the outputs' dtype and device) of a
+        launch with ``tile``."""
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
         (m, k), n = x2.shape, wg.shape[0]
         args = (
@@ -122,6 +123,8 @@ class _DualGemm:
                 PRECISION=dot_precision(x2.dtype),
                 **gemm_config(tile),
             ),
+            x2.dtype,
+            x2.device,
         )
 
     def key(self) -> tuple:
@@ -199,7 +202,7 @@ def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bo
     unless ``save_preact``."""
     m, n = x2.shape[0], gate_weight.shape[0]
     if m == 0 or n == 0:
-        return _outputs(m, n, x2, save_preact)
+        return _outputs(m, n, x2.dtype, x2.device, save_preact)
     plan_key = (
         x2.shape,
         x2.stride(),
@@ -219,9 +222,8 @@ def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bo
     return _launch(plan, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
 
 
-def _outputs(m: int, n: int, x2: torch.Tensor, save_preact: bool) -> tuple:
-    """Fresh (H, G, U) (M, N) in x's dtype; G and U empty (0,) without SAVE_PREACT."""
-    dtype, device = x2.dtype, x2.device
+def _outputs(m: int, n: int, dtype: torch.dtype, device: torch.device, save_preact: bool) -> tuple:
+    """Fresh (H, G, U) (M, N) in ``dtype``; G and U empty (0,) without SAVE_PREACT."""
     preact = (m, n) if save_preact else (0,)
     return (
         torch.empty((m, n), dtype=dtype, device=device),
@@ -233,8 +235,8 @@ def _outputs(m: int, n: int, x2: torch.Tensor, save_preact: bool) -> tuple:
 def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool) -> tuple:
     """Launch ``plan`` (``_DualGemm.plan``) into fresh (H, G, U) (``_outputs``) and return them (an
     empty K still runs: H = silu(b_g) * b_u)."""
-    grid, args, config = plan
-    h, g, u = _outputs(args[0], args[1], x2, save_preact)
+    grid, args, config, dtype, device = plan
+    h, g, u = _outputs(args[0], args[1], dtype, device, save_preact)
     launch(
         _swiglu_fwd_kernel,
         grid,
@@ -252,7 +254,7 @@ def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_pr
     return h, g, u
 
 
-_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: (grid, arguments, constants)
+_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: ``_DualGemm.plan``
 
 
 # (rows per step, columns per program, warps): 16 elements per thread of each of the five tiles
