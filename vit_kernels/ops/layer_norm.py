@@ -269,8 +269,9 @@ if HAS_TRITON:
 
     def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
         """(grid, the partial sums' shape, arguments after the tensors, keywords, ds's dtype and device)
-        of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most ``programs per SM`` x SMs;
-        the partial sums of d(weight) and d(bias) per program ((1, D), unwritten, without them)."""
+        of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most
+        ``programs per SM`` x SMs; the partial sums of d(weight) and d(bias) per program ((1, D),
+        unwritten, without them)."""
         rows, dim = s2.shape
         tile_rows, per_sm, warps = tile
         programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(s2.device)))

@@ -99,8 +99,8 @@ def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
 
 if HAS_TRITON:
 
-    def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size) -> tuple:
-        """(out's shape, out's dtype, (D, K, T), the arguments after the tensors, grid, constants) of a
+    def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+        """(out's shape, ``out_dtype``, (D, K, T), the arguments after the tensors, grid, constants) of a
         forward launch with ``tile``."""
         n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
         w2 = weight.reshape(dim, k_dim)  # a view, or a contiguous copy: its strides follow weight's
@@ -124,7 +124,6 @@ if HAS_TRITON:
             **config,
         )
         grid = (cdiv(n * tokens, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),)
-        out_dtype = _out_dtype(images, cls_token, pos_embed)
         return (n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants
 
     def _launch_fwd(plan: tuple, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
@@ -177,7 +176,7 @@ if HAS_TRITON:
 
         def trial():
             def run(tile):
-                plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size)
+                plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
                 return [_launch_fwd(plan, images, weight, bias, cls_token, pos_embed)]
 
             wide = reference_dtype(images.dtype)
@@ -239,7 +238,7 @@ if HAS_TRITON:
             plan = keep(
                 _FWD_PLANS,
                 plan_key,
-                _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size),
+                _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
                 FWD_CHOOSER,
                 images.device,
                 lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
