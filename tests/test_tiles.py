@@ -12,7 +12,7 @@ the tile:
   among 16, 64, 80, 96, 128 and 256 that its (precision, padded head dim) key serves, in float32 or
   in float16 and bfloat16; dq, dk and dv are compared each on its own.
 * GEMMs: each tile of ``GEMM_TILES_16BIT`` (float16, bfloat16) and ``GEMM_TILES_FP32`` (float32),
-  pinned in linear's GEMM launcher (linear, linear_gelu, mlp: forward and every backward GEMM, every
+  pinned in the GEMM launcher, ops.gemm (linear, linear_gelu, mlp: forward and every backward GEMM, every
   epilogue, split-K included) and in patch_embed's forward; and the choice itself on CUDA: every
   candidate validated and timed, the fastest right one kept.
 * layer_norm: each forward tile of ``fwd_candidates`` and each backward tile of ``bwd_candidates``
@@ -34,7 +34,7 @@ from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels._triton import HAS_TRITON, triton
-from vit_kernels.ops import attention, gemm, layer_norm, linear, patch_embed
+from vit_kernels.ops import attention, gemm, layer_norm, patch_embed
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -144,7 +144,7 @@ def linear_inputs(n_out: int = N) -> list:
 
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear"))
 def test_linear_tile(monkeypatch, dtype, tile):
-    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
+    launched = pin(monkeypatch, gemm, "_matmul_tile", tile)
     assert gemm.split_k_slices(N, K, math.prod(ROWS), CUDA) > 1, (
         "the weight gradient must take the split-K path"
     )
@@ -163,7 +163,7 @@ def test_linear_tile(monkeypatch, dtype, tile):
 
 @pytest.mark.parametrize("dtype,tile", gemm_cases("linear_gelu"))
 def test_linear_gelu_tile(monkeypatch, dtype, tile):
-    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
+    launched = pin(monkeypatch, gemm, "_matmul_tile", tile)
     with vk.use_backend("triton", strict=True):
         check_against_formula(
             lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
@@ -180,7 +180,7 @@ def test_linear_gelu_tile(monkeypatch, dtype, tile):
 def test_mlp_tile(monkeypatch, dtype, tile):
     """Every epilogue: bias + exact GELU saving the pre-activation, bias + residual, GELU' (dZ) and
     the split-K weight gradients."""
-    launched = pin(monkeypatch, linear, "_matmul_tile", tile)
+    launched = pin(monkeypatch, gemm, "_matmul_tile", tile)
     x, w1, b1 = linear_inputs()
     inputs = [x, w1, b1, torch.randn(K, N) / math.sqrt(N), torch.randn(K), torch.randn(*ROWS, K)]
 
