@@ -38,7 +38,9 @@ def _run_without_values(fn, formula, inputs, dtype, names, device, baseline=None
     each input's shape for every input the formula differentiates."""
     cast = [None if t is None else t.to(device, dtype) for t in inputs]
     outs, grads, _ = outputs_and_grads(fn, cast, **kwargs)
-    _, formula_grads, _ = outputs_and_grads(formula, [None if t is None else t.double() for t in inputs], **kwargs)
+    _, formula_grads, _ = outputs_and_grads(
+        formula, [None if t is None else t.double() for t in inputs], **kwargs
+    )
     for i, out in enumerate(outs):
         assert (out.dtype, out.device.type) == (dtype, torch.device(device).type), f"output {i}"
     for name, grad, formula_grad, given in zip(names, grads, formula_grads, cast):
