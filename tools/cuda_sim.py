@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from vit_kernels import _ext, _measure, _proof, _signature, _tiles, backend
+from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels._tune_cache import DiskCache
 from vit_kernels.ops import attention
 
@@ -359,6 +360,27 @@ class Launch:
     kwargs: dict
 
 
+class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else object):
+    """What a simulated launch returns in place of the compiled kernel: launched directly
+    (``CompiledKernel[grid](*every parameter's value)``, as ``vit_kernels._triton.DirectLaunch`` does),
+    it records the same launch as ``kernel[grid](*args, **kwargs)``, its first ``n_args`` values
+    being the positional arguments and the rest those of ``kwargs``."""
+
+    module = None  # nothing loaded: CompiledKernel.__del__ reads it
+
+    def __init__(self, recorder: "Recorder", kernel, n_args: int, kwargs: dict):  # no compiled kernel to load
+        self.recorder, self.kernel, self.n_args, self.kwargs = recorder, kernel, n_args, kwargs
+
+    def __getitem__(self, grid):
+        def run(*values):
+            def launch():
+                self.recorder.launches.append(Launch(self.kernel, grid, values[: self.n_args], self.kwargs))
+
+            _clocked(launch, "launch", self.kernel[grid], values[: self.n_args], self.kwargs)
+
+        return run
+
+
 class Recorder:
     """The launches made inside one ``simulated_cuda`` block, and the host seconds spent in PyTorch's
     calls and in launches there (``not_ours``)."""
@@ -505,12 +527,13 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
     props = types.SimpleNamespace(**ARCHITECTURES[arch])
 
     def record(self, *args, grid, warmup, **kwargs):
+        grid = tuple(grid(kwargs) if callable(grid) else grid)
+
         def launch():
-            recorder.launches.append(
-                Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs)
-            )
+            recorder.launches.append(Launch(self, grid, args, kwargs))
 
         _clocked(launch, "launch", self[grid], args, kwargs)
+        return _SimulatedCompiledKernel(recorder, self, len(args), kwargs)
 
     cuda = torch.cuda
     patches = [

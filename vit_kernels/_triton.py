@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import types
 from typing import Callable, Iterator
@@ -125,17 +126,102 @@ def recording() -> bool:
     return bool(_recorders) and threading.get_ident() in _recorders
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, plan=None, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
-    ``recorded_launches``."""
+    ``recorded_launches``. ``plan``: the launch plan the grid, the arguments that are not tensors and
+    the keywords come from (a plan table's value, which stays the same object while it is current):
+    a call of the same plan with tensors of the same dtypes and 16-byte alignment launches the kernel
+    its first call compiled directly (``DirectLaunch``)."""
     recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
     if recorded is not None:
         recorded.append((kernel, grid, args, kwargs))
     elif tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-    else:  # eager: no tracing wrapper to build and consult on every launch
+    elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
         kernel[grid](*args, **kwargs)
+    else:
+        direct = _direct_launches.get((kernel, id(plan)))
+        if direct is None or direct.plan is not plan or not direct(args):
+            compiled = kernel[grid](*args, **kwargs)
+            if len(_direct_launches) >= LAUNCH_CONFIGS:
+                _direct_launches.clear()
+            _direct_launches[(kernel, id(plan))] = DirectLaunch.of(kernel, plan, grid, compiled, args, kwargs)
+
+
+class DirectLaunch:
+    """A compiled kernel launched without Triton's per-call work, for the calls of one launch plan.
+
+    ``kernel[grid](*args)`` binds every argument, works out its specialisation (each tensor's dtype
+    and 16-byte alignment, each integer's divisibility by 16 and equality to 1), builds a text key
+    from it and the options and looks the compiled kernel up, on every call. Within one plan
+    everything but the tensors' data is fixed (the plan was made from the call's shapes, strides,
+    dtypes and device), so a later call of the plan that passes tensors of the same dtype and
+    alignment at the same places and the same other arguments is the same specialisation: its
+    compiled kernel is launched by ``CompiledKernel[grid]``, the launcher ``kernel[grid]`` ends in,
+    with the argument list ``kernel[grid]`` gives it (every parameter in order: the positional
+    arguments, then the keywords' and defaults' values), on the current device's current stream as
+    ``kernel[grid]``. Any other call takes ``kernel[grid]``, which compiles or finds its kernel and
+    becomes the plan's direct launch."""
+
+    __slots__ = ("plan", "checks", "split", "scalars", "tail", "run")
+
+    def __init__(self, plan, checks: tuple, split: int, scalars: tuple, tail: tuple, run):
+        self.plan = plan
+        self.checks = checks  # (index, (dtype, 16-byte aligned) of a tensor, else the value) up to split
+        self.split = split  # the arguments from here on are neither tensors nor None
+        self.scalars = scalars
+        self.tail = tail
+        self.run = run
+
+    @staticmethod
+    def of(kernel, plan, grid: tuple, compiled, args: tuple, kwargs: dict):
+        """The direct launch of ``plan`` after ``compiled = kernel[grid](*args, **kwargs)``, or None
+        where ``compiled`` is no compiled kernel (the interpreter) or the arguments cannot be laid
+        out as ``kernel[grid]`` lays them out."""
+        if not isinstance(compiled, triton.compiler.CompiledKernel):
+            return None
+        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        if len(args) > len(parameters):
+            return None
+        tail = []
+        for parameter in parameters[len(args) :]:
+            if parameter.name not in kwargs and parameter.default is parameter.empty:
+                return None
+            tail.append(kwargs.get(parameter.name, parameter.default))
+        split = max(
+            (i + 1 for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)), default=0
+        )
+        checks = tuple(
+            (i, (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a)
+            for i, a in enumerate(args[:split])
+        )
+        return DirectLaunch(plan, checks, split, args[split:], tuple(tail), compiled[grid])
+
+    def __call__(self, args: tuple) -> bool:
+        """Launch on ``args`` if they are the same specialisation; whether it launched."""
+        if args[self.split :] != self.scalars:
+            return False
+        for i, expected in self.checks:
+            a = args[i]
+            if isinstance(a, torch.Tensor):
+                if expected != (a.dtype, a.data_ptr() % 16 == 0):
+                    return False
+            elif a is not expected and a != expected:
+                return False
+        self.run(*args, *self.tail)
+        return True
+
+
+_direct = {"enabled": True}
+_direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, or None
+
+
+def set_direct_launch(enabled: bool) -> None:
+    """Whether a plan's later calls launch its compiled kernel directly (``DirectLaunch``); off,
+    every launch goes through ``kernel[grid]``."""
+    _direct["enabled"] = enabled
+    _direct_launches.clear()
 
 
 __all__ = [

@@ -462,7 +462,19 @@ if HAS_TRITON:
         stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
         cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
         launch(
-            _attention_fwd_kernel, grid, qkv, out, stats[0], stats[1], seed, cos, sin, mask, *args, **config
+            _attention_fwd_kernel,
+            grid,
+            qkv,
+            out,
+            stats[0],
+            stats[1],
+            seed,
+            cos,
+            sin,
+            mask,
+            *args,
+            plan=plan,
+            **config,
         )
         return out, stats
 
@@ -557,8 +569,8 @@ if HAS_TRITON:
         dqkv = torch.empty(dqkv_shape, dtype=qkv.dtype, device=qkv.device)
         cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
         tensors = (qkv, grad_out, row_max, inv_sum, delta, seed, dqkv, cos, sin, mask)
-        launch(_attention_bwd_dq_kernel, dq_grid, *tensors, *args, **dq_config)
-        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *tensors, *args, **dkdv_config)
+        launch(_attention_bwd_dq_kernel, dq_grid, *tensors, *args, plan=plan, **dq_config)
+        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *tensors, *args, plan=plan, **dkdv_config)
         return dqkv
 
     def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:

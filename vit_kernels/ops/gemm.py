@@ -304,7 +304,7 @@ def _launch(
     if plan.tile.kernel == TMA and tma_possible(a, b):
         _launch_tma(plan, a, b, outputs)
     else:
-        launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, **plan.config)
+        launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, plan=plan, **plan.config)
     return c, partial
 
 

@@ -209,6 +209,7 @@ if HAS_TRITON:
             mean,
             rstd,
             *args,
+            plan=plan,
             **config,
         )
         return y, summed, mean, rstd
@@ -315,6 +316,7 @@ if HAS_TRITON:
             partial_w,
             partial_b,
             *args,
+            plan=plan,
             **config,
         )
         return ds, partial_w, partial_b

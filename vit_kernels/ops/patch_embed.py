@@ -143,6 +143,7 @@ if HAS_TRITON:
             pos,
             out,
             *args,
+            plan=plan,
             **constants,
         )
         return out

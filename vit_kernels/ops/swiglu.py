@@ -249,6 +249,7 @@ def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_pr
         g if save_preact else h,
         u if save_preact else h,
         *args,
+        plan=plan,
         **config,
     )
     return h, g, u

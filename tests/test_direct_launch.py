@@ -1,0 +1,122 @@
+"""``_triton.launch`` with a plan: the plan's first call goes through ``kernel[grid]``, later calls of
+the same specialisation launch the compiled kernel directly with the argument list ``kernel[grid]``
+gives it (every parameter in order, keywords and defaults after the positional arguments), and any
+other call (a tensor of another dtype or 16-byte alignment, None for a tensor, another scalar) goes
+through ``kernel[grid]`` again. A stand-in kernel records both ways of launching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit_kernels import _triton
+from vit_kernels._triton import HAS_TRITON, launch, triton
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _kernel_source(X, Y, n, scale, BLOCK, EVEN=True):
+    """The stand-in kernel's parameters (BLOCK and EVEN its constants)."""
+
+
+class _Compiled(triton.compiler.CompiledKernel):
+    module = None  # nothing loaded
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *values: self.calls.append(("direct", grid, values))
+
+
+class _Kernel:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **kwargs)`` records the call and returns a
+    compiled kernel whose direct launches record theirs."""
+
+    def __init__(self):
+        self.fn = _kernel_source  # the Python function, as a JITFunction holds it
+        self.calls: list = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("jit", grid, args, kwargs))
+            return _Compiled(self.calls)
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def _direct_on():
+    _triton.set_direct_launch(True)
+    yield
+    _triton.set_direct_launch(True)
+
+
+def test_a_plans_later_calls_launch_directly_with_every_parameter_in_order():
+    kernel, plan, grid = _Kernel(), ("a plan",), (3, 1, 1)
+    x, y = torch.randn(64), torch.randn(64)
+    launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32, num_warps=4)
+    launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32, num_warps=4)
+    other_x = torch.randn(64)
+    launch(kernel, grid, other_x, y, 64, 0.5, plan=plan, BLOCK=32, num_warps=4)
+    assert [call[0] for call in kernel.calls] == ["jit", "direct", "direct"]
+    assert kernel.calls[1] == ("direct", grid, (x, y, 64, 0.5, 32, True))
+    assert kernel.calls[2][2][0] is other_x
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda x, y: (x.double(), y, 64, 0.5), id="another dtype"),
+        pytest.param(lambda x, y: (torch.randn(65)[1:], y, 64, 0.5), id="not 16-byte aligned"),
+        pytest.param(lambda x, y: (x, None, 64, 0.5), id="None for a tensor"),
+        pytest.param(lambda x, y: (x, y, 48, 0.5), id="another integer"),
+        pytest.param(lambda x, y: (x, y, 64, 0.25), id="another float"),
+    ],
+)
+def test_another_specialisation_goes_through_kernel_grid_and_becomes_the_direct_launch(change):
+    kernel, plan, grid = _Kernel(), ("a plan",), (3,)
+    x, y = torch.randn(64), torch.randn(64)
+    launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32)
+    changed = change(x, y)
+    launch(kernel, grid, *changed, plan=plan, BLOCK=32)
+    launch(kernel, grid, *changed, plan=plan, BLOCK=32)
+    assert [call[0] for call in kernel.calls] == ["jit", "jit", "direct"]
+    assert kernel.calls[1][2] == changed and kernel.calls[2][2][:4] == changed
+
+
+def test_without_a_plan_or_turned_off_every_launch_goes_through_kernel_grid():
+    kernel, grid = _Kernel(), (1,)
+    x, y = torch.randn(64), torch.randn(64)
+    for _ in range(2):
+        launch(kernel, grid, x, y, 64, 0.5, BLOCK=32)
+    _triton.set_direct_launch(False)
+    for _ in range(2):
+        launch(kernel, grid, x, y, 64, 0.5, plan=("a plan",), BLOCK=32)
+    assert [call[0] for call in kernel.calls] == ["jit"] * 4
+
+
+def test_another_plan_object_is_another_direct_launch():
+    kernel, grid = _Kernel(), (1,)
+    x, y = torch.randn(64), torch.randn(64)
+    first, second = ["a plan"], ["a plan"]  # equal, not the same object
+    launch(kernel, grid, x, y, 64, 0.5, plan=first, BLOCK=32)
+    launch(kernel, grid, x, y, 64, 0.5, plan=second, BLOCK=32)
+    launch(kernel, grid, x, y, 64, 0.5, plan=second, BLOCK=32)
+    assert [call[0] for call in kernel.calls] == ["jit", "jit", "direct"]
+
+
+def test_a_kernel_grid_that_returns_no_compiled_kernel_is_never_launched_directly():
+    """The interpreter's ``kernel[grid]`` returns None."""
+    calls = []
+
+    class Interpreted(_Kernel):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(args)
+
+    kernel, plan = Interpreted(), ("a plan",)
+    x, y = torch.randn(64), torch.randn(64)
+    for _ in range(3):
+        launch(kernel, (1,), x, y, 64, 0.5, plan=plan, BLOCK=32)
+    assert len(calls) == 3
