@@ -45,9 +45,11 @@ import vit_kernels as vk
 from tools.op_specs import OPS, SPECS, Shape
 from vit_kernels import backend
 from vit_kernels._timer import time_runs
+from vit_kernels._triton import direct_launch
 
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
-COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")
+COLUMNS = ("pytorch", "torch", "extension", "triton", "triton direct", "auto")
+DIRECT = "triton direct"  # the triton backend with plans launched directly (vit_kernels._triton.DirectLaunch)
 # (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
@@ -56,7 +58,10 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
 
     def loop():
-        with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
+        with (
+            contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name.split()[0], strict=True),
+            direct_launch(name == DIRECT),
+        ):
             for _ in range(calls):
                 fn()
 
@@ -66,9 +71,9 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
 def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if name in ("pytorch", "auto"):
         return None
-    if name == "triton" and device.type == "cpu":
+    if name in ("triton", DIRECT) and device.type == "cpu":
         return "Triton runs only interpreted on the CPU"
-    return backend.unsupported_reason(op, name, device, dtype)
+    return backend.unsupported_reason(op, name.split()[0], device, dtype)
 
 
 def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[], object]:

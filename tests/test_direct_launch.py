@@ -2,15 +2,21 @@
 the same specialisation launch the compiled kernel directly with the argument list ``kernel[grid]``
 gives it (every parameter in order, keywords and defaults after the positional arguments), and any
 other call (a tensor of another dtype or 16-byte alignment, None for a tensor, another scalar) goes
-through ``kernel[grid]`` again. A stand-in kernel records both ways of launching."""
+through ``kernel[grid]`` again. A stand-in kernel records both ways of launching. On a GPU (``gpu``
+cases), every op's warm call gives the same bits launched either way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import vit_kernels as vk
+from benchmarks.host_overhead import VIT_B
+from tests.helpers import CUDA, cuda_param, device_reason
+from tools.op_specs import OPS, SPECS
 from vit_kernels import _triton
-from vit_kernels._triton import HAS_TRITON, launch, triton
+
+from vit_kernels._triton import HAS_TRITON, direct_launch, launch, triton
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -48,9 +54,8 @@ class _Kernel:
 
 @pytest.fixture(autouse=True)
 def _direct_on():
-    _triton.set_direct_launch(True)
-    yield
-    _triton.set_direct_launch(True)
+    with direct_launch(True):
+        yield
 
 
 def test_a_plans_later_calls_launch_directly_with_every_parameter_in_order():
@@ -91,9 +96,9 @@ def test_without_a_plan_or_turned_off_every_launch_goes_through_kernel_grid():
     x, y = torch.randn(64), torch.randn(64)
     for _ in range(2):
         launch(kernel, grid, x, y, 64, 0.5, BLOCK=32)
-    _triton.set_direct_launch(False)
-    for _ in range(2):
-        launch(kernel, grid, x, y, 64, 0.5, plan=("a plan",), BLOCK=32)
+    with direct_launch(False):
+        for _ in range(2):
+            launch(kernel, grid, x, y, 64, 0.5, plan=("a plan",), BLOCK=32)
     assert [call[0] for call in kernel.calls] == ["jit"] * 4
 
 
@@ -120,3 +125,42 @@ def test_a_kernel_grid_that_returns_no_compiled_kernel_is_never_launched_directl
     for _ in range(3):
         launch(kernel, (1,), x, y, 64, 0.5, plan=plan, BLOCK=32)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    "op", [cuda_param(op, id=op, skip_reason=device_reason("triton", CUDA)) for op in OPS]
+)
+def test_a_warm_call_launched_directly_gives_the_same_bits_on_the_gpu(op):
+    """Forward and backward of ``op`` at ViT-B/16 shapes (batch 2) in bfloat16 on the triton backend:
+    the third call with direct launches (the first decides, the second makes the direct launches)
+    against a call through ``kernel[grid]`` on the same inputs: outputs and gradients bit for bit."""
+    torch.manual_seed(0)
+    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, CUDA, torch.bfloat16).items()}
+
+    def run() -> list:
+        out = SPECS[op].run(VIT_B, **inputs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.backward(torch.ones_like(out))
+        grads = [t.grad.clone() for t in inputs.values() if t.grad is not None]
+        for t in inputs.values():
+            t.grad = None
+        return [out.detach().clone(), *grads]
+
+    with vk.use_backend("triton", strict=True):
+        with direct_launch(False):
+            through_jit = run()
+        launched = []
+        call = _triton.DirectLaunch.__call__
+        with direct_launch(True), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                _triton.DirectLaunch,
+                "__call__",
+                lambda self, a: launched.append(call(self, a)) or launched[-1],
+            )
+            run()
+            direct = run()
+        torch.cuda.synchronize()
+    assert any(launched), "no launch of the warm call was direct"
+    assert len(direct) == len(through_jit)
+    for i, (a, b) in enumerate(zip(direct, through_jit)):
+        assert torch.equal(a, b), f"{op}: result {i} differs launched directly"

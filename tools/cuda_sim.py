@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import sys
 import threading
 import time
@@ -361,22 +362,41 @@ class Launch:
 
 
 class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else object):
-    """What a simulated launch returns in place of the compiled kernel: launched directly
-    (``CompiledKernel[grid](*every parameter's value)``, as ``vit_kernels._triton.DirectLaunch`` does),
-    it records the same launch as ``kernel[grid](*args, **kwargs)``, its first ``n_args`` values
-    being the positional arguments and the rest those of ``kwargs``."""
+    """What a simulated ``kernel[grid](*args, **kwargs)`` returns in place of the compiled kernel.
+    Launched directly (``CompiledKernel[grid](*values)``, as ``vit_kernels._triton.DirectLaunch``
+    does), it checks what Triton's launcher would take: a grid of three dimensions, the launch's
+    own padded with 1s, and one value per kernel parameter in order, the positional arguments' and
+    then the keywords' or defaults'; and records the same launch as ``kernel[grid]``."""
 
     module = None  # nothing loaded: CompiledKernel.__del__ reads it
 
-    def __init__(self, recorder: "Recorder", kernel, n_args: int, kwargs: dict):  # no compiled kernel to load
-        self.recorder, self.kernel, self.n_args, self.kwargs = recorder, kernel, n_args, kwargs
+    def __init__(self, recorder: "Recorder", kernel, grid: tuple, args: tuple, kwargs: dict):
+        self.recorder, self.kernel, self.grid, self.n_args, self.kwargs = (
+            recorder,
+            kernel,
+            grid,
+            len(args),
+            kwargs,
+        )
+        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        self.tail = [kwargs.get(p.name, p.default) for p in parameters[len(args) :]]
 
     def __getitem__(self, grid):
-        def run(*values):
-            def launch():
-                self.recorder.launches.append(Launch(self.kernel, grid, values[: self.n_args], self.kwargs))
+        if tuple(grid) != (*self.grid, *(1,) * (3 - len(self.grid))):
+            raise IndexError(f"CompiledKernel[grid] takes the three dimensions of {self.grid}, got {grid}")
 
-            _clocked(launch, "launch", self.kernel[grid], values[: self.n_args], self.kwargs)
+        def run(*values):
+            if len(values) != self.n_args + len(self.tail) or any(
+                v is not t and v != t for v, t in zip(values[self.n_args :], self.tail)
+            ):
+                raise TypeError(f"{self.kernel}: the launcher's values are not kernel[grid]'s")
+
+            def launch():
+                self.recorder.launches.append(
+                    Launch(self.kernel, self.grid, values[: self.n_args], self.kwargs)
+                )
+
+            _clocked(launch, "launch", self.kernel[self.grid], values[: self.n_args], self.kwargs)
 
         return run
 
@@ -533,7 +553,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
             recorder.launches.append(Launch(self, grid, args, kwargs))
 
         _clocked(launch, "launch", self[grid], args, kwargs)
-        return _SimulatedCompiledKernel(recorder, self, len(args), kwargs)
+        return _SimulatedCompiledKernel(recorder, self, grid, args, kwargs)
 
     cuda = torch.cuda
     patches = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import types
 from typing import Callable, Iterator
@@ -196,6 +197,8 @@ class DirectLaunch:
             (i, (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a)
             for i, a in enumerate(args[:split])
         )
+        # CompiledKernel[grid] reads three dimensions where kernel[grid] fills the missing ones with 1
+        grid = (*grid, *(1,) * (3 - len(grid)))
         return DirectLaunch(plan, checks, split, args[split:], tuple(tail), compiled[grid])
 
     def __call__(self, args: tuple) -> bool:
@@ -213,15 +216,26 @@ class DirectLaunch:
         return True
 
 
-_direct = {"enabled": True}
+def _direct_from_environment() -> bool:
+    return os.environ.get("VIT_KERNELS_DIRECT_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Off unless VIT_KERNELS_DIRECT_LAUNCH=1: the direct launch has run on the simulated device and the
+# CPU, not yet on a GPU (make test-gpu's tests/test_direct_launch.py and the GPU report's host-cost
+# table check and time it there).
+_direct = {"enabled": _direct_from_environment()}
 _direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, or None
 
 
-def set_direct_launch(enabled: bool) -> None:
-    """Whether a plan's later calls launch its compiled kernel directly (``DirectLaunch``); off,
-    every launch goes through ``kernel[grid]``."""
-    _direct["enabled"] = enabled
-    _direct_launches.clear()
+@contextlib.contextmanager
+def direct_launch(enabled: bool) -> Iterator[None]:
+    """Inside the block, whether a plan's later calls launch its compiled kernel directly
+    (``DirectLaunch``) or every launch goes through ``kernel[grid]``."""
+    before, _direct["enabled"] = _direct["enabled"], enabled
+    try:
+        yield
+    finally:
+        _direct["enabled"] = before
 
 
 __all__ = [

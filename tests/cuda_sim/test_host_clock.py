@@ -121,14 +121,14 @@ def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
 # --simulated-gpu prints them). An autograd Function's apply and the autograd engine count as one
 # PyTorch call each.
 WARM_CALL_BUDGETS = {
-    "patch_embed": (14, 55, 11, 29),
-    "attention": (17, 36, 14, 53),
-    "linear_gelu": (19, 52, 28, 71),
-    "linear": (18, 57, 24, 62),
-    "mlp": (27, 94, 38, 115),
-    "layer_norm": (16, 59, 12, 47),
-    "swiglu": (18, 64, 42, 119),
-    "swiglu_mlp": (26, 105, 59, 171),
+    "patch_embed": (13, 43, 11, 29),
+    "attention": (16, 20, 12, 13),
+    "linear_gelu": (18, 38, 26, 43),
+    "linear": (17, 43, 22, 34),
+    "mlp": (25, 66, 34, 59),
+    "layer_norm": (15, 43, 11, 29),
+    "swiglu": (17, 48, 38, 63),
+    "swiglu_mlp": (24, 75, 53, 87),
 }
 COUNTS = ("frames", "torch calls", "bwd frames", "bwd torch calls")
 

@@ -1,0 +1,66 @@
+"""Direct launches (``_triton.DirectLaunch``) on the simulated device: with them on, a warm call of
+every op, forward and backward, at ViT-B/16 shapes in bfloat16, launches its planned kernels
+directly and records the same launches (kernel, grid, arguments, keywords) as with them off. The
+simulated compiled kernel takes only what Triton's launcher takes (a three-dimensional grid, one
+value per kernel parameter in order): a layout error fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from benchmarks.host_overhead import VIT_B
+from tools.op_specs import OPS, SPECS
+from vit_kernels import _triton
+
+
+def _warm_launches(sim, op: str, inputs: dict) -> list:
+    """The launches of the third forward + backward call (the first two decide the backend, the tiles
+    and, with direct launches on, the plans' direct launches)."""
+    for _ in range(3):
+        start = len(sim.launches)
+        out = SPECS[op].run(VIT_B, **inputs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.backward(torch.ones_like(out))
+    return sim.launches[start:]
+
+
+def _same_launch(a, b) -> bool:
+    def same(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+            )
+        return x == y
+
+    return (
+        a.kernel is b.kernel
+        and a.grid == b.grid
+        and a.kwargs == b.kwargs
+        and len(a.args) == len(b.args)
+        and all(same(x, y) for x, y in zip(a.args, b.args))
+    )
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_warm_call_launches_directly_what_kernel_grid_launches(sim, monkeypatch, op):
+    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, "cuda", torch.bfloat16).items()}
+    direct_calls = []
+    call = _triton.DirectLaunch.__call__
+    monkeypatch.setattr(
+        _triton.DirectLaunch,
+        "__call__",
+        lambda self, args: direct_calls.append(call(self, args)) or direct_calls[-1],
+    )
+    with vk.use_backend("triton", strict=True):
+        with _triton.direct_launch(False):
+            through_jit = _warm_launches(sim, op, inputs)
+        assert not direct_calls
+        with _triton.direct_launch(True):
+            direct = _warm_launches(sim, op, inputs)
+    assert through_jit and len(direct) == len(through_jit)
+    assert all(_same_launch(a, b) for a, b in zip(direct, through_jit)), (direct, through_jit)
+    assert any(direct_calls), "no launch of a warm call was direct"
