@@ -6,8 +6,9 @@ so the time is the host's: argument checks, dispatch, autograd bookkeeping, laun
 requiring grad as in training. A measurement is ``calls`` back-to-back calls with the device
 synchronised only before and after the loop; the figure is the median over ``rounds`` of the loop
 time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directly), then
-``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop). On the CPU,
-Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
+``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop), and
+``triton-direct``: the triton backend with plans launched directly (``vit_kernels._triton.DirectLaunch``).
+On the CPU, Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
 GPU runs, launches stubbed), this project's own Python per warm call of ``vk.<op>`` at ViT-B/16
@@ -48,8 +49,8 @@ from vit_kernels._timer import time_runs
 from vit_kernels._triton import direct_launch
 
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
-COLUMNS = ("pytorch", "torch", "extension", "triton", "triton direct", "auto")
-DIRECT = "triton direct"  # the triton backend with plans launched directly (vit_kernels._triton.DirectLaunch)
+COLUMNS = ("pytorch", "torch", "extension", "triton", "triton-direct", "auto")
+DIRECT = "triton-direct"  # the triton backend with plans launched directly (vit_kernels._triton.DirectLaunch)
 # (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
@@ -59,7 +60,9 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
 
     def loop():
         with (
-            contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name.split()[0], strict=True),
+            contextlib.nullcontext()
+            if name == "pytorch"
+            else vk.use_backend(name.removesuffix("-direct"), strict=True),
             direct_launch(name == DIRECT),
         ):
             for _ in range(calls):
@@ -73,7 +76,7 @@ def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Opt
         return None
     if name in ("triton", DIRECT) and device.type == "cpu":
         return "Triton runs only interpreted on the CPU"
-    return backend.unsupported_reason(op, name.split()[0], device, dtype)
+    return backend.unsupported_reason(op, name.removesuffix("-direct"), device, dtype)
 
 
 def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[], object]:
