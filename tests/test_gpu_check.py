@@ -63,7 +63,7 @@ def first_seen(items) -> list:
 
 def test_launchers_record_gpu_configs_on_meta_tensors():
     """A linear forward on meta tensors records one launch per GEMM candidate tile (what a GPU would
-    validate and time), each with its grid computed from its tile: the pointer kernel's table, then
+    validate and time), each with its grid computed from its tile: the pointer kernel's default, then
     the persistent TMA kernel's (one program per SM of an H100, at most one per tile)."""
     shapes = []
     launches = recorded(
@@ -89,7 +89,7 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
         for v in variants
     )
     assert tiles == list(gemm.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
-    assert tiles == list(gemm.GEMM_TILES_16BIT + gemm.GEMM_TILES_TMA)
+    assert tiles == list(gemm.GEMM_TILES_16BIT[:1] + gemm.GEMM_TILES_TMA)
     for v in variants:
         blocks = triton.cdiv(64 * 197, v.kwargs["BLOCK_M"]) * triton.cdiv(3072, v.kwargs["BLOCK_N"])
         persistent = v.name == "_linear_tma_kernel"
