@@ -371,13 +371,8 @@ class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else
     module = None  # nothing loaded: CompiledKernel.__del__ reads it
 
     def __init__(self, recorder: "Recorder", kernel, grid: tuple, args: tuple, kwargs: dict):
-        self.recorder, self.kernel, self.grid, self.n_args, self.kwargs = (
-            recorder,
-            kernel,
-            grid,
-            len(args),
-            kwargs,
-        )
+        self.recorder, self.kernel, self.grid = recorder, kernel, grid
+        self.n_args, self.kwargs = len(args), kwargs
         parameters = list(inspect.signature(kernel.fn).parameters.values())
         self.tail = [kwargs.get(p.name, p.default) for p in parameters[len(args) :]]
 
