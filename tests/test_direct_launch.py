@@ -53,9 +53,19 @@ class _Kernel:
 
 
 @pytest.fixture(autouse=True)
-def _direct_on():
+def _direct_on(request, monkeypatch):
+    if "cuda" not in request.node.name:  # the stand-in kernel's launches, on device 0 of no GPU
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with direct_launch(True):
         yield
+
+
+def test_a_change_of_the_current_device_goes_through_kernel_grid(monkeypatch):
+    kernel, plan, x, y = _Kernel(), ["a plan"], torch.randn(64), torch.randn(64)
+    for device in (0, 1, 1):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda device=device: device)
+        launch(kernel, (1,), x, y, 64, 0.5, plan=plan, BLOCK=32)
+    assert [call[0] for call in kernel.calls] == ["jit", "jit", "direct"]
 
 
 def test_a_plans_later_calls_launch_directly_with_every_parameter_in_order():

@@ -381,6 +381,9 @@ def test_a_first_call_on_a_gpu_launches_every_candidate():
     )
     small = gemm.gemm_candidates(dt, 50, 3072)
     assert small and all(tile.block_m <= 64 for tile in small)
+    # where no TMA tile fits (each is 128 x 128 or more), the pointer kernel's fitting tiles, as without TMA
+    for m, n in ((50, 3072), (25216, 10)):
+        assert gemm.gemm_candidates(dt, m, n, tma=True) == gemm.gemm_candidates(dt, m, n)
     assert gemm.gemm_candidates(torch.float32, 10_000, 10_000) == gemm.GEMM_TILES_FP32
 
 

@@ -161,14 +161,17 @@ class DirectLaunch:
     alignment at the same places and the same other arguments is the same specialisation: its
     compiled kernel is launched by ``CompiledKernel[grid]``, the launcher ``kernel[grid]`` ends in,
     with the argument list ``kernel[grid]`` gives it (every parameter in order: the positional
-    arguments, then the keywords' and defaults' values), on the current device's current stream as
-    ``kernel[grid]``. Any other call takes ``kernel[grid]``, which compiles or finds its kernel and
-    becomes the plan's direct launch."""
+    arguments, then the keywords' and defaults' values), on the current stream as ``kernel[grid]``.
+    Any other call (or one on another current device) takes ``kernel[grid]``, which compiles or finds
+    its kernel and becomes the plan's direct launch. What Triton reads per call besides the
+    arguments (its ``knobs``' debug and instrumentation options, a kernel's pre-run hooks, changed
+    globals) is read at the plan's first call only."""
 
-    __slots__ = ("plan", "checks", "split", "scalars", "tail", "run")
+    __slots__ = ("plan", "device", "checks", "split", "scalars", "tail", "run")
 
-    def __init__(self, plan, checks: tuple, split: int, scalars: tuple, tail: tuple, run):
+    def __init__(self, plan, device: int, checks: tuple, split: int, scalars: tuple, tail: tuple, run):
         self.plan = plan
+        self.device = device  # the current device its kernel was loaded on
         self.checks = checks  # (index, (dtype, 16-byte aligned) of a tensor, else the value) up to split
         self.split = split  # the arguments from here on are neither tensors nor None
         self.scalars = scalars
@@ -182,7 +185,7 @@ class DirectLaunch:
         out as ``kernel[grid]`` lays them out."""
         if not isinstance(compiled, triton.compiler.CompiledKernel):
             return None
-        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        parameters = _parameters(kernel.fn)
         if len(args) > len(parameters):
             return None
         tail = []
@@ -199,7 +202,9 @@ class DirectLaunch:
         )
         # CompiledKernel[grid] reads three dimensions where kernel[grid] fills the missing ones with 1
         grid = (*grid, *(1,) * (3 - len(grid)))
-        return DirectLaunch(plan, checks, split, args[split:], tuple(tail), compiled[grid])
+        return DirectLaunch(
+            plan, torch.cuda.current_device(), checks, split, args[split:], tuple(tail), compiled[grid]
+        )
 
     def __call__(self, args: tuple) -> bool:
         """Launch on ``args`` if they are the same specialisation; whether it launched."""
@@ -212,8 +217,16 @@ class DirectLaunch:
                     return False
             elif a is not expected and a != expected:
                 return False
+        if torch.cuda.current_device() != self.device:
+            return False
         self.run(*args, *self.tail)
         return True
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable) -> tuple:
+    """A kernel's Python function's parameters, in order."""
+    return tuple(inspect.signature(fn).parameters.values())
 
 
 def _direct_from_environment() -> bool:
@@ -230,7 +243,8 @@ _direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, 
 @contextlib.contextmanager
 def direct_launch(enabled: bool) -> Iterator[None]:
     """Inside the block, whether a plan's later calls launch its compiled kernel directly
-    (``DirectLaunch``) or every launch goes through ``kernel[grid]``."""
+    (``DirectLaunch``) or every launch goes through ``kernel[grid]`` (for the whole process, every
+    thread: the benchmarks' and tests' switch; ``VIT_KERNELS_DIRECT_LAUNCH`` sets it at import)."""
     before, _direct["enabled"] = _direct["enabled"], enabled
     try:
         yield

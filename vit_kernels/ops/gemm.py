@@ -143,17 +143,19 @@ class GemmPlan(NamedTuple):
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
-    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: the dtype's table, or
-    where ``tma`` the TMA kernel's tiles after the pointer kernel's default, without tiles much
-    larger than the problem (at most max(64, m) rows and max(64, n) columns; the table's smallest
-    tile where none is left). Where TMA reads the operands its tiles won each of the four 16-bit
+    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: where ``tma`` the TMA
+    kernel's tiles after the pointer kernel's default, else (or where none of them fits) the dtype's
+    table, without tiles much larger than the problem (at most max(64, m) rows and max(64, n)
+    columns; the table's smallest tile where none is left). Where TMA reads the operands its tiles won each of the four 16-bit
     GEMMs timed on an H200, by 5 to 29% over the best pointer tile
     (benchmarks/results/h200-2026-11-26.md), so the other eight pointer tiles are not compiled
     there: a first call per key compiles 6 candidates instead of 14."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
-    tiles = tiles[:1] + GEMM_TILES_TMA if tma else tiles
-    fitting = tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
-    return fitting or tiles[-1:]
+
+    def fitting(tiles: tuple) -> tuple:
+        return tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
+
+    return (tma and fitting(tiles[:1] + GEMM_TILES_TMA)) or fitting(tiles) or tiles[-1:]
 
 
 def tma_transposed(t: torch.Tensor) -> Optional[bool]:
