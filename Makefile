@@ -97,7 +97,7 @@ test-all: $(STAMP)
 
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
-# without a GPU it confirms what it collects, says so and passes. The tile tables and the files the
+# without a GPU it confirms what it collects, says so and passes. The direct launch's tests, the tile tables and the files the
 # GPU runs found wrong go first (FIRST of tools/gpu_tests.py, as in the GPU report); with
 # pytest-xdist installed, GPU_TEST_WORKERS processes (tools/gpu_tests.py, default one per core, 8 to 16) share the GPU
 # (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
