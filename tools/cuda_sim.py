@@ -370,28 +370,27 @@ class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else
 
     module = None  # nothing loaded: CompiledKernel.__del__ reads it
 
-    def __init__(self, recorder: "Recorder", kernel, grid: tuple, args: tuple, kwargs: dict):
-        self.recorder, self.kernel, self.grid = recorder, kernel, grid
-        self.n_args, self.kwargs = len(args), kwargs
-        parameters = list(inspect.signature(kernel.fn).parameters.values())
-        self.tail = [kwargs.get(p.name, p.default) for p in parameters[len(args) :]]
+    def __init__(self, recorder: "Recorder", launched: Launch):
+        self.recorder, self.launched = recorder, launched
 
     def __getitem__(self, grid):
-        if tuple(grid) != (*self.grid, *(1,) * (3 - len(self.grid))):
-            raise IndexError(f"CompiledKernel[grid] takes the three dimensions of {self.grid}, got {grid}")
+        launched = self.launched
+        kernel, own_grid, args, kwargs = launched.kernel, launched.grid, launched.args, launched.kwargs
+        if tuple(grid) != (*own_grid, *(1,) * (3 - len(own_grid))):
+            raise IndexError(f"CompiledKernel[grid] takes the three dimensions of {own_grid}, got {grid}")
+        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        tail = [kwargs.get(p.name, p.default) for p in parameters[len(args) :]]
 
         def run(*values):
-            if len(values) != self.n_args + len(self.tail) or any(
-                v is not t and v != t for v, t in zip(values[self.n_args :], self.tail)
+            if len(values) != len(args) + len(tail) or any(
+                v is not t and v != t for v, t in zip(values[len(args) :], tail)
             ):
-                raise TypeError(f"{self.kernel}: the launcher's values are not kernel[grid]'s")
+                raise TypeError(f"{kernel}: the launcher's values are not kernel[grid]'s")
 
             def launch():
-                self.recorder.launches.append(
-                    Launch(self.kernel, self.grid, values[: self.n_args], self.kwargs)
-                )
+                self.recorder.launches.append(Launch(kernel, own_grid, values[: len(args)], kwargs))
 
-            _clocked(launch, "launch", self.kernel[self.grid], values[: self.n_args], self.kwargs)
+            _clocked(launch, "launch", kernel[own_grid], values[: len(args)], kwargs)
 
         return run
 
@@ -542,13 +541,12 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
     props = types.SimpleNamespace(**ARCHITECTURES[arch])
 
     def record(self, *args, grid, warmup, **kwargs):
-        grid = tuple(grid(kwargs) if callable(grid) else grid)
+        def launch():  # and return the compiled kernel, as Triton's: not our time
+            launched = Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs)
+            recorder.launches.append(launched)
+            return _SimulatedCompiledKernel(recorder, launched)
 
-        def launch():
-            recorder.launches.append(Launch(self, grid, args, kwargs))
-
-        _clocked(launch, "launch", self[grid], args, kwargs)
-        return _SimulatedCompiledKernel(recorder, self, grid, args, kwargs)
+        return _clocked(launch, "launch", self[grid], args, kwargs)
 
     cuda = torch.cuda
     patches = [
