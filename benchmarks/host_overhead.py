@@ -196,15 +196,16 @@ VIT_B = Shape(
 )
 
 
-def _forward_then_backward(call: Callable[[], object]) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(forward, backward): ``call()`` kept as a graph, then its backward from fixed random output
-    gradients (one per output, made at the first forward)."""
+def forward_then_backward(call: Callable[[], object]) -> tuple[Callable[[], list], Callable[[], None]]:
+    """(forward, backward): ``call()`` kept as a graph (forward returns its outputs as a list), then
+    its backward from fixed random output gradients (one per output, made at the first forward)."""
     graph: dict[str, list] = {}
 
-    def forward():
+    def forward() -> list:
         outputs = call()
         graph["outputs"] = outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
         graph.setdefault("grads", [torch.randn_like(o) for o in outputs])
+        return outputs
 
     def backward():
         torch.autograd.backward(graph["outputs"], graph["grads"])
@@ -240,7 +241,7 @@ def measure_simulated(
                     if name != "triton":
                         continue
                     row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
-                    forward, backward = _forward_then_backward(call)
+                    forward, backward = forward_then_backward(call)
                     for _ in range(3):  # the backward's own first-call decisions
                         forward()
                         backward()

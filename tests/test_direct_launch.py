@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from benchmarks.host_overhead import VIT_B
-from tests.helpers import CUDA, cuda_param, device_reason
+from benchmarks.host_overhead import VIT_B, forward_then_backward
+from tests.helpers import CUDA, cuda_param, device_reason, spy_direct_launches
 from tools.op_specs import OPS, SPECS
-from vit_kernels import _triton
 
 from vit_kernels._triton import HAS_TRITON, direct_launch, launch, triton
 
@@ -140,33 +139,28 @@ def test_a_kernel_grid_that_returns_no_compiled_kernel_is_never_launched_directl
 @pytest.mark.parametrize(
     "op", [cuda_param(op, id=op, skip_reason=device_reason("triton", CUDA)) for op in OPS]
 )
-def test_a_warm_call_launched_directly_gives_the_same_bits_on_the_gpu(op):
+def test_a_warm_call_launched_directly_gives_the_same_bits_on_the_gpu(monkeypatch, op):
     """Forward and backward of ``op`` at ViT-B/16 shapes (batch 2) in bfloat16 on the triton backend:
     the third call with direct launches (the first decides, the second makes the direct launches)
-    against a call through ``kernel[grid]`` on the same inputs: outputs and gradients bit for bit."""
+    against a call through ``kernel[grid]`` on the same inputs and output gradients: outputs and
+    gradients bit for bit."""
     torch.manual_seed(0)
     inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, CUDA, torch.bfloat16).items()}
+    forward, backward = forward_then_backward(lambda: SPECS[op].run(VIT_B, **inputs))
 
     def run() -> list:
-        out = SPECS[op].run(VIT_B, **inputs)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.backward(torch.ones_like(out))
+        outputs = [o.detach().clone() for o in forward()]
+        backward()
         grads = [t.grad.clone() for t in inputs.values() if t.grad is not None]
         for t in inputs.values():
             t.grad = None
-        return [out.detach().clone(), *grads]
+        return outputs + grads
 
+    launched = spy_direct_launches(monkeypatch)
     with vk.use_backend("triton", strict=True):
         with direct_launch(False):
             through_jit = run()
-        launched = []
-        call = _triton.DirectLaunch.__call__
-        with direct_launch(True), pytest.MonkeyPatch.context() as patch:
-            patch.setattr(
-                _triton.DirectLaunch,
-                "__call__",
-                lambda self, a: launched.append(call(self, a)) or launched[-1],
-            )
+        with direct_launch(True):
             run()
             direct = run()
         torch.cuda.synchronize()

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import sys
 import threading
 import time
@@ -64,7 +63,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _measure, _proof, _signature, _tiles, backend
+from vit_kernels import _ext, _measure, _proof, _signature, _tiles, _triton, backend
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels._tune_cache import DiskCache
 from vit_kernels.ops import attention
@@ -378,8 +377,7 @@ class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else
         kernel, own_grid, args, kwargs = launched.kernel, launched.grid, launched.args, launched.kwargs
         if tuple(grid) != (*own_grid, *(1,) * (3 - len(own_grid))):
             raise IndexError(f"CompiledKernel[grid] takes the three dimensions of {own_grid}, got {grid}")
-        parameters = list(inspect.signature(kernel.fn).parameters.values())
-        tail = [kwargs.get(p.name, p.default) for p in parameters[len(args) :]]
+        tail = [kwargs.get(p.name, p.default) for p in _triton._parameters(kernel.fn)[len(args) :]]
 
         def run(*values):
             if len(values) != len(args) + len(tail) or any(

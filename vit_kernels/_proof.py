@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence, TextIO
 
 import torch
 
-from vit_kernels import _signature, _triton
+from vit_kernels import _env, _signature, _triton
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 PREFIX = "vit_kernels-proof:"
@@ -58,10 +58,6 @@ CHILD = "from vit_kernels._proof import child_main; child_main()"
 CHILD_CONTEXT_BYTES = 1 << 30  # a child's CUDA context and Triton's modules, besides its tensors
 
 
-def _enabled_from_environment() -> bool:
-    return os.environ.get("VIT_KERNELS_PROVE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def _children_from_environment() -> int:
     text = os.environ.get("VIT_KERNELS_PROOF_CHILDREN", "").strip()
     if not text:
@@ -71,7 +67,10 @@ def _children_from_environment() -> int:
     return int(text)
 
 
-_settings = {"enabled": _enabled_from_environment(), "children": _children_from_environment()}
+_settings = {
+    "enabled": _env.flag("VIT_KERNELS_PROVE_TILES", default=True),
+    "children": _children_from_environment(),
+}
 _disk = DiskCache(default_folder(), "proofs")
 _verdicts: dict[str, str] = {}  # disk key -> OK or why the candidate is excluded, for this process
 

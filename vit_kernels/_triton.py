@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 import threading
 import types
 from typing import Callable, Iterator
 
 import torch
 
+from vit_kernels import _env
 from vit_kernels._autograd import tracing
 
 try:
@@ -229,14 +229,10 @@ def _parameters(fn: Callable) -> tuple:
     return tuple(inspect.signature(fn).parameters.values())
 
 
-def _direct_from_environment() -> bool:
-    return os.environ.get("VIT_KERNELS_DIRECT_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 # Off unless VIT_KERNELS_DIRECT_LAUNCH=1: the direct launch has run on the simulated device and the
 # CPU, not yet on a GPU (make test-gpu's tests/test_direct_launch.py and the GPU report's host-cost
 # table check and time it there).
-_direct = {"enabled": _direct_from_environment()}
+_direct = {"enabled": _env.flag("VIT_KERNELS_DIRECT_LAUNCH", default=False)}
 _direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, or None
 
 

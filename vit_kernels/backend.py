@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _measure, _proof, _signature, _tiles
+from vit_kernels import _env, _measure, _proof, _signature, _tiles
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._tune_cache import DiskCache, default_folder
@@ -56,7 +56,7 @@ OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm",
 # VIT_KERNELS_AUTOTUNE=0 turns measuring off.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-AUTOTUNE = os.environ.get("VIT_KERNELS_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+AUTOTUNE = _env.flag("VIT_KERNELS_AUTOTUNE", default=True)
 
 # ``supports(device, dtype)`` returns None when the implementation can run there, else the reason.
 SupportCheck = Callable[[torch.device, torch.dtype], Optional[str]]

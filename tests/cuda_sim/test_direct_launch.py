@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from benchmarks.host_overhead import VIT_B
+from benchmarks.host_overhead import VIT_B, forward_then_backward
+from tests.helpers import spy_direct_launches
 from tools.op_specs import OPS, SPECS
 from vit_kernels import _triton
 
@@ -18,11 +19,11 @@ from vit_kernels import _triton
 def _warm_launches(sim, op: str, inputs: dict) -> list:
     """The launches of the third forward + backward call (the first two decide the backend, the tiles
     and, with direct launches on, the plans' direct launches)."""
+    forward, backward = forward_then_backward(lambda: SPECS[op].run(VIT_B, **inputs))
     for _ in range(3):
         start = len(sim.launches)
-        out = SPECS[op].run(VIT_B, **inputs)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.backward(torch.ones_like(out))
+        forward()
+        backward()
     return sim.launches[start:]
 
 
@@ -48,13 +49,7 @@ def _same_launch(a, b) -> bool:
 @pytest.mark.parametrize("op", OPS)
 def test_a_warm_call_launches_directly_what_kernel_grid_launches(sim, monkeypatch, op):
     inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, "cuda", torch.bfloat16).items()}
-    direct_calls = []
-    call = _triton.DirectLaunch.__call__
-    monkeypatch.setattr(
-        _triton.DirectLaunch,
-        "__call__",
-        lambda self, args: direct_calls.append(call(self, args)) or direct_calls[-1],
-    )
+    direct_calls = spy_direct_launches(monkeypatch)
     with vk.use_backend("triton", strict=True):
         with _triton.direct_launch(False):
             through_jit = _warm_launches(sim, op, inputs)

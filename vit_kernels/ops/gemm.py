@@ -146,8 +146,8 @@ def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tu
     """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: where ``tma`` the TMA
     kernel's tiles after the pointer kernel's default, else (or where none of them fits) the dtype's
     table, without tiles much larger than the problem (at most max(64, m) rows and max(64, n)
-    columns; the table's smallest tile where none is left). Where TMA reads the operands its tiles won each of the four 16-bit
-    GEMMs timed on an H200, by 5 to 29% over the best pointer tile
+    columns; the table's smallest tile where none is left). Where TMA reads the operands its tiles
+    won each of the four 16-bit GEMMs timed on an H200, by 5 to 29% over the best pointer tile
     (benchmarks/results/h200-2026-11-26.md), so the other eight pointer tiles are not compiled
     there: a first call per key compiles 6 candidates instead of 14."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
