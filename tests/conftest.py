@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import vit_kernels as vk  # noqa: E402
 from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
 from vit_kernels import _proof, _tiles, backend  # noqa: E402
+from tools.cuda_sim import replay_in_this_process  # noqa: E402
 from vit_kernels._tune_cache import DiskCache  # noqa: E402
 
 
@@ -45,8 +46,7 @@ def tile_choices_in_memory(monkeypatch):
     seconds each (tests/test_proof.py starts real children)."""
     monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
     monkeypatch.setattr(_proof, "_disk", DiskCache(None, "proofs"))
-    monkeypatch.setattr(_proof, "_verdicts", {})
-    monkeypatch.setattr(_proof, "run_child", _proof.replay_in_this_process)
+    monkeypatch.setattr(_proof, "run_child", replay_in_this_process)
     monkeypatch.setitem(_proof._settings, "children", 1)
     _tiles.TileChooser.forget_all()
 

@@ -28,7 +28,6 @@ def children(monkeypatch, tmp_path):
         return _proof._spawn(spec)
 
     monkeypatch.setattr(_proof, "_disk", DiskCache(tmp_path, "proofs"))
-    monkeypatch.setattr(_proof, "_verdicts", {})
     monkeypatch.setattr(_proof, "run_child", spawn)
     return started
 
@@ -56,7 +55,7 @@ def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven
     assert torch.equal(out, torch.zeros(3))  # recorded, not run, in this process
     # kept: in memory, then on disk for another process
     assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
-    monkeypatch.setattr(_proof, "_verdicts", {})
+    _proof._disk.clear()  # as another process: read from the file
     assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
     assert len(children) == 4
     assert _proof.verdicts("test", ("other key",), CPU, ["first"], fill_run(out)) == {"first": None}
@@ -235,4 +234,4 @@ def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(ch
         "refused": "raised while recording its launches: MemoryError: out of memory",
         "first": None,
     }
-    assert not any(" | 'refused'" in key for key in _proof._verdicts)  # not kept: may pass next time
+    assert not any(" | 'refused'" in key for key, _ in _proof._disk.items())  # not kept: may pass next time

@@ -78,7 +78,7 @@ def test_a_time_that_is_not_finite_excludes_the_candidate(monkeypatch):
     monkeypatch.setattr(_measure, "_time", lambda runs, device: {name: (math.nan, math.nan) for name in runs})
     x, fn = torch.randn(4, 8), backend._registry["layer_norm"]["torch"].fn
     args = (x, torch.randn(8), torch.randn(8), 1e-5)
-    results = _measure.measure({"torch": fn}, fn, args, args, x.device, torch.float32, False)
+    results = _measure.measure({"torch": fn}, args, args, x.device, torch.float32, False)
     assert results["torch"].error == "its time is not finite"
 
 

@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import io
+import pickle
 import sys
 import threading
 import time
@@ -247,6 +249,14 @@ _MOVES = (
     torch.Tensor.new_full,
     torch.Tensor.new_tensor,
 )
+
+
+def replay_in_this_process(spec: bytes) -> tuple[str, str]:
+    """``_proof.run_child``'s stand-in where no child can run the device (the simulated CUDA device,
+    and the tests on the CPU): the same pickled spec, replayed in this process."""
+    out = io.StringIO()
+    status = _proof.replay(pickle.loads(spec), out)
+    return out.getvalue(), _proof._ending(status)
 
 
 def _cuda0() -> torch.device:
@@ -467,7 +477,7 @@ def exceptions_caught() -> list[str]:
     device every value reads 0 and every candidate validates, so any exclusion is an exception."""
     found = [
         f"auto, {signature}, {name}: {outcome}"
-        for signature, entry in backend._measured.items()
+        for signature, entry in backend._disk.items()
         for name, outcome in entry["candidates"].items()
         if isinstance(outcome, str) and "raised" in outcome
     ]
@@ -585,8 +595,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
         mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
-        mock.patch.object(_proof, "_verdicts", {}),
-        mock.patch.object(_proof, "run_child", _proof.replay_in_this_process),
+        mock.patch.object(_proof, "run_child", replay_in_this_process),
         mock.patch.dict(_proof._settings, children=1),
         mock.patch.object(backend, "_disk", DiskCache(None)),
         mock.patch.dict(attention._UNUSED_SEEDS, clear=True),  # a simulated tensor must not outlive it

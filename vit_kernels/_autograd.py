@@ -52,10 +52,7 @@ def direct(body: Callable) -> Callable:
 
 
 def differentiable(
-    body: Callable,
-    backward: Callable,
-    setup_context: Callable,
-    double_backward: bool = False,
+    body: Callable, backward: Callable, setup_context: Callable, double_backward: bool = False
 ) -> Callable:
     """Register ``body`` as an op (``_register``) with ``backward`` / ``setup_context`` as its
     autograd and return the op's eager-fast callable: the registered op while tracing;

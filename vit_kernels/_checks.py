@@ -72,12 +72,7 @@ def check_probability(name: str, value: object) -> float:
 def check_optional_positive_float(name: str, value: object) -> Optional[float]:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be None or a positive finite float, got {value!r}")
     return float(value)
 
@@ -103,11 +98,6 @@ def autocast_dtype_of(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
-def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype in force for ``device``, or None when autocast is off there."""
-    return autocast_dtype_of(device.type)
-
-
 def one_device_and_dtype(
     name: str,
     first: torch.Tensor,
@@ -121,7 +111,7 @@ def one_device_and_dtype(
     promote). None entries are absent tensors. -> (first, *operands), as cast."""
     kept = kept or {}
     check_same_device(name, first, **operands, **kept)
-    amp = autocast_dtype(first.device)
+    amp = autocast_dtype_of(first.device.type)
     first, *cast = cast_all(amp, first, *operands.values())
     check_same_dtype(name, first, **dict(zip(operands, cast)))
     if amp is None:

@@ -59,30 +59,27 @@ class Explanation:
     def __str__(self) -> str:
         if not self.rows:
             return "vit_kernels.explain(): no op has run yet"
-        cells = []
-        for r in self.rows:
-            candidates = "; ".join(f"{b}: {v}" for b, v in r.candidates.items())
-            cells.append(
-                (
-                    r.op,
-                    r.device,
-                    r.dtype.replace("torch.", ""),
-                    r.shapes,
-                    "yes" if r.grad else "no",
-                    r.backend,
-                    r.source,
-                    candidates,
-                )
+        cells = [
+            (
+                r.op,
+                r.device,
+                r.dtype.replace("torch.", ""),
+                r.shapes,
+                "yes" if r.grad else "no",
+                r.backend,
+                r.source,
             )
+            for r in self.rows
+        ]
         widths = [
             min(48, max(len(c), *(len(row[i]) for row in cells))) for i, c in enumerate(self.COLUMNS[:-1])
         ]
         lines = ["  ".join(c.ljust(w) for c, w in zip(self.COLUMNS, widths)) + "  candidates"]
         for r, row in zip(self.rows, cells):
-            lines.append("  ".join(v.ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
+            candidates = "; ".join(f"{b}: {v}" for b, v in r.candidates.items())
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)) + "  " + candidates)
             lines.append(
-                " " * 4
-                + f"why: {r.reason} ({r.calls} call{'s' if r.calls != 1 else ''}, asked: {r.requested})"
+                f"    why: {r.reason} ({r.calls} call{'s' if r.calls != 1 else ''}, asked: {r.requested})"
             )
         return "\n".join(lines)
 

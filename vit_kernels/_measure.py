@@ -111,9 +111,9 @@ def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[fl
     return {name: (pick(t), statistics.median(t)) for name, t in times.items()}
 
 
+@_tiles.without_autocast()
 def measure(
     candidates: dict[str, Callable],
-    reference: Callable,
     args: Sequence[Any],
     validation_args: Sequence[Any],
     device: torch.device,
@@ -123,12 +123,8 @@ def measure(
     """Validate and time each of ``candidates`` (backend -> fn; the reference among them under its
     name) on clones of ``args``. ``validation_args`` are the same call made deterministic (e.g.
     dropout off), used for the comparison; timing uses ``args``."""
-    with _tiles.without_autocast():
-        return _measure(candidates, reference, args, validation_args, device, dtype, grad)
-
-
-def _measure(candidates, reference, args, validation_args, device, dtype, grad) -> dict[str, Candidate]:
     results: dict[str, Candidate] = {}
+    reference = candidates["torch"]
     devices = (
         [device.index if device.index is not None else torch.cuda.current_device()]
         if device.type == "cuda"

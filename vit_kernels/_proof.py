@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import io
 import os
 import pickle
 import queue
@@ -72,11 +71,6 @@ _settings = {
     "children": _children_from_environment(),
 }
 _disk = DiskCache(default_folder(), "proofs")
-_verdicts: dict[str, str] = {}  # disk key -> OK or why the candidate is excluded, for this process
-
-
-def set_enabled(enabled: bool) -> None:
-    _settings["enabled"] = enabled
 
 
 def enabled() -> bool:
@@ -87,7 +81,6 @@ def set_cache_folder(folder) -> None:
     """Where verdicts persist (beside the tile choices; None: memory only)."""
     global _disk
     _disk = DiskCache(folder, "proofs")
-    _verdicts.clear()
 
 
 @dataclass(frozen=True)
@@ -199,22 +192,16 @@ def verdicts(
         kept = {}
         for tile, verdict in _prove(device, recorded).items():
             found[tile] = verdict
-            if not verdict.startswith(
-                RECORDING_RAISED
-            ):  # this process's refusal (out of memory...) is not kept
+            # this process's refusal (out of memory...) is not kept
+            if not verdict.startswith(RECORDING_RAISED):
                 kept[keys[tile]] = {"verdict": verdict}
-        _verdicts.update({disk_key: entry["verdict"] for disk_key, entry in kept.items()})
         _disk.put_all(kept)
     return {tile: None if verdict == OK else verdict for tile, verdict in found.items()}
 
 
 def _known(disk_key: str) -> Optional[str]:
-    verdict = _verdicts.get(disk_key)
-    if verdict is None:
-        stored = _disk.get(disk_key)
-        if stored is not None and isinstance(stored.get("verdict"), str):
-            verdict = _verdicts[disk_key] = stored["verdict"]
-    return verdict
+    verdict = (_disk.get(disk_key) or {}).get("verdict")
+    return verdict if isinstance(verdict, str) else None
 
 
 def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
@@ -257,7 +244,7 @@ def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
 
 def _children(device: torch.device, candidates: int, spans: dict) -> int:
     """How many children prove ``candidates`` at once: the setting (1 wherever
-    ``replay_in_this_process`` stands in for the child: it is not thread-safe), at most one per
+    ``tools.cuda_sim.replay_in_this_process`` stands in for the child: it is not thread-safe), at most one per
     candidate, and on CUDA no more than the free memory holds (each child allocates the call's
     storages)."""
     children = min(_settings["children"], candidates)
@@ -404,14 +391,6 @@ def replay(spec: ProofSpec, out: TextIO) -> int:
             return 3
         say("ok", i)
     return 0
-
-
-def replay_in_this_process(spec: bytes) -> tuple[str, str]:
-    """``run_child``'s stand-in where no child can run the device (the simulated CUDA device): the
-    same pickled spec, replayed here."""
-    out = io.StringIO()
-    status = replay(pickle.loads(spec), out)
-    return out.getvalue(), _ending(status)
 
 
 def child_main() -> None:

@@ -132,10 +132,6 @@ def traced_key(args: Sequence[Any]) -> tuple:
     (or guarding) any size: which arguments are tensors ("tensor") and the others by value. Under
     tracing a measured decision is matched by op, device, dtype and grad mode (see backend)."""
     return tuple(
-        "tensor"
-        if isinstance(a, torch.Tensor)
-        else a
-        if a is None or isinstance(a, (bool, int, float, str))
-        else type(a).__name__
+        "tensor" if isinstance(a, torch.Tensor) else a if isinstance(a, _PLAIN) else type(a).__name__
         for a in args
     )

@@ -246,22 +246,3 @@ def direct_launch(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _direct["enabled"] = before
-
-
-__all__ = [
-    "HAS_TRITON",
-    "TensorDescriptor",
-    "cdiv",
-    "dot_precision",
-    "as_float32",
-    "cached_call",
-    "LAUNCH_CONFIGS",
-    "interpreted",
-    "launch",
-    "multiprocessors",
-    "next_power_of_2",
-    "recorded_launches",
-    "recording",
-    "triton",
-    "tl",
-]

@@ -108,15 +108,16 @@ class DiskCache:
             )
             return {}
 
-    def get(self, key: str) -> Optional[dict]:
+    def _loaded(self) -> dict[str, dict]:
         if self._entries is None:
             self._entries = self._read()
-        return self._entries.get(key)
+        return self._entries
+
+    def get(self, key: str) -> Optional[dict]:
+        return self._loaded().get(key)
 
     def items(self) -> list[tuple[str, dict]]:
-        if self._entries is None:
-            self._entries = self._read()
-        return list(self._entries.items())
+        return list(self._loaded().items())
 
     def put(self, key: str, entry: dict) -> None:
         """Store ``entry`` and write the file (merged with the one on disk, atomically)."""
@@ -125,14 +126,14 @@ class DiskCache:
     def put_all(self, entries: dict[str, dict]) -> None:
         """Store every entry of ``entries`` and write the file once (merged, atomically); nothing to
         write for none."""
-        if self._entries is None:
-            self._entries = self._read()
-        self._entries.update(entries)
+        self._loaded().update(entries)
         if self.path is None or not entries:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            merged = {**self._read_quietly(), **self._entries}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                merged = {**self._read(), **self._entries}
             payload = json.dumps(
                 {"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True
             )
@@ -150,11 +151,6 @@ class DiskCache:
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-    def _read_quietly(self) -> dict[str, dict]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return self._read()
 
     def clear(self) -> None:
         """Forget the loaded entries (the file is read again on next use)."""

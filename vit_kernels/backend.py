@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.util
 import os
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from vit_kernels import _env, _measure, _proof, _signature, _tiles
+from vit_kernels._triton import HAS_TRITON
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._tune_cache import DiskCache, default_folder
@@ -55,7 +55,6 @@ OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm",
 # Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors;
 # VIT_KERNELS_AUTOTUNE=0 turns measuring off.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 AUTOTUNE = _env.flag("VIT_KERNELS_AUTOTUNE", default=True)
 
 # ``supports(device, dtype)`` returns None when the implementation can run there, else the reason.
@@ -73,27 +72,15 @@ class CannotRunError(RuntimeError):
     the op, the shapes and the capability or limit)."""
 
 
-def _always(device: torch.device, dtype: torch.dtype) -> None:
-    return None
-
-
-def _no_limits(*args: Any) -> None:
-    return None
-
-
-def _never(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class Impl:
     """One row of an op's table: ``fn`` and its support check, shape limits and static preference;
     registered, it also names its ``op`` and ``backend``."""
 
     fn: Callable
-    supports: SupportCheck = _always
-    limits: LimitCheck = _no_limits
-    preferred: Preference = _never
+    supports: SupportCheck = lambda device, dtype: None
+    limits: LimitCheck = lambda *args: None
+    preferred: Preference = lambda device, dtype, grad: False
     op: str = ""
     backend: str = ""
 
@@ -103,22 +90,14 @@ _validation_args: dict[str, Callable[[tuple], tuple]] = {}
 _backend_checks: dict[str, Callable[[], Optional[str]]] = {}
 
 
-def register(
-    op: str,
-    backend: str,
-    fn: Callable,
-    *,
-    supports: SupportCheck = _always,
-    preferred: Preference = _never,
-    limits: LimitCheck = _no_limits,
-) -> None:
+def register(op: str, backend: str, fn: Callable, **checks: Callable) -> None:
     """Register ``fn`` as the ``backend`` implementation of ``op`` (a name outside BACKENDS registers
     an extra candidate, e.g. a test-only implementation)."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not isinstance(backend, str) or not backend.isidentifier() or backend == "auto":
         raise ValueError(f"backend must be one of {BACKENDS} or another identifier, got {backend!r}")
-    _registry[op][backend] = Impl(fn, supports, limits, preferred, op, backend)
+    _registry[op][backend] = Impl(fn, **checks, op=op, backend=backend)
     _forget_choices()
 
 
@@ -165,13 +144,9 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
     """Why Triton kernels cannot run on tensors of ``device``, or None when they can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        if not TRITON_INTERPRET:
-            return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
-        return None
-    return f"Triton kernels do not run on {device.type} tensors"
+    if device.type == "cpu" and not TRITON_INTERPRET:
+        return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
+    return None if device.type in ("cuda", "cpu") else f"Triton kernels do not run on {device.type} tensors"
 
 
 def triton_supports_elementwise(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -211,18 +186,15 @@ def available_backends() -> dict[str, dict[str, object]]:
     A backend's per-op entry only says whether it can run on this machine at all; whether it
     supports a given device, dtype and shape is decided per call (see ``explain``).
     """
-    report: dict[str, dict[str, object]] = {}
-    for backend in BACKENDS:
-        machine_reason = backend_unavailable_reason(backend)
-        report[backend] = {}
-        for op in OPS:
-            if backend not in _registry[op]:
-                report[backend][op] = "not implemented by this backend"
-            elif machine_reason is not None:
-                report[backend][op] = machine_reason
-            else:
-                report[backend][op] = True
-    return report
+    return {
+        b: {
+            op: backend_unavailable_reason(b) or True
+            if b in _registry[op]
+            else "not implemented by this backend"
+            for op in OPS
+        }
+        for b in BACKENDS
+    }
 
 
 def unsupported_reason(
@@ -237,13 +209,6 @@ def unsupported_reason(
     if reason is None and args is not None:
         reason = impl.limits(*args)
     return reason
-
-
-def _auto_exclusion(backend: str, device: torch.device) -> Optional[str]:
-    """Why ``auto`` leaves out an implementation that could run."""
-    if backend == "triton" and device.type == "cpu":
-        return "interpreted Triton (TRITON_INTERPRET=1) is a test tool, never a candidate for auto on the CPU"
-    return None
 
 
 # ---- the context-local choice ----------------------------------------------------------------------
@@ -310,9 +275,6 @@ def _check_choice(name: str, strict: bool) -> _Choice:
         raise TypeError(f"backend must be a str, one of {CHOICES}, got {type(name).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-    extra = {b for impls in _registry.values() for b in impls if b not in BACKENDS}
-    if name not in CHOICES and name not in extra:
-        raise ValueError(f"backend must be one of {CHOICES}, got {name!r}")
     if name != "auto":
         reason = backend_unavailable_reason(name)
         if reason is not None:
@@ -375,7 +337,6 @@ class _Settings:
 
 _settings = _Settings(AUTOTUNE)
 _disk = DiskCache(default_folder())
-_measured: dict[str, dict] = {}  # signature string -> decision entry (as stored on disk)
 _memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
 _fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
 FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
@@ -428,7 +389,7 @@ def set_autotune(
     if prove_tiles is not None:
         if not isinstance(prove_tiles, bool):
             raise TypeError(f"prove_tiles must be a bool, got {type(prove_tiles).__name__}")
-        _proof.set_enabled(prove_tiles)
+        _proof._settings["enabled"] = prove_tiles
     _forget_choices()
 
 
@@ -442,16 +403,14 @@ def autotune_settings() -> dict[str, object]:
     }
 
 
-def clear_decisions(*, journal: bool = True) -> None:
+def clear_decisions() -> None:
     """Forget the decisions measured in this process (and, by default, what ``explain`` shows);
     the on-disk cache is read again on next use."""
     with _lock:
-        _measured.clear()
         _forget_choices()
         _warned.clear()
         _disk.clear()
-        if journal:
-            _journal.clear()
+        _journal.clear()
 
 
 def explain() -> Explanation:
@@ -515,19 +474,11 @@ class _Call:
 
 
 def _capability(call: _Call, backend: str) -> Optional[str]:
-    impl = _registry[call.op][backend]
-    return (
-        backend_unavailable_reason(backend)
-        or impl.supports(call.device, call.dtype)
-        or call.limit_reasons.get(backend)
-    )
+    return unsupported_reason(call.op, backend, call.device, call.dtype) or call.limit_reasons.get(backend)
 
 
 def _describe(entry: dict) -> dict[str, str]:
-    out = {}
-    for b, v in entry["candidates"].items():
-        out[b] = v if isinstance(v, str) else f"{v:.3f} ms"
-    return out
+    return {b: v if isinstance(v, str) else f"{v:.3f} ms" for b, v in entry["candidates"].items()}
 
 
 def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Record]:
@@ -536,7 +487,8 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
     excluded: dict[str, str] = {}
     for b in _candidate_order(call.op):
         reason = "asked for, but cannot take this call" if b == exclude else _capability(call, b)
-        reason = reason or _auto_exclusion(b, call.device)
+        if reason is None and b == "triton" and call.device.type == "cpu":
+            reason = "interpreted Triton (TRITON_INTERPRET=1) is a test tool, never a candidate for auto on the CPU"
         if reason is None:
             capable.append(b)
         else:
@@ -546,11 +498,10 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
             requested, "torch", "only candidate", "no other implementation can take this call", excluded
         )
     key = call.signature()
-    entry = _measured.get(key) or _disk.get(key)
+    entry = _disk.get(key)
     if entry is None and call.args is None:
         entry = _unanimous(call.prefix())
     if entry is not None and entry["backend"] in capable:
-        _measured[key] = entry
         return impls[entry["backend"]], call.record(
             requested, entry["backend"], "cache", entry["reason"], {**_describe(entry), **excluded}
         )
@@ -570,7 +521,6 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
             requested, chosen, "static default", f"{why}; static default", {**candidates, **excluded}
         )
     entry = _measure_call(call, capable)
-    _measured[key] = entry
     _disk.put(key, entry)
     _decisions_changed(call.op)
     return impls[entry["backend"]], call.record(
@@ -582,7 +532,7 @@ def _unanimous(prefix: str) -> Optional[dict]:
     """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
     grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
     shapes being compiled), else None (the static default decides)."""
-    entries = [e for k, e in {**dict(_disk.items()), **_measured}.items() if k.startswith(prefix)]
+    entries = [e for k, e in _disk.items() if k.startswith(prefix)]
     if entries and len({e["backend"] for e in entries}) == 1:
         entry = dict(entries[0])
         entry["reason"] = (
@@ -599,13 +549,7 @@ def _measure_call(call: _Call, capable: list[str]) -> dict:
     started = time.perf_counter()
     try:
         results = _measure.measure(
-            {b: impls[b].fn for b in capable},
-            impls["torch"].fn,
-            call.args,
-            validation,
-            call.device,
-            call.dtype,
-            call.grad,
+            {b: impls[b].fn for b in capable}, call.args, validation, call.device, call.dtype, call.grad
         )
     finally:
         _measuring.active = False
@@ -688,29 +632,15 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
 
 
 def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
-    reasons: dict[str, str] = {}
     if not args:  # resolve(op, device, dtype) without the call: device and dtype decide alone
-        return reasons
-    for b, impl in _registry[op].items():
-        reason = impl.limits(*args)
-        if reason is not None:
-            reasons[b] = reason
-    return reasons
+        return {}
+    return {b: reason for b, impl in _registry[op].items() if (reason := impl.limits(*args)) is not None}
 
 
 @torch.compiler.assume_constant_result
 def _traced_backend(
-    op: str,
-    device_type: str,
-    device_index: int,
-    dtype: torch.dtype,
-    arg_key: tuple,
-    grad: bool,
-    limits: tuple,
-    choice_name: str,
-    choice_strict: bool,
-    epoch: int,
-) -> str:
+    op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict, epoch
+):
     """The decision while torch.compile traces (called once per trace, outside the graph, without
     reading sizes so that none is specialised): the cached decision or the static default, never a
     measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
@@ -741,21 +671,11 @@ def _resolve(
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     args = () if args is None else args
     if torch.compiler.is_compiling():
+        index = -1 if device.index is None else device.index
+        key, grad = _signature.traced_key(args), _signature.needs_grad(args)
         limits = tuple(sorted(_limit_reasons(op, args).items()))
-        grad = _signature.needs_grad(args)
-        choice = _trace_guard.choice
-        name = _traced_backend(
-            op,
-            device.type,
-            -1 if device.index is None else device.index,
-            dtype,
-            _signature.traced_key(args),
-            grad,
-            limits,
-            choice.name,
-            choice.strict,
-            _trace_guard.epochs[op],
-        )
+        guard = (_trace_guard.choice.name, _trace_guard.choice.strict, _trace_guard.epochs[op])
+        name = _traced_backend(op, device.type, index, dtype, key, grad, limits, *guard)
         return _registry[op][name], None
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
@@ -782,7 +702,7 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Whether autocast is on for any device: one C call, where reading the main input's device and its
 # autocast state costs about a microsecond (asked per device only when some autocast is on).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = _signature._PLAIN
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
@@ -841,8 +761,8 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple[torch.device, torch.
     signature of ``resolve`` (what was valid for those shapes, dtypes, devices and values stays
     valid). While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
     if torch.compiler.is_compiling():
-        device, dtype, prepared = prepare(*args)
-        return resolve(op, device, dtype, prepared).fn(*prepared)
+        prepared = prepare(*args)
+        return resolve(op, prepared[0].device, prepared[0].dtype, prepared).fn(*prepared)
     key = _call_key(op, args)
     hit = _fast.get(key) if key is not None else None
     if hit is not None:
@@ -852,8 +772,8 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple[torch.device, torch.
             args = tuple(a if dtype is None else a.to(dtype) for a, dtype in zip(args, plan))
         return impl.fn(*args)
     generation = _fast_generation
-    device, dtype, prepared = prepare(*args)
-    impl, record = _resolve(op, device, dtype, prepared)
+    prepared = prepare(*args)
+    impl, record = _resolve(op, prepared[0].device, prepared[0].dtype, prepared)
     if record is not None and key is not None:
         plan = _cast_plan(args, prepared)
         with _lock:

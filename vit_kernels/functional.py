@@ -18,7 +18,7 @@ import torch
 
 from vit_kernels import backend
 from vit_kernels._checks import (
-    autocast_dtype,
+    autocast_dtype_of,
     cast_all,
     check_choice,
     check_float_tensor,
@@ -77,13 +77,11 @@ def _prepare_patch_embed(images, weight, bias, patch_size, cls_token, pos_embed)
     tokens = num_patches + (cls_token is not None)
     check_optional_shape("bias", bias, (dim,), "(D,)")
     check_optional_shape("cls_token", cls_token, (1, 1, dim), "(1, 1, D)")
-    if pos_embed is not None:
-        check_float_tensor("pos_embed", pos_embed)
-        check_shape("pos_embed", pos_embed, (1, tokens, dim), "(1, L + class token, D)")
+    check_optional_shape("pos_embed", pos_embed, (1, tokens, dim), "(1, L + class token, D)")
     images, weight, bias = one_device_and_dtype(
         "images", images, dict(cls_token=cls_token, pos_embed=pos_embed), weight=weight, bias=bias
     )
-    return images.device, images.dtype, (images, weight, bias, patch_size, cls_token, pos_embed)
+    return (images, weight, bias, patch_size, cls_token, pos_embed)
 
 
 def attention(
@@ -132,17 +130,7 @@ def _rope_pair(rope: object) -> tuple:
     return rope[0], rope[1]
 
 
-def _prepare_attention(
-    qkv,
-    num_heads,
-    scale,
-    dropout_p,
-    return_probs,
-    cos=None,
-    sin=None,
-    rope_layout="interleaved",
-    attn_mask=None,
-):
+def _prepare_attention(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
     check_float_tensor("qkv", qkv, ndim=3, layout="(B, L, 3*D)")
     num_heads = check_positive_int("num_heads", num_heads)
     batch, length, three_d = qkv.shape
@@ -163,11 +151,7 @@ def _prepare_attention(
         raise TypeError("rope must be a pair (cos, sin) of tensors, got None for one of them")
     check_rope(None if cos is None else (cos, sin), rope_layout, qkv, num_heads)
     check_attention_mask(attn_mask, qkv, num_heads)
-    return (
-        qkv.device,
-        qkv.dtype,
-        (qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask),
-    )
+    return qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask
 
 
 def _check_linear_args(
@@ -189,12 +173,6 @@ def _check_linear_args(
         )
     check_optional_shape(bias_name, bias, (out_features,), "(N,)")
     return out_features
-
-
-def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...], layout: str) -> None:
-    if residual is not None:
-        check_float_tensor("residual", residual)
-        check_shape("residual", residual, expected, layout)
 
 
 def linear(
@@ -235,9 +213,9 @@ def fold_layer_scale(
 
 def _prepare_linear(x, weight, bias, residual):
     out_features = _check_linear_args(x, weight, bias)
-    _check_residual(residual, (*x.shape[:-1], out_features), "(..., N)")
+    check_optional_shape("residual", residual, (*x.shape[:-1], out_features), "(..., N)")
     x, weight, bias = one_device_and_dtype("x", x, dict(residual=residual), weight=weight, bias=bias)
-    return x.device, x.dtype, (x, weight, bias, residual)
+    return (x, weight, bias, residual)
 
 
 def linear_gelu(
@@ -259,7 +237,7 @@ def _prepare_linear_gelu(x, weight, bias, approximate):
     _check_linear_args(x, weight, bias)
     approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
     x, weight, bias = one_device_and_dtype("x", x, weight=weight, bias=bias)
-    return x.device, x.dtype, (x, weight, bias, approximate)
+    return (x, weight, bias, approximate)
 
 
 def mlp(
@@ -301,7 +279,7 @@ def _prepare_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, res
         fc2_weight=fc2_weight,
         fc2_bias=fc2_bias,
     )
-    return x.device, x.dtype, (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
+    return (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate, residual)
 
 
 def _check_output_projection(x, weight, bias, residual, hidden: int, names: tuple[str, str, str]) -> None:
@@ -315,7 +293,7 @@ def _check_output_projection(x, weight, bias, residual, hidden: int, names: tupl
             f"got {shape_of(weight)}"
         )
     check_optional_shape(bias_name, bias, (weight.shape[0],), "(D_out,)")
-    _check_residual(residual, (*x.shape[:-1], weight.shape[0]), "(..., D_out)")
+    check_optional_shape("residual", residual, (*x.shape[:-1], weight.shape[0]), "(..., D_out)")
 
 
 def layer_norm(
@@ -341,15 +319,15 @@ def _prepare_layer_norm(x, weight, bias, eps, residual):
     dim = x.shape[-1]
     check_optional_shape("weight", weight, (dim,), "(D,)")
     check_optional_shape("bias", bias, (dim,), "(D,)")
-    _check_residual(residual, shape_of(x), "(..., D) like x")
+    check_optional_shape("residual", residual, shape_of(x), "(..., D) like x")
     eps = check_optional_positive_float("eps", eps)
     if eps is None:
         raise ValueError("eps must be a positive finite float, got None")
     check_same_device("x", x, weight=weight, bias=bias, residual=residual)
-    if autocast_dtype(x.device) is not None:
+    if autocast_dtype_of(x.device.type) is not None:
         x, weight, bias, residual = cast_all(torch.float32, x, weight, bias, residual)
     check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
-    return x.device, x.dtype, (x, weight, bias, eps, residual)
+    return (x, weight, bias, eps, residual)
 
 
 def swiglu(
@@ -382,7 +360,7 @@ def _prepare_swiglu(x, gate_weight, gate_bias, up_weight, up_bias):
     x, gate_weight, gate_bias, up_weight, up_bias = one_device_and_dtype(
         "x", x, gate_weight=gate_weight, gate_bias=gate_bias, up_weight=up_weight, up_bias=up_bias
     )
-    return x.device, x.dtype, (x, gate_weight, gate_bias, up_weight, up_bias)
+    return (x, gate_weight, gate_bias, up_weight, up_bias)
 
 
 def swiglu_mlp(
@@ -429,8 +407,4 @@ def _prepare_swiglu_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weig
         down_weight=down_weight,
         down_bias=down_bias,
     )
-    return (
-        x.device,
-        x.dtype,
-        (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual),
-    )
+    return x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual

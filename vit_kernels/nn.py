@@ -28,11 +28,12 @@ def _to_pair(value: Union[int, tuple[int, int]], name: str) -> tuple[int, int]:
     raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
-def _add_dropped(
-    out: torch.Tensor, p: float, training: bool, residual: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """residual + dropout(out), for the paths where dropout stops the residual from fusing."""
-    out = F.dropout(out, p, training)
+def _project(h, weight, bias, drop: float, residual, layer_scale) -> torch.Tensor:
+    """The branch's last GEMM [+ residual]: the add fused into it unless ``drop`` > 0 (dropout in
+    training) stands between them."""
+    if not drop:
+        return vkf.linear(h, weight, bias, residual=residual, layer_scale=layer_scale)
+    out = F.dropout(vkf.linear(h, weight, bias, layer_scale=layer_scale), drop, True)
     return out if residual is None else residual + out
 
 
@@ -87,12 +88,7 @@ def self_attention(
         attn_mask=attn_mask,
     )
     out, probs = result if return_probs else (result, None)
-    if training and proj_drop > 0:
-        out = _add_dropped(
-            vkf.linear(out, proj_weight, proj_bias, layer_scale=layer_scale), proj_drop, True, residual
-        )
-    else:
-        out = vkf.linear(out, proj_weight, proj_bias, residual=residual, layer_scale=layer_scale)
+    out = _project(out, proj_weight, proj_bias, proj_drop if training else 0.0, residual, layer_scale)
     return (out, probs) if return_probs else out
 
 
@@ -130,11 +126,7 @@ def feed_forward(
     else:
         hidden = torch.relu(vkf.linear(x, fc1.weight, fc1.bias))
     hidden = F.dropout(hidden, hidden_drop, hidden_dropping)
-    if not out_dropping:
-        return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
-    return _add_dropped(
-        vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), out_drop, True, residual
-    )
+    return _project(hidden, fc2.weight, fc2.bias, out_drop if out_dropping else 0.0, residual, layer_scale)
 
 
 class PatchEmbed(nn.Module):
@@ -349,11 +341,8 @@ class SwiGLU(nn.Module):
             vkf.swiglu(x, g.weight, g.bias, u.weight, u.bias), self.hidden_drop, hidden_dropping
         )
         hidden = self.norm(hidden)
-        if not out_dropping:
-            return vkf.linear(hidden, fc2.weight, fc2.bias, residual=residual, layer_scale=layer_scale)
-        return _add_dropped(
-            vkf.linear(hidden, fc2.weight, fc2.bias, layer_scale=layer_scale), self.out_drop, True, residual
-        )
+        drop = self.out_drop if out_dropping else 0.0
+        return _project(hidden, fc2.weight, fc2.bias, drop, residual, layer_scale)
 
 
 class LayerNorm(nn.LayerNorm):

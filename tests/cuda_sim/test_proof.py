@@ -8,6 +8,7 @@ import pickle
 
 import torch
 
+from tools.cuda_sim import replay_in_this_process
 from vit_kernels import _proof
 from vit_kernels.ops import attention
 
@@ -19,7 +20,7 @@ def test_every_candidate_of_a_first_call_is_proven_before_it_runs(sim, monkeypat
     candidates = attention.fwd_candidates(torch.bfloat16, 64, 197)
     proven = {
         key.rsplit(" | ", 1)[1]: verdict
-        for key, verdict in _proof._verdicts.items()
+        for key, verdict in ((k, e["verdict"]) for k, e in _proof._disk.items())
         if key.startswith("attention forward |")
     }
     assert proven == {repr(tile): _proof.OK for tile in candidates}
@@ -34,7 +35,7 @@ def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
     def child(spec):  # what a child reports where the first candidate faulted
         if repr(faulty) == pickle.loads(spec).candidates[0][0]:
             return f"{_proof.PREFIX}ready\n{_proof.PREFIX}start 0\n", "killed by SIGSEGV"
-        return _proof.replay_in_this_process(spec)
+        return replay_in_this_process(spec)
 
     monkeypatch.setattr(_proof, "run_child", child)
     before = len(sim.launches)
