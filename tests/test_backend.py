@@ -126,7 +126,11 @@ def test_shape_limits_are_in_the_tables_not_inside_implementations():
     assert (
         "head dim 300 > 256"
         in backend.unsupported_reason(
-            "attention", "triton", torch.device("cpu"), torch.float32, (qkv, 1, None, 0.0, False)
+            "attention",
+            "triton",
+            torch.device("cpu"),
+            torch.float32,
+            (qkv, 1, None, 0.0, False, None, None, "interleaved", None),
         )
         or backend.triton_device_reason(torch.device("cpu")) is not None
     )

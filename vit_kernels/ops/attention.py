@@ -461,21 +461,8 @@ if HAS_TRITON:
         out = torch.empty(out_shape, dtype=qkv.dtype, device=device)
         stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
         cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
-        launch(
-            _attention_fwd_kernel,
-            grid,
-            qkv,
-            out,
-            stats[0],
-            stats[1],
-            seed,
-            cos,
-            sin,
-            mask,
-            *args,
-            plan=plan,
-            **config,
-        )
+        tensors = (qkv, out, stats[0], stats[1], seed, cos, sin, mask)
+        launch(_attention_fwd_kernel, grid, *tensors, *args, plan=plan, **config)
         return out, stats
 
     def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
@@ -646,26 +633,12 @@ if HAS_TRITON:
         else:  # one q tile against k tiles, as in dQ: the default pair's dQ tile
             bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
         probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
-        launch(
-            _attention_probs_kernel,
-            _row_blocks(bm, seq_len, batch * num_heads),
-            qkv,
-            stats[0],
-            stats[1],
-            probs,
-            seq_len,
-            num_heads,
-            head_dim,
-            model_dim,
-            *qkv.stride(),
-            scale * LOG2E,
-            BLOCK_D=_block_d(head_dim),
-            PRECISION=dot_precision(qkv.dtype),
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        grid = _row_blocks(bm, seq_len, batch * num_heads)
+        tensors = (qkv, stats[0], stats[1], probs)
+        sizes = (seq_len, num_heads, head_dim, model_dim, *qkv.stride(), scale * LOG2E)
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        config.update(BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype))
+        launch(_attention_probs_kernel, grid, *tensors, *sizes, **config)
         return probs
 
     def _fwd_setup_context(ctx, inputs, output):
@@ -724,17 +697,7 @@ if HAS_TRITON:
     )
 
 
-def attention_triton(
-    qkv: torch.Tensor,
-    num_heads: int,
-    scale: Optional[float],
-    dropout_p: float,
-    return_probs: bool,
-    cos: Optional[torch.Tensor] = None,
-    sin: Optional[torch.Tensor] = None,
-    rope_layout: str = "interleaved",
-    attn_mask: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def attention_triton(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
     """The Triton implementation of ``vk.attention`` (arguments already validated). With rope or a
     mask, the probabilities asked for are computed by PyTorch's ops (``probs_by_torch``)."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
@@ -907,17 +870,7 @@ def explicit_attention(q, k, v, scale, dropout_p, softmax):
     return merge_heads(dropped @ v), probs
 
 
-def attention_extension(
-    qkv,
-    num_heads,
-    scale=None,
-    dropout_p=0.0,
-    return_probs=False,
-    cos=None,
-    sin=None,
-    rope_layout="interleaved",
-    attn_mask=None,
-):
+def attention_extension(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
     """``vk.attention`` for the extension backend, one C++ call (``vit_kernels::attention_explicit``):
     scores by GEMM, the ``vit_kernels::softmax`` kernel, then a GEMM with v. Materialises the
     (B, H, L, L) scores: meant for ``return_probs`` (attention maps), not for speed. 16-bit inputs
@@ -934,17 +887,7 @@ if _ext.LOADED:
     _ops = ExtensionOps("attention_explicit")
 
 
-def _triton_limits(
-    qkv,
-    num_heads,
-    scale=None,
-    dropout_p=0.0,
-    return_probs=False,
-    cos=None,
-    sin=None,
-    rope_layout="interleaved",
-    attn_mask=None,
-) -> Optional[str]:
+def _triton_limits(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
     """Head dim <= MAX_HEAD_DIM: a tile of q, k and v must fit in registers / shared memory. The
     kernels rotate q and k and add the mask but compute no gradient of the rope tables or the mask."""
     head_dim = qkv.shape[-1] // (3 * num_heads)
@@ -957,17 +900,7 @@ def _triton_limits(
     return None
 
 
-def _extension_limits(
-    qkv,
-    num_heads,
-    scale=None,
-    dropout_p=0.0,
-    return_probs=False,
-    cos=None,
-    sin=None,
-    rope_layout="interleaved",
-    attn_mask=None,
-) -> Optional[str]:
+def _extension_limits(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
     """The C++ attention has no rotary position embedding and no mask."""
     if cos is not None:
         return "rope (the C++ attention does not rotate q and k)"

@@ -327,19 +327,9 @@ def _launch_tma(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple
     )
     tiles, slices = plan.grid
     sizes, strides = plan.args[:4], plan.args[8:]  # without the pointer kernel's operand strides
-    launch(
-        _linear_tma_kernel,
-        (min(tiles * slices, multiprocessors(a.device)),),
-        a_desc,
-        b_desc,
-        *outputs,
-        *sizes,
-        slices,
-        *strides,
-        A_T=a_t,
-        B_T=b_t,
-        **plan.config,
-    )
+    grid = (min(tiles * slices, multiprocessors(a.device)),)
+    config = dict(plan.config, A_T=a_t, B_T=b_t)
+    launch(_linear_tma_kernel, grid, a_desc, b_desc, *outputs, *sizes, slices, *strides, **config)
 
 
 # The launch (``GemmPlan``) of each GEMM call seen, by everything it is computed from (sizes, strides,
@@ -542,36 +532,37 @@ def row_slices(rows: int, cols: int, block_m: int, block_n: int, machine: int) -
     return strips, cdiv(rows, rows_per_slice), rows_per_slice
 
 
+def column_sums_pass(
+    kernel, block: tuple, inputs: tuple, outputs: tuple, bias_grad: bool, **constants
+) -> list:
+    """Launch the elementwise ``kernel`` over ``row_slices`` of the (rows, cols) ``outputs``, read from
+    ``inputs``; -> each output's column sums (N,) float32 when ``bias_grad``, else Nones."""
+    rows, cols = outputs[0].shape
+    device = outputs[0].device
+    if outputs[0].numel() == 0:
+        return [torch.zeros(cols, dtype=torch.float32, device=device) if bias_grad else None for _ in outputs]
+    block_m, block_n, warps = (16, 16, 1) if interpreted(device) else block
+    strips, slices, rows_per_slice = cached_call(
+        row_slices, rows, cols, block_m, block_n, multiprocessors(device)
+    )
+    partials = [
+        torch.empty((slices, cols), dtype=torch.float32, device=device) if bias_grad else outputs[0]
+        for _ in outputs
+    ]
+    constants.update(BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    launch(kernel, (strips, slices), *inputs, *outputs, *partials, rows, cols, rows_per_slice, **constants)
+    return [p.sum(0) if bias_grad else None for p in partials]
+
+
 def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bias_grad: bool):
     """dZ = grad * gelu'(preact) (M, N) and, when ``bias_grad``, its column sums (N,) in float32
     (else None), from one pass over ``row_slices``."""
-    grad, preact = grad.contiguous(), preact.contiguous()
+    preact = preact.contiguous()
     dz = torch.empty_like(preact)
-    rows, cols = preact.shape
-    if dz.numel() == 0:
-        return dz, preact.new_zeros(cols, dtype=torch.float32) if bias_grad else None
-    block_m, block_n, warps = (16, 16, 1) if interpreted(preact.device) else GELU_BWD_BLOCK
-    strips, slices, rows_per_slice = cached_call(
-        row_slices, rows, cols, block_m, block_n, multiprocessors(preact.device)
+    (db,) = column_sums_pass(
+        _gelu_bwd_kernel, GELU_BWD_BLOCK, (grad.contiguous(), preact), (dz,), bias_grad, GELU_FORM=gelu_form
     )
-    partial = torch.empty((slices, cols), dtype=torch.float32, device=preact.device) if bias_grad else dz
-    launch(
-        _gelu_bwd_kernel,
-        (strips, slices),
-        grad,
-        preact,
-        dz,
-        partial,
-        rows,
-        cols,
-        rows_per_slice,
-        GELU_FORM=gelu_form,
-        BIAS_GRAD=bias_grad,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=warps,
-    )
-    return dz, partial.sum(0) if bias_grad else None
+    return dz, db
 
 
 # The bias gradient db = sum_rows dY beside dW = dY^T X: "separate" (the dW GEMM, then PyTorch's sum

@@ -197,21 +197,13 @@ if HAS_TRITON:
         summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
         mean = torch.empty(rows, dtype=torch.float32, device=device)
         rstd = torch.empty_like(mean)
-        launch(
-            _layer_norm_fwd_kernel,
-            grid,
+        inputs = (
             x2,
             x2 if r2 is None else r2,
             x2 if weight is None else weight,
             x2 if bias is None else bias,
-            y,
-            summed,
-            mean,
-            rstd,
-            *args,
-            plan=plan,
-            **config,
         )
+        launch(_layer_norm_fwd_kernel, grid, *inputs, y, summed, mean, rstd, *args, plan=plan, **config)
         return y, summed, mean, rstd
 
     def _layer_norm_fwd(
@@ -303,22 +295,8 @@ if HAS_TRITON:
         ds = torch.empty((args[0], args[1]), dtype=dtype, device=device)
         partial_w = torch.empty(partials, dtype=torch.float32, device=device)
         partial_b = torch.empty_like(partial_w)
-        launch(
-            _layer_norm_bwd_kernel,
-            grid,
-            s2,
-            dy2,
-            dy2 if dsum2 is None else dsum2,
-            s2 if weight is None else weight,
-            mean,
-            rstd,
-            ds,
-            partial_w,
-            partial_b,
-            *args,
-            plan=plan,
-            **config,
-        )
+        inputs = (s2, dy2, dy2 if dsum2 is None else dsum2, s2 if weight is None else weight, mean, rstd)
+        launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, plan=plan, **config)
         return ds, partial_w, partial_b
 
     def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:

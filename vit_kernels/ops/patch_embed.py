@@ -133,19 +133,8 @@ if HAS_TRITON:
         pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
         cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
         w2 = weight.reshape(dim, k_dim)
-        launch(
-            _patch_embed_fwd_kernel,
-            grid,
-            images,
-            w2,
-            bias if bias is not None else out,
-            cls,
-            pos,
-            out,
-            *args,
-            plan=plan,
-            **constants,
-        )
+        bias = bias if bias is not None else out
+        launch(_patch_embed_fwd_kernel, grid, images, w2, bias, cls, pos, out, *args, plan=plan, **constants)
         return out
 
     def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
@@ -257,8 +246,6 @@ if HAS_TRITON:
         """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
         n, dim, k_dim, num_patches, tokens, grid_w = _geometry(images, weight, patch_size, has_cls)
         grad_out = grad_out.to(images.dtype).contiguous()
-        strides = images.stride()
-        precision = dot_precision(images.dtype)
         (tile_d, tile_k, tile_m, warps), slices, rows_per_split, grid, input_grid = cached_call(
             _bwd_plan, n * num_patches, dim, k_dim, images.device
         )
@@ -268,28 +255,11 @@ if HAS_TRITON:
             dtype=torch.float32 if partial else weight.dtype,
             device=images.device,
         )
-        launch(
-            _patch_embed_bwd_weight_kernel,
-            grid,
-            images,
-            grad_out,
-            dw,
-            n * num_patches,
-            dim,
-            k_dim,
-            tokens,
-            grid_w,
-            patch_size,
-            rows_per_split,
-            *strides,
-            dim * k_dim if partial else 0,
-            HAS_CLS=has_cls,
-            PRECISION=precision,
-            BLOCK_D=tile_d,
-            BLOCK_K=tile_k,
-            BLOCK_M=tile_m,
-            num_warps=warps,
-        )
+        sizes = (n * num_patches, dim, k_dim, tokens, grid_w, patch_size)
+        config = dict(HAS_CLS=has_cls, PRECISION=dot_precision(images.dtype), num_warps=warps)
+        config.update(BLOCK_D=tile_d, BLOCK_K=tile_k, BLOCK_M=tile_m)
+        split = (rows_per_split, *images.stride(), dim * k_dim if partial else 0)
+        launch(_patch_embed_bwd_weight_kernel, grid, images, grad_out, dw, *sizes, *split, **config)
         if partial:
             dw = dw.sum(0).to(weight.dtype)
         if not needs_images:
@@ -302,20 +272,10 @@ if HAS_TRITON:
             grad_out,
             w2,
             dimages,
-            n * num_patches,
-            dim,
-            k_dim,
-            tokens,
-            grid_w,
-            patch_size,
+            *sizes,
             *dimages.stride(),
             *w2.stride(),
-            HAS_CLS=has_cls,
-            PRECISION=precision,
-            BLOCK_M=tile_m,
-            BLOCK_K=tile_k,
-            BLOCK_D=tile_d,
-            num_warps=warps,
+            **config,
         )
         return dimages, dw.view(weight.shape)
 

@@ -37,12 +37,9 @@ from vit_kernels._tiles import (
 )
 from vit_kernels._triton import (
     HAS_TRITON,
-    cached_call,
     cdiv,
     dot_precision,
-    interpreted,
     launch,
-    multiprocessors,
 )
 from vit_kernels.kernels.swiglu import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 from vit_kernels.ops.gemm import (
@@ -51,7 +48,7 @@ from vit_kernels.ops.gemm import (
     _rows,
     _weight_and_bias_grads,
     gemm_config,
-    row_slices,
+    column_sums_pass,
     validation_rows,
 )
 
@@ -237,20 +234,10 @@ def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_pr
     empty K still runs: H = silu(b_g) * b_u)."""
     grid, args, config, dtype, device = plan
     h, g, u = _outputs(args[0], args[1], dtype, device, save_preact)
+    biases = (h if gate_bias is None else gate_bias, h if up_bias is None else up_bias)
+    preacts = (g, u) if save_preact else (h, h)
     launch(
-        _swiglu_fwd_kernel,
-        grid,
-        x2,
-        gate_weight,
-        up_weight,
-        h if gate_bias is None else gate_bias,
-        h if up_bias is None else up_bias,
-        h,
-        g if save_preact else h,
-        u if save_preact else h,
-        *args,
-        plan=plan,
-        **config,
+        _swiglu_fwd_kernel, grid, x2, gate_weight, up_weight, *biases, h, *preacts, *args, plan=plan, **config
     )
     return h, g, u
 
@@ -266,42 +253,11 @@ SWIGLU_BWD_BLOCK = (16, 128, 4)
 def _swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, bias_grad: bool):
     """dG, dU (M, N) in G's dtype and, when ``bias_grad``, their column sums (N,) float32 (else None),
     from one pass over ``row_slices``."""
-    dh = dh.contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    rows, cols = g.shape
-    if dg.numel() == 0:
-        zeros = g.new_zeros(cols, dtype=torch.float32) if bias_grad else None
-        return dg, du, zeros, None if zeros is None else zeros.clone()
-    block_m, block_n, warps = (16, 16, 1) if interpreted(g.device) else SWIGLU_BWD_BLOCK
-    strips, slices, rows_per_slice = cached_call(
-        row_slices, rows, cols, block_m, block_n, multiprocessors(g.device)
+    dbg, dbu = column_sums_pass(
+        _swiglu_bwd_kernel, SWIGLU_BWD_BLOCK, (dh.contiguous(), g, u), (dg, du), bias_grad
     )
-    if bias_grad:
-        partial_g = torch.empty((slices, cols), dtype=torch.float32, device=g.device)
-        partial_u = torch.empty_like(partial_g)
-    else:
-        partial_g = partial_u = dg
-    launch(
-        _swiglu_bwd_kernel,
-        (strips, slices),
-        dh,
-        g,
-        u,
-        dg,
-        du,
-        partial_g,
-        partial_u,
-        rows,
-        cols,
-        rows_per_slice,
-        BIAS_GRAD=bias_grad,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=warps,
-    )
-    if not bias_grad:
-        return dg, du, None, None
-    return dg, du, partial_g.sum(0), partial_u.sum(0)
+    return dg, du, dbg, dbu
 
 
 def _gate_and_up_grads(dh2, x2, g, u, gate_weight, up_weight, needs_bias_g: bool, needs_bias_u: bool):
