@@ -12,6 +12,7 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -512,14 +513,9 @@ if HAS_TRITON:
         plan = decided(_FWD_PLANS, key)
         if plan is None:
             tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
-            plan = keep(
-                _FWD_PLANS,
-                key,
-                _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask),
-                FWD_CHOOSER,
-                qkv.device,
-                lambda: _chooser_key(qkv, num_heads, rope, mask),
-            )
+            made = _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask)
+            chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
+            plan = keep(_FWD_PLANS, key, made, FWD_CHOOSER, qkv.device, chooser_key)
         return _launch_fwd(plan, qkv, seed, rope, mask)
 
     def _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
@@ -611,14 +607,9 @@ if HAS_TRITON:
         plan = decided(_BWD_PLANS, key)
         if plan is None:
             tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
-            plan = keep(
-                _BWD_PLANS,
-                key,
-                _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask),
-                BWD_CHOOSER,
-                qkv.device,
-                lambda: _chooser_key(qkv, num_heads, rope, mask),
-            )
+            made = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask)
+            chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
+            plan = keep(_BWD_PLANS, key, made, BWD_CHOOSER, qkv.device, chooser_key)
         return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
 
     attention_bwd = direct(_attention_bwd)
@@ -646,27 +637,14 @@ if HAS_TRITON:
         cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
         out, stats = output
         ctx.save_for_backward(qkv, stats, seed, cos, sin, mask)
-        ctx.num_heads, ctx.scale, ctx.dropout_p = num_heads, scale, dropout_p
-        ctx.num_inputs, ctx.rope_layout = len(inputs), rope_layout
+        ctx.params, ctx.num_inputs, ctx.rope_layout = (num_heads, scale, dropout_p), len(inputs), rope_layout
 
     def _fwd_backward(ctx, grad_out, grad_stats):
         nones = (None,) * (ctx.num_inputs - 1)
         if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
             return (None, *nones)
         qkv, stats, seed, cos, sin, mask = ctx.saved_tensors
-        dqkv = attention_bwd(
-            grad_out,
-            qkv,
-            stats,
-            seed,
-            ctx.num_heads,
-            ctx.scale,
-            ctx.dropout_p,
-            cos,
-            sin,
-            ctx.rope_layout,
-            mask,
-        )
+        dqkv = attention_bwd(grad_out, qkv, stats, seed, *ctx.params, cos, sin, ctx.rope_layout, mask)
         return (dqkv, *nones)
 
     attention_fwd = differentiable(_attention_fwd, _fwd_backward, _fwd_setup_context)
@@ -736,9 +714,7 @@ def _unused_seed(device: torch.device) -> torch.Tensor:
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, L, 3*D) -> q, k, v, each a (B, H, L, Dh) view (no copy)."""
-    batch, length, three_d = qkv.shape
-    head_dim = three_d // (3 * num_heads)
-    q, k, v = qkv.unflatten(-1, (3, num_heads, head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
     return q, k, v
 
 

@@ -125,9 +125,6 @@ def gemm_config(tile: GemmTile) -> dict:
     }
 
 
-GEMM_INTERPRETER_CONFIG = gemm_config(GEMM_INTERPRETER_TILE)
-
-
 class GemmPlan(NamedTuple):
     """Everything one GEMM launch with a tile needs besides its tensors (``_Gemm.plan``): a decided
     call finds it in ``_PLANS`` and only allocates and launches (``_launch``)."""
@@ -212,7 +209,7 @@ def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
     very deep K. Slices are at least 1024 deep on a GPU (64 under the interpreter, which is how the
     tests exercise the split path on small shapes)."""
     if interpreted(device):
-        machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_CONFIG["BLOCK_M"]
+        machine, min_depth, tile = 4, 64, GEMM_INTERPRETER_TILE.block_m
     else:
         machine = multiprocessors(device)
         min_depth, tile = 1024, 128
@@ -536,22 +533,29 @@ def column_sums_pass(
     kernel, block: tuple, inputs: tuple, outputs: tuple, bias_grad: bool, **constants
 ) -> list:
     """Launch the elementwise ``kernel`` over ``row_slices`` of the (rows, cols) ``outputs``, read from
-    ``inputs``; -> each output's column sums (N,) float32 when ``bias_grad``, else Nones."""
-    rows, cols = outputs[0].shape
-    device = outputs[0].device
-    if outputs[0].numel() == 0:
-        return [torch.zeros(cols, dtype=torch.float32, device=device) if bias_grad else None for _ in outputs]
+    ``inputs``; -> each output's column sums (N,) float32 when ``bias_grad``, else Nones. (Loops, not
+    comprehensions: a comprehension is one more Python frame on every backward before Python 3.12.)"""
+    first = outputs[0]
+    rows, cols = first.shape
+    device = first.device
+    sums, partials = [], []
+    if first.numel() == 0:
+        for _ in outputs:
+            sums.append(torch.zeros(cols, dtype=torch.float32, device=device) if bias_grad else None)
+        return sums
     block_m, block_n, warps = (16, 16, 1) if interpreted(device) else block
     strips, slices, rows_per_slice = cached_call(
         row_slices, rows, cols, block_m, block_n, multiprocessors(device)
     )
-    partials = [
-        torch.empty((slices, cols), dtype=torch.float32, device=device) if bias_grad else outputs[0]
-        for _ in outputs
-    ]
+    for _ in outputs:
+        partials.append(
+            torch.empty((slices, cols), dtype=torch.float32, device=device) if bias_grad else first
+        )
     constants.update(BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     launch(kernel, (strips, slices), *inputs, *outputs, *partials, rows, cols, rows_per_slice, **constants)
-    return [p.sum(0) if bias_grad else None for p in partials]
+    for partial in partials:
+        sums.append(partial.sum(0) if bias_grad else None)
+    return sums
 
 
 def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bias_grad: bool):

@@ -404,25 +404,13 @@ if HAS_TRITON:
     layer_norm_fwd = differentiable(_layer_norm_fwd, _fwd_backward, _fwd_setup_context)
 
 
-def layer_norm_triton(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    eps: float = 1e-6,
-    residual: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def layer_norm_triton(x, weight, bias, eps, residual):
     """The Triton implementation of ``vk.layer_norm`` (arguments already validated)."""
     y, summed, _, _ = layer_norm_fwd(x, weight, bias, eps, residual)
     return y if residual is None else (y, summed)
 
 
-def layer_norm_extension(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    eps: float = 1e-6,
-    residual: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def layer_norm_extension(x, weight, bias, eps, residual):
     """The C++/CUDA implementation of ``vk.layer_norm``: one ``vit_kernels::fused_layer_norm`` call."""
     y, summed, _, _ = fused_layer_norm(
         x.contiguous(),
