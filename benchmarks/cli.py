@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from vit_kernels._cli import DefaultsHelp, OneLineErrors, positive_int  # noqa: F401 - the suite's options use it
+from vit.cli import DefaultsHelp, OneLineErrors, positive_int  # noqa: F401 - the suite's options use it
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 

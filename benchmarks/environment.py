@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vit_kernels._cli import set_threads, usable_cores  # noqa: F401 - where the suite reads them
+from vit.cli import set_threads, usable_cores  # noqa: F401 - where the suite reads them
 
 
 def device_name(device: torch.device) -> str:

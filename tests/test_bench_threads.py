@@ -77,7 +77,7 @@ def test_the_selftest_sets_and_records_its_threads(tmp_path):
 
 
 def test_the_default_threads_honour_omp_num_threads_and_torchrun(monkeypatch):
-    from vit_kernels import _cli
+    from vit import cli as _cli
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import vit_kernels as vk
-from vit_kernels import _cli, _explain, _ext, _measure, _signature, _tiles, _triton, _tune_cache, backend
+from vit import cli as _cli
+from vit_kernels import _explain, _ext, _measure, _signature, _tiles, _triton, _tune_cache, backend
 from vit_kernels.ops import gemm
 
 META = torch.device("meta")

@@ -36,7 +36,7 @@ import vit_kernels as vk
 from tools import gpu_tests
 from tools.op_specs import SPECS, Shape
 from vit_kernels import backend
-from vit_kernels._cli import OneLineErrors, positive_int, set_threads, usable_cores
+from vit.cli import OneLineErrors, positive_int, set_threads, usable_cores
 from vit_kernels._tiles import ERROR_RATIO, FLOORS, relative_error, sibling_scale
 from vit_kernels._timer import time_runs
 
