@@ -5,12 +5,16 @@ kept in memory and on disk; a real Triton kernel replays in the child (the inter
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tests import proof_kernels
 from tests.helpers import CUDA, device_reason, fake_timer
-from vit_kernels import _proof, _tiles, _timer
+from vit_kernels import _env, _proof, _tiles, _timer
 from vit_kernels._triton import HAS_TRITON, launch
 from vit_kernels._tune_cache import DiskCache
 
@@ -235,3 +239,25 @@ def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(ch
         "first": None,
     }
     assert not any(" | 'refused'" in key for key, _ in _proof._disk.items())  # not kept: may pass next time
+
+
+def test_a_child_imports_the_kernels_without_the_api_and_its_registrations():
+    """A child starts per key and candidate batch: its ``import vit_kernels`` skips the public API,
+    whose op registrations import torch._dynamo and torch._inductor (a second or more each time)."""
+    probe = (
+        "import sys, vit_kernels, vit_kernels._proof, vit_kernels.kernels.attention, vit_kernels.kernels.gemm, "
+        "vit_kernels.kernels.layer_norm, vit_kernels.kernels.patch_embed, vit_kernels.kernels.swiglu; "
+        "print(hasattr(vit_kernels, 'attention'), vit_kernels.__version__, "
+        "any(m.startswith(('torch._dynamo', 'torch._inductor')) for m in sys.modules))"
+    )
+
+    def run(**env):
+        environment = {k: v for k, v in os.environ.items() if k != _env.PROOF_CHILD}
+        result = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, env={**environment, **env}
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()
+
+    assert run(**{_env.PROOF_CHILD: "1"}) == ["False", "0.1.0", "False"]
+    assert run() == ["True", "0.1.0", "True"]

@@ -8,52 +8,60 @@ vk.tune(model, (images,))                        # let auto measure every op sig
 print(vk.explain())                              # what ran for each signature, and why
 """
 
-from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
-from vit_kernels import backend as _backend
-from vit_kernels.backend import (
-    autotune_settings,
-    available_backends,
-    explain,
-    get_backend,
-    set_autotune,
-    set_backend,
-    use_backend,
-)
-from vit_kernels.functional import (
-    attention,
-    layer_norm,
-    linear,
-    linear_gelu,
-    mlp,
-    patch_embed,
-    swiglu,
-    swiglu_mlp,
-)
+import os as _os
 
-_backend.apply_environment()
-
-from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
-from vit_kernels.tuning import tune  # noqa: E402
+from vit_kernels._env import PROOF_CHILD as _PROOF_CHILD
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention",
-    "autotune_settings",
-    "available_backends",
-    "explain",
-    "get_backend",
-    "layer_norm",
-    "linear",
-    "linear_gelu",
-    "mlp",
-    "patch_embed",
-    "patch_model",
-    "PatchReport",
-    "set_autotune",
-    "set_backend",
-    "swiglu",
-    "swiglu_mlp",
-    "tune",
-    "use_backend",
-]
+# A proof child (vit_kernels._proof) replays kernel launches and needs none of the API below, whose
+# op registrations import torch._dynamo and torch._inductor: about a second that every child a first
+# call starts would pay again.
+if _os.environ.get(_PROOF_CHILD) != "1":
+    from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
+    from vit_kernels import backend as _backend
+    from vit_kernels.backend import (
+        autotune_settings,
+        available_backends,
+        explain,
+        get_backend,
+        set_autotune,
+        set_backend,
+        use_backend,
+    )
+    from vit_kernels.functional import (
+        attention,
+        layer_norm,
+        linear,
+        linear_gelu,
+        mlp,
+        patch_embed,
+        swiglu,
+        swiglu_mlp,
+    )
+
+    _backend.apply_environment()
+
+    from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
+    from vit_kernels.tuning import tune  # noqa: E402
+
+    __all__ = [
+        "attention",
+        "autotune_settings",
+        "available_backends",
+        "explain",
+        "get_backend",
+        "layer_norm",
+        "linear",
+        "linear_gelu",
+        "mlp",
+        "patch_embed",
+        "patch_model",
+        "PatchReport",
+        "set_autotune",
+        "set_backend",
+        "swiglu",
+        "swiglu_mlp",
+        "tune",
+        "use_backend",
+    ]

@@ -15,3 +15,8 @@ def flag(name: str, default: bool) -> bool:
     on."""
     text = os.environ.get(name, "").strip().lower()
     return text not in FALSE_WORDS if default else text in TRUE_WORDS
+
+
+# Set (to 1) only in the environment of a tile-proof child (``vit_kernels._proof``), which replays
+# kernel launches: its ``import vit_kernels`` skips the public API and the op registrations.
+PROOF_CHILD = "_VIT_KERNELS_PROOF_CHILD"
