@@ -240,6 +240,26 @@ def test_the_tma_kernel_gives_the_pointer_kernels_bits(monkeypatch):
         assert torch.equal(tma, pointer)
 
 
+def test_a_plans_later_tma_launches_copy_its_first_descriptors_over_their_own_operands(monkeypatch):
+    """A plan's first TMA launch builds A's and B's descriptors (``TensorDescriptor.from_tensor``);
+    its later launches copy them with their own tensors as the bases: other data in the same layout
+    gives its own right answer, and the copies kept between calls hold no tensor."""
+    monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm: TMA_TILE)
+    monkeypatch.setattr(gemm, "_DESCRIPTORS", {})
+    built = []
+    from_tensor = gemm.TensorDescriptor.from_tensor
+    monkeypatch.setattr(
+        gemm.TensorDescriptor, "from_tensor", lambda t, block: built.append(block) or from_tensor(t, block)
+    )
+    for call in range(3):
+        x, w = torch.randn(50, 24).half(), (torch.randn(40, 24) / 5).half()
+        with vk.use_backend("triton", strict=True):
+            y = vk.linear(x, w)
+        torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
+        assert len(built) == 2, (call, built)
+    assert [kept[2].base is None and kept[3].base is None for kept in gemm._DESCRIPTORS.values()] == [True]
+
+
 def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(monkeypatch):
     """Rows of 20 halves (40 bytes: not 16-byte aligned), a float32 operand, a column-strided view
     and data starting 2 bytes into a buffer: the TMA tile's dimensions run through the pointer

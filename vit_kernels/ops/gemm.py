@@ -315,18 +315,44 @@ def _launch_tma(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple
     """``plan`` by the persistent TMA kernel: A and B read through descriptors (over the transposed
     view where that dimension has the unit stride), one program per multiprocessor at most."""
     a_t, b_t = tma_transposed(a), tma_transposed(b)
-    bm, bn, bk = plan.tile.block_m, plan.tile.block_n, plan.tile.block_k
-    a_desc = (
-        TensorDescriptor.from_tensor(a.t(), [bk, bm]) if a_t else TensorDescriptor.from_tensor(a, [bm, bk])
-    )
-    b_desc = (
-        TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_t else TensorDescriptor.from_tensor(b, [bk, bn])
-    )
+    a_desc, b_desc = _descriptors(plan, a.t() if a_t else a, b.t() if b_t else b, a_t, b_t)
     tiles, slices = plan.grid
     sizes, strides = plan.args[:4], plan.args[8:]  # without the pointer kernel's operand strides
     grid = (min(tiles * slices, multiprocessors(a.device)),)
     config = dict(plan.config, A_T=a_t, B_T=b_t)
     launch(_linear_tma_kernel, grid, a_desc, b_desc, *outputs, *sizes, slices, *strides, **config)
+
+
+# id(plan) -> (plan, (a_t, b_t), A's and B's TMA descriptors without a base): what a plan's first TMA
+# launch built and validated, copied with the call's operands by its later launches.
+_DESCRIPTORS: dict[int, tuple] = {}
+
+
+def _descriptors(plan: GemmPlan, a_view, b_view, a_t: bool, b_t: bool) -> tuple:
+    """The TMA descriptors of ``plan``'s launch over ``a_view`` and ``b_view`` (A and B, or their
+    transposes where that dimension has the unit stride). A plan fixes the operands' shapes and
+    strides (its key holds them), so ``TensorDescriptor.from_tensor`` and its checks (1.2 us a
+    descriptor on the host) run at the plan's first launch; a later launch copies those descriptors
+    with its own tensors as the bases, whose 16-byte alignment ``tma_transposed`` checked. The kept
+    copies hold no tensor (no storage outlives its call)."""
+    kept = _DESCRIPTORS.get(id(plan))
+    if kept is None or kept[0] is not plan or kept[1] != (a_t, b_t):
+        bm, bn, bk = plan.tile.block_m, plan.tile.block_n, plan.tile.block_k
+        a_desc = TensorDescriptor.from_tensor(a_view, [bk, bm] if a_t else [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(b_view, [bn, bk] if b_t else [bk, bn])
+        if len(_DESCRIPTORS) >= LAUNCH_CONFIGS:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[id(plan)] = (plan, (a_t, b_t), _with_base(a_desc, None), _with_base(b_desc, None))
+        return a_desc, b_desc
+    return _with_base(kept[2], a_view), _with_base(kept[3], b_view)
+
+
+def _with_base(descriptor, base):
+    """A copy of ``descriptor`` (every field, whichever Triton defines) over ``base``, unchecked."""
+    copy = object.__new__(type(descriptor))
+    copy.__dict__.update(descriptor.__dict__)
+    copy.base = base
+    return copy
 
 
 # The launch (``GemmPlan``) of each GEMM call seen, by everything it is computed from (sizes, strides,
