@@ -287,9 +287,10 @@ def test_no_tma_kernel_while_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     a, b = torch.empty(64, 32, dtype=torch.half), torch.empty(32, 48, dtype=torch.half)
-    assert gemm.tma_possible(a, b)
+    assert gemm.tma_layout(a, b) == (False, False)
+    assert gemm.tma_layout(a, b.t().contiguous().t()) == (False, True)
     with FakeTensorMode() as mode:
-        assert not gemm.tma_possible(mode.from_tensor(a), mode.from_tensor(b))
+        assert gemm.tma_layout(mode.from_tensor(a), mode.from_tensor(b)) is None
 
 
 @pytest.mark.parametrize("epilogue", ["bias+residual", "gelu", "gelu_grad", "split"])

@@ -231,7 +231,7 @@ def test_gemm_tile_choice_on_the_gpu(dtype):
             y = vk.linear_gelu(x, w, b)
         (row,) = gemm.tile_report()
         candidates = gemm.gemm_candidates(
-            dtype, 24 * LENGTH, 3072, gemm.tma_possible(x.reshape(-1, 768), w.t())
+            dtype, 24 * LENGTH, 3072, gemm.tma_layout(x.reshape(-1, 768), w.t()) is not None
         )
         assert set(row["candidates"]) == {repr(tile) for tile in candidates}
         times = {tile: trial for tile, trial in row["candidates"].items() if isinstance(trial, float)}

@@ -366,7 +366,9 @@ def _linear_tma_kernel(
         )
 
 
-_linear_tma_kernel.min_capability = 90  # offered on sm_90+ only (tma_possible): the compile gate skips sm_80
+_linear_tma_kernel.min_capability = (
+    90  # offered on sm_90+ only (ops.gemm.tma_layout): the compile gate skips sm_80
+)
 
 
 # The linear_gelu backward's epilogue pass (its dY comes from outside, so it cannot ride in a GEMM

@@ -170,15 +170,19 @@ def tma_transposed(t: torch.Tensor) -> Optional[bool]:
     return None
 
 
-def tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the TMA kernel can run a @ b: on Hopper or newer (the interpreter counts as such),
-    both operands readable by descriptors, not while tracing (torch.compile). Where it cannot, a
-    TMA tile runs the pointer kernel with its dimensions."""
-    if TensorDescriptor is None or tracing() or tma_transposed(a) is None or tma_transposed(b) is None:
-        return False
-    if interpreted(a.device):  # the tests run it under the interpreter where they pin its tiles
-        return True
-    return a.device.type == "cuda" and _hopper_or_newer(a.device)
+def tma_layout(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[bool, bool]]:
+    """How the TMA kernel reads a @ b, (``tma_transposed(a)``, ``tma_transposed(b)``), or None where
+    it cannot: before Hopper (the interpreter counts as Hopper), an operand no descriptor can read,
+    or while tracing (torch.compile). Where it cannot, a TMA tile runs the pointer kernel with its
+    dimensions."""
+    if TensorDescriptor is None or tracing():
+        return None
+    a_t, b_t = tma_transposed(a), tma_transposed(b)
+    if a_t is None or b_t is None:
+        return None
+    # the tests run it under the interpreter where they pin its tiles
+    hopper = interpreted(a.device) or (a.device.type == "cuda" and _hopper_or_newer(a.device))
+    return (a_t, b_t) if hopper else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,7 +295,7 @@ def _launch(
     float32 workspace (slices, M, N) of a split K; the float32 partial sums asked for: per tile row
     (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows, else None). ``aux``
     (M, N) is written with the pre-activation under EPILOGUE_GELU. A tile naming the TMA variant
-    runs ``_linear_tma_kernel`` where the operands allow (``tma_possible``), else ``_linear_kernel``."""
+    runs ``_linear_tma_kernel`` where the operands allow (``tma_layout``), else ``_linear_kernel``."""
     device = plan.device
     c = torch.empty(plan.c_shape, dtype=torch.float32 if plan.slices > 1 else out_dtype, device=device)
     partial = None
@@ -304,17 +308,20 @@ def _launch(
         c if residual is None else residual,
         c if partial is None else partial,
     )
-    if plan.tile.kernel == TMA and tma_possible(a, b):
-        _launch_tma(plan, a, b, outputs)
+    layout = tma_layout(a, b) if plan.tile.kernel == TMA else None
+    if layout is not None:
+        _launch_tma(plan, a, b, outputs, *layout)
     else:
         launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, plan=plan, **plan.config)
     return c, partial
 
 
-def _launch_tma(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple) -> None:
+def _launch_tma(
+    plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple, a_t: bool, b_t: bool
+) -> None:
     """``plan`` by the persistent TMA kernel: A and B read through descriptors (over the transposed
-    view where that dimension has the unit stride), one program per multiprocessor at most."""
-    a_t, b_t = tma_transposed(a), tma_transposed(b)
+    view where ``tma_layout`` says that dimension has the unit stride), one program per
+    multiprocessor at most."""
     a_desc, b_desc = _descriptors(plan, a.t() if a_t else a, b.t() if b_t else b, a_t, b_t)
     tiles, slices = plan.grid
     sizes, strides = plan.args[:4], plan.args[8:]  # without the pointer kernel's operand strides
@@ -528,7 +535,7 @@ def _matmul_tile(gemm: _Gemm) -> tuple:
         gemm.key,
         lambda: GEMM_INTERPRETER_TILE,
         lambda: gemm_candidates(
-            gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]), tma_possible(gemm.a, gemm.b)
+            gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]), tma_layout(gemm.a, gemm.b) is not None
         ),
         gemm.trial,
     )
