@@ -186,15 +186,11 @@ def available_backends() -> dict[str, dict[str, object]]:
     A backend's per-op entry only says whether it can run on this machine at all; whether it
     supports a given device, dtype and shape is decided per call (see ``explain``).
     """
-    return {
-        b: {
-            op: backend_unavailable_reason(b) or True
-            if b in _registry[op]
-            else "not implemented by this backend"
-            for op in OPS
-        }
-        for b in BACKENDS
-    }
+    report: dict[str, dict[str, object]] = {}
+    for b in BACKENDS:
+        machine = backend_unavailable_reason(b) or True
+        report[b] = {op: machine if b in _registry[op] else "not implemented by this backend" for op in OPS}
+    return report
 
 
 def unsupported_reason(
