@@ -82,6 +82,21 @@ def test_batch_sizes_in_one_bucket_share_a_decision(measured, monkeypatch):
     assert row.shapes.startswith("(8,8)")
 
 
+def test_a_new_cache_folder_keeps_what_this_process_decided(measured, tmp_path):
+    """``set_autotune(cache_dir=...)`` after ``vk.tune`` or a measured call: the decision stands
+    (from the cache, not measured again), also for a cache in memory only, and the new folder's file
+    gets it with its next write."""
+    with pytest.warns(RuntimeWarning, match="failed validation"):
+        _linear_call()
+    assert _row().source == "measured"
+    for folder in (False, tmp_path / "elsewhere"):
+        vk.set_autotune(cache_dir=folder)
+        backend._journal.clear()
+        _linear_call()
+        assert (_row().backend, _row().source) == ("fast", "cache"), folder
+    assert not (tmp_path / "elsewhere").exists()  # held in memory, not written by the switch itself
+
+
 def _second_process(cache: Path, **env) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tests.dispatch_impls"],

@@ -413,6 +413,7 @@ class Recorder:
         self.not_ours = 0.0
         self.calls = {kind: 0 for kind in CALL_KINDS}  # clocked calls by how they were entered
         self.captured: Optional[list[Callable[[], object]]] = None  # inside ``capture``
+        self.decisions = DiskCache(None)  # auto's decisions made in the block (memory only)
 
     def mark(self) -> tuple[float, dict[str, int]]:
         """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
@@ -472,12 +473,13 @@ class Recorder:
         return {launch.kernel.fn.__name__ for launch in self.launches}
 
 
-def exceptions_caught() -> list[str]:
-    """Every candidate that auto or a tile chooser excluded because it raised: on the simulated
-    device every value reads 0 and every candidate validates, so any exclusion is an exception."""
+def exceptions_caught(recorder: "Recorder") -> list[str]:
+    """Every candidate that auto (in ``recorder``'s block: its ``decisions``) or a tile chooser
+    excluded because it raised: on the simulated device every value reads 0 and every candidate
+    validates, so any exclusion is an exception."""
     found = [
         f"auto, {signature}, {name}: {outcome}"
-        for signature, entry in backend._disk.items()
+        for signature, entry in recorder.decisions.items()
         for name, outcome in entry["candidates"].items()
         if isinstance(outcome, str) and "raised" in outcome
     ]
@@ -597,7 +599,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
         mock.patch.object(_proof, "run_child", replay_in_this_process),
         mock.patch.dict(_proof._settings, children=1),
-        mock.patch.object(backend, "_disk", DiskCache(None)),
+        mock.patch.object(backend, "_disk", recorder.decisions),
         mock.patch.dict(attention._UNUSED_SEEDS, clear=True),  # a simulated tensor must not outlive it
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)

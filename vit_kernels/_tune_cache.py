@@ -152,6 +152,14 @@ class DiskCache:
                 stacklevel=3,
             )
 
+    def in_memory(self) -> dict[str, dict]:
+        """The entries loaded or stored by this process so far (the file is not read)."""
+        return dict(self._entries or {})
+
+    def hold(self, entries: dict[str, dict]) -> None:
+        """Keep ``entries`` in memory (beside the file's, ahead of them), written with the next put."""
+        self._loaded().update(entries)
+
     def clear(self) -> None:
         """Forget the loaded entries (the file is read again on next use)."""
         self._entries = None

@@ -380,7 +380,9 @@ def set_autotune(
     if cache_dir is not None:
         if cache_dir is True or not isinstance(cache_dir, (str, os.PathLike, bool)):
             raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
+        known = _disk.in_memory()  # what this process decided stays decided in the new folder
         _disk = DiskCache(None if cache_dir is False else Path(cache_dir).expanduser())
+        _disk.hold(known)
         _tiles.set_cache_folder(_disk.folder)
     if prove_tiles is not None:
         if not isinstance(prove_tiles, bool):
@@ -747,11 +749,11 @@ def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
     return tuple(plan) if changed else None
 
 
-def call(op: str, args: tuple, prepare: Callable[..., tuple[torch.device, torch.dtype, tuple]]) -> Any:
+def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
     """Run public op ``op`` on ``args`` (its arguments in order, keywords included).
 
-    ``prepare(*args) -> (device, dtype, args)`` validates the arguments (raising a clear error) and
-    applies autocast's casts. The first call of a signature prepares, resolves and runs; later calls
+    ``prepare(*args) -> args`` validates the arguments (raising a clear error) and applies autocast's
+    casts; the first of them is the main input, whose device and dtype the decision is made for. The first call of a signature prepares, resolves and runs; later calls
     with the same ``_call_key`` skip straight to the decided implementation, replaying autocast's
     casts: a dictionary lookup and a few attribute reads per call instead of validation and the
     signature of ``resolve`` (what was valid for those shapes, dtypes, devices and values stays

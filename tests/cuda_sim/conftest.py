@@ -37,7 +37,7 @@ def sim(request):
         with simulated_cuda(request.param) as recorder:
             yield recorder
     LAUNCHES[request.param].extend(recorder.launches)
-    caught = exceptions_caught()
+    caught = exceptions_caught(recorder)
     vk.set_backend("auto")
     assert not caught, "exceptions caught on the simulated CUDA device:\n" + "\n".join(caught)
 

@@ -35,7 +35,8 @@ def test_patched_timm_vit_trains_on_the_simulated_gpu(arch, backend_name):
             assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
         if backend_name == "triton":
             assert device.launches
-        assert not exceptions_caught(), exceptions_caught()
+        caught = exceptions_caught(device)
+        assert not caught, caught
     finally:
         vk.set_autotune(False)
         backend.clear_decisions()

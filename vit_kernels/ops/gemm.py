@@ -497,9 +497,11 @@ class _Gemm:
             ]
         )
 
+        plans: dict = {}  # one per tile: its launches share the TMA descriptors (``_descriptors``)
+
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
-            plan = self.plan(tile)
+            plan = plans.get(tile) or plans.setdefault(tile, self.plan(tile))
             c, partial = _launch(plan, self.a, self.b, self.out_dtype, self.bias, aux, self.residual)
             outputs = [c.sum(0).to(self.out_dtype) if plan.slices > 1 else c] + ([aux] if save_preact else [])
             return outputs + ([partial.sum(0)] if partial is not None else [])
