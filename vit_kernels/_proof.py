@@ -245,9 +245,9 @@ def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
 
 def _children(device: torch.device, candidates: int, spans: dict) -> int:
     """How many children prove ``candidates`` at once: the setting (1 wherever
-    ``tools.cuda_sim.replay_in_this_process`` stands in for the child: it is not thread-safe), at most one per
-    candidate, and on CUDA no more than the free memory holds (each child allocates the call's
-    storages)."""
+    ``tools.cuda_sim.replay_in_this_process`` stands in for the child: it is not thread-safe), at
+    most one per candidate, and on CUDA no more than the free memory holds (each child allocates the
+    call's storages)."""
     children = min(_settings["children"], candidates)
     if device.type == "cuda" and children > 1:
         free, _ = torch.cuda.mem_get_info(device)

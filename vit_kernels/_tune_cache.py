@@ -126,7 +126,7 @@ class DiskCache:
     def put_all(self, entries: dict[str, dict]) -> None:
         """Store every entry of ``entries`` and write the file once (merged, atomically); nothing to
         write for none."""
-        self._loaded().update(entries)
+        self.hold(entries)
         if self.path is None or not entries:
             return
         try:

@@ -627,8 +627,14 @@ if HAS_TRITON:
         grid = _row_blocks(bm, seq_len, batch * num_heads)
         tensors = (qkv, stats[0], stats[1], probs)
         sizes = (seq_len, num_heads, head_dim, model_dim, *qkv.stride(), scale * LOG2E)
-        config = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        config.update(BLOCK_D=_block_d(head_dim), PRECISION=dot_precision(qkv.dtype))
+        config = dict(
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_D=_block_d(head_dim),
+            PRECISION=dot_precision(qkv.dtype),
+            num_warps=warps,
+            num_stages=stages,
+        )
         launch(_attention_probs_kernel, grid, *tensors, *sizes, **config)
         return probs
 

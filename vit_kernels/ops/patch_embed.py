@@ -256,8 +256,14 @@ if HAS_TRITON:
             device=images.device,
         )
         sizes = (n * num_patches, dim, k_dim, tokens, grid_w, patch_size)
-        config = dict(HAS_CLS=has_cls, PRECISION=dot_precision(images.dtype), num_warps=warps)
-        config.update(BLOCK_D=tile_d, BLOCK_K=tile_k, BLOCK_M=tile_m)
+        config = dict(
+            HAS_CLS=has_cls,
+            PRECISION=dot_precision(images.dtype),
+            BLOCK_D=tile_d,
+            BLOCK_K=tile_k,
+            BLOCK_M=tile_m,
+            num_warps=warps,
+        )
         split = (rows_per_split, *images.stride(), dim * k_dim if partial else 0)
         launch(_patch_embed_bwd_weight_kernel, grid, images, grad_out, dw, *sizes, *split, **config)
         if partial:
