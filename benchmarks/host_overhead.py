@@ -12,7 +12,8 @@ On the CPU, Triton only runs interpreted, which measures the interpreter, not a 
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
 GPU runs, launches stubbed), this project's own Python per warm call of ``vk.<op>`` at ViT-B/16
-shapes in bfloat16: forward on the triton and auto backends, backward on triton. Each call's time is
+shapes in bfloat16: forward on the triton and auto backends, backward on triton; the GEMM ops again
+with the TMA kernel's tiles ("<op> (TMA)", what a Hopper GPU chooses). Each call's time is
 taken less what it spends in PyTorch's calls and in the (stubbed) launch, and less what entering
 those calls costs the simulation (the calls of one warm call made again with nothing of ours around
 them: ``Recorder.entry_seconds``). An autograd Function's apply and the autograd engine are
@@ -38,7 +39,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
+from unittest import mock
 
 import torch
 
@@ -213,6 +215,30 @@ def forward_then_backward(call: Callable[[], object]) -> tuple[Callable[[], list
     return forward, backward
 
 
+# The ops whose GEMMs a Hopper GPU runs by the persistent TMA kernel where its tiles win (they won
+# each 16-bit GEMM timed on an H200): measured again with those tiles, as "<op> (TMA)".
+TMA_OPS = ("linear_gelu", "linear", "mlp", "swiglu", "swiglu_mlp")
+
+
+@contextlib.contextmanager
+def tma_tiles() -> Iterator[None]:
+    """Inside the block, a GEMM that TMA can read chooses among the TMA kernel's tiles only (on the
+    simulated device every candidate times alike, so it would keep the pointer kernel's default)."""
+    from vit_kernels._tiles import TileChooser
+    from vit_kernels.ops import gemm
+
+    def candidates(dtype, m, n, tma=False):
+        return gemm.GEMM_TILES_TMA[:1] if tma else offered(dtype, m, n, tma)
+
+    offered = gemm.gemm_candidates
+    TileChooser.forget_all()
+    try:
+        with mock.patch.object(gemm, "gemm_candidates", candidates):
+            yield
+    finally:
+        TileChooser.forget_all()
+
+
 def measure_simulated(
     ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5
 ) -> list[dict[str, Union[str, float]]]:
@@ -221,35 +247,42 @@ def measure_simulated(
     requiring grad) on the simulated sm_90 device by backend, and per warm backward call on the
     triton backend, the least over ``rounds`` loops of ``calls`` calls (ours is the small difference
     of two large times, so other processes' load shows in it: load only adds), and the counts of
-    one warm triton call each way (``warm_call_counts``)."""
+    one warm triton call each way (``warm_call_counts``); then a row "<op> (TMA)" per op of
+    ``TMA_OPS`` asked for, measured under ``tma_tiles``."""
     from tools.cuda_sim import simulated_cuda
 
     rows = []
     with simulated_cuda(90) as recorder:
-        device = torch.device("cuda")
         for op in ops:
-            inputs = {
-                k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()
-            }
-            row: dict[str, Union[str, float]] = {"op": op}
-            for name in SIMULATED_BACKENDS:
-                with vk.use_backend(name, strict=name != "auto"):
-                    call = functools.partial(SPECS[op].run, VIT_B, **inputs)
-                    for _ in range(3):  # the first call decides the backend and the tile
-                        call()
-                    row[name] = _least_ours(recorder, call, calls, rounds)
-                    if name != "triton":
-                        continue
-                    row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
-                    forward, backward = forward_then_backward(call)
-                    for _ in range(3):  # the backward's own first-call decisions
-                        forward()
-                        backward()
-                    row["backward"] = _least_ours(recorder, backward, calls, rounds, before=forward)
-                    forward()
-                    row["bwd frames"], row["bwd torch calls"] = warm_call_counts(recorder, backward)
-            rows.append(row)
+            rows.append(_simulated_row(recorder, op, op, calls, rounds))
+        for op in (op for op in TMA_OPS if op in ops):
+            with tma_tiles():
+                rows.append(_simulated_row(recorder, op, f"{op} (TMA)", calls, rounds))
     return rows
+
+
+def _simulated_row(recorder, op: str, label: str, calls: int, rounds: int) -> dict[str, Union[str, float]]:
+    """``measure_simulated``'s row of ``op``, named ``label``."""
+    device = torch.device("cuda")
+    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()}
+    row: dict[str, Union[str, float]] = {"op": label}
+    for name in SIMULATED_BACKENDS:
+        with vk.use_backend(name, strict=name != "auto"):
+            call = functools.partial(SPECS[op].run, VIT_B, **inputs)
+            for _ in range(3):  # the first call decides the backend and the tile
+                call()
+            row[name] = _least_ours(recorder, call, calls, rounds)
+            if name != "triton":
+                continue
+            row["frames"], row["torch calls"] = warm_call_counts(recorder, call)
+            forward, backward = forward_then_backward(call)
+            for _ in range(3):  # the backward's own first-call decisions
+                forward()
+                backward()
+            row["backward"] = _least_ours(recorder, backward, calls, rounds, before=forward)
+            forward()
+            row["bwd frames"], row["bwd torch calls"] = warm_call_counts(recorder, backward)
+    return row
 
 
 def _cell(value: Union[str, float, int]) -> str:

@@ -245,7 +245,7 @@ def test_a_plans_later_tma_launches_copy_its_first_descriptors_over_their_own_op
     its later launches copy them with their own tensors as the bases: other data in the same layout
     gives its own right answer, and the copies kept between calls hold no tensor."""
     monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm: TMA_TILE)
-    monkeypatch.setattr(gemm, "_DESCRIPTORS", {})
+    monkeypatch.setattr(gemm, "_PLANS", {})
     built = []
     from_tensor = gemm.TensorDescriptor.from_tensor
     monkeypatch.setattr(
@@ -257,7 +257,8 @@ def test_a_plans_later_tma_launches_copy_its_first_descriptors_over_their_own_op
             y = vk.linear(x, w)
         torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
         assert len(built) == 2, (call, built)
-    assert [kept[2].base is None and kept[3].base is None for kept in gemm._DESCRIPTORS.values()] == [True]
+    (plan,) = [plan for _, plan in gemm._PLANS.values()]
+    assert [descriptor.base for descriptor in plan.tma.kept] == [None, None]
 
 
 def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(monkeypatch):

@@ -127,17 +127,18 @@ def recording() -> bool:
     return bool(_recorders) and threading.get_ident() in _recorders
 
 
-def launch(kernel, grid: tuple, *args, plan=None, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
     ``recorded_launches``. ``plan``: the launch plan the grid, the arguments that are not tensors and
     the keywords come from (a plan table's value, which stays the same object while it is current):
     a call of the same plan with tensors of the same dtypes and 16-byte alignment launches the kernel
-    its first call compiled directly (``DirectLaunch``)."""
+    its first call compiled directly (``DirectLaunch``). ``eager``: the caller found that nothing
+    traces the call (not asked again)."""
     recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
     if recorded is not None:
         recorded.append((kernel, grid, args, kwargs))
-    elif tracing():
+    elif not eager and tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
         kernel[grid](*args, **kwargs)

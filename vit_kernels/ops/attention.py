@@ -410,7 +410,7 @@ def _reference_attention(
         mask = mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach()
         out = explicit_attention(q, k, v, scale, 0.0, lambda scores: masked_softmax(scores, mask))[0]
     else:
-        q, k, v = (sdpa_aligned(t) for t in (q, k, v))
+        q, k, v = sdpa_aligned(q), sdpa_aligned(k), sdpa_aligned(v)
         out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
     if grad_out is None:
         return [out.detach()]
@@ -733,16 +733,14 @@ def sdpa_misaligned(t: torch.Tensor) -> bool:
     the data pointer and the batch, head and row strides to be multiples of 16 bytes and unit
     stride along Dh, and raise ("query is not correctly aligned (strideM)") instead of falling back,
     e.g. for a qkv sliced out of a wider tensor."""
-    size = t.element_size()
-    return bool(
-        t.stride(-1) != 1
-        or t.data_ptr() % SDPA_ALIGNMENT_BYTES
-        or any(
-            (stride * size) % SDPA_ALIGNMENT_BYTES
-            for dim, stride in enumerate(t.stride()[:-1])
-            if t.shape[dim] > 1
-        )
-    )
+    strides, size = t.stride(), t.element_size()
+    if strides[-1] != 1 or t.data_ptr() % SDPA_ALIGNMENT_BYTES:
+        return True
+    shape = t.shape
+    for dim in range(len(strides) - 1):  # a loop, not a generator: this runs on every eager SDPA call
+        if shape[dim] > 1 and (strides[dim] * size) % SDPA_ALIGNMENT_BYTES:
+            return True
+    return False
 
 
 def sdpa_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -803,7 +801,7 @@ def attention_ref(
     if cos is not None:
         q, k = apply_rope(q, cos, sin, rope_layout), apply_rope(k, cos, sin, rope_layout)
     if not return_probs:
-        q, k, v = (sdpa_aligned(t) for t in (q, k, v))
+        q, k, v = sdpa_aligned(q), sdpa_aligned(k), sdpa_aligned(v)
         mask = sdpa_aligned_mask(mask_for_sdpa(attn_mask, q.dtype), q.dtype)
         return merge_heads(
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)

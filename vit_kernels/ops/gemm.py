@@ -137,6 +137,40 @@ class GemmPlan(NamedTuple):
     args: tuple  # the pointer kernel's arguments after its tensors: sizes, then strides
     config: dict  # the kernels' keywords: the epilogue's flags and the tile's configuration
     device: torch.device  # where the outputs are allocated (a plan is kept per device)
+    tma: Optional["TmaLaunch"]  # the launch by the TMA kernel, where the tile and the layout allow it
+
+
+class TmaLaunch:
+    """A plan's launch by the persistent TMA kernel, for a tile naming it and operands whose layout
+    a descriptor reads (``tma_layout``; the data's 16-byte alignment is asked per call): which of A
+    and B are read through their transposes, the grid (one program per multiprocessor at most), the
+    arguments after the tensors and the keywords. The descriptors are built by the plan's first
+    launch (``TensorDescriptor.from_tensor`` and its checks: 1.2 us a descriptor on the host) and
+    kept without a base; a later launch copies them over its own operands (the plan fixes their
+    shapes and strides). No kept copy holds a tensor: no storage outlives its call."""
+
+    __slots__ = ("a_t", "b_t", "grid", "args", "config", "blocks", "kept")
+
+    def __init__(self, a_t: bool, b_t: bool, grid: tuple, args: tuple, config: dict, tile: GemmTile):
+        self.a_t, self.b_t, self.grid, self.args, self.config = a_t, b_t, grid, args, config
+        bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+        self.blocks = ([bk, bm] if a_t else [bm, bk], [bn, bk] if b_t else [bk, bn])
+        self.kept: Optional[list] = None  # the descriptors without a base
+
+    def descriptors(self, a: torch.Tensor, b: torch.Tensor) -> list:
+        """A's and B's descriptors (over their transposes where ``a_t`` / ``b_t``)."""
+        views = a.t() if self.a_t else a, b.t() if self.b_t else b
+        if self.kept is None:
+            self.kept = [TensorDescriptor.from_tensor(view, block) for view, block in zip(views, self.blocks)]
+            for kept in self.kept:
+                kept.base = None
+        copies = []
+        for kept, view in zip(self.kept, views):  # every field, whichever Triton defines, over the view
+            copy = object.__new__(type(kept))
+            copy.__dict__.update(kept.__dict__)
+            copy.base = view
+            copies.append(copy)
+        return copies
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
@@ -159,7 +193,13 @@ def tma_transposed(t: torch.Tensor) -> Optional[bool]:
     """How the TMA kernel reads a 2-D 16-bit operand: False by a descriptor over ``t`` (unit column
     stride), True by one over ``t.t()`` (unit row stride), None where a descriptor cannot (no unit
     stride, the other stride or the data not 16-byte aligned, a dimension of size 0)."""
-    if t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0 or t.data_ptr() % 16:
+    return None if t.data_ptr() % 16 else _tma_strides(t)
+
+
+def _tma_strides(t: torch.Tensor) -> Optional[bool]:
+    """``tma_transposed`` but for the data's alignment, which a launch plan checks per call (its key
+    fixes the rest: dtype, sizes and strides)."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0:
         return None
     rows, cols = t.stride()
     aligned = 16 // t.element_size()
@@ -170,14 +210,15 @@ def tma_transposed(t: torch.Tensor) -> Optional[bool]:
     return None
 
 
-def tma_layout(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[bool, bool]]:
+def tma_layout(a: torch.Tensor, b: torch.Tensor, aligned: bool = True) -> Optional[tuple[bool, bool]]:
     """How the TMA kernel reads a @ b, (``tma_transposed(a)``, ``tma_transposed(b)``), or None where
     it cannot: before Hopper (the interpreter counts as Hopper), an operand no descriptor can read,
     or while tracing (torch.compile). Where it cannot, a TMA tile runs the pointer kernel with its
-    dimensions."""
+    dimensions. ``aligned=False``: the data's alignment is not asked (a plan asks it per call)."""
     if TensorDescriptor is None or tracing():
         return None
-    a_t, b_t = tma_transposed(a), tma_transposed(b)
+    layout = tma_transposed if aligned else _tma_strides
+    a_t, b_t = layout(a), layout(b)
     if a_t is None or b_t is None:
         return None
     # the tests run it under the interpreter where they pin its tiles
@@ -295,7 +336,8 @@ def _launch(
     float32 workspace (slices, M, N) of a split K; the float32 partial sums asked for: per tile row
     (cdiv(M, BLOCK_M), N) of C's columns, per K slice (slices, M) of A's rows, else None). ``aux``
     (M, N) is written with the pre-activation under EPILOGUE_GELU. A tile naming the TMA variant
-    runs ``_linear_tma_kernel`` where the operands allow (``tma_layout``), else ``_linear_kernel``."""
+    runs ``_linear_tma_kernel`` where the plan has its ``TmaLaunch`` and A's and B's data are
+    16-byte aligned (and not while tracing), else ``_linear_kernel``."""
     device = plan.device
     c = torch.empty(plan.c_shape, dtype=torch.float32 if plan.slices > 1 else out_dtype, device=device)
     partial = None
@@ -308,58 +350,13 @@ def _launch(
         c if residual is None else residual,
         c if partial is None else partial,
     )
-    layout = tma_layout(a, b) if plan.tile.kernel == TMA else None
-    if layout is not None:
-        _launch_tma(plan, a, b, outputs, *layout)
+    tma = plan.tma
+    if tma is not None and not (tracing() or a.data_ptr() % 16 or b.data_ptr() % 16):
+        descriptors = tma.descriptors(a, b)
+        launch(_linear_tma_kernel, tma.grid, *descriptors, *outputs, *tma.args, eager=True, **tma.config)
     else:
         launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, plan=plan, **plan.config)
     return c, partial
-
-
-def _launch_tma(
-    plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, outputs: tuple, a_t: bool, b_t: bool
-) -> None:
-    """``plan`` by the persistent TMA kernel: A and B read through descriptors (over the transposed
-    view where ``tma_layout`` says that dimension has the unit stride), one program per
-    multiprocessor at most."""
-    a_desc, b_desc = _descriptors(plan, a.t() if a_t else a, b.t() if b_t else b, a_t, b_t)
-    tiles, slices = plan.grid
-    sizes, strides = plan.args[:4], plan.args[8:]  # without the pointer kernel's operand strides
-    grid = (min(tiles * slices, multiprocessors(a.device)),)
-    config = dict(plan.config, A_T=a_t, B_T=b_t)
-    launch(_linear_tma_kernel, grid, a_desc, b_desc, *outputs, *sizes, slices, *strides, **config)
-
-
-# id(plan) -> (plan, (a_t, b_t), A's and B's TMA descriptors without a base): what a plan's first TMA
-# launch built and validated, copied with the call's operands by its later launches.
-_DESCRIPTORS: dict[int, tuple] = {}
-
-
-def _descriptors(plan: GemmPlan, a_view, b_view, a_t: bool, b_t: bool) -> tuple:
-    """The TMA descriptors of ``plan``'s launch over ``a_view`` and ``b_view`` (A and B, or their
-    transposes where that dimension has the unit stride). A plan fixes the operands' shapes and
-    strides (its key holds them), so ``TensorDescriptor.from_tensor`` and its checks (1.2 us a
-    descriptor on the host) run at the plan's first launch; a later launch copies those descriptors
-    with its own tensors as the bases, whose 16-byte alignment ``tma_transposed`` checked. The kept
-    copies hold no tensor (no storage outlives its call)."""
-    kept = _DESCRIPTORS.get(id(plan))
-    if kept is None or kept[0] is not plan or kept[1] != (a_t, b_t):
-        bm, bn, bk = plan.tile.block_m, plan.tile.block_n, plan.tile.block_k
-        a_desc = TensorDescriptor.from_tensor(a_view, [bk, bm] if a_t else [bm, bk])
-        b_desc = TensorDescriptor.from_tensor(b_view, [bn, bk] if b_t else [bk, bn])
-        if len(_DESCRIPTORS) >= LAUNCH_CONFIGS:
-            _DESCRIPTORS.clear()
-        _DESCRIPTORS[id(plan)] = (plan, (a_t, b_t), _with_base(a_desc, None), _with_base(b_desc, None))
-        return a_desc, b_desc
-    return _with_base(kept[2], a_view), _with_base(kept[3], b_view)
-
-
-def _with_base(descriptor, base):
-    """A copy of ``descriptor`` (every field, whichever Triton defines) over ``base``, unchecked."""
-    copy = object.__new__(type(descriptor))
-    copy.__dict__.update(descriptor.__dict__)
-    copy.base = base
-    return copy
 
 
 # The launch (``GemmPlan``) of each GEMM call seen, by everything it is computed from (sizes, strides,
@@ -406,27 +403,32 @@ class _Gemm:
             SUMS=self.sums,
             PRECISION=dot_precision(a.dtype),
         )
+        tiles = tile_rows * cdiv(n, tile.block_n)
+        sizes = (m, n, k, self.k_per_split)
+        strides = (  # of C's split and rows, the bias, the pre-activation and the residual
+            m * n if self.slices > 1 else 0,
+            n,
+            0 if bias is None else bias.stride(0),
+            0 if aux is None else aux.stride(0),
+            *((0, 0) if residual is None else residual.stride()),
+        )
+        config = {**flags, **gemm_config(tile)}
+        layout = tma_layout(a, b, aligned=False) if tile.kernel == TMA else None
+        tma = None
+        if layout is not None:
+            grid = (min(tiles * self.slices, multiprocessors(a.device)),)
+            config_tma = dict(config, A_T=layout[0], B_T=layout[1])
+            tma = TmaLaunch(*layout, grid, (*sizes, self.slices, *strides), config_tma, tile)
         return GemmPlan(
             tile,
             self.slices,
             (self.slices, m, n) if self.slices > 1 else (m, n),
             partial_shape[self.sums],
-            (tile_rows * cdiv(n, tile.block_n), self.slices),
-            (
-                m,
-                n,
-                k,
-                self.k_per_split,
-                *a.stride(),
-                *b.stride(),
-                m * n if self.slices > 1 else 0,
-                n,
-                0 if bias is None else bias.stride(0),
-                0 if aux is None else aux.stride(0),
-                *((0, 0) if residual is None else residual.stride()),
-            ),
-            {**flags, **gemm_config(tile)},
+            (tiles, self.slices),
+            (*sizes, *a.stride(), *b.stride(), *strides),
+            config,
             a.device,
+            tma,
         )
 
     def key(self) -> tuple:
@@ -497,7 +499,7 @@ class _Gemm:
             ]
         )
 
-        plans: dict = {}  # one per tile: its launches share the TMA descriptors (``_descriptors``)
+        plans: dict = {}  # one per tile: its launches share the TMA descriptors (``TmaLaunch``)
 
         def run(tile):
             aux = torch.empty_like(self.aux) if save_preact else self.aux
