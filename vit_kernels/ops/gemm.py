@@ -303,6 +303,7 @@ def _matmul_and_sums(
         b.stride(),
         a.device,
         a.dtype,
+        b.dtype,  # with the strides, whether descriptors can read the operands (the plan's ``tma``)
         out_dtype,
         None if bias is None else bias.stride(0),
         epilogue,
