@@ -115,6 +115,7 @@ def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
             assert isinstance(row[column], float) and 0.0 <= row[column] < 10_000, row
         assert isinstance(row["frames"], int) and isinstance(row["torch calls"], int), row
     assert "triton" in host_overhead.table(rows, columns=host_overhead.SIMULATED_COLUMNS)
+    assert 0.0 <= host_overhead.measure_floor(calls=3, rounds=1) < 10_000
 
 
 def test_the_tma_rows_launch_the_tma_kernel_with_the_plans_descriptors():
