@@ -223,7 +223,9 @@ TMA_OPS = ("linear_gelu", "linear", "mlp", "swiglu", "swiglu_mlp")
 @contextlib.contextmanager
 def tma_tiles() -> Iterator[None]:
     """Inside the block, a GEMM that TMA can read chooses among the TMA kernel's tiles only (on the
-    simulated device every candidate times alike, so it would keep the pointer kernel's default)."""
+    simulated device every candidate times alike, so it would keep the pointer kernel's default).
+    Every tile choice of the process is forgotten on entry and on exit: for the simulated device,
+    whose tile cache lives in memory only, not for a real GPU's."""
     from vit_kernels._tiles import TileChooser
     from vit_kernels.ops import gemm
 
@@ -287,9 +289,11 @@ def _simulated_row(recorder, op: str, label: str, calls: int, rounds: int) -> di
 
 def measure_floor(calls: int = 200, rounds: int = 5) -> float:
     """The least our Python per warm call can be on this meter, in us: a warm ``vk.linear`` at
-    ViT-B/16 shapes made again by hand, its launch found by one dictionary lookup of the inputs'
-    shapes, dtypes and devices, then its output allocated and its GEMM launched (as the op last
-    launched it). The ops' figures above it are what dispatch, autograd and the launchers add."""
+    ViT-B/16 shapes made again by hand: its last launch found by one dictionary lookup of the
+    inputs' shapes, dtypes and devices, an output allocated as the op's, and that launch made again
+    with its own arguments (the launch is stubbed: which tensors it names costs nothing). A reading
+    below the meter's resolution shows as 0. The ops' figures above it are what dispatch, autograd
+    and the launchers add."""
     from tools.cuda_sim import simulated_cuda
 
     with simulated_cuda(90) as recorder:

@@ -262,15 +262,17 @@ def test_a_plans_later_tma_launches_copy_its_first_descriptors_over_their_own_op
 
 
 def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(monkeypatch):
-    """Rows of 20 halves (40 bytes: not 16-byte aligned), a float32 operand, a column-strided view
-    and data starting 2 bytes into a buffer: the TMA tile's dimensions run through the pointer
-    kernel, with the right answer."""
+    """Rows of 20 halves (40 bytes: not 16-byte aligned), a float32 operand, a column-strided view,
+    data starting 2 bytes into a buffer and an expanded operand (a stride of 0): the TMA tile's
+    dimensions run through the pointer kernel, with the right answer."""
     assert gemm.tma_transposed(torch.empty(8, 24, dtype=torch.half)) is False
     assert gemm.tma_transposed(torch.empty(24, 8, dtype=torch.half).t()) is True
     assert gemm.tma_transposed(torch.empty(8, 20, dtype=torch.half)) is None
     assert gemm.tma_transposed(torch.empty(8, 24)) is None
     assert gemm.tma_transposed(torch.empty(8, 48, dtype=torch.half)[:, ::2]) is None
     assert gemm.tma_transposed(torch.empty(8 * 24 + 1, dtype=torch.half)[1:].view(8, 24)) is None
+    assert gemm.tma_transposed(torch.empty(1, 24, dtype=torch.half).expand(8, 24)) is None  # row stride 0
+    assert gemm.tma_transposed(torch.empty(8, 1, dtype=torch.half).expand(8, 24).t()) is None
     monkeypatch.setattr(gemm, "_matmul_tile", lambda gemm: TMA_TILE)
     kernels = spy_kernels(monkeypatch)
     x, w, b = torch.randn(50, 20).half(), (torch.randn(36, 20) / 5).half(), torch.randn(36).half()
@@ -279,7 +281,11 @@ def test_a_tma_tile_on_operands_descriptors_cannot_read_runs_the_pointer_kernel(
     torch.testing.assert_close(
         y.float(), F.gelu(F.linear(x.float(), w.float(), b.float())), atol=2e-3, rtol=2e-3
     )
-    assert kernels == ["_linear_kernel"]
+    x, w = torch.randn(50, 24).half(), (torch.randn(1, 24) / 5).half().expand(36, 24)  # one row, repeated
+    with vk.use_backend("triton", strict=True):
+        y = vk.linear(x, w)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
+    assert kernels == ["_linear_kernel"] * 2
 
 
 def test_no_tma_kernel_while_tracing():

@@ -192,7 +192,8 @@ def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tu
 def tma_transposed(t: torch.Tensor) -> Optional[bool]:
     """How the TMA kernel reads a 2-D 16-bit operand: False by a descriptor over ``t`` (unit column
     stride), True by one over ``t.t()`` (unit row stride), None where a descriptor cannot (no unit
-    stride, the other stride or the data not 16-byte aligned, a dimension of size 0)."""
+    stride, the other stride 0 or not 16-byte aligned, the data not 16-byte aligned, a dimension of
+    size 0)."""
     return None if t.data_ptr() % 16 else _tma_strides(t)
 
 
@@ -203,9 +204,9 @@ def _tma_strides(t: torch.Tensor) -> Optional[bool]:
         return None
     rows, cols = t.stride()
     aligned = 16 // t.element_size()
-    if cols == 1 and rows % aligned == 0:
+    if cols == 1 and rows > 0 and rows % aligned == 0:  # a stride of 0 (an expanded operand): no TMA
         return False
-    if rows == 1 and cols % aligned == 0:
+    if rows == 1 and cols > 0 and cols % aligned == 0:
         return True
     return None
 
