@@ -287,29 +287,47 @@ def _simulated_row(recorder, op: str, label: str, calls: int, rounds: int) -> di
     return row
 
 
-def measure_floor(calls: int = 200, rounds: int = 5) -> float:
-    """The least our Python per warm call can be on this meter, in us: a warm ``vk.linear`` at
-    ViT-B/16 shapes made again by hand: its last launch found by one dictionary lookup of the
-    inputs' shapes, dtypes and devices, an output allocated as the op's, and that launch made again
-    with its own arguments (the launch is stubbed: which tensors it names costs nothing). A reading
-    below the meter's resolution shows as 0. The ops' figures above it are what dispatch, autograd
-    and the launchers add."""
-    from tools.cuda_sim import simulated_cuda
+class _Floor(torch.autograd.Function):
+    """``measure_floor``'s op: a forward that allocates its output, makes a recorded launch again
+    and saves its inputs, as the ops' forwards do."""
 
-    with simulated_cuda(90) as recorder:
+    @staticmethod
+    def forward(ctx, x, weight, launch, shape):
+        output = torch.empty(shape, dtype=x.dtype, device=x.device)
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+        ctx.save_for_backward(x, weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None
+
+
+def measure_floor(calls: int = 200, rounds: int = 5) -> float:
+    """The least our Python per warm differentiable call can be on this meter, in us: a warm
+    ``vk.linear`` at ViT-B/16 shapes (inputs requiring grad) made again by hand: its last launch
+    found by one dictionary lookup of the inputs' shapes, dtypes and devices, then ``_Floor``'s
+    apply: an output allocated as the op's, that launch made again with its own arguments (the
+    launch is stubbed: which tensors it names costs nothing), the inputs saved. The ops' figures
+    above it are what dispatch, the autograd glue, the bodies and the launchers add."""
+    from tools.cuda_sim import ours, simulated_cuda
+
+    with (
+        simulated_cuda(90) as recorder,
+        mock.patch.object(_Floor, "forward", staticmethod(ours(_Floor.forward))),
+    ):
         inputs = SPECS["linear"].make_inputs(VIT_B, torch.device("cuda"), torch.bfloat16)
-        x, weight = inputs["x"], inputs["weight"]
+        x, weight = inputs["x"].requires_grad_(), inputs["weight"].requires_grad_()
         with vk.use_backend("triton", strict=True):
             for _ in range(3):
-                out = vk.linear(x, weight)
-        last = recorder.launches[-1]
-        launches = {(x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device): last}
+                shape = vk.linear(x, weight).shape
+        launches = {
+            (x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device): recorder.launches[-1]
+        }
 
         def floor():
             launch = launches[(x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device)]
-            output = torch.empty(out.shape, dtype=x.dtype, device=x.device)
-            launch.kernel[launch.grid](*launch.args, **launch.kwargs)
-            return output
+            return _Floor.apply(x, weight, launch, shape)
 
         return _least_ours(recorder, floor, calls, rounds)
 
@@ -381,7 +399,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         floor = measure_floor(args.calls or 200, args.rounds or 5)
         print(
             f"\nthe floor of this meter: {floor:.1f} us (a warm linear made again by hand: one dictionary lookup, "
-            "its output allocated, its GEMM launched; measure_floor)"
+            "then an autograd Function that allocates its output, launches its GEMM and saves its inputs; "
+            "measure_floor)"
         )
     else:
         calls, rounds = DEFAULT_LOOPS[device.type]

@@ -42,7 +42,7 @@ turns ``cuda`` into simulated tensors): ``capture`` keeps the calls one warm cal
 ``entry_seconds`` makes exactly those again with nothing of ours around them, and what they cost
 outside the clock is taken out of the call's time. An autograd Function's ``apply`` and the autograd
 engine are clocked as PyTorch's too; the package's Functions' forward and backward, which they call,
-are ours again inside them (``_ours`` pauses the clock).
+are ours again inside them (``ours`` pauses the clock).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def _clocked(
     call, kind: str, entry: Optional[Callable] = None, args: tuple = (), kwargs: Optional[dict] = None
 ):
     """Run ``call()``; its seconds count as not ours unless an enclosing call already counts them
-    (less what ``_ours`` pauses inside it: our code that PyTorch calls back). ``kind``
+    (less what ``ours`` pauses inside it: our code that PyTorch calls back). ``kind``
     (``CALL_KINDS``): how it was entered, counted. ``entry(*args, **kwargs)`` is the call as our code
     made it, which enters the simulation again: ``Recorder.capture`` keeps it (None: a call that
     runs our code inside, not to be made again)."""
@@ -288,7 +288,7 @@ def _clocked(
         _clock.depth, _clock.paused = 0, outer_paused
 
 
-def _ours(fn: Callable) -> Callable:
+def ours(fn: Callable) -> Callable:
     """``fn`` (our code that PyTorch calls: an autograd Function's forward or backward), whose time
     inside a clocked call (``Function.apply``, the autograd engine) is ours again, and whose own
     PyTorch calls are clocked one by one."""
@@ -307,10 +307,10 @@ def _ours(fn: Callable) -> Callable:
 
 
 def _our_backward(backward: Callable) -> Callable:
-    """An autograd Function's backward with our part ``_ours``: inside ``once_differentiable``
+    """An autograd Function's backward with our part ``ours``: inside ``once_differentiable``
     (PyTorch's wrapper, rebuilt around it) where the backward has it."""
     inner = getattr(backward, "__wrapped__", None)
-    return once_differentiable(_ours(inner)) if inner is not None else _ours(backward)
+    return once_differentiable(ours(inner)) if inner is not None else ours(backward)
 
 
 # a classmethod in Python (torch 2.13) or in C (2.14): bound to the class at each call
@@ -318,7 +318,7 @@ _function_apply = torch.autograd.Function.__dict__["apply"]
 
 
 def _clocked_apply(cls, *args, **kwargs):
-    """``torch.autograd.Function.apply``: PyTorch's Python and C++ around our forward (``_ours``)."""
+    """``torch.autograd.Function.apply``: PyTorch's Python and C++ around our forward (``ours``)."""
     return _clocked(lambda: _function_apply.__get__(None, cls)(*args, **kwargs), "torch")
 
 
@@ -586,7 +586,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
             patch
             for cls in _our_functions()
             for patch in (
-                mock.patch.object(cls, "forward", staticmethod(_ours(cls.forward))),
+                mock.patch.object(cls, "forward", staticmethod(ours(cls.forward))),
                 mock.patch.object(cls, "backward", staticmethod(_our_backward(cls.backward))),
             )
         ),
