@@ -57,6 +57,11 @@ DIRECT = "triton-direct"  # the triton backend with plans launched directly (vit
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
 
+def inputs_requiring_grad(op: str, shape: Shape, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``op``'s inputs at ``shape`` (``SPECS[op].make_inputs``), each requiring grad, as in training."""
+    return {name: t.requires_grad_() for name, t in SPECS[op].make_inputs(shape, device, dtype).items()}
+
+
 def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]:
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
 
@@ -96,7 +101,7 @@ def measure_op(
     """{"op": op, column: microseconds per call, or "n/a: <reason>", ...} for every column. The
     columns are timed in turn within each round (so that load from other processes hits them
     alike), after one untimed warm-up round (which also lets ``auto`` make its first-call choice)."""
-    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(TINY, device, dtype).items()}
+    inputs = inputs_requiring_grad(op, TINY, device, dtype)
     row: dict[str, Union[str, float]] = {"op": op}
     runs = {}
     for name in COLUMNS:
@@ -265,8 +270,7 @@ def measure_simulated(
 
 def _simulated_row(recorder, op: str, label: str, calls: int, rounds: int) -> dict[str, Union[str, float]]:
     """``measure_simulated``'s row of ``op``, named ``label``."""
-    device = torch.device("cuda")
-    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, device, torch.bfloat16).items()}
+    inputs = inputs_requiring_grad(op, VIT_B, torch.device("cuda"), torch.bfloat16)
     row: dict[str, Union[str, float]] = {"op": label}
     for name in SIMULATED_BACKENDS:
         with vk.use_backend(name, strict=name != "auto"):
@@ -316,8 +320,8 @@ def measure_floor(calls: int = 200, rounds: int = 5) -> float:
         simulated_cuda(90) as recorder,
         mock.patch.object(_Floor, "forward", staticmethod(ours(_Floor.forward))),
     ):
-        inputs = SPECS["linear"].make_inputs(VIT_B, torch.device("cuda"), torch.bfloat16)
-        x, weight = inputs["x"].requires_grad_(), inputs["weight"].requires_grad_()
+        inputs = inputs_requiring_grad("linear", VIT_B, torch.device("cuda"), torch.bfloat16)
+        x, weight = inputs["x"], inputs["weight"]
         with vk.use_backend("triton", strict=True):
             for _ in range(3):
                 shape = vk.linear(x, weight).shape

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from benchmarks.host_overhead import VIT_B, forward_then_backward
+from benchmarks.host_overhead import VIT_B, forward_then_backward, inputs_requiring_grad
 from tests.helpers import spy_direct_launches
 from tools.op_specs import OPS, SPECS
 from vit_kernels import _triton
@@ -48,7 +48,7 @@ def _same_launch(a, b) -> bool:
 
 @pytest.mark.parametrize("op", OPS)
 def test_a_warm_call_launches_directly_what_kernel_grid_launches(sim, monkeypatch, op):
-    inputs = {k: v.requires_grad_() for k, v in SPECS[op].make_inputs(VIT_B, "cuda", torch.bfloat16).items()}
+    inputs = inputs_requiring_grad(op, VIT_B, "cuda", torch.bfloat16)
     direct_calls = spy_direct_launches(monkeypatch)
     with vk.use_backend("triton", strict=True):
         with _triton.direct_launch(False):

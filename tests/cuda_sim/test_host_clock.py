@@ -132,15 +132,15 @@ def test_the_tma_rows_launch_the_tma_kernel_with_the_plans_descriptors():
             "from_tensor",
             lambda t, block: built.append(block) or from_tensor(t, block),
         ):
-            inputs = SPECS["linear"].make_inputs(host_overhead.VIT_B, torch.device("cuda"), torch.bfloat16)
-            inputs = {name: t.requires_grad_() for name, t in inputs.items()}
+            inputs = host_overhead.inputs_requiring_grad(
+                "linear", host_overhead.VIT_B, torch.device("cuda"), torch.bfloat16
+            )
             forward, backward = host_overhead.forward_then_backward(
                 lambda: SPECS["linear"].run(host_overhead.VIT_B, **inputs)
             )
             with vk.use_backend("triton", strict=True):
-                for _ in range(
-                    2
-                ):  # a choice made stales the plans kept before it: the second call remakes them
+                # a choice made stales the plans kept before it: the second call remakes them
+                for _ in range(2):
                     forward()
                     backward()
                 assert built
