@@ -103,19 +103,26 @@ def test_an_autograd_functions_apply_and_the_engine_are_pytorchs_and_its_forward
         ours, wall = _ours_and_wall(recorder, lambda: _Busy.apply(x, 0.0), 200)
         assert ours < 0.5 * wall, (ours, wall)
         idle = _Busy.apply(x, 0.0)
-        ours, wall = _ours_and_wall(recorder, lambda: idle.backward(idle, retain_graph=True), 200)
-        assert ours < 0.5 * wall, (ours, wall)
+        # The engine's entry points are PyTorch's from their first line. Entered through the
+        # torch-function path, their Python read as ours: 0.145, 0.175 and 0.285 of the wall, against
+        # 0.055, 0.057 and 0.10 clocked (what is left: _Busy's backward, a clone, the meter's entry).
+        for backward, most in (
+            (lambda: idle.backward(idle, retain_graph=True), 0.09),
+            (lambda: torch.autograd.backward([idle], [idle], retain_graph=True), 0.1),
+            (lambda: torch.autograd.grad([idle], [x], [idle], retain_graph=True), 0.17),
+        ):
+            ours, wall = _ours_and_wall(recorder, backward, 200)
+            assert ours < most * wall, (ours, wall)
 
 
 def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
     rows = host_overhead.measure_simulated(("layer_norm", "attention"), calls=3, rounds=1)
     assert [row["op"] for row in rows] == ["layer_norm", "attention"]
     for row in rows:
-        for column in host_overhead.SIMULATED_BACKENDS:
+        for column in (*host_overhead.SIMULATED_BACKENDS, "least", "least bwd"):
             assert isinstance(row[column], float) and 0.0 <= row[column] < 10_000, row
         assert isinstance(row["frames"], int) and isinstance(row["torch calls"], int), row
     assert "triton" in host_overhead.table(rows, columns=host_overhead.SIMULATED_COLUMNS)
-    assert 0.0 <= host_overhead.measure_floor(calls=3, rounds=1) < 10_000
 
 
 def test_the_tma_rows_launch_the_tma_kernel_with_the_plans_descriptors():
