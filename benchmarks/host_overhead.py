@@ -21,10 +21,10 @@ PyTorch's; the forward and backward they call are ours. What PyTorch's calls and
 cost on a real GPU comes on top; this is the part the project controls. It is the small difference
 of two large times, an upper bound read to a few microseconds. Beside each figure, ``least``: the
 least any Python implementation of the op can read on this meter (its launches made again by hand,
-``least_ours``). Exact and the same on every machine
-are the counts beside it, per warm triton call each way: the Python functions of ``vit_kernels`` it
-enters (``frames``) and the PyTorch calls it makes (``torch calls``: tensor attributes,
-allocations, views; each costs the host 0.1-3 us on a GPU).
+``least_ours``). Exact and the same on every machine are the counts beside them, per warm triton
+call each way: the Python functions of ``vit_kernels`` it enters (``frames``) and the PyTorch calls
+it makes (``torch calls``: tensor attributes, allocations, views; each costs the host 0.1-3 us on a
+GPU).
 
     python -m benchmarks.host_overhead [--device cuda] [--calls N] [--rounds N] [--ops a,b] [--json FILE]
     python -m benchmarks.host_overhead --simulated-gpu [--calls N] [--rounds N] [--ops a,b] [--json FILE]
@@ -253,11 +253,12 @@ def tma_tiles() -> Iterator[None]:
 def measure_simulated(
     ops: tuple[str, ...] = OPS, calls: int = 200, rounds: int = 5
 ) -> list[dict[str, Union[str, float]]]:
-    """{"op": op, "triton": us, "auto": us, "frames": n, "torch calls": n, "backward": us,
-    "bwd frames": n, "bwd torch calls": n} per op: our Python per warm forward call (inputs
-    requiring grad) on the simulated sm_90 device by backend, and per warm backward call on the
-    triton backend, the least over ``rounds`` loops of ``calls`` calls (ours is the small difference
-    of two large times, so other processes' load shows in it: load only adds), and the counts of
+    """{"op": op, "triton": us, "auto": us, "least": us, "frames": n, "torch calls": n, "backward":
+    us, "least bwd": us, "bwd frames": n, "bwd torch calls": n} per op: our Python per warm forward
+    call (inputs requiring grad) on the simulated sm_90 device by backend, and per warm backward
+    call on the triton backend, the least over ``rounds`` loops of ``calls`` calls (ours is the
+    small difference of two large times, so other processes' load shows in it: load only adds),
+    each way beside the least any Python implementation reads (``least_ours``), and the counts of
     one warm triton call each way (``warm_call_counts``); then a row "<op> (TMA)" per op of
     ``TMA_OPS`` asked for, measured under ``tma_tiles``."""
     from tools.cuda_sim import simulated_cuda

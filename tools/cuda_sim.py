@@ -186,7 +186,7 @@ _RUNS_OUR_CODE = {
 
 
 def _clocked_from_entry(run: Callable) -> Callable:
-    """An engine entry point (``_RUNS_OUR_CODE``'s value ``run``) as a caller on a GPU enters it:
+    """An engine entry point run by ``run`` (``_grad``, ``_backward``) as a caller on a GPU enters it:
     clocked from its first line as PyTorch's (a GPU user's ``torch.autograd.backward`` is PyTorch's
     Python and the engine; the backward functions of ours inside it pause the clock). Entered through
     the torch-function path instead, its Python and two torch-function dispatches would run before
@@ -596,14 +596,9 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
             create=True,
         ),
         mock.patch.object(torch.autograd.Function, "apply", classmethod(_clocked_apply)),
-        *(
-            mock.patch.object(owner, name, _clocked_from_entry(_RUNS_OUR_CODE[getattr(owner, name)]))
-            for owner, name in (
-                (torch.autograd, "grad"),
-                (torch.autograd, "backward"),
-                (torch.Tensor, "backward"),
-            )
-        ),
+        mock.patch.object(torch.autograd, "grad", _clocked_from_entry(_grad)),
+        mock.patch.object(torch.autograd, "backward", _clocked_from_entry(_backward)),
+        mock.patch.object(torch.Tensor, "backward", _clocked_from_entry(_tensor_backward)),
         *(
             patch
             for cls in _our_functions()
