@@ -17,8 +17,10 @@ INT_PY := $(INT_VENV)/bin/python
 INT_STAMP := $(INT_VENV)/.installed
 INT_SOURCES := $(shell find vit_kernels vit -name '*.py') $(wildcard csrc/*.cpp csrc/*.h)
 PYTEST_ARGS ?=
+# every pytest stage ends with its slowest tests, so a stage that grows says where
+DURATIONS := --durations=15
 
-.PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report clean
+.PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report ci ci-cold nightly clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -50,29 +52,28 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m vit.train --model vit_digits --dataset digits --epochs 200 --backend auto --threads 1 --out runs/demo $(DEMO_ARGS)
 
-# Triton kernels run on the CPU through the interpreter; `slow` sweeps are left to `make test-all`.
-# Tests marked `aot` compile kernels for real GPU targets, which needs Triton's compiler rather than
-# its interpreter: they run in a second pytest process without TRITON_INTERPRET. The CUDA cases
-# (marker `gpu`) are `make test-gpu`'s.
+# Triton kernels run on the CPU through the interpreter; `slow` sweeps are left to `make test-all`,
+# and so is the rest of a `pairwise` grid's product (make test runs a subset covering every pair of
+# its parameter values: tests/covering.py). Tests marked `aot` compile kernels for real GPU targets,
+# which needs Triton's compiler rather than its interpreter: they run in a second pytest process
+# without TRITON_INTERPRET, each variant compiled once into the folder check-gpu keeps. The CUDA
+# cases (marker `gpu`) are `make test-gpu`'s.
+# TEST_WORKERS pytest-xdist processes (default one per core) run the interpreted stage, each test
+# file whole on one of them (--dist loadfile: a file's tests keep their order).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot and not gpu" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m "aot and not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not aot and not gpu" -n $(TEST_WORKERS) --dist loadfile -p no:benchmark \
+		$(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "aot and not slow" $(DURATIONS) $(PYTEST_ARGS)
 
 # The simulated CUDA device (tests/cuda_sim): the host code of every GPU call, down to the launch,
 # on sm_90 and sm_80 devices simulated on this CPU, each recorded launch compiled for its
-# architecture; fails on any exception, also one that auto or a tile chooser would have caught.
-# Writes the coverage of the runtime modules to $(CUDA_SIM_OUT)/coverage.md (CUDA_SIM_REPORT_ARGS:
-# e.g. --cpu-suite build/cpu-suite/.coverage --integration build/integration/.coverage: the coverage
-# of make test's first stage and of make test-integration, which then explain the lines only those
-# suites run; make coverage-report measures all three and writes benchmarks/results/cuda-sim-coverage.md).
+# architecture (read from the folder check-gpu keeps where it compiled the variant); fails on any
+# exception, also one that auto or a tile chooser would have caught. Its coverage of the runtime
+# modules is make coverage-report's.
 CUDA_SIM_OUT ?= build/cuda-sim
-CUDA_SIM_REPORT_ARGS ?=
 test-cuda-sim: $(STAMP)
-	mkdir -p $(CUDA_SIM_OUT)
-	env -u TRITON_INTERPRET COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
-		tests/cuda_sim $(PYTEST_ARGS)
-	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report --out $(CUDA_SIM_OUT)/coverage.md \
-		$(CUDA_SIM_REPORT_ARGS)
+	env -u TRITON_INTERPRET $(PY) -m pytest -q -p no:cacheprovider tests/cuda_sim $(DURATIONS) $(PYTEST_ARGS)
 
 # The committed coverage report, benchmarks/results/cuda-sim-coverage.md: the simulated device's
 # coverage (its tests without the compile of their launches, which runs no runtime line), each line
@@ -92,8 +93,8 @@ coverage-report: $(STAMP) $(INT_STAMP)
 		--integration build/integration/.coverage
 
 test-all: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m aot $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot and not gpu" $(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m aot $(DURATIONS) $(PYTEST_ARGS)
 
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
@@ -147,7 +148,7 @@ $(INT_STAMP): pyproject.toml setup.py tests/integration/requirements.txt $(INT_S
 
 test-integration: $(INT_STAMP)
 	cd tests/integration && TRITON_INTERPRET=1 ../../$(INT_VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
-		--rootdir=. -c pytest.ini . $(PYTEST_ARGS)
+		--rootdir=. -c pytest.ini . $(DURATIONS) $(PYTEST_ARGS)
 
 # Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes.
 BENCH_OUT ?= build/bench
@@ -170,8 +171,11 @@ bench-gate: $(STAMP)
 # choose on CUDA (every candidate tile) compiled ahead of time for sm_80 and sm_90, failing on a
 # compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
 # overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). What each
-# variant's compile found is kept in build/gpu-check-compiled (per Triton version and gate source):
-# a second run only re-checks, and make test-cuda-sim reads the variants the gate compiled there.
+# variant's compile found is kept outside the clone, in ~/.cache/vit_kernels/compiled-triton<version>-
+# ptxas<version>/ (VIT_KERNELS_COMPILED_CACHE moves it), by everything that decides the compiled code:
+# a second run, of this clone or another, compiles only the variants a kernel edit changed; make
+# test-cuda-sim and the aot tests read the same folder. Each run prints how many variants it
+# compiled, found there, and skipped as duplicates.
 GPU_CHECK_OUT ?= build/check-gpu
 GPU_CHECK_TARGETS ?= 80,90
 check-gpu: $(STAMP)
@@ -219,6 +223,21 @@ $(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUD
 	$(NVCC) $(NVCC_FLAGS) $$($(PY) -c "import sysconfig, torch.utils.cpp_extension as e; \
 		print(' '.join(e.COMMON_NVCC_FLAGS + ['-I' + p for p in e.include_paths() + [sysconfig.get_paths()['include']]]))") \
 		-I$(CUDA_CHECK_DIR)/include -c $< -o $@ 2> $(@:.o=.ptxas.log) || { cat $(@:.o=.ptxas.log); exit 1; }
+
+# CI (.ci/run): every stage timed, a table of the stages' wall times at the end. ci-cold runs it with
+# empty compile caches (this project's and Triton's), as on a fresh machine: run it before resolving
+# a change to a kernel, and give its time.
+ci:
+	.ci/run
+
+ci-cold:
+	CI_COLD=1 .ci/run
+
+# What CI leaves out, for a night (about two hours on 2 cores): the full parameter products and
+# sweeps (test-all), every Triton variant compiled for sm_80 and sm_90 (check-gpu-all), the coverage
+# report, and a cold CI run. Each runs even when an earlier one fails (make -k).
+nightly:
+	$(MAKE) -k test-all check-gpu-all coverage-report ci-cold
 
 clean:
 	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so $(INT_VENV)

@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import vit_kernels as vk  # noqa: E402
-from tests.helpers import device_backends, exact_float32, skip_unless_offered  # noqa: E402
+from tests.covering import mark_uncovered_slow  # noqa: E402
+from tests.helpers import FUZZ_SEED, device_backends, exact_float32, skip_unless_offered  # noqa: E402
 from vit_kernels import _proof, _tiles, backend  # noqa: E402
 from tools.cuda_sim import replay_in_this_process  # noqa: E402
 from vit_kernels._tune_cache import DiskCache  # noqa: E402
@@ -80,6 +81,22 @@ def restore_backend():
     yield
     vk.set_backend(previous)
     vk.set_autotune(settings["enabled"], margin=settings["margin"], prove_tiles=settings["prove_tiles"])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Before ``-m`` selects: a ``pairwise`` test's CPU cases outside its covering subset become
+    ``slow`` (tests/covering.py)."""
+    mark_uncovered_slow(items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run that ran fuzz tests (in this process or on pytest-xdist's workers): their seed."""
+    reports = (r for kind in ("passed", "failed") for r in terminalreporter.stats.get(kind, ()))
+    if any(getattr(r, "nodeid", "").startswith("tests/test_fuzz.py") for r in reports):
+        terminalreporter.write_line(
+            f"fuzz seed: {FUZZ_SEED} (the day's; VIT_KERNELS_FUZZ_SEED={FUZZ_SEED} draws this run's cases again)"
+        )
 
 
 def pytest_runtest_logreport(report):

@@ -4,7 +4,9 @@ parametrization every op test file shares (CPU cases, and CUDA cases marked ``gp
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
+import os
 from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
@@ -15,6 +17,9 @@ from vit_kernels import _ext, backend
 from vit_kernels._tiles import ERROR_RATIO, FLOORS, sibling_scale
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# The quick fuzz tests' seed: the day's date (a new draw of cases each day), or VIT_KERNELS_FUZZ_SEED
+# to replay one; pytest's header prints it (tests/conftest.py).
+FUZZ_SEED = int(os.environ.get("VIT_KERNELS_FUZZ_SEED") or datetime.date.today().strftime("%Y%m%d"))
 HAS_CUDA = torch.cuda.is_available()
 GPU_MARKS = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))
 

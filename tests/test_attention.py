@@ -55,6 +55,7 @@ CPU_PAIRS = [("torch", torch.float32)] + [
 BACKEND_DTYPES = device_backend_dtypes("attention", CPU_PAIRS)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("length", [1, 17, 50, 65, 197])
 @pytest.mark.parametrize("head_dim", [4, 8, 12, 15, 32, 64])
 @pytest.mark.parametrize("device,backend_name,dtype", BACKEND_DTYPES)
@@ -75,6 +76,7 @@ TAIL_DTYPES = device_backend_dtypes(
 )
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("length", [1, 16, 31, 32, 33, 64, 96])
 @pytest.mark.parametrize("head_dim", [1, 80, 256])
 @pytest.mark.parametrize("device,backend_name,dtype", TAIL_DTYPES)
@@ -98,6 +100,7 @@ def test_tail_blocks_match_formula(device, backend_name, dtype, length, head_dim
 # The backward at the ViT head dims, 64 (ViT-B and -L), 80 and 96 (padded to 128: masked columns)
 # and 128, at lengths with a tail block for the interpreter's 32-row tile (L = 50: 18 rows in a 32-row
 # tail; L = 197: 5 rows in a 16-row one): dq, dk and dv each on its own against float64.
+@pytest.mark.pairwise
 @pytest.mark.parametrize("length", [50, 197])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("device,backend_name,dtype", TAIL_DTYPES)

@@ -5,19 +5,23 @@ names the defaults."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import cli
+from benchmarks.__main__ import main as bench_main
+from tools import selftest
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = [sys.executable, "-m", "benchmarks"]
-SELFTEST = [sys.executable, "-m", "tools.selftest"]
+BENCH = "benchmarks"
+SELFTEST = "tools.selftest"
 TIMEOUT = 120  # a mistake is found before any work: seconds, however loaded the machine
 
 
@@ -139,38 +143,38 @@ BAD_INPUTS = [
 ]
 
 
-def _run(command: list[str], args: list[str]) -> subprocess.CompletedProcess:
-    # Warnings off: one that importing torch or the package may print on some machine (an extension
-    # built for another torch) is not the CLI's error line, whose count is what is tested here.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(command + args, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+def _run(command: str, args: list[str], capsys) -> SimpleNamespace:
+    """``python -m <command> <args>`` in this process, as its ``__main__`` runs it: (returncode,
+    stdout, stderr). ``test_the_module_entry_points_print_one_line`` checks the entry points
+    themselves in child processes."""
+    if command == BENCH:
+        prog = "python -m benchmarks" + (" ab" if args[:1] == ["ab"] else "")
+        work = lambda: cli.run(prog, lambda: bench_main(args))  # noqa: E731 - as benchmarks/__main__.py
+    else:
+        work = lambda: selftest.main(args)  # noqa: E731
+    capsys.readouterr()
+    try:
+        code = work()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code or 0, stdout=captured.out, stderr=captured.err)
 
 
 def _id(case) -> str:
     command, args, _ = case
-    return ("selftest " if command is SELFTEST else "benchmarks ") + " ".join(args)
-
-
-@pytest.fixture(scope="module")
-def outcomes(root) -> dict[int, subprocess.CompletedProcess]:
-    """Every bad input's process, run two at a time (each mostly imports torch: one per core)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            index: pool.submit(_run, command, [a.replace("{root}", str(root)) for a in args])
-            for index, (command, args, _) in enumerate(BAD_INPUTS)
-        }
-        return {index: future.result() for index, future in futures.items()}
+    return ("selftest " if command == SELFTEST else "benchmarks ") + " ".join(args)
 
 
 @pytest.mark.parametrize("index", range(len(BAD_INPUTS)), ids=[_id(c) for c in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2(root, outcomes, index):
-    command, _, expected = BAD_INPUTS[index]
-    done = outcomes[index]
+def test_bad_input_is_one_line_and_exit_2(root, capsys, index):
+    command, args, expected = BAD_INPUTS[index]
+    done = _run(command, [a.replace("{root}", str(root)) for a in args], capsys)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert len(lines) == 1, done.stderr
-    prog = "python -m tools.selftest" if command is SELFTEST else "python -m benchmarks"
+    prog = "python -m tools.selftest" if command == SELFTEST else "python -m benchmarks"
     assert lines[0].startswith(prog) and ": error: " in lines[0], lines[0]
     assert expected.replace("{root}", str(root)) in lines[0], lines[0]
     assert done.stdout.strip() == "", done.stdout  # refused before any work or output
@@ -209,8 +213,8 @@ def _options_with_values(help_text: str) -> list[str]:
     ],
     ids=["benchmarks", "benchmarks ab", "selftest"],
 )
-def test_help_names_every_default(command, args, expected):
-    done = _run(command, args)
+def test_help_names_every_default(command, args, expected, capsys):
+    done = _run(command, args, capsys)
     assert done.returncode == 0, done.stderr
     for text in expected:
         assert text in " ".join(done.stdout.split()), (text, done.stdout)
@@ -218,3 +222,23 @@ def test_help_names_every_default(command, args, expected):
     assert len(entries) >= 3, done.stdout
     for entry in entries:
         assert "default" in entry or "(required)" in entry, entry
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "tools.selftest"])
+def test_the_module_entry_points_print_one_line(module):
+    """``python -m`` itself, in a child process: a bad input is one line on stderr and exit code 2."""
+    # Warnings off: one that importing torch or the package may print on some machine (an extension
+    # built for another torch) is not the CLI's error line, whose count is what is tested here.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--bogus"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"python -m {module}: error: "), done.stderr
+    assert "unrecognized arguments: --bogus" in lines[0] and done.stdout.strip() == "", done.stdout

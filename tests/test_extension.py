@@ -70,6 +70,7 @@ LAYER_NORM_INPUTS = ["x", "residual", "weight", "bias"]
 CPU_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (1, 1023), (7, 13), (2, 197, 192), (3, 5, 768)])
 @pytest.mark.parametrize("parts", ["residual+affine", "affine", "residual", "bare"])
@@ -90,6 +91,7 @@ def test_fused_layer_norm_statistics():
     torch.testing.assert_close(rstd, (x.var(-1, unbiased=False) + 1e-6).rsqrt())
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1023), (2, 17, 96), (5, 1536)])

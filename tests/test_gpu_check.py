@@ -3,8 +3,10 @@ expansion, real ahead-of-time compiles for sm_80/sm_90 with resource usage, the 
 analysis on real Triton IR, and the ptxas log parser."""
 
 import dataclasses
+import importlib.util
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,15 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda  # noqa: E402
 from tools.gpu_check import cases  # noqa: E402
-from tools.gpu_check.compile import Compiled, Variant, bind, compile_variant, ctas_per_sm, expand  # noqa: E402
+from tools.gpu_check.compile import (  # noqa: E402
+    Compiled,
+    Variant,
+    bind,
+    compile_cached,
+    compile_variant,
+    ctas_per_sm,
+    expand,
+)  # noqa: E402
 from tools.gpu_check.int_range import find_overflows  # noqa: E402
 from tools.gpu_check.ptxas import parse  # noqa: E402
 from tools.gpu_check.report import summary_table  # noqa: E402
@@ -33,6 +43,7 @@ from vit_kernels import (
     _tiles,  # noqa: E402
     backend,  # noqa: E402
 )
+from vit_kernels.kernels import layer_norm as layer_norm_kernels  # noqa: E402
 from vit_kernels.kernels.gemm import _linear_tma_kernel  # noqa: E402
 from vit_kernels.ops import attention, gemm, layer_norm, linear  # noqa: E402
 
@@ -130,7 +141,7 @@ def test_a_recorded_launch_compiles_for_a_real_gpu(capability):
         layer_norm.layer_norm_fwd(x, w, w, 1e-6, None)
 
     (variant,) = expand(recorded(call)[0])
-    resources = compile_variant(variant, capability, bind(variant, capability))
+    resources = compile_cached(variant, capability)
     assert resources.error is None
     assert 16 <= resources.registers <= 255 and resources.spill_bytes == 0
     assert resources.ctas_per_sm >= 1 and "tt.func" in resources.ttir
@@ -154,9 +165,7 @@ def test_the_tma_gemm_compiles_to_tma_copies_and_wgmma_on_sm90():
             8,
         ):
             picked.setdefault(variant.name, variant)
-    tma, pointer = (
-        compile_variant(v, 90, bind(v, 90)) for v in (picked["_linear_tma_kernel"], picked["_linear_kernel"])
-    )
+    tma, pointer = (compile_cached(v, 90) for v in (picked["_linear_tma_kernel"], picked["_linear_kernel"]))
     assert tma.error is None and tma.spill_bytes == 0 and tma.tma and tma.tensor_cores == "wgmma"
     assert pointer.error is None and not pointer.tma
     assert _linear_tma_kernel.min_capability == 90
@@ -169,7 +178,7 @@ def test_float32_gemms_sum_each_k_block_from_zero_on_sm90(dtype):
     rounding errors do not run through one K-long FMA chain; 16-bit dots accumulate in place."""
     launches = recorded(lambda: linear.linear_triton(meta(dtype, 34, 1023), meta(dtype, 64, 1023)))
     (variant, *_) = expand(launches[0])
-    compiled = compile_variant(variant, 90, bind(variant, 90))
+    compiled = compile_cached(variant, 90)
     assert compiled.error is None
     loop = compiled.ttir[compiled.ttir.index("scf.for") :]
     dot = re.search(r"(%\S+) = tt\.dot \S+, \S+, (%\S+)", loop)
@@ -197,7 +206,7 @@ def test_int32_index_overflow_is_found_in_real_triton_ir(wide):
     """pid * stride in int32 wraps for 70,000 programs with a stride of 40,000; in int64 it does not."""
     x = on_meta(torch.float32, 10)
     variant = Variant(_offsets_kernel, (70000, 1, 1), (x, 40000), {"WIDE": wide}, "")
-    resources = compile_variant(variant, 90, bind(variant, 90))
+    resources = compile_cached(variant, 90)
     assert resources.error is None
     overflows = find_overflows(resources.ttir, variant.int_args(), variant.grid)
     if wide:
@@ -215,19 +224,18 @@ def test_what_a_compile_found_is_reused_by_exact_key_or_by_kind(tmp_path, monkey
     bound, odd_bound = bind(aligned, 90), bind(odd, 90)
     assert bound.kind == odd_bound.kind and bound.key != odd_bound.key
     compiled = Compiled(tmp_path)
-    first = compiled.compile(aligned, 90, bound)
-    assert first.error is None and first.registers > 0
+    first, read = compiled.compile(aligned, 90, bound)
+    assert first.error is None and first.registers > 0 and not read
     assert compiled.exact(bound) == first and compiled.exact(odd_bound) is None
     assert compiled.of_kind(odd_bound) == first
 
     compiles = []
     monkeypatch.setattr("tools.gpu_check.compile.compile_variant", lambda *job: compiles.append(job) or first)
-    assert (
-        compiled.compile(aligned, 90, bound) == first
-        and compiled.compile(odd, 90, odd_bound, any_of_kind=True) == first
-    )
+    assert compiled.compile(aligned, 90, bound) == (first, True) and compiled.compile(
+        odd, 90, odd_bound, any_of_kind=True
+    ) == (first, True)
     assert compiles == []
-    compiled.compile(odd, 90, odd_bound)
+    assert compiled.compile(odd, 90, odd_bound) == (first, False)
     assert len(compiles) == 1
 
     # a file that is not a whole record is compiled again; a compile error is returned, not kept
@@ -236,8 +244,54 @@ def test_what_a_compile_found_is_reused_by_exact_key_or_by_kind(tmp_path, monkey
     monkeypatch.setattr(
         "tools.gpu_check.compile.compile_variant", lambda *job: compiles.append(job) or failed
     )
-    assert compiled.compile(aligned, 90, bound) == failed and len(compiles) == 2
+    assert compiled.compile(aligned, 90, bound) == (failed, False) and len(compiles) == 2
     assert compiled.exact(bound) is None
+
+
+def _kernel_copy(folder, edit=None):
+    """vit_kernels/kernels/layer_norm.py imported again from a copy in ``folder``, with ``edit``
+    (old, new) applied to its text."""
+    text = Path(layer_norm_kernels.__file__).read_text()
+    if edit is not None:
+        assert text.count(edit[0]) == 1
+        text = text.replace(*edit)
+    path = folder / f"layer_norm_copy_{len(list(folder.iterdir()))}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_kernel_edit_changes_that_kernels_cache_keys_only(tmp_path):
+    """The compile cache's key is the kernel's content: a verbatim copy of a kernels module (another
+    file, another module) binds to the same keys, so a fresh clone reads what an earlier one compiled;
+    an edit of one kernel's body changes that kernel's keys and no other kernel's."""
+
+    def call():
+        x, w, b = (meta(torch.float16, *shape).requires_grad_() for shape in ((8, 197, 768), (768,), (768,)))
+        y = layer_norm.layer_norm_triton(x, w, b, 1e-6, None)
+        torch.autograd.grad(y, (x, w, b), torch.empty_like(y))
+
+    first = {}
+    for launch in recorded(call):
+        for variant in expand(launch):
+            first.setdefault(variant.name, variant)
+    assert set(first) == {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}
+
+    def keys(module=None):
+        return {
+            name: bind(
+                variant if module is None else dataclasses.replace(variant, kernel=getattr(module, name)), 90
+            ).key
+            for name, variant in first.items()
+        }
+
+    original = keys()
+    assert keys(_kernel_copy(tmp_path)) == original
+    edited = keys(_kernel_copy(tmp_path, ("tl.maximum(var, 0.0)", "tl.maximum(var, 1e-30)")))
+    assert edited["_layer_norm_fwd_kernel"] != original["_layer_norm_fwd_kernel"]
+    assert edited["_layer_norm_bwd_kernel"] == original["_layer_norm_bwd_kernel"]
 
 
 def test_a_compile_error_is_reported_not_raised():
@@ -350,7 +404,7 @@ def _transpose_variant(source: int, b_side: bool) -> Variant:
 
 def _compile_transpose_kernel(source: int, b_side: bool, capability: int):
     variant = _transpose_variant(source, b_side)
-    resources = compile_variant(variant, capability, bind(variant, capability))
+    resources = compile_cached(variant, capability)
     assert resources.error is None
     return resources
 
@@ -407,7 +461,7 @@ def test_the_attention_kernels_transpose_no_computed_tile():
     assert {"_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"} <= set(first)
     for name, variant in first.items():
         for capability in (90, 80):
-            resources = compile_variant(variant, capability, bind(variant, capability))
+            resources = compile_cached(variant, capability)
             assert resources.error is None, (name, capability, resources.error)
             assert resources.computed_transposes == [], (name, capability, resources.computed_transposes)
 

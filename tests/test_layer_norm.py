@@ -23,6 +23,7 @@ def run_layer_norm(x, weight, bias, residual, eps):
     return vk.layer_norm(x, weight, bias, eps, residual=residual)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize(
     "shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)]
 )

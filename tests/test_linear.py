@@ -43,6 +43,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("x_shape,k,n", SHAPES)
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("linear", CPU_PAIRS))
@@ -70,6 +71,7 @@ _GELU_SHAPES = [
 ]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("x_shape,k,n", _GELU_SHAPES)
 @pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -105,6 +107,7 @@ def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate)
     assert_within_pytorch_error("output", out, own, exact, dtype, torch.device(device))
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize(
     "x_shape,d,hidden", [((2, 17, 48), 48, 192), ((3, 5, 13), 13, 1023), ((4, 8), 8, 32)]
 )

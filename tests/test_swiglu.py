@@ -87,6 +87,7 @@ def swiglu_mlp_call(x, wg, bg, wu, bu, wd, bd, r):
     return vk.swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual=r)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("x_shape,hidden,out", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("device,choice,dtype", device_backend_dtypes("swiglu"))
@@ -96,6 +97,7 @@ def test_swiglu(device, choice, dtype, x_shape, hidden, out, with_bias):
         check_against_formula(swiglu_call, swiglu_formula, inputs, dtype, NAMES[:5], device)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("x_shape,hidden,out", SHAPES)
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False)])
 @pytest.mark.parametrize("device,choice,dtype", device_backend_dtypes("swiglu_mlp"))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tools.gpu_check import cases as sweeps
 from tools.gpu_check.compile import (
-    COMPILED_FOLDER,
+    CACHE_ENV,
     GRID_LIMITS,
     TARGETS,
     Compiled,
@@ -35,6 +35,7 @@ from tools.gpu_check.compile import (
     Variant,
     bind,
     compile_variant,
+    compiled_folder,
     expand,
 )
 from tools.gpu_check.int_range import find_overflows
@@ -45,11 +46,12 @@ _JOBS: list = []  # (variant, capability, bound), shared with forked workers
 _COMPILED: list = [None]  # the Compiled folder in use, or None: compile everything afresh
 
 
-def _compile_job(index: int) -> Resources:
+def _compile_job(index: int) -> tuple[Resources, bool]:
+    """-> (what the variant's compile found, whether it was read from the folder)."""
     variant, capability, bound = _JOBS[index]
     compiled = _COMPILED[0]
     if compiled is None:
-        return compile_variant(variant, capability, bound)
+        return compile_variant(variant, capability, bound), False
     return compiled.compile(variant, capability, bound)
 
 
@@ -82,10 +84,11 @@ def variant_failures(variant: Variant, capability: int, bound, resources: Resour
 
 
 def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
-    """-> unique compile jobs, and per launch its labels, variant, bound key per target (only the
-    cases of ``ops`` where given)."""
+    """-> unique compile jobs, per launch its labels, variant, bound key per target (only the cases
+    of ``ops`` where given), and how many variant bindings were duplicates of a job already held."""
     jobs: dict[str, tuple[Variant, int, object]] = {}
     launches = []
+    bindings = 0
     for case in sweeps.cases(sweep):
         if ops is not None and case.op not in ops:
             continue
@@ -98,8 +101,9 @@ def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
                     bound = bind(variant, capability)
                     jobs.setdefault(bound.key, (variant, capability, bound))
                     keys[capability] = bound.key
+                    bindings += 1
                 launches.append((case, variant, keys))
-    return jobs, launches
+    return jobs, launches, bindings - len(jobs)
 
 
 def main(argv=None) -> int:
@@ -115,9 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="build/check-gpu", help="folder for report.json and report.md")
     parser.add_argument(
         "--compiled",
-        default=str(COMPILED_FOLDER),
-        help="folder keeping what each exact variant's compile found, reused by later runs and by the "
-        "simulated device's compile of its recorded launches (empty: compile every variant afresh)",
+        default=str(compiled_folder()),
+        help="folder keeping what each exact variant's compile found, reused by later runs, the aot "
+        f"tests and the simulated device's recorded launches (${CACHE_ENV} moves it; empty: compile "
+        "every variant afresh)",
     )
     args = parser.parse_args(argv)
     targets = [int(t) for t in args.targets.split(",")]
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
         parser.error(f"--ops must be among {sorted(known_ops)}, got {sorted(ops - known_ops)}")
 
     start = time.time()
-    jobs, launches = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
+    jobs, launches, duplicates = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
     keys = list(jobs)
     _JOBS[:] = [jobs[k] for k in keys]
     _COMPILED[0] = Compiled(Path(args.compiled)) if args.compiled else None
@@ -144,9 +149,16 @@ def main(argv=None) -> int:
     )
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = dict(zip(keys, pool.map(_compile_job, range(len(keys)), chunksize=4)))
+            found = list(pool.map(_compile_job, range(len(keys)), chunksize=4))
     else:
-        results = {k: _compile_job(i) for i, k in enumerate(keys)}
+        found = [_compile_job(i) for i in range(len(keys))]
+    results = {key: resources for key, (resources, _) in zip(keys, found)}
+    read = sum(hit for _, hit in found)
+    print(
+        f"gpu_check: {len(keys) - read} variants compiled, {read} found in the cache "
+        f"({_COMPILED[0].folder if _COMPILED[0] else 'none'}), {duplicates} skipped as duplicates",
+        flush=True,
+    )
 
     failures: list[str] = []
     for key, resources in results.items():

@@ -45,8 +45,35 @@ TARGETS = {
     90: {"regs": 65536, "threads": 2048, "ctas": 32, "smem_sm": 233472, "smem_block": 232448},
 }
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
-# where the gate and the simulated device keep what their compiles found (``Compiled``)
-COMPILED_FOLDER = Path(__file__).resolve().parents[2] / "build" / "gpu-check-compiled"
+CACHE_ENV = "VIT_KERNELS_COMPILED_CACHE"  # overrides the folder below; ``make ci-cold`` empties it
+
+
+def _ptxas_version() -> str:
+    """The version of the ptxas Triton compiles sm_90 with ("13.0.88"), or "unknown"."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        try:
+            text = get_ptxas_version(90)
+        except TypeError:  # triton before 3.8 takes no architecture
+            text = get_ptxas_version()
+    except Exception:  # no ptxas: the compiles fail anyway, and say why
+        return "unknown"
+    found = re.search(r"release ([\d.]+), V([\d.]+)", text)
+    return found.group(2) if found else "unknown"
+
+
+def compiled_folder() -> Path:
+    """Where the gate, the simulated device's recorded launches and the ``aot`` tests keep what
+    their compiles found (``Compiled``): outside the clone, so that a fresh clone's CI reads what an
+    earlier run compiled; one folder per Triton and ptxas version."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_kernels"
+    return base / f"compiled-triton{triton.__version__}-ptxas{_ptxas_version()}"
+
+
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -212,15 +239,20 @@ def compile_variant(variant: Variant, capability: int, bound: Bound) -> Resource
 
 
 class Compiled:
-    """What compiles found (``Resources``), on disk in ``folder``: one JSON file per exact key and one
-    per kind. The folder's name carries Triton's version and this module's and ``ttgir``'s sources,
-    so a change to the compiler or to how resources are read starts afresh (a kernel's source is in
-    its key). Files are written whole (a temporary file renamed), so parallel compiles share it."""
+    """What compiles found (``Resources``), on disk under ``folder`` (default ``compiled_folder()``):
+    one JSON file per exact key and one per kind. A key holds everything that decides the compiled
+    code: the kernel's source key (Triton's ``cache_key``: its source, the jit functions it calls and
+    the constexpr globals it reads), the signature, the constexprs, the options and the target; the
+    folder's name carries Triton's and ptxas's versions, and a subfolder this module's and
+    ``ttgir``'s sources, so a change to the compiler or to how resources are read starts afresh. A
+    hit is as good as a compile. Files are written whole (a temporary file renamed), so parallel
+    compiles and parallel runs share it."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Optional[Path] = None):
         here = Path(__file__).parent
         sources = (here / "compile.py").read_bytes() + (here / "ttgir.py").read_bytes()
-        self.folder = Path(folder) / f"triton-{triton.__version__}-{hashlib.sha256(sources).hexdigest()[:12]}"
+        folder = compiled_folder() if folder is None else Path(folder)
+        self.folder = folder / f"gate-{hashlib.sha256(sources).hexdigest()[:12]}"
 
     def _read(self, name: str) -> Optional[Resources]:
         try:
@@ -236,25 +268,37 @@ class Compiled:
 
     def compile(
         self, variant: Variant, capability: int, bound: Bound, *, any_of_kind: bool = False
-    ) -> Resources:
-        """``compile_variant``'s answer, read from the folder where this key (with ``any_of_kind``:
-        else any key of its kind) was compiled before, else compiled and kept. A compile error is not
-        kept: it may have been the machine's (memory, disk), and is cheap to meet again."""
+    ) -> tuple[Resources, bool]:
+        """(``compile_variant``'s answer, whether it was read rather than compiled): read from the
+        folder where this key (with ``any_of_kind``: else any key of its kind) was compiled before,
+        else compiled and kept. A compile error is not kept: it may have been the machine's (memory,
+        disk), and is cheap to meet again."""
         found = self.exact(bound)
         if found is None and any_of_kind:
             found = self.of_kind(bound)
         if found is not None:
-            return found
+            return found, True
         resources = compile_variant(variant, capability, bound)
         if resources.error is not None:
-            return resources
+            return resources, False
         self.folder.mkdir(parents=True, exist_ok=True)
         text = json.dumps(dataclasses.asdict(resources))
         for name in (bound.key, f"kind-{bound.kind}"):
             temporary = self.folder / f".{name}.{os.getpid()}.tmp"
             temporary.write_text(text)
             os.replace(temporary, self.folder / f"{name}.json")
-        return resources
+        return resources, False
+
+
+@functools.cache
+def _shared() -> Compiled:
+    return Compiled()
+
+
+def compile_cached(variant: Variant, capability: int) -> Resources:
+    """``compile_variant`` of the variant bound for ``sm_<capability>``, through the folder the gate
+    and the simulated device share (``Compiled``): each exact variant compiled once."""
+    return _shared().compile(variant, capability, bind(variant, capability))[0]
 
 
 def _cuobjdump(cubin: bytes) -> dict[str, int]:
