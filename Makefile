@@ -172,10 +172,10 @@ bench-gate: $(STAMP)
 # compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
 # overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). What each
 # variant's compile found is kept outside the clone, in ~/.cache/vit_kernels/compiled-triton<version>-
-# ptxas<version>/ (VIT_KERNELS_COMPILED_CACHE moves it), by everything that decides the compiled code:
-# a second run, of this clone or another, compiles only the variants a kernel edit changed; make
-# test-cuda-sim and the aot tests read the same folder. Each run prints how many variants it
-# compiled, found there, and skipped as duplicates.
+# ptxas<version>/ (VIT_KERNELS_COMPILED_CACHE replaces ~/.cache/vit_kernels), by everything that
+# decides the compiled code: a second run, of this clone or another, compiles only the variants a
+# kernel edit changed; make test-cuda-sim and the aot tests read the same folder. Each run prints
+# how many variants it compiled, found there, and skipped as duplicates.
 GPU_CHECK_OUT ?= build/check-gpu
 GPU_CHECK_TARGETS ?= 80,90
 check-gpu: $(STAMP)

@@ -45,7 +45,7 @@ TARGETS = {
     90: {"regs": 65536, "threads": 2048, "ctas": 32, "smem_sm": 233472, "smem_block": 232448},
 }
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
-CACHE_ENV = "VIT_KERNELS_COMPILED_CACHE"  # overrides the folder below; ``make ci-cold`` empties it
+CACHE_ENV = "VIT_KERNELS_COMPILED_CACHE"  # the folder in place of ~/.cache/vit_kernels (make ci-cold: empty)
 
 
 def _ptxas_version() -> str:
@@ -67,11 +67,11 @@ def compiled_folder() -> Path:
     """Where the gate, the simulated device's recorded launches and the ``aot`` tests keep what
     their compiles found (``Compiled``): outside the clone, so that a fresh clone's CI reads what an
     earlier run compiled; one folder per Triton and ptxas version."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_kernels"
-    return base / f"compiled-triton{triton.__version__}-ptxas{_ptxas_version()}"
+    base = (
+        os.environ.get(CACHE_ENV)
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_kernels"
+    )
+    return Path(base) / f"compiled-triton{triton.__version__}-ptxas{_ptxas_version()}"
 
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
