@@ -233,7 +233,7 @@ ci:
 ci-cold:
 	CI_COLD=1 .ci/run
 
-# What CI leaves out, for a night (about two hours on 2 cores): the full parameter products and
+# What CI leaves out, for a night (hours on 2 cores, not timed yet): the full parameter products and
 # sweeps (test-all), every Triton variant compiled for sm_80 and sm_90 (check-gpu-all), the coverage
 # report, and a cold CI run. Each runs even when an earlier one fails (make -k).
 nightly:
