@@ -18,7 +18,7 @@ from vit_kernels._tiles import ERROR_RATIO, FLOORS, sibling_scale
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # The quick fuzz tests' seed: the day's date (a new draw of cases each day), or VIT_KERNELS_FUZZ_SEED
-# to replay one; pytest's header prints it (tests/conftest.py).
+# to replay one; printed at the end of a run that ran them (tests/conftest.py).
 FUZZ_SEED = int(os.environ.get("VIT_KERNELS_FUZZ_SEED") or datetime.date.today().strftime("%Y%m%d"))
 HAS_CUDA = torch.cuda.is_available()
 GPU_MARKS = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"))

@@ -34,7 +34,7 @@ from tools.gpu_check.compile import (  # noqa: E402
     compile_variant,
     ctas_per_sm,
     expand,
-)  # noqa: E402
+)
 from tools.gpu_check.int_range import find_overflows  # noqa: E402
 from tools.gpu_check.ptxas import parse  # noqa: E402
 from tools.gpu_check.report import summary_table  # noqa: E402

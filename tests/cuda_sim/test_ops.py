@@ -13,7 +13,7 @@ from vit_kernels.backend import CannotRunError
 BACKENDS = ("triton", "extension", "torch", "auto")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ViT-Ti/16 at batch 16, the compile gate's widths where it has them (their variants are then read
-# from what make check-gpu compiled, build/gpu-check-compiled)
+# from what make check-gpu compiled, tools.gpu_check.compile.compiled_folder())
 B, L, D, HEADS, HIDDEN = 16, 197, 192, 3, 768
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.cuda_sim.conftest import ARCHS, LAUNCHES
 from tools.gpu_check.__main__ import variant_failures
-from tools.gpu_check.compile import Compiled, bind, expand
+from tools.gpu_check.compile import Compiled, bind, count_line, expand
 
 _JOBS: list = []  # (variant, capability, bound), shared with forked workers
 _COMPILED = Compiled()
@@ -66,12 +66,8 @@ def test_every_recorded_launch_compiles_for_its_device(arch, capsys):
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         found = list(pool.map(_compile, range(len(_JOBS)), chunksize=2))
     results = [resources for resources, _ in found]
-    read = sum(hit for _, hit in found)
     with capsys.disabled():
-        print(
-            f"\nsm_{arch}: {len(launches)} launches recorded: {len(_JOBS) - read} variants compiled, "
-            f"{read} found in the cache ({_COMPILED.folder}), {duplicates} skipped as duplicates"
-        )
+        print(f"\nsm_{arch}: {len(launches)} launches recorded: {count_line(found, duplicates, _COMPILED)}")
     failures = [
         failure
         for (variant, capability, bound), resources in zip(_JOBS, results)

@@ -36,6 +36,7 @@ from tools.gpu_check.compile import (
     bind,
     compile_variant,
     compiled_folder,
+    count_line,
     expand,
 )
 from tools.gpu_check.int_range import find_overflows
@@ -153,12 +154,7 @@ def main(argv=None) -> int:
     else:
         found = [_compile_job(i) for i in range(len(keys))]
     results = {key: resources for key, (resources, _) in zip(keys, found)}
-    read = sum(hit for _, hit in found)
-    print(
-        f"gpu_check: {len(keys) - read} variants compiled, {read} found in the cache "
-        f"({_COMPILED[0].folder if _COMPILED[0] else 'none'}), {duplicates} skipped as duplicates",
-        flush=True,
-    )
+    print(f"gpu_check: {count_line(found, duplicates, _COMPILED[0])}", flush=True)
 
     failures: list[str] = []
     for key, resources in results.items():

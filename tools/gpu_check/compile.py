@@ -290,6 +290,16 @@ class Compiled:
         return resources, False
 
 
+def count_line(found: list[tuple[Resources, bool]], duplicates: int, compiled: Optional[Compiled]) -> str:
+    """What a compile stage did with its variants (``Compiled.compile``'s answers): compiled, read
+    from the cache, skipped as duplicates of a variant held already."""
+    read = sum(hit for _, hit in found)
+    return (
+        f"{len(found) - read} variants compiled, {read} found in the cache "
+        f"({compiled.folder if compiled else 'none'}), {duplicates} skipped as duplicates"
+    )
+
+
 @functools.cache
 def _shared() -> Compiled:
     return Compiled()
