@@ -111,8 +111,11 @@ def test_an_autograd_functions_apply_and_the_engine_are_pytorchs_and_its_forward
             (lambda: torch.autograd.backward([idle], [idle], retain_graph=True), 0.1),
             (lambda: torch.autograd.grad([idle], [x], [idle], retain_graph=True), 0.17),
         ):
-            ours, wall = _ours_and_wall(recorder, backward, 200)
-            assert ours < most * wall, (ours, wall)
+            # the least share of 5 rounds: another process's load lands on either side at random
+            share = min(
+                ours / wall for ours, wall in (_ours_and_wall(recorder, backward, 40) for _ in range(5))
+            )
+            assert share < most, (share, most)
 
 
 def test_host_overhead_on_the_simulated_device_has_a_row_per_op():
