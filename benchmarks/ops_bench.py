@@ -18,7 +18,7 @@ from benchmarks import noise
 from benchmarks.cases import KERNELS, OpCase, eager_math_attention
 from benchmarks.peaks import fraction_of
 from benchmarks.timing import copies_to_rotate, time_call
-from vit_kernels import _ext, _tiles, backend
+from vit_kernels import _accuracy, _ext, backend
 
 MODES = ("forward", "backward", "full")
 # The backward mode replays one recorded graph (retain_graph=True), which compiled graphs that donate
@@ -76,10 +76,10 @@ def _forward_backward(fn, inputs: dict[str, torch.Tensor], upstream: list[torch.
 
 def validate(case: OpCase, fn, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> Optional[str]:
     """None when ``fn``'s outputs and input gradients are right by the runtime's one rule
-    (``vit_kernels._tiles.first_problem``): within twice the error of the reference run in ``dtype``
+    (``vit_kernels._accuracy.first_problem``): within twice the error of the reference run in ``dtype``
     (PyTorch's own), or the dtype's floor, against the reference computed in float64 (float32 for
     16-bit inputs) from the same rounded inputs and upstream gradients; else what differs."""
-    wide = {k: v.detach().to(_tiles.reference_dtype(dtype)).requires_grad_() for k, v in inputs.items()}
+    wide = {k: v.detach().to(_accuracy.reference_dtype(dtype)).requires_grad_() for k, v in inputs.items()}
     ref_outs = _outputs(case.reference(**wide))
     upstream = [torch.randn_like(o) for o in ref_outs]
     ref_grads = torch.autograd.grad(ref_outs, list(wide.values()), upstream)
@@ -89,7 +89,7 @@ def validate(case: OpCase, fn, inputs: dict[str, torch.Tensor], dtype: torch.dty
     if len(outs) != len(ref_outs):
         return f"{len(outs)} outputs, the reference gives {len(ref_outs)}"
     parts = zip(names, outs + grads, own_outs + own_grads, [r.detach() for r in ref_outs] + list(ref_grads))
-    return _tiles.first_problem(list(parts), _tiles.FLOORS[dtype])
+    return _accuracy.first_problem(list(parts), _accuracy.FLOORS[dtype])
 
 
 def timed_call(fn, input_sets: list[dict[str, torch.Tensor]], mode: str) -> Callable[[int], object]:

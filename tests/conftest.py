@@ -7,10 +7,10 @@ import sys
 import tempfile
 import zlib
 
-# Measuring is off in the test suite (auto takes its static defaults, so tests know what runs) and
-# decisions go to a folder of this run only; subprocesses (CLI tests) inherit both. Tests of the
-# measured auto turn it on for themselves (tests/test_dispatch.py).
-os.environ["VIT_KERNELS_AUTOTUNE"] = "0"
+# The tests run what a user's first call runs: the tables, no search (tests of searching turn it
+# on for themselves: tests/test_dispatch.py, tests/test_tuning.py), whatever the developer's
+# environment says; decisions go to a folder of this run only. Subprocesses (CLI tests) inherit both.
+os.environ.pop("VIT_KERNELS_TUNE", None)
 os.environ["VIT_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-kernels-test-cache-")
 
 import pytest  # noqa: E402
@@ -41,11 +41,14 @@ def pytest_collectstart(collector):
 
 @pytest.fixture(autouse=True)
 def tile_choices_in_memory(monkeypatch):
-    """Each test's tile choices and candidate proofs stay its own: none persists to the next test, in
-    memory or through the disk (tests of the persistence set a folder themselves). Candidates are
+    """Each test's tile choices, verdicts and candidate proofs stay its own: none persists to the next
+    test, in memory or through the disk (tests of the persistence set a folder themselves), and no
+    test leaves searching on for the next. Candidates are
     proven by replaying their launches in the test's own process: a child per key would cost
     seconds each (tests/test_proof.py starts real children)."""
     monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
+    monkeypatch.setattr(_tiles, "_verdicts", DiskCache(None, "checks"))
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", False)
     monkeypatch.setattr(_proof, "_disk", DiskCache(None, "proofs"))
     monkeypatch.setattr(_proof, "run_child", replay_in_this_process)
     monkeypatch.setitem(_proof._settings, "children", 1)

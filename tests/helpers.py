@@ -14,7 +14,7 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels import _ext, backend
-from vit_kernels._tiles import ERROR_RATIO, FLOORS, sibling_scale
+from vit_kernels._accuracy import ERROR_RATIO, FLOORS, sibling_scale
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # The quick fuzz tests' seed: the day's date (a new draw of cases each day), or VIT_KERNELS_FUZZ_SEED
@@ -173,7 +173,7 @@ def error_bound(
     the CPU, where interpreted Triton rounds as numpy does, it is ``atol + rtol * max|reference|`` of
     TOLERANCES. ``sibling_scale``: the least scale taken (a tensor that is zero in exact arithmetic,
     attention's dq at length 1, is judged by the scale of the op's other results, as the tile
-    choosers judge it: ``vit_kernels._tiles.SIBLING_SCALE``)."""
+    choosers judge it: ``vit_kernels._accuracy.SIBLING_SCALE``)."""
     scale = max(reference.abs().max().item() if reference.numel() else 0.0, sibling_scale)
     if device.type == "cuda":
         floor = FLOORS[dtype] * scale

@@ -65,7 +65,7 @@ def test_nothing_is_measured_while_a_graph_is_captured(monkeypatch):
     vk.layer_norm(torch.randn(3, 8), torch.randn(8), torch.randn(8))
     assert measured == []
     (row,) = [r for r in vk.explain() if r.op == "layer_norm"]
-    assert row.source == "static default"
+    assert row.source == "table"
 
 
 @requires_cuda

@@ -1,6 +1,7 @@
-"""The measured, validated auto: which implementation it picks, the margin, the warning for an
-invalid one, the caches (memory, disk, a second process, a corrupt file), no timing under
-torch.compile, context-local choice across threads, strict mode, and explain."""
+"""auto, searching (asked for) and not: which implementation a search picks, the margin, the warning
+for an invalid one, the caches (memory, disk, a second process, a corrupt file), the table without
+a search, no timing under torch.compile, context-local choice across threads, strict mode, and
+explain."""
 
 import json
 import os
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def measured(tmp_path):
-    """auto measuring, decisions in a fresh cache folder, the test implementations of linear installed."""
+    """auto searching, decisions in a fresh cache folder, the test implementations of linear installed."""
     vk.set_autotune(True, margin=0.05, cache_dir=tmp_path)
     backend.clear_decisions()
     saved = dispatch_impls.install()
@@ -93,7 +94,7 @@ def test_a_new_cache_folder_keeps_what_this_process_decided(measured, tmp_path):
         vk.set_autotune(cache_dir=folder)
         backend._journal.clear()
         _linear_call()
-        assert (_row().backend, _row().source) == ("fast", "cache"), folder
+        assert (_row().backend, _row().source) == ("fast", "tuned"), folder
     assert not (tmp_path / "elsewhere").exists()  # held in memory, not written by the switch itself
 
 
@@ -103,7 +104,7 @@ def _second_process(cache: Path, **env) -> dict:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "VIT_KERNELS_AUTOTUNE": "1", "VIT_KERNELS_CACHE_DIR": str(cache), **env},
+        env={**os.environ, "VIT_KERNELS_TUNE": "1", "VIT_KERNELS_CACHE_DIR": str(cache), **env},
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -113,7 +114,7 @@ def test_a_second_process_reuses_the_disk_cache_and_a_corrupt_file_only_warns(tm
     first = _second_process(tmp_path)
     assert (first["backend"], first["source"]) == ("fast", "measured")
     second = _second_process(tmp_path)
-    assert (second["backend"], second["source"]) == ("fast", "cache")
+    assert (second["backend"], second["source"]) == ("fast", "tuned")
     assert not any("failed validation" in w for w in second["warnings"])
     (cache_file,) = tmp_path.glob("dispatch-*.json")
     cache_file.write_text("{ not json")
@@ -129,7 +130,7 @@ def test_nothing_is_timed_under_torch_compile(measured, monkeypatch):
     out = compiled(torch.randn(4, 8), torch.randn(3, 8))
     assert out.shape == (4, 3)
     row = _row()
-    assert row.source == "static default (traced)" and row.backend == "torch"
+    assert row.source == "table (traced)" and row.backend == "torch"
 
 
 def test_compile_uses_a_decision_measured_before(measured):
@@ -139,27 +140,29 @@ def test_compile_uses_a_decision_measured_before(measured):
     compiled = torch.compile(lambda x, w: vk.linear(x, w), fullgraph=True, backend="eager")
     compiled(torch.randn(4, 8), torch.randn(3, 8))
     traced = [r for r in vk.explain() if r.source.endswith("(traced)")]
-    assert [(r.backend, r.source) for r in traced] == [("fast", "cache (traced)")]
+    assert [(r.backend, r.source) for r in traced] == [("fast", "tuned (traced)")]
 
 
-def test_measuring_off_takes_the_static_default(measured, monkeypatch):
-    monkeypatch.setattr(_measure, "measure", lambda *a, **k: pytest.fail("timed with measuring off"))
+def test_without_a_search_the_table_decides(measured, monkeypatch):
+    monkeypatch.setattr(_measure, "measure", lambda *a, **k: pytest.fail("timed without a search"))
     vk.set_autotune(False)
     _linear_call()
     row = _row()
-    assert (row.backend, row.source) == ("torch", "static default")
-    assert "measuring is off" in row.reason
+    assert (row.backend, row.source) == ("torch", "table")
+    assert "the op's table" in row.reason
 
 
-def test_environment_variable_turns_measuring_off():
+@pytest.mark.parametrize("value,searching", [(None, "False"), ("1", "True"), ("0", "False")])
+def test_searching_is_off_unless_the_environment_turns_it_on(value, searching):
     code = "import vit_kernels as vk; print(vk.autotune_settings()['enabled'])"
+    env = {k: v for k, v in os.environ.items() if k != "VIT_KERNELS_TUNE"}
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        env={**os.environ, "VIT_KERNELS_AUTOTUNE": "0"},
+        env=env if value is None else {**env, "VIT_KERNELS_TUNE": value},
     )
-    assert done.stdout.strip() == "False", done.stderr
+    assert done.stdout.strip() == searching, done.stderr
 
 
 def test_two_threads_never_see_each_others_choice(measured):
@@ -252,7 +255,7 @@ def test_tune_measures_every_signature_of_a_model(tmp_path):
         model = Block(16, num_heads=2)
     rows = vk.tune(model, (torch.randn(2, 5, 16),))
     assert {r.op for r in rows} >= {"layer_norm", "attention", "mlp"}
-    assert all(r.source in ("measured", "cache", "only candidate") for r in rows), rows
+    assert all(r.source in ("measured", "tuned", "only candidate") for r in rows), rows
     assert backend.autotune_settings()["enabled"] is False
     vk.set_autotune(cache_dir=os.environ["VIT_KERNELS_CACHE_DIR"])
 

@@ -19,7 +19,7 @@ from tests.helpers import (
     requires_cuda,
 )
 from vit_kernels import _ext
-from vit_kernels._tiles import ERROR_RATIO, FLOORS
+from vit_kernels._accuracy import ERROR_RATIO, FLOORS
 
 BUILT = _ext.extension_unavailable_reason() is None
 pytestmark = pytest.mark.skipif(

@@ -42,7 +42,7 @@ from tests.helpers import (
     gelu_formula,
 )
 from vit_kernels import backend
-from vit_kernels._tiles import sibling_scale
+from vit_kernels._accuracy import sibling_scale
 from vit_kernels.activations import gelu
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)

@@ -1,7 +1,9 @@
-"""Tile choice on the user's GPU (``vit_kernels._tiles``), its parts on the CPU: candidates are
-validated before they are timed, a wrong one is excluded with its reason, the fastest right one is
-kept, nothing runs where nothing may (tracing, capture, no GPU), every candidate is recorded for the
-compile gate, and the attention's check catches a dK as wrong as the one an H100 computed."""
+"""Tile choice on the user's GPU (``vit_kernels._tiles``), its parts on the CPU. By default the table's
+first entry is checked once on the call's data, a wrong one warns and the next is checked, and the
+verdicts persist (per kernel source); searching (asked for) validates candidates before they are
+timed, excludes a wrong one with its reason and keeps the fastest right one; nothing runs where
+nothing may (tracing, capture, no GPU), and the attention's check catches a dK as wrong as the one
+an H100 computed."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import torch
 
 from tests.helpers import fake_timer
 from tools.cuda_sim import simulated_cuda
-from vit_kernels import _tiles, _timer
+from vit_kernels import _accuracy, _tiles, _timer
 from vit_kernels.ops import attention
 
 
 @pytest.fixture
 def measurable(monkeypatch):
-    """Candidates may run (as on a GPU); ``times[tile]`` is what timing one returns."""
+    """Searching is on and candidates may run (as on a GPU); ``times[tile]`` is what timing one returns."""
     times: dict = {}
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
     monkeypatch.setattr(_timer, "time_runs", fake_timer(lambda tile: times[tile]))
     return times
@@ -62,25 +65,45 @@ def test_nothing_runs_where_nothing_may():
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)])
-def test_a_first_call_on_a_gpu_launches_every_candidate(dtype, head_dim):
-    with simulated_cuda(90) as device:
-        qkv = torch.empty(4, 197, 3 * 2 * head_dim, dtype=dtype, device="cuda")
-        seed = torch.empty(1, dtype=torch.int64, device="cuda")
-        out, stats = attention.attention_fwd(qkv, 2, head_dim**-0.5, 0.0, seed)
-        attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, head_dim**-0.5, 0.0)
-    launches = device.launches
+def test_a_search_on_a_gpu_launches_every_candidate(dtype, head_dim):
+    with simulated_cuda(90) as device, _tiles.search():
+        _attention_fwd_and_bwd(dtype, head_dim)
+    pairs = attention.bwd_candidates(dtype, head_dim, 197, arch=90)
+    assert _launched_tiles(device.launches, "_attention_fwd_kernel") == set(
+        attention.fwd_candidates(dtype, head_dim, 197)
+    )
+    assert _launched_tiles(device.launches, "_attention_bwd_dq_kernel") == {dq for dq, _ in pairs}
+    assert _launched_tiles(device.launches, "_attention_bwd_dkdv_kernel") == {dkdv for _, dkdv in pairs}
 
-    def tiles(name, block):
-        return {
-            (l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
-            for l in launches
-            if l.kernel.fn.__name__ == name
-        }
 
-    assert tiles("_attention_fwd_kernel", 0) == set(attention.fwd_candidates(dtype, head_dim, 197))
-    pairs = attention.bwd_candidates(dtype, head_dim, 197)
-    assert tiles("_attention_bwd_dq_kernel", 0) == {dq for dq, _ in pairs}
-    assert tiles("_attention_bwd_dkdv_kernel", 1) == {dkdv for _, dkdv in pairs}
+@pytest.mark.parametrize("arch", [90, 80])
+def test_a_first_call_on_a_gpu_launches_the_tables_entry_only(arch):
+    """Without a search a first call checks the table's entry for its architecture (one launch on the
+    call's data) and launches it: nothing else is compiled or run."""
+    with simulated_cuda(arch) as device:
+        _attention_fwd_and_bwd(torch.bfloat16, 64)
+    dq, dkdv = attention.bwd_candidates(torch.bfloat16, 64, 197, arch=arch)[0]
+    assert _launched_tiles(device.launches, "_attention_fwd_kernel") == {
+        attention.fwd_candidates(torch.bfloat16, 64, 197)[0]
+    }
+    assert _launched_tiles(device.launches, "_attention_bwd_dq_kernel") == {dq}
+    assert _launched_tiles(device.launches, "_attention_bwd_dkdv_kernel") == {dkdv}
+    assert len(device.launches) == 2 * 3  # checked, then run: the forward, dQ and dK/dV kernels
+
+
+def _attention_fwd_and_bwd(dtype, head_dim):
+    qkv = torch.empty(4, 197, 3 * 2 * head_dim, dtype=dtype, device="cuda")
+    seed = torch.empty(1, dtype=torch.int64, device="cuda")
+    out, stats = attention.attention_fwd(qkv, 2, head_dim**-0.5, 0.0, seed)
+    attention.attention_bwd(torch.empty_like(out), qkv, stats, seed, 2, head_dim**-0.5, 0.0)
+
+
+def _launched_tiles(launches, name):
+    return {
+        (l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["num_warps"], l.kwargs["num_stages"])
+        for l in launches
+        if l.kernel.fn.__name__ == name
+    }
 
 
 def test_no_listed_tile_is_one_the_h100_found_wrong():
@@ -129,6 +152,7 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
                 "kernel": "forward",
                 "key": ["torch.bfloat16", 64, 197, 256],
                 "chosen": "(128, 64, 8, 3)",
+                "how": "tuned",
                 "candidates": {"(64, 64, 4, 3)": 0.2, "(128, 64, 8, 3)": 0.1},
             }
         ]
@@ -176,11 +200,18 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
     assert _tiles.tile_to_launch(chooser, qkv.device, lambda: key, None, lambda: ["a"], trial) == "a"
 
 
-def test_the_pair_measured_fastest_at_head_dim_64_is_the_default():
-    """dQ (64, 64, 4, 3) + dK/dV (64, 64, 4, 2): the best of 25 pairs on an H100 (bf16, ViT-B/16): the
-    tile launched where nothing may be measured (tracing, graph capture)."""
-    assert attention.ATTENTION_BWD_TILES[(False, 64)][0] == ((64, 64, 4, 3), (64, 64, 4, 2))
-    assert attention.bwd_candidates(torch.bfloat16, 64, 197)[0] == ((64, 64, 4, 3), (64, 64, 4, 2))
+def test_the_pair_measured_fastest_on_sm90_is_its_default():
+    """dQ (64, 64, 4, 3) + dK/dV (32, 64, 4, 2): the pair the H100 and the H200 chose at ViT-B/16's
+    shapes in bfloat16 runs first on sm_90; elsewhere the table's first pair."""
+    measured = ((64, 64, 4, 3), (32, 64, 4, 2))
+    assert attention.bwd_candidates(torch.bfloat16, 64, 197, arch=90)[0] == measured
+    assert attention.bwd_candidates(torch.float16, 64, 197, arch=90)[0] == measured
+    generic = attention.ATTENTION_BWD_TILES[(False, 64)][0]
+    assert attention.bwd_candidates(torch.bfloat16, 64, 197, arch=80)[0] == generic != measured
+    assert (
+        attention.bwd_candidates(torch.float32, 64, 197, arch=90)[0]
+        == attention.ATTENTION_BWD_TILES[(True, 64)][0]
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -233,14 +264,14 @@ def test_a_part_is_judged_against_at_least_a_share_of_its_siblings_scale():
     big = torch.full((2,), 3.0, dtype=torch.float64)
     residue = torch.tensor([2e-9, 0.0])  # 2e-9 / (1e-3 x 3) = 6.7e-7 relative: below float32's floor
     assert (
-        _tiles.first_problem(
+        _accuracy.first_problem(
             [("small", residue, torch.zeros(2), exact), ("big", big.float(), big.float(), big)], 1e-5
         )
         is None
     )
-    assert _tiles.first_problem([("small", residue, torch.zeros(2), exact)], 1e-5).startswith("small")
+    assert _accuracy.first_problem([("small", residue, torch.zeros(2), exact)], 1e-5).startswith("small")
     wrong = torch.tensor([1e-4, 0.0])  # 3.3e-2 relative to the siblings' scale
-    assert _tiles.first_problem(
+    assert _accuracy.first_problem(
         [("small", wrong, torch.zeros(2), exact), ("big", big.float(), big.float(), big)], 1e-5
     ).startswith("small")
 
@@ -262,7 +293,7 @@ def test_an_empty_problem_decides_nothing(measurable):
     )
     assert chooser.chosen(("k",)) is None and checked == []
     assert (
-        _tiles.first_problem(
+        _accuracy.first_problem(
             [("dW", torch.zeros(5, 0), torch.zeros(5, 0), torch.zeros(5, 0, dtype=torch.float64))], 1e-5
         )
         is None
@@ -304,7 +335,7 @@ def test_tile_choices_persist_on_disk(tmp_path):
     previous = _tiles._disk
     _tiles.set_cache_folder(tmp_path)
     try:
-        with patches[0], patches[1]:
+        with patches[0], patches[1], _tiles.search():
             first = _tiles.TileChooser("persisted").choose(
                 ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
             )

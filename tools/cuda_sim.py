@@ -613,6 +613,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_tiles, "TIMED_ROUNDS", 2),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
+        mock.patch.object(_tiles, "_verdicts", DiskCache(None, "checks")),
         mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
         mock.patch.object(_proof, "run_child", replay_in_this_process),
         mock.patch.dict(_proof._settings, children=1),

@@ -37,7 +37,7 @@ from tools import gpu_tests
 from tools.op_specs import SPECS, Shape
 from vit_kernels import backend
 from vit.cli import OneLineErrors, positive_int, set_threads, usable_cores
-from vit_kernels._tiles import ERROR_RATIO, FLOORS, relative_error, sibling_scale
+from vit_kernels._accuracy import ERROR_RATIO, FLOORS, relative_error, sibling_scale
 from vit_kernels._timer import time_runs
 
 # A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
@@ -91,7 +91,7 @@ def _as_float64(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[float]:
-    """Each tensor's relative error against its float64 value (``_tiles.relative_error``), the scale
+    """Each tensor's relative error against its float64 value (``_accuracy.relative_error``), the scale
     at least SIBLING_SCALE of the largest float64 magnitude among ``expected``."""
     scale = sibling_scale(expected)
     return [relative_error(a.to(e.device), e, scale) for a, e in zip(actual, expected)]

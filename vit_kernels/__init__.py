@@ -4,8 +4,10 @@ import vit_kernels as vk
 out = vk.attention(qkv, num_heads=12)          # qkv (B, L, 3*D) -> (B, L, D)
 vk.set_backend("torch")                          # or "auto" | "triton" | "extension"
 with vk.use_backend("triton", strict=True): ...  # this thread / task only; raise, don't fall back
-vk.tune(model, (images,))                        # let auto measure every op signature now
+vk.tune(model, (images,), autocast=torch.bfloat16)  # search backends and tiles (asked for only)
+vk.save_tuning("tuning.json"); vk.load_tuning("tuning.json")  # ship what was searched
 print(vk.explain())                              # what ran for each signature, and why
+vk.set_verbosity("info")                         # a log line per kernel tile checked or tuned
 """
 
 import os as _os
@@ -43,7 +45,8 @@ if _os.environ.get(_PROOF_CHILD) != "1":
     _backend.apply_environment()
 
     from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
-    from vit_kernels.tuning import tune  # noqa: E402
+    from vit_kernels.tuning import load_tuning, save_tuning, tune  # noqa: E402
+    from vit_kernels._logging import set_verbosity  # noqa: E402
 
     __all__ = [
         "attention",
@@ -53,13 +56,16 @@ if _os.environ.get(_PROOF_CHILD) != "1":
         "get_backend",
         "layer_norm",
         "linear",
+        "load_tuning",
         "linear_gelu",
         "mlp",
         "patch_embed",
         "patch_model",
         "PatchReport",
+        "save_tuning",
         "set_autotune",
         "set_backend",
+        "set_verbosity",
         "swiglu",
         "swiglu_mlp",
         "tune",

@@ -1,9 +1,11 @@
 """``vk.explain()``: every op signature this process has run, what ran for it and why.
 
 A record is kept per (signature, requested backend): the op, device, dtype, argument shapes, whether
-gradients were needed, the implementation that ran, where the decision came from (``measured``,
-``cache``, ``static default``, ``requested``, ``fallback``, ``only candidate``), the reason in words,
-and per candidate its measured time, validation result or the capability / limit that excluded it.
+gradients were needed, the implementation that ran, where the decision came from (``table``,
+``tuned``, ``measured``, ``requested``, ``fallback``, ``only candidate``), the reason in words, and
+per candidate its measured time, validation result or the capability / limit that excluded it.
+Below them, per Triton kernel and key, the tile launched and how: ``checked``, ``tuned``, or
+``table, unchecked`` (launched only while traced or captured).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class Explanation:
 
     COLUMNS = ("op", "device", "dtype", "shapes", "grad", "ran", "source", "candidates")
 
-    def __init__(self, rows: list[Record]):
+    def __init__(self, rows: list[Record], tiles: Optional[list[dict]] = None):
         self.rows = rows
+        self.tiles = tiles or []  # per kernel and key: the tile launched and how it was chosen
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.rows)
@@ -58,7 +61,7 @@ class Explanation:
 
     def __str__(self) -> str:
         if not self.rows:
-            return "vit_kernels.explain(): no op has run yet"
+            return "\n".join(["vit_kernels.explain(): no op has run yet", *self._tile_lines()])
         cells = [
             (
                 r.op,
@@ -81,7 +84,14 @@ class Explanation:
             lines.append(
                 f"    why: {r.reason} ({r.calls} call{'s' if r.calls != 1 else ''}, asked: {r.requested})"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + self._tile_lines())
+
+    def _tile_lines(self) -> list[str]:
+        if not self.tiles:
+            return []
+        return ["tiles (kernel, key: tile, how):"] + [
+            f"  {t['kernel']}, {t['key']}: {t['tile']!r}, {t['how']}" for t in self.tiles
+        ]
 
     __repr__ = __str__
 
@@ -108,6 +118,6 @@ class Journal:
         with self._lock:
             self._records.clear()
 
-    def snapshot(self) -> Explanation:
+    def snapshot(self, tiles: Optional[list[dict]] = None) -> Explanation:
         with self._lock:
-            return Explanation([Record(**r.as_dict()) for r in self._records.values()])
+            return Explanation([Record(**r.as_dict()) for r in self._records.values()], tiles)

@@ -5,9 +5,9 @@ the originals do), so the caller's autograd graph is untouched; the RNG state of
 call's CUDA device is restored afterwards. With gradients needed, a run is forward + backward (the
 gradients of the cloned leaves against a fixed random upstream gradient), else forward only.
 
-Validation is the tile choosers' rule (``_tiles.first_problem``): every output and every gradient
+Validation is the tile choosers' rule (``_accuracy.first_problem``): every output and every gradient
 within twice the error of the reference implementation run in the call's dtype (PyTorch's own), or
-within the dtype's floor, against the reference computed in ``_tiles.reference_dtype`` (float64
+within the dtype's floor, against the reference computed in ``_accuracy.reference_dtype`` (float64
 for float32 and float64 calls, float32 for 16-bit ones) on the same values, with autocast off.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from vit_kernels import _tiles, _timer
+from vit_kernels import _accuracy, _timer
 
 # Repetitions: after one untimed run each (validation, which also compiles and warms caches), the
 # candidates are timed by ``_timer.time_runs`` in interleaved rounds, each run from an idle device,
@@ -87,7 +87,7 @@ def _mismatch(
     actual: tuple[list, list], own: tuple[list, list], exact: tuple[list, list], dtype: torch.dtype
 ) -> Optional[str]:
     """Why a candidate's (outputs, gradients) are wrong, or None: the same tensors, shapes, and each
-    within ``_tiles.first_problem``'s rule against ``exact``, PyTorch's own being ``own``."""
+    within ``_accuracy.first_problem``'s rule against ``exact``, PyTorch's own being ``own``."""
     parts = []
     for what, got, theirs, want in zip(("output", "gradient"), actual, own, exact):
         if len(got) != len(want):
@@ -100,7 +100,7 @@ def _mismatch(
             if a.shape != r.shape:
                 return f"{what} {i} has shape {tuple(a.shape)}, the reference {tuple(r.shape)}"
             parts.append((f"{what} {i}", a.detach(), p.detach(), r.detach()))
-    return _tiles.first_problem(parts, _tiles.FLOORS.get(dtype, _tiles.FLOORS[torch.float32]))
+    return _accuracy.first_problem(parts, _accuracy.FLOORS.get(dtype, _accuracy.FLOORS[torch.float32]))
 
 
 def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[float, float]]:
@@ -111,7 +111,7 @@ def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[fl
     return {name: (pick(t), statistics.median(t)) for name, t in times.items()}
 
 
-@_tiles.without_autocast()
+@_accuracy.without_autocast()
 def measure(
     candidates: dict[str, Callable],
     args: Sequence[Any],
@@ -131,7 +131,7 @@ def measure(
         else []
     )
     with torch.random.fork_rng(devices=devices):
-        wide = _tiles.reference_dtype(dtype)
+        wide = _accuracy.reference_dtype(dtype)
         expected = _Runner(reference, validation_args, grad, None, wide)
         exact = expected()
         own = _Runner(reference, validation_args, grad, expected.upstream)()  # PyTorch's own, in dtype

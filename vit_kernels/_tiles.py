@@ -1,35 +1,50 @@
-"""Tile choice on the user's GPU: every candidate validated against a reference, then timed.
+"""Which tile each kernel launches: the op's table, checked once in process; searched on request.
 
-A kernel's launch configurations (tiles, warps, stages) are a candidate list, not a guess frozen in
-code: a configuration that compiles cleanly can still compute a wrong answer on real hardware (on
-an H100 a 16-bit attention tile gave a wrong dK), and the fastest one differs between GPUs. The
-first time a launcher meets a key (dtype, head dim, length, ...) on CUDA, each candidate is first
-proven in a child process (``vit_kernels._proof``: one that faults there is excluded and never runs
-here), then run on the call's own inputs; those whose outputs pass the launcher's check (at most
-twice PyTorch's own error in the same dtype, against a float32 reference) are timed together by
-the one timer (``_timer``) and the fastest is kept for that key, in memory and on disk. Nothing is
-run or timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there the key's
-choice made earlier is used, else the first candidate (the default). With the interpreter (CPU
-tensors) the launcher runs its fixed small tile instead.
+A kernel's launch configurations (tiles, warps, stages) are a list per key (dtype, head dim,
+length, ...), ordered per architecture: its first entry is the default, the tile measured fastest
+on that architecture where one was (benchmarks/results/, cited beside each table), else the generic
+entry. A configuration that compiles cleanly can still compute a wrong answer on real hardware (on
+an H100 a 16-bit attention tile gave a wrong dK), so:
 
-``TileChooser.report()`` lists per key every candidate's time or why it was excluded;
-``report_rows`` makes that JSON-able. ``tile_to_launch`` is the whole decision a launcher makes for
-a call (interpreter, chosen tile); ``decided`` and ``keep`` hold what a launcher works out from
-that tile (its grid and constants) per call signature, so that a decided call is one lookup.
+* **Checked once** (the default): the first eager call of a key on CUDA runs its table entry on
+  the call's own inputs and compares the outputs (on a slice: a few images, or a few thousand
+  rows) with the reference by the one accuracy rule (``vit_kernels._accuracy``). A wrong entry
+  warns, naming the kernel, the tile and the error, and the next entry is checked in its place;
+  no entry right raises (never a silent wrong answer). Verdicts persist on disk, keyed by the
+  GPU's name, the software versions and the kernels' source, so an edited kernel is checked
+  again. Nothing is timed and no child process starts.
+* **Searched** (``vk.tune``, ``VIT_KERNELS_TUNE=1``, ``vk.set_autotune(True)``): every entry is
+  proven in a child process (``vit_kernels._proof``: one that faults there never runs here), then
+  checked, and the right ones are timed together by the one timer (``_timer``); the fastest is
+  kept for the key, in memory and on disk (``vk.save_tuning`` writes it to a file to ship).
+
+Nothing is run or timed while tracing (torch.compile, fake tensors) or capturing a CUDA graph: there
+the key's tuned or checked tile is used, else the table's entry, unchecked. With the interpreter
+(CPU tensors) the launcher runs its fixed small tile instead.
+
+``TileChooser.report()`` lists per key the tile chosen and how (checked, tuned with each
+candidate's time, or why an entry was excluded); ``report_rows`` makes that JSON-able.
+``tile_to_launch`` is the whole decision a launcher makes for a call (interpreter, chosen tile);
+``decided`` and ``keep`` hold what a launcher works out from that tile (its grid and constants) per
+call signature, so that a decided call is one lookup.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import hashlib
+import inspect
 import statistics
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from vit_kernels import _autograd, _proof, _signature, _timer
+from vit_kernels import _autograd, _env, _proof, _signature, _timer
+from vit_kernels._accuracy import without_autocast
+from vit_kernels._logging import LOGGER
 from vit_kernels._triton import LAUNCH_CONFIGS, interpreted, recording
 from vit_kernels._tune_cache import DiskCache, default_folder
 
@@ -44,106 +59,28 @@ def plain_repr(tile: tuple) -> str:
 @dataclass(frozen=True)
 class Choice:
     tile: Tile
-    trials: dict  # tile -> milliseconds, or the reason it was excluded
+    how: str  # "checked", "tuned", "tuned (cache)" or "pinned"
+    trials: dict  # tile -> milliseconds, "checked", or the reason it was excluded
 
 
-def relative_error(actual: torch.Tensor, reference: torch.Tensor, scale: float = 0.0) -> float:
-    """max |actual - reference| / max(max |reference|, ``scale``, tiny), in float64 (inf where NaN
-    appears; 0 for empty tensors)."""
-    if reference.numel() == 0:
-        return 0.0
-    difference = (actual.double() - reference.double()).abs()
-    if difference.isnan().any():
-        return math.inf
-    return difference.max().item() / max(reference.double().abs().max().item(), scale, 1e-30)
+# Searching happens only when asked: ``vk.tune``, or for ordinary calls this switch
+# (``VIT_KERNELS_TUNE=1``, read at import; ``vk.set_autotune(True)``), which covers auto's backend
+# choice too.
+SEARCH = {"enabled": _env.flag("VIT_KERNELS_TUNE", default=False)}
 
 
-# A part's error is measured against at least this share of the largest reference among the parts
-# checked together: a part that is zero in exact arithmetic (attention's dQ and dK at length 1, a
-# width-1 LayerNorm's input gradient) is then judged by the scale of its siblings instead of by its
-# own rounding residue of 1e-17, against which PyTorch's own answer and an exact zero both fail.
-SIBLING_SCALE = 1e-3
-
-
-def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
-    """SIBLING_SCALE x the largest max |reference| among ``references`` (None and empty ones left
-    out): the least scale each of them is measured against; 0 where any is not finite."""
-    largest = max(
-        (float(r.double().abs().max()) for r in references if r is not None and r.numel()), default=0.0
-    )
-    return SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
-
-
-# The rule: a result is right when its error is at most ERROR_RATIO x PyTorch's own in the same dtype
-# (or below the dtype's floor, FLOORS below).
-ERROR_RATIO = 2.0
-
-
-def first_problem(
-    parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], floor: float
-) -> Optional[str]:
-    """None when every ``(name, actual, pytorch, reference)`` part is right, else the first failure:
-    ``actual``'s error against ``reference`` at most twice ``pytorch``'s (the same computation by
-    PyTorch in the same dtype) or below ``floor``, both relative to max(max |reference|,
-    SIBLING_SCALE x the largest max |reference| of the parts)."""
-    parts = list(parts)
-    scale = sibling_scale([reference for *_, reference in parts])
-    for name, actual, pytorch, reference in parts:
-        error, own = relative_error(actual, reference, scale), relative_error(pytorch, reference, scale)
-        if error > max(ERROR_RATIO * own, floor):
-            return f"{name}: relative error {error:.2e} > {ERROR_RATIO:g} x PyTorch's {own:.2e} (floor {floor:.0e})"
-    return None
-
-
-def check_against(
-    names: Sequence[str],
-    references: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
-    dtype: torch.dtype,
-    parts_of: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = list,
-) -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
-    """A check for the TileChooser, by ``first_problem``'s rule with ``dtype``'s floor: the named
-    parts of a candidate's outputs (``parts_of(outputs)``: all of them by default) against
-    ``references() -> (exact, PyTorch's own in the same dtype)``, made once, at the first check."""
-    made: list = []
-
-    def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
-        if not made:
-            made.extend(references())
-        exact, own = made
-        return first_problem(list(zip(names, parts_of(outputs), own, exact, strict=True)), FLOORS[dtype])
-
-    return check
-
-
-def reference_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a candidate's exact reference is computed in: float64 for float32 (and float64)
-    inputs, float32 for 16-bit ones."""
-    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-# The rule's floor per dtype: a relative error (of the largest reference magnitude) below which any
-# result passes, so that results PyTorch happens to get (nearly) exact do not fail every candidate.
-# In units of the dtype's eps (2^-10 float16, 2^-7 bfloat16, 2^-23 float32, 2^-52 float64):
-# - float16 and bfloat16, one unit (9.8e-4, 7.8e-3): an output rounded once to the dtype passes, and
-#   the H100's wrong dK (off by 1.3e-2 to 8.4e-2 where PyTorch's own error was 5e-4 in float16 and
-#   4e-3 in bfloat16, benchmarks/results/h100-2026-11-22.md) fails;
-# - float32, four units (4.8e-7): PyTorch's own error is itself one or two units (cuBLAS, SDPA), and
-#   another summation order as exact differs by as much (an H200 measured the Triton GEMMs and
-#   attention at 1.3 to 4.5 units, PyTorch at 0.5 to 2);
-# - float64, 4096 units (9.1e-13): the same exact sums in other orders.
-# One table for the tile choosers, auto, the selftest, the benchmarks and the GPU tests
-# (tests/helpers.error_bound).
-FLOOR_ULPS = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 4, torch.float64: 4096}
-FLOORS = {dtype: units * torch.finfo(dtype).eps for dtype, units in FLOOR_ULPS.items()}
+def searching() -> bool:
+    return SEARCH["enabled"]
 
 
 @contextlib.contextmanager
-def without_autocast() -> Iterator[None]:
-    """Autocast off on every device type: validation compares against a float64 / float32 reference
-    that autocast would otherwise compute in 16 bits (then PyTorch's own error reads 0 and the rule
-    proves nothing), and candidates run as the kernels' launchers call them."""
-    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+def search(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, whether new keys are searched (``vk.tune``'s switch; process-wide)."""
+    before, SEARCH["enabled"] = SEARCH["enabled"], enabled
+    try:
         yield
+    finally:
+        SEARCH["enabled"] = before
 
 
 def can_measure(device: torch.device) -> bool:
@@ -155,13 +92,16 @@ def can_measure(device: torch.device) -> bool:
 # device, in interleaved rounds until TIMED_ROUNDS or TIMING_BUDGET_S seconds; the median counts.
 TIMED_ROUNDS, TIMING_BUDGET_S = 25, 0.3
 
-_disk = DiskCache(default_folder(), "tiles")
+_disk = DiskCache(default_folder(), "tiles")  # the tiles searched (tuned), per key
+_verdicts = DiskCache(default_folder(), "checks")  # each table entry checked: "right" or what was wrong
+RIGHT = "right"
 
 
 def set_cache_folder(folder) -> None:
-    """Where tile choices persist (``vk.set_autotune(cache_dir=...)``; None: memory only)."""
-    global _disk
+    """Where tile choices and verdicts persist (``vk.set_autotune(cache_dir=...)``; None: memory only)."""
+    global _disk, _verdicts
     _disk = DiskCache(folder, "tiles")
+    _verdicts = DiskCache(folder, "checks")
     _proof.set_cache_folder(folder)
 
 
@@ -171,19 +111,35 @@ def _as_tile(value):
 
 
 class TileChooser:
-    """The chosen tile per key of one launcher: in memory, and on disk beside ``auto``'s decisions
-    (keyed by the GPU's name and the software versions), so a second process measures nothing again."""
+    """The tile each key of one launcher launches: the table's first right entry (checked once) or
+    the tile searched for it (tuned), in memory and on disk (keyed by the GPU's name and the software
+    versions), so a second process checks and searches nothing again. ``kernels()`` returns the
+    @triton.jit functions the launcher's tiles run: their source is part of each verdict's key."""
 
     instances: list["TileChooser"] = []  # every chooser, for forget_all and the reports
     # Counts every change of any chooser's choices (a choice made or read from disk, pinned,
     # forgotten): a launch plan made under another generation is stale (``decided``).
     generation = 0
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, kernels: Callable[[], Sequence] = tuple):
         self.name = name
+        self._kernels = kernels
+        self._source: Optional[str] = None
         self._chosen: dict[tuple, Choice] = {}
+        self._unchecked: dict[tuple, Tile] = {}  # keys launched while nothing could run a check
         self._lock = threading.Lock()
         TileChooser.instances.append(self)
+
+    def source(self) -> str:
+        """A digest of the kernels' source (with the jit functions each calls, where Triton keys
+        them): a verdict is kept per source, so an edited kernel is checked again."""
+        if self._source is None:
+            texts = [
+                getattr(kernel, "cache_key", None) or inspect.getsource(getattr(kernel, "fn", kernel))
+                for kernel in self._kernels()
+            ]
+            self._source = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+        return self._source
 
     def choose(
         self,
@@ -193,9 +149,10 @@ class TileChooser:
         run: Callable[[Tile], Sequence[torch.Tensor]],
         check: Callable[[Sequence[torch.Tensor]], Optional[str]],
     ) -> Tile:
-        """The tile to launch for ``key``. ``run(tile)`` launches with ``tile`` on the call's inputs and
-        returns its outputs (fresh tensors); ``check(outputs)`` returns None when they are right,
-        else why not. Raises RuntimeError when no candidate is right (never a silent wrong answer)."""
+        """The tile to launch for ``key``; ``candidates`` is the table's list, default first.
+        ``run(tile)`` launches with ``tile`` on the call's inputs and returns its outputs (fresh
+        tensors); ``check(outputs)`` returns None when they are right, else why not. Raises
+        RuntimeError when no candidate is right (never a silent wrong answer)."""
         hit = self._chosen.get(key)
         if hit is not None:
             return hit.tile
@@ -205,23 +162,64 @@ class TileChooser:
         stored_tile = None if stored is None else _as_tile(stored["tile"])
         cached = next((c for c in candidates if c == stored_tile), None)
         if cached is not None:
-            return self._keep(key, Choice(cached, {"from the tile cache": stored.get("trials")})).tile
-        if not can_measure(device) or recording():  # recording: an outer chooser's proof, see _proof
+            return self._keep(key, Choice(cached, "tuned (cache)", stored.get("trials") or {})).tile
+        if recording():  # an outer chooser's proof, see _proof
+            return candidates[0]
+        if not can_measure(device):  # tracing or capturing: the table's entry, checked later
+            self._unchecked[key] = candidates[0]
             return candidates[0]
         with self._lock, without_autocast():
             hit = self._chosen.get(key)
             if hit is None:
-                hit = self._measure(key, device, candidates, run, check)
-                if hit is None:  # an empty problem: nothing to validate or time, nothing decided
+                hit = (self._search if searching() else self._check)(key, device, candidates, run, check)
+                if hit is None:  # an empty problem: nothing to check or time, nothing decided
                     return candidates[0]
                 self._keep(key, hit)
-                if disk_key is not None:
+                LOGGER.info("%s %s: %s tile %r", self.name, key, hit.how, hit.tile)
+                if disk_key is not None and hit.how == "tuned":
                     _disk.put(
                         disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}}
                     )
         return hit.tile
 
-    def _measure(self, key, device, candidates, run, check) -> Optional[Choice]:
+    def _check(self, key, device, candidates, run, check) -> Optional[Choice]:
+        """The first entry of the table that computes the right answer on the call's inputs: each
+        entry's verdict read from disk, or made now by one run and ``check``. A wrong entry warns and
+        the next one is checked; none right raises."""
+        trials: dict = {}
+        device_name = _signature.device_name(device)
+        for tile in candidates:
+            verdict_key = f"{self.name} | {device_name} | {self.source()} | {key!r} | {tile!r}"
+            verdict = (_verdicts.get(verdict_key) or {}).get("verdict")
+            if verdict is None:
+                try:
+                    outputs = run(tile)
+                    if _proof.all_empty(outputs):
+                        return None
+                    problem = check(outputs)
+                    verdict = RIGHT if problem is None else problem
+                    _verdicts.put(verdict_key, {"verdict": verdict})
+                except Exception as error:  # this process's refusal (out of memory...): not kept
+                    verdict = (
+                        f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    )
+            if verdict == RIGHT:
+                trials[tile] = "checked"
+                return Choice(tile, "checked", trials)
+            trials[tile] = f"invalid: {verdict}"
+            warnings.warn(
+                f"vit_kernels: the {self.name} tile {tile!r} is wrong on {device_name} for {key}: {verdict}; "
+                "the table's next entry is checked in its place",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        raise RuntimeError(
+            f"vit_kernels: no {self.name} tile computes the right answer on this GPU for {key}: {trials}"
+        )
+
+    def _search(self, key, device, candidates, run, check) -> Optional[Choice]:
+        """Every candidate proven in a child (unless proving is off), checked, and the right ones
+        timed together: the fastest."""
         proven = _proof.verdicts(self.name, key, device, candidates, run) if _proof.enabled() else {}
         trials: dict = {}
         for tile in candidates:
@@ -244,12 +242,12 @@ class TileChooser:
         times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
         timed = {tile: statistics.median(samples) for tile, samples in times.items()}
         trials.update(timed)
-        return Choice(min(timed, key=timed.get), trials)
+        return Choice(min(timed, key=timed.get), "tuned", trials)
 
     def pin(self, key: tuple, tile: Tile) -> None:
         """Launch ``tile`` for ``key`` from now on in this process, unmeasured (tooling: the compile
         gate runs each candidate with the flags its trial leaves out, such as dropout)."""
-        self._keep(key, Choice(tile, {"pinned": tile}))
+        self._keep(key, Choice(tile, "pinned", {}))
 
     def _keep(self, key: tuple, choice: Choice) -> Choice:
         self._chosen[key] = choice
@@ -261,11 +259,12 @@ class TileChooser:
         return None if hit is None else hit.tile
 
     def report(self) -> dict[tuple, Choice]:
-        """Every key measured in this process: the tile chosen and each candidate's trial."""
+        """Every key decided in this process: the tile chosen, how, and each candidate's trial."""
         return dict(self._chosen)
 
     def forget(self) -> None:
         self._chosen.clear()
+        self._unchecked.clear()
         TileChooser.generation += 1
 
     @classmethod
@@ -331,14 +330,30 @@ def _plain(part):
     return str(part) if isinstance(part, (torch.dtype, torch.device)) else part
 
 
+def decisions() -> list[dict]:
+    """Every key of every chooser decided or launched in this process, for ``vk.explain()``: the
+    chooser, the key, the tile and how it was chosen ("checked", "tuned", "tuned (cache)",
+    "pinned", or "table, unchecked" where it ran only while traced or captured)."""
+    rows = []
+    for chooser in TileChooser.instances:
+        for key, choice in chooser.report().items():
+            rows.append({"kernel": chooser.name, "key": key, "tile": choice.tile, "how": choice.how})
+        for key, tile in chooser._unchecked.items():
+            if key not in chooser._chosen:
+                rows.append({"kernel": chooser.name, "key": key, "tile": tile, "how": "table, unchecked"})
+    return rows
+
+
 def report_rows(kernel: str, chooser: TileChooser) -> list[dict]:
     """``chooser``'s choices as JSON-able rows: kernel, key (dtypes and devices as text), the tile
-    chosen and each candidate's time in ms or why it was excluded."""
+    chosen, how (checked, tuned, ...) and each candidate's trial: its time in ms, "checked", or why
+    it was excluded."""
     return [
         {
             "kernel": kernel,
             "key": [_plain(part) for part in key],
             "chosen": repr(choice.tile),
+            "how": choice.how,
             "candidates": {repr(tile): trial for tile, trial in choice.trials.items()},
         }
         for key, choice in chooser.report().items()

@@ -103,6 +103,16 @@ def multiprocessors(device: torch.device) -> int:
     return 2
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> int:
+    """A CUDA device's compute capability as major * 10 + minor (90 for an H100); 0 elsewhere. The
+    tables' per-architecture defaults are keyed by it."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 _recorders: dict[int, list] = {}  # thread id -> the launches recorded there instead of run
 
 

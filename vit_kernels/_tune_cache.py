@@ -1,8 +1,8 @@
-"""The on-disk caches of what was measured: ``auto``'s decisions, the tile choosers' tiles and the
+"""The on-disk caches: ``auto``'s tuned decisions, the tuned tiles, the table entries' checks and the
 tile candidates' proofs.
 
 One JSON file per kind and software environment (``dispatch-<digest>.json``, ``tiles-<digest>.json``,
-``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, CUDA driver, triton and
+``checks-<digest>.json``, ``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, CUDA driver, triton and
 vit_kernels versions (a new version measures afresh); inside, one entry per key, which names the
 device it was measured on. The folder is ``VIT_KERNELS_CACHE_DIR`` (read once, at import), else
 ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``; ``vk.set_autotune(cache_dir=...)``
@@ -71,11 +71,24 @@ def environment() -> dict[str, str]:
     }
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a
+    reader sees the old file or the new one, never a part."""
+    fd, temporary = tempfile.mkstemp(prefix=".vit_kernels-", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 class DiskCache:
     """Entries by key (a string), loaded lazily from one JSON file; ``kind`` names the file and the
     field every entry must have (``FIELDS``)."""
 
-    FIELDS = {"dispatch": "backend", "tiles": "tile", "proofs": "verdict"}
+    FIELDS = {"dispatch": "backend", "tiles": "tile", "proofs": "verdict", "checks": "verdict"}
 
     def __init__(self, folder: Optional[Path], kind: str = "dispatch"):
         self.folder, self.kind = folder, kind
@@ -137,14 +150,7 @@ class DiskCache:
             payload = json.dumps(
                 {"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True
             )
-            fd, temporary = tempfile.mkstemp(prefix=f".{self.kind}-", suffix=".tmp", dir=self.folder)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    out.write(payload)
-                os.replace(temporary, self.path)
-            except BaseException:
-                os.unlink(temporary)
-                raise
+            write_atomically(str(self.path), payload)
         except OSError as error:
             warnings.warn(
                 f"vit_kernels: could not write the {self.kind} cache {self.path} ({error})",

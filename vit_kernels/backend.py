@@ -3,7 +3,7 @@
 Every op (``patch_embed``, ``attention``, ...) declares its implementations in one table at the end
 of ``vit_kernels/ops/<op>.py`` (``implementations(op, torch=Impl(...), triton=Impl(...), ...)``):
 per backend, the function, a support check by device and dtype, limits by shape (e.g. head dim <=
-256), and whether it is the static default. ``resolve`` is the only place that chooses or falls back.
+256), and where it is the table's default. ``resolve`` is the only place that chooses or falls back.
 
 * ``torch``: the pure-PyTorch reference, runs everywhere, the fallback.
 * ``triton``: the Triton kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the
@@ -16,16 +16,20 @@ the process-wide default that every context starts from. When the chosen backend
 (device, dtype, or a shape limit), ``strict=True`` raises naming the op and the limit; otherwise the
 call falls back to ``auto``'s choice, with a warning once and a record in ``explain()``.
 
-``auto``, the first time it meets a call signature (see ``_signature``), times each capable
-implementation on clones of the real inputs, validates it against the reference, and picks the
-fastest valid one that beats the reference by the margin (``_measure``); decisions are cached in
-memory and on disk (``_tune_cache``). Nothing is timed while tracing (torch.compile, export, fake
-tensors) or with measuring off (``VIT_KERNELS_AUTOTUNE=0``, ``set_autotune(False)``): then the
-cached decision, else the static default decides. Static defaults rest on measurements: the
-extension's ``patch_embed`` on CPU float32 (3.5x faster backward, benchmarks/results/cpu-*.md); on
-CUDA in 16 bits Triton's ``patch_embed`` (4x PyTorch's forward + backward) and, without gradients,
-the extension's ``layer_norm`` (1.7x forward), both from benchmarks/results/h100-2026-11-22.md; the
-reference everywhere else.
+``auto`` runs the op table's choice: each ``Impl``'s ``preferred(device, dtype, grad)`` names where
+it is the default, from measurements cited beside it (``benchmarks/results/``): on CUDA in 16 bits
+Triton's ``patch_embed`` (4-10x PyTorch's) and, on sm_90 with gradients, Triton's attention (1.74x
+SDPA's forward + backward); without gradients the extension's ``layer_norm``; on CPU float32 the
+extension's ``patch_embed``; the reference everywhere else. A first call compiles what it runs and
+checks each kernel's tile once (``_tiles``); nothing is timed, no child process starts.
+
+Searching happens only when asked: ``vk.tune(model, inputs)``, or ``VIT_KERNELS_TUNE=1`` /
+``set_autotune(True)`` for ordinary calls. Then ``auto``, the first time it meets a call signature
+(see ``_signature``), times each capable implementation on clones of the real inputs, validates it
+against the reference, and picks the fastest valid one that beats the reference by the margin
+(``_measure``); decisions are kept in memory and on disk (``_tune_cache``, ``vk.save_tuning``), and
+a tuned decision runs in later processes, searching or not. Nothing is timed while tracing
+(torch.compile, export, fake tensors): there the tuned decision, else the table decides.
 """
 
 from __future__ import annotations
@@ -42,27 +46,26 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _env, _measure, _proof, _signature, _tiles
+from vit_kernels import _measure, _proof, _signature, _tiles
 from vit_kernels._triton import HAS_TRITON
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
+from vit_kernels._logging import LOGGER
 from vit_kernels._tune_cache import DiskCache, default_folder
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
 CHOICES = ("auto",) + BACKENDS
 OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm", "swiglu", "swiglu_mlp")
 
-# Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors;
-# VIT_KERNELS_AUTOTUNE=0 turns measuring off.
+# Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-AUTOTUNE = _env.flag("VIT_KERNELS_AUTOTUNE", default=True)
 
 # ``supports(device, dtype)`` returns None when the implementation can run there, else the reason.
 SupportCheck = Callable[[torch.device, torch.dtype], Optional[str]]
 # ``limits(*args)`` (the op's call arguments) returns None when the shapes are within the
 # implementation's limits, else which limit they exceed.
 LimitCheck = Callable[..., Optional[str]]
-# ``preferred(device, dtype, grad)``: whether the implementation is the static default there (for a
+# ``preferred(device, dtype, grad)``: whether the implementation is the table's default there (for a
 # call that will need gradients, or not).
 Preference = Callable[[torch.device, torch.dtype, bool], bool]
 
@@ -327,11 +330,10 @@ def apply_environment() -> None:
 
 @dataclass
 class _Settings:
-    enabled: bool
     margin: float = 0.05  # a candidate must be at least 5% faster than the reference to be chosen
 
 
-_settings = _Settings(AUTOTUNE)
+_settings = _Settings()
 _disk = DiskCache(default_folder())
 _memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
 _fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
@@ -359,10 +361,11 @@ def set_autotune(
     cache_dir: Union[str, os.PathLike, bool, None] = None,
     prove_tiles: Optional[bool] = None,
 ) -> None:
-    """Configure ``auto``'s measuring (each argument left None is unchanged).
+    """Configure searching (each argument left None is unchanged).
 
-    enabled: measure new signatures (False: cached decisions or static defaults only; the initial
-    value is ``VIT_KERNELS_AUTOTUNE``, read at import). margin: how much faster than the reference
+    enabled: search every new signature's backends and every new key's tiles on ordinary calls
+    (False, the default: the tables decide, and tuned decisions where there are; the initial value
+    is ``VIT_KERNELS_TUNE``, read at import; ``vk.tune`` searches either way). margin: how much faster than the reference
     (0.05 = 5%) a kernel must be to be chosen. cache_dir: the folder of the on-disk cache, or False
     to keep decisions in memory only. prove_tiles: run each new tile candidate in a child process
     first, so that one that faults cannot take this process down (``vit_kernels._proof``; the
@@ -372,7 +375,7 @@ def set_autotune(
     if enabled is not None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        _settings.enabled = enabled
+        _tiles.SEARCH["enabled"] = enabled
     if margin is not None:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10:
             raise ValueError(f"margin must be a number in [0, 10), got {margin!r}")
@@ -394,7 +397,7 @@ def set_autotune(
 def autotune_settings() -> dict[str, object]:
     """The measuring settings in force: ``{"enabled", "margin", "cache_file", "prove_tiles"}``."""
     return {
-        "enabled": _settings.enabled,
+        "enabled": _tiles.searching(),
         "margin": _settings.margin,
         "cache_file": None if _disk.path is None else str(_disk.path),
         "prove_tiles": _proof.enabled(),
@@ -412,8 +415,9 @@ def clear_decisions() -> None:
 
 
 def explain() -> Explanation:
-    """Every op signature run in this process: what ran, why, the measured times, cache or not."""
-    return _journal.snapshot()
+    """Every op signature run in this process: what ran, why (the table, tuned, measured, a
+    fallback), the measured times; then each Triton kernel's tiles, checked, tuned or unchecked."""
+    return _journal.snapshot(_tiles.decisions())
 
 
 # ---- resolve ---------------------------------------------------------------------------------------
@@ -501,24 +505,23 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
         entry = _unanimous(call.prefix())
     if entry is not None and entry["backend"] in capable:
         return impls[entry["backend"]], call.record(
-            requested, entry["backend"], "cache", entry["reason"], {**_describe(entry), **excluded}
+            requested, entry["backend"], "tuned", entry["reason"], {**_describe(entry), **excluded}
         )
     measurable = call.args is not None and not _signature.untimeable(call.args)
-    if not (_settings.enabled and measurable) or getattr(_measuring, "active", False):
+    if not (_tiles.searching() and measurable) or getattr(_measuring, "active", False):
         chosen = next(
             (b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype, call.grad)),
             "torch",
         )
         why = (
-            "measuring is off (VIT_KERNELS_AUTOTUNE=0 or set_autotune(False))"
-            if not _settings.enabled
-            else "nothing is timed while tracing (torch.compile, export, fake or meta tensors)"
+            "the op's table (vk.tune, or VIT_KERNELS_TUNE=1, searches)"
+            if not _tiles.searching()
+            else "nothing is timed while tracing (torch.compile, export, fake or meta tensors): the op's table"
         )
         candidates = {b: "not measured" for b in capable}
-        return impls[chosen], call.record(
-            requested, chosen, "static default", f"{why}; static default", {**candidates, **excluded}
-        )
+        return impls[chosen], call.record(requested, chosen, "table", why, {**candidates, **excluded})
     entry = _measure_call(call, capable)
+    LOGGER.info("%s: %s (%s)", key, entry["backend"], entry["reason"])
     _disk.put(key, entry)
     _decisions_changed(call.op)
     return impls[entry["backend"]], call.record(
@@ -529,7 +532,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
 def _unanimous(prefix: str) -> Optional[dict]:
     """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
     grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
-    shapes being compiled), else None (the static default decides)."""
+    shapes being compiled), else None (the table decides)."""
     entries = [e for k, e in _disk.items() if k.startswith(prefix)]
     if entries and len({e["backend"] for e in entries}) == 1:
         entry = dict(entries[0])
@@ -640,7 +643,7 @@ def _traced_backend(
     op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict, epoch
 ):
     """The decision while torch.compile traces (called once per trace, outside the graph, without
-    reading sizes so that none is specialised): the cached decision or the static default, never a
+    reading sizes so that none is specialised): the tuned decision or the table's, never a
     measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
     make Dynamo guard the compiled graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
@@ -664,7 +667,7 @@ def _resolve(
     op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]]
 ) -> tuple[Impl, Optional[Record]]:
     """``resolve``, and the decision's record when the decision may be reused for the same
-    signature (None while tracing, or for a static default taken for untimeable tensors)."""
+    signature (None while tracing, or for the table's choice taken for untimeable tensors)."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     args = () if args is None else args
@@ -688,7 +691,7 @@ def _resolve(
         impl, record = _decide(call, choice)
         record = _journal.add((choice.name, op, str(device), dtype, arg_key, grad), record)
         record.calls += 1
-        if record.source != "static default" or not _signature.untimeable(args):
+        if record.source != "table" or not _signature.untimeable(args):
             _memo[memo_key] = (impl, record)
             return impl, record
     return impl, None

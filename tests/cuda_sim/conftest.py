@@ -1,7 +1,8 @@
 """The simulated CUDA device's fixtures: every test runs on an sm_90 (H100) and an sm_80 (A100)
-device, with ``auto`` measuring (as a user's first call does), and fails on any exception that the
-runtime caught: a candidate that ``auto`` or a tile chooser excluded because it raised, or the
-warning ``auto`` gives when it drops an implementation."""
+device, with the tables deciding and each kernel's tile checked (as a user's first call does; the
+tests of ``vk.tune`` search), and fails on any exception that the runtime caught: a tile entry or a
+candidate excluded because it raised, or the warning ``auto`` gives when it drops an
+implementation."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the 
 
 @pytest.fixture(params=ARCHS, ids=lambda arch: f"sm{arch}")
 def sim(request):
-    """A fresh simulated device of the parametrised architecture, measuring from scratch."""
+    """A fresh simulated device of the parametrised architecture, deciding from scratch."""
     backend.clear_decisions()
     backend._disk.clear()
     _tiles.TileChooser.forget_all()
-    vk.set_autotune(True, cache_dir=False)
+    vk.set_autotune(False, cache_dir=False)
     with warnings.catch_warnings():
         # auto's warning that it dropped an implementation (declared fallbacks only warn)
         warnings.filterwarnings(

@@ -21,18 +21,18 @@ import torch.nn.functional as F
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._ext import ExtensionOps
+from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
-    check_against,
     decided,
     keep,
     plain_repr,
-    reference_dtype,
     report_rows,
     tile_to_launch,
 )
 from vit_kernels._triton import (
     HAS_TRITON,
+    capability,
     cdiv,
     dot_precision,
     interpreted,
@@ -120,6 +120,11 @@ ATTENTION_BWD_TILES = {
     (True, 128): _pairs(((16, 32, 4, 1), (16, 32, 8, 1))),
     (True, 256): _pairs(((16, 16, 4, 1), (16, 16, 8, 1))),
 }
+# Per architecture, where one was measured, the pair that runs first (before the table's): on sm_90
+# the 16-bit head-dim-64 backward the H100 and the H200 both chose, dQ (64, 64, 4, 3) with dK/dV
+# (32, 64, 4, 2): forward + backward 0.484 ms against 0.689 with the table's first pair (ViT-B/16,
+# B=128, bf16; benchmarks/results/h100-2026-11-26.md, h200-2026-11-27.md).
+ATTENTION_BWD_DEFAULTS = {90: {(False, 64): _pairs(((64, 64, 4, 3), (32, 64, 4, 2)))[0]}}
 # A rotating call's kernels load per block two more q or k tiles (the partner columns) and the
 # cos and sin tiles, each buffered once per pipeline stage: at 3 stages the 16-bit head-dim-64
 # tiles pass sm_80's 163 KB of shared memory per block (`make check-gpu`), so they run at most 2;
@@ -131,8 +136,10 @@ MASK_MAX_TILE = 64 * 128
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
 VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
-FWD_CHOOSER = TileChooser("attention forward")
-BWD_CHOOSER = TileChooser("attention backward")
+FWD_CHOOSER = TileChooser("attention forward", lambda: (_attention_fwd_kernel,))
+BWD_CHOOSER = TileChooser(
+    "attention backward", lambda: (_attention_bwd_dq_kernel, _attention_bwd_dkdv_kernel)
+)
 
 
 def tile_report() -> list[dict]:
@@ -190,13 +197,17 @@ def fwd_candidates(
 
 
 def bwd_candidates(
-    dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False, masked: bool = False
+    dtype: torch.dtype, head_dim: int, seq_len: int, rope: bool = False, masked: bool = False, arch: int = 0
 ) -> tuple:
-    """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU, fitted to the sequence (as
-    ``fwd_candidates``)."""
+    """The backward (dQ tile, dK/dV tile) pairs for this call on a GPU of compute capability
+    ``arch`` (90 for sm_90), the pair measured there first where one was, fitted to the sequence
+    (as ``fwd_candidates``)."""
+    key = _tile_key(dtype, head_dim)
+    default = ATTENTION_BWD_DEFAULTS.get(arch, {}).get(key)
+    first = () if default is None else (default,)
     return _unique(
         (_fitted(dq, seq_len, rope or masked), _fitted(dkdv, seq_len, rope or masked))
-        for dq, dkdv in ATTENTION_BWD_TILES[_tile_key(dtype, head_dim)]
+        for dq, dkdv in first + ATTENTION_BWD_TILES[key]
         if not masked or (_mask_fits(dq) and _mask_fits(dkdv))
     )
 
@@ -582,7 +593,12 @@ if HAS_TRITON:
             lambda: _chooser_key(qkv, num_heads, rope, mask),
             lambda: (_interpreter_tile(qkv.shape[1]),) * 2,
             lambda: bwd_candidates(
-                qkv.dtype, _shape(qkv, num_heads)[3], qkv.shape[1], rope is not None, mask is not None
+                qkv.dtype,
+                _shape(qkv, num_heads)[3],
+                qkv.shape[1],
+                rope is not None,
+                mask is not None,
+                capability(qkv.device),
             ),
             trial,
         )
@@ -909,10 +925,23 @@ def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[st
     return _ext.supports(device, dtype)
 
 
+def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    """The table's default on sm_90 in 16 bits with gradients: Triton, whose forward + backward from
+    the packed qkv took 0.484 ms on an H100 against SDPA's 0.843 and torch.compile's 0.729 (ViT-B/16,
+    B=128, bf16; benchmarks/results/h100-2026-11-26.md). Without gradients SDPA's forward (cuDNN,
+    0.086 ms against 0.120) stays; other architectures were never measured: the reference."""
+    return grad and dtype in (torch.float16, torch.bfloat16) and capability(device) == 90
+
+
 backend.implementations(
     "attention",
     validation_args=_without_dropout,
     torch=backend.Impl(attention_ref),
-    triton=backend.Impl(attention_triton, supports=backend.triton_supports_dot, limits=_triton_limits),
+    triton=backend.Impl(
+        attention_triton,
+        supports=backend.triton_supports_dot,
+        limits=_triton_limits,
+        preferred=_triton_default,
+    ),
     extension=backend.Impl(attention_extension, supports=_extension_supports, limits=_extension_limits),
 )

@@ -13,12 +13,11 @@ import torch
 
 from vit_kernels._autograd import tracing
 from vit_kernels._signature import bucket
+from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
-    check_against,
     decided,
     keep,
-    reference_dtype,
     report_rows,
     tile_to_launch,
 )
@@ -109,7 +108,7 @@ MAX_BLOCK_K = max(
     tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32
 )  # split-K slices are multiples of it
 VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
-GEMM_CHOOSER = TileChooser("GEMM")
+GEMM_CHOOSER = TileChooser("GEMM", lambda: (_linear_kernel, _linear_tma_kernel))
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,19 +173,18 @@ class TmaLaunch:
 
 
 def gemm_candidates(dtype: torch.dtype, m: int, n: int, tma: bool = False) -> tuple:
-    """The tiles a GPU tries for an (m x n) output with operands of ``dtype``: where ``tma`` the TMA
-    kernel's tiles after the pointer kernel's default, else (or where none of them fits) the dtype's
-    table, without tiles much larger than the problem (at most max(64, m) rows and max(64, n)
-    columns; the table's smallest tile where none is left). Where TMA reads the operands its tiles
-    won each of the four 16-bit GEMMs timed on an H200, by 5 to 29% over the best pointer tile
-    (benchmarks/results/h200-2026-11-26.md), so the other eight pointer tiles are not compiled
-    there: a first call per key compiles 6 candidates instead of 14."""
+    """The tiles for an (m x n) output with operands of ``dtype``, default first: where ``tma`` (on
+    sm_90+) the TMA kernel's tiles, then the pointer kernel's default, else (or where none of them
+    fits) the dtype's table, without tiles much larger than the problem (at most max(64, m) rows and
+    max(64, n) columns; the table's smallest tile where none is left). Where TMA reads the operands
+    its tiles won each of the four 16-bit GEMMs timed on an H200, by 5 to 29% over the best pointer
+    tile, 128 x 256 x 64 (8 warps, 3 stages) two of them (benchmarks/results/h200-2026-11-26.md)."""
     tiles = GEMM_TILES_FP32 if dtype == torch.float32 else GEMM_TILES_16BIT
 
     def fitting(tiles: tuple) -> tuple:
         return tuple(t for t in tiles if t.block_m <= max(64, m) and t.block_n <= max(64, n))
 
-    return (tma and fitting(tiles[:1] + GEMM_TILES_TMA)) or fitting(tiles) or tiles[-1:]
+    return (tma and fitting(GEMM_TILES_TMA + tiles[:1])) or fitting(tiles) or tiles[-1:]
 
 
 def tma_transposed(t: torch.Tensor) -> Optional[bool]:
@@ -617,7 +615,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
 # it; the extra read it saves is 2 bytes per element of dY, about 13 us of a ViT-B/16 batch-128
 # fc2 dW GEMM of about 200 us.
 BIAS_GRAD_WAYS = ("separate", "fused")
-BIAS_GRAD_CHOOSER = TileChooser("bias gradient")
+BIAS_GRAD_CHOOSER = TileChooser("bias gradient", lambda: (_linear_kernel, _linear_tma_kernel))
 _BIAS_GRAD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: the way
 
 

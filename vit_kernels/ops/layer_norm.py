@@ -15,13 +15,12 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
+from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
-    check_against,
     decided,
     keep,
     plain_repr,
-    reference_dtype,
     report_rows,
     tile_to_launch,
 )
@@ -110,8 +109,8 @@ def bwd_candidates(block_d: int) -> tuple[BackwardTile, ...]:
     return tuple(tiles)
 
 
-FWD_CHOOSER = TileChooser("layer_norm forward")
-BWD_CHOOSER = TileChooser("layer_norm backward")
+FWD_CHOOSER = TileChooser("layer_norm forward", lambda: (_layer_norm_fwd_kernel,))
+BWD_CHOOSER = TileChooser("layer_norm backward", lambda: (_layer_norm_bwd_kernel,))
 # Per call signature (rows x D, row strides, dtype, device, the optional inputs, eps), for
 # ``_tiles.decided``: the forward's ``_fwd_plan``, the backward's ``_bwd_plan``.
 _FWD_PLANS: dict[tuple, tuple] = {}

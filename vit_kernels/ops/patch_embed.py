@@ -17,17 +17,17 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
+from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
-    check_against,
     decided,
     keep,
-    reference_dtype,
     report_rows,
     tile_to_launch,
 )
 from vit_kernels._triton import (
     HAS_TRITON,
+    capability,
     LAUNCH_CONFIGS,
     cached_call,
     cdiv,
@@ -51,9 +51,24 @@ def _geometry(images: torch.Tensor, weight: torch.Tensor, patch_size: int, has_c
     return n, dim, math.prod(patch_shape), num_patches, num_patches + int(has_cls), width // patch_size
 
 
+# The forward's default on sm_90 in 16 bits, where both the H100 and the H200 chose it at ViT-B/16's
+# shapes (B=128, bf16; benchmarks/results/gpu-report-h100-2026-11-26.json, gpu-report-h200-2026-11-27.json);
+# elsewhere the GEMM table's order (``gemm_candidates``).
+SM90_16BIT_FWD_TILE = GemmTile(128, 256, 64, 8, 3)
+
+
+def fwd_candidates(dtype: torch.dtype, rows: int, dim: int, arch: int) -> tuple:
+    """The forward's tiles, default first, for ``rows`` x ``dim`` outputs on a GPU of compute
+    capability ``arch``."""
+    tiles = gemm_candidates(dtype, rows, dim)
+    if arch == 90 and SM90_16BIT_FWD_TILE in tiles:
+        return (SM90_16BIT_FWD_TILE, *(t for t in tiles if t != SM90_16BIT_FWD_TILE))
+    return tiles
+
+
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
 VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
-FWD_CHOOSER = TileChooser("patch_embed forward")
+FWD_CHOOSER = TileChooser("patch_embed forward", lambda: (_patch_embed_fwd_kernel,))
 _FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: ``_fwd_plan``
 
 
@@ -196,7 +211,7 @@ if HAS_TRITON:
             images.device,
             lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
             lambda: GEMM_INTERPRETER_TILE,
-            lambda: gemm_candidates(images.dtype, int(n) * int(tokens), int(dim)),
+            lambda: fwd_candidates(images.dtype, int(n) * int(tokens), int(dim), capability(images.device)),
             trial,
         )
 

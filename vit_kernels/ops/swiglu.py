@@ -26,12 +26,11 @@ import torch.nn.functional as F
 from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket, needs_grad
+from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
-    check_against,
     decided,
     keep,
-    reference_dtype,
     report_rows,
     tile_to_launch,
 )
@@ -68,7 +67,7 @@ SWIGLU_TILES_16BIT = tuple(
 )
 SWIGLU_TILES_FP32 = (GemmTile(32, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 3))
 SWIGLU_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
-SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM")
+SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM", lambda: (_swiglu_fwd_kernel, _swiglu_bwd_kernel))
 
 
 def swiglu_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:
