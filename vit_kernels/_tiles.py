@@ -156,8 +156,8 @@ class TileChooser:
         hit = self._chosen.get(key)
         if hit is not None:
             return hit.tile
-        disk_key = None if _disk.path is None else f"{self.name} | {_signature.device_name(device)} | {key!r}"
-        stored = None if disk_key is None else _disk.get(disk_key)
+        disk_key = f"{self.name} | {_signature.device_name(device)} | {key!r}"
+        stored = _disk.get(disk_key)
         # the candidate equal to the stored tile (JSON keeps its values, not its NamedTuple type)
         stored_tile = None if stored is None else _as_tile(stored["tile"])
         cached = next((c for c in candidates if c == stored_tile), None)
@@ -176,7 +176,7 @@ class TileChooser:
                     return candidates[0]
                 self._keep(key, hit)
                 LOGGER.info("%s %s: %s tile %r", self.name, key, hit.how, hit.tile)
-                if disk_key is not None and hit.how == "tuned":
+                if hit.how == "tuned":
                     _disk.put(
                         disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}}
                     )

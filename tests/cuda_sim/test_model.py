@@ -1,5 +1,6 @@
 """Whole models on the simulated CUDA device: a ViT's training step on every backend, with and
-without autocast, ``vk.tune`` measuring every signature of a model, and a ``patch_model``'d
+without autocast, ``vk.tune`` searching every signature of a model under autocast and its file
+run by a process that searches nothing, and a ``patch_model``'d
 ``torch.nn.TransformerEncoderLayer``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 import vit
 import vit_kernels as vk
+from vit_kernels import _measure, _tiles, backend
 
 
 def _small_vit():
@@ -34,12 +36,42 @@ def test_vit_training_step(sim, backend_choice, autocast):
         assert "triton" in ran and sim.launches
 
 
-def test_tune_measures_every_signature(sim):
+def test_tune_under_autocast_searches_the_steps_signatures_and_the_step_then_searches_nothing(
+    sim, tmp_path, monkeypatch
+):
+    """``vk.tune(..., autocast=torch.bfloat16)`` searches the bfloat16 signatures a bf16 step meets
+    (backends and tiles); saved and loaded into a process that knows nothing, the step runs the
+    tuned choices and searches nothing."""
     model = _small_vit()
-    explanation = vk.tune(model, (torch.randn(4, 3, 32, 32, device="cuda"),))
+    images = torch.randn(4, 3, 32, 32, device="cuda")
+    explanation = vk.tune(model, (images,), autocast=torch.bfloat16)
     sources = {r.op: r.source for r in explanation}
     assert set(sources) >= {"patch_embed", "attention", "layer_norm", "mlp", "linear"}, sources
-    assert set(sources.values()) <= {"measured", "cache", "only candidate"}, explanation
+    assert set(sources.values()) <= {"measured", "tuned", "only candidate"}, explanation
+    assert {r.dtype for r in explanation if r.op == "attention"} == {"torch.bfloat16"}, explanation
+    tuned = {(r.op, r.shapes, r.grad): r.backend for r in explanation}
+    assert vk.tuning.tuning()["tiles"], "auto's measurement of the triton candidates searched no tile"
+    vk.save_tuning(tmp_path / "tuning.json")
+    backend.clear_decisions()
+    backend._disk.clear()
+    _tiles.TileChooser.forget_all()
+    vk.set_autotune(cache_dir=False)  # a process with an empty cache
+
+    def searched(*args, **kwargs):
+        raise AssertionError("searched after loading the tuning")
+
+    monkeypatch.setattr(_measure, "measure", searched)
+    monkeypatch.setattr(_tiles.TileChooser, "_search", searched)
+    monkeypatch.setattr(_tiles.TileChooser, "_check", searched)
+    vk.load_tuning(tmp_path / "tuning.json")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(images).float().sum().backward()
+    rows = [r for r in vk.explain() if r.source != "only candidate"]
+    assert rows and {r.source for r in rows} == {"tuned"}, vk.explain()
+    assert {(r.op, r.shapes, r.grad): r.backend for r in rows}.items() <= tuned.items()
+    with vk.use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(images).float().sum().backward()  # every kernel's tile as tuned, none checked or searched
+    assert {t["how"] for t in vk.explain().tiles} == {"tuned (cache)"}, vk.explain().tiles
 
 
 def test_patched_torch_encoder_layer(sim):
