@@ -377,11 +377,11 @@ def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
     assert launched == [gemm.gemm_candidates(torch.float32, 5, 8)[0]] and gemm.tile_report() == []
 
 
-def test_a_first_call_on_a_gpu_launches_every_candidate():
-    """On an H100 (simulated) an mlp forward and backward tries, for each of its GEMMs, every candidate
-    tile; small outputs leave the tiles much larger than them out."""
+def test_a_search_on_a_gpu_launches_every_candidate():
+    """On an H100 (simulated) an mlp forward and backward searching tries, for each of its GEMMs,
+    every candidate tile; small outputs leave the tiles much larger than them out."""
     dt = torch.bfloat16
-    with simulated_cuda(90) as device:
+    with simulated_cuda(90) as device, _tiles.search():
         x, w1, w2 = (
             torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072))
         )

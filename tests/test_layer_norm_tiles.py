@@ -11,7 +11,7 @@ import torch
 import vit_kernels as vk
 from tests.helpers import fake_timer
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda
-from vit_kernels import _tiles, _timer
+from vit_kernels import _accuracy, _tiles, _timer
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import layer_norm
 
@@ -20,8 +20,8 @@ if not HAS_TRITON:
 
 
 @pytest.mark.parametrize("dim", [192, 768, 1024, 4096])
-def test_a_first_call_on_a_gpu_launches_every_candidate(dim):
-    with simulated_cuda(90) as device:
+def test_a_search_on_a_gpu_launches_every_candidate(dim):
+    with simulated_cuda(90) as device, _tiles.search():
         x = torch.empty(4 * 197, dim, device="cuda")
         y, summed, mean, rstd = layer_norm.layer_norm_fwd(x, x[0], x[0], 1e-6, x)
         layer_norm.layer_norm_bwd(y, y, x, x[0], mean, rstd, True)
@@ -62,9 +62,10 @@ def test_the_default_tiles_come_first_and_every_list_is_distinct():
 
 @pytest.fixture
 def choosing_on_the_cpu(monkeypatch):
-    """The launchers choose as on a GPU, the candidates running in the interpreter; ``times[tile]``
+    """The launchers search as on a GPU, the candidates running in the interpreter; ``times[tile]``
     is what timing one returns (default 1 ms)."""
     times: dict = {}
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     monkeypatch.setattr(layer_norm, "multiprocessors", lambda device: 2)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
@@ -99,7 +100,7 @@ def test_every_candidate_is_validated_and_the_fastest_kept(choosing_on_the_cpu):
 def test_the_forward_check_catches_a_wrong_output(part):
     x, residual = torch.randn(9, 40), torch.randn(9, 40)
     weight, bias = torch.randn(40), torch.randn(40)
-    check = _tiles.check_against(
+    check = _accuracy.check_against(
         ("y", "s"),
         lambda: (
             layer_norm._pytorch_forward(x, residual, weight, bias, 1e-5, torch.float64),
@@ -120,7 +121,7 @@ def test_the_backward_check_catches_a_wrong_gradient(part):
     s, dy, dsum = torch.randn(9, 40) * 2 + 1, torch.randn(9, 40), torch.randn(9, 40)
     weight = torch.randn(40)
     mean, rstd = s.mean(-1), (s.var(-1, unbiased=False) + 1e-5).rsqrt()
-    check = _tiles.check_against(
+    check = _accuracy.check_against(
         ("ds", "dweight", "dbias"),
         lambda: tuple(
             layer_norm._pytorch_backward(dy, dsum, s, weight, mean, rstd, True, dtype)

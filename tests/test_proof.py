@@ -122,7 +122,8 @@ def test_the_replay_has_the_recorded_layout_storage_sharing_and_grid(children):
     assert len(children) == 2
 
 
-def test_a_chooser_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):
+def test_a_search_never_runs_a_candidate_that_failed_in_a_child(monkeypatch):
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)  # proven in this process (conftest)
     monkeypatch.setattr(_timer, "time_runs", fake_timer())
     ran = []

@@ -1,4 +1,4 @@
-"""The package's on/off environment switches (``VIT_KERNELS_AUTOTUNE``, ``VIT_KERNELS_PROVE_TILES``,
+"""The package's on/off environment switches (``VIT_KERNELS_TUNE``, ``VIT_KERNELS_PROVE_TILES``,
 ``VIT_KERNELS_DIRECT_LAUNCH``), each read once at import, all the same way."""
 
 from __future__ import annotations

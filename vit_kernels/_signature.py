@@ -111,7 +111,7 @@ def untimeable(args: Sequence[Any]) -> bool:
     """True when the call's tensors are not real data on a real device (fake, meta, functorch or other
     tensor subclasses, a python dispatch mode such as FakeTensorMode or make_fx's proxy mode, or
     TorchScript tracing), or a CUDA graph is being captured: nothing may be timed, and the cached
-    decision or static default decides."""
+    decision or the table decides."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or capturing_cuda_graph():
         return True
     from torch.utils._python_dispatch import _get_current_dispatch_mode

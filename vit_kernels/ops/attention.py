@@ -71,9 +71,9 @@ def _pairs(*pairs: tuple) -> tuple[tuple[AttentionTile, AttentionTile], ...]:
     return tuple((AttentionTile(*dq), AttentionTile(*dkdv)) for dq, dkdv in pairs)
 
 
-# Launch configurations on a GPU, per (float32 or 16-bit, padded head dim): candidates that the
-# user's GPU validates and times (``vit_kernels._tiles``), the first one being the default where
-# nothing may be run (tracing, graph capture). Forward: tiles. Backward: (dQ tile, dK/dV tile) pairs,
+# Launch configurations on a GPU, per (float32 or 16-bit, padded head dim) (``vit_kernels._tiles``):
+# the first one is the default (checked once on the user's GPU; ``ATTENTION_BWD_DEFAULTS`` puts the
+# pair measured on an architecture ahead of it there), and ``vk.tune`` searches them all. Forward: tiles. Backward: (dQ tile, dK/dV tile) pairs,
 # the dK/dV kernel (which keeps dK, dV, K and V tiles live across its loop) with narrower query
 # blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in registers without tensor
 # cores: smaller tiles. The 16-bit lists hold 128-row, 8-warp forward tiles (two warpgroups of 64

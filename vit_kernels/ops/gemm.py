@@ -1,6 +1,7 @@
 """The GEMM engine that linear, linear_gelu, mlp, SwiGLU and patch_embed launch: C = A @ B (+ bias,
 GELU or its gradient, residual, row or column sums) by the kernels of ``vit_kernels.kernels.gemm``,
-with split-K for deep reductions, the tile tables the user's GPU validates and times per key, and
+with split-K for deep reductions, the tile tables (the default checked on the user's GPU, all
+searched by ``vk.tune``), and
 the bias gradient's two ways."""
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ EPILOGUE_NONE, EPILOGUE_GELU, EPILOGUE_GELU_GRAD = 0, 1, 2
 SUMS_NONE, SUMS_OF_C_COLUMNS, SUMS_OF_A_ROWS = 0, 1, 2
 
 
-# GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): candidates that
-# the user's GPU validates and times per key (``vit_kernels._tiles``: dtype, epilogue, size bucket,
-# operand layout), the first one being the default where nothing may be run (tracing, graph capture),
-# for 16 bits 128 x 128 x 64, the one tile a GPU has timed. 16-bit inputs use tensor cores (mma on
+# GEMM launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), per key
+# (``vit_kernels._tiles``: dtype, epilogue, size bucket, operand layout): the first one is the default
+# (checked once on the user's GPU), for 16 bits 128 x 128 x 64 where TMA cannot read the operands;
+# ``vk.tune`` searches them all. 16-bit inputs use tensor cores (mma on
 # sm_80, wgmma on sm_90). The 128 x 256, 256 x 128 and
 # 128 x 128 x 128 tiles are the Hopper ones (8 warps as two warpgroups, 3 stages: 144-192 KB of
 # shared memory on sm_90, within its 227 KB, and 96-128 KB on sm_80, whose pipeline keeps one stage
@@ -90,8 +91,8 @@ GEMM_TILES_FP32 = tuple(
 # The persistent TMA kernel's tiles (``_linear_tma_kernel``), offered beside the table above on
 # sm_90+ for 16-bit operands that TMA can read (one unit stride, the other 16-byte aligned, 16-byte
 # aligned data): the shapes of Triton's persistent Hopper matmul (128 x 256 and 128 x 128 with 8
-# warps as two warpgroups, 3-4 stages of 32-48 KB). Never the default: the user's GPU validates and
-# times them against the pointer kernel's tiles.
+# warps as two warpgroups, 3-4 stages of 32-48 KB). Where TMA reads the operands they come first
+# (``gemm_candidates``: they won every 16-bit GEMM an H200 timed).
 GEMM_TILES_TMA = tuple(
     GemmTile(*tile, TMA)
     for tile in (
@@ -608,8 +609,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
 
 # The bias gradient db = sum_rows dY beside dW = dY^T X: "separate" (the dW GEMM, then PyTorch's sum
 # of dY, one more read of dY) or "fused" (the dW GEMM reduces the rows of the dY^T it reads,
-# SUMS_OF_A_ROWS). Both are candidates the user's GPU validates and times per key. The static default
-# is "separate", by occupancy in the compile report: the row sums raise the default 16-bit tile
+# SUMS_OF_A_ROWS). The table's default is "separate" (a search times both per key), by occupancy in the compile report: the row sums raise the default 16-bit tile
 # (128 x 128 x 64, 8 warps) from 114 to 152 registers per thread on sm_90, 2 -> 1 CTA per SM, and
 # the compiler hoists the A-tile read out of the first tile column's branch, so every program pays
 # it; the extra read it saves is 2 bytes per element of dY, about 13 us of a ViT-B/16 batch-128

@@ -62,9 +62,9 @@ class BackwardTile(NamedTuple):
     __repr__ = plain_repr
 
 
-# Launch configurations are candidates that the user's GPU validates and times (vit_kernels/_tiles.py)
-# per key (dtype, padded width, which of residual / weight / bias, rows bucket); the first of each
-# list is the default (the interpreter's, and the one used while tracing before a choice is made).
+# Launch configurations per key (vit_kernels/_tiles.py: dtype, padded width, which of residual /
+# weight / bias, rows bucket); the first of each list is the default (checked once on the user's
+# GPU, and the interpreter's); ``vk.tune`` searches them all.
 # Forward tile: (rows per program, warps). Backward tile: (rows per tile, programs per SM, warps): the
 # grid is min(tiles, programs per SM x SMs), each program walking its share of tiles, so that a
 # large batch neither launches a program per few rows nor leaves SMs idle.

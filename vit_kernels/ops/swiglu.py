@@ -52,8 +52,8 @@ from vit_kernels.ops.gemm import (
 )
 
 # The dual GEMM's launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages):
-# candidates that the user's GPU validates and times per key (as the GEMM's, ``vit_kernels._tiles``),
-# the first one the default where nothing may be run (tracing, graph capture). Two fp32 accumulators
+# per key (as the GEMM's, ``vit_kernels._tiles``), the first one the default (checked once on the
+# user's GPU; ``vk.tune`` searches them all). Two fp32 accumulators
 # live in registers, so the tiles hold half the elements of the single GEMM's (128 x 128 would spill):
 # 128 x 64 and 64 x 128 with 8 warps for 16 bits (with 4 warps the compile gate found 255 registers
 # and 300-450 bytes of stack per thread on sm_80 and sm_90), 64 x 64 with 4 warps; shared memory per
