@@ -29,7 +29,9 @@ def main(folder: Path) -> None:
     model(images).sum().backward()  # a training step after tuning
     runs = {f"{r.op} {r.shapes} grad={r.grad}": r.backend for r in vk.explain() if r.calls}
     sources = sorted({r.source for r in vk.explain()})
-    (folder / f"rank{rank}.json").write_text(json.dumps({"runs": runs, "sources": sources, "searched": len(searched)}))
+    (folder / f"rank{rank}.json").write_text(
+        json.dumps({"runs": runs, "sources": sources, "searched": len(searched)})
+    )
     dist.destroy_process_group()
 
 
