@@ -12,8 +12,9 @@ On the CPU, Triton only runs interpreted, which measures the interpreter, not a 
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
 GPU runs, launches stubbed), this project's own Python per warm call of ``vk.<op>`` at ViT-B/16
-shapes in bfloat16: forward on the triton and auto backends, backward on triton; the GEMM ops again
-with the TMA kernel's tiles ("<op> (TMA)", what a Hopper GPU chooses). Each call's time is
+shapes in bfloat16: forward on the triton and auto backends, backward on triton (the GEMMs by the
+TMA kernel, sm_90's default); the GEMM ops again with the pointer kernel ("<op> (pointer)", what
+sm_80 and operands TMA cannot read run). Each call's time is
 taken less what it spends in PyTorch's calls and in the (stubbed) launch, and less what entering
 those calls costs the simulation (the calls of one warm call made again with nothing of ours around
 them: ``Recorder.entry_seconds``). An autograd Function's apply and the autograd engine are
@@ -224,22 +225,22 @@ def forward_then_backward(call: Callable[[], object]) -> tuple[Callable[[], list
     return forward, backward
 
 
-# The ops whose GEMMs a Hopper GPU runs by the persistent TMA kernel where its tiles win (they won
-# each 16-bit GEMM timed on an H200): measured again with those tiles, as "<op> (TMA)".
-TMA_OPS = ("linear_gelu", "linear", "mlp", "swiglu", "swiglu_mlp")
+# The ops whose GEMMs run by the persistent TMA kernel on sm_90 where descriptors read the operands
+# (the table's default there), else by the pointer kernel (sm_80, an unaligned operand): measured
+# again with the pointer kernel's default tile, as "<op> (pointer)".
+GEMM_OPS = ("linear_gelu", "linear", "mlp", "swiglu", "swiglu_mlp")
 
 
 @contextlib.contextmanager
-def tma_tiles() -> Iterator[None]:
-    """Inside the block, a GEMM that TMA can read chooses among the TMA kernel's tiles only (on the
-    simulated device every candidate times alike, so it would keep the pointer kernel's default).
-    Every tile choice of the process is forgotten on entry and on exit: for the simulated device,
-    whose tile cache lives in memory only, not for a real GPU's."""
+def pointer_tiles() -> Iterator[None]:
+    """Inside the block, every GEMM launches the pointer kernel's tiles, as where TMA cannot read its
+    operands. Every tile choice of the process is forgotten on entry and on exit: for the simulated
+    device, whose tile cache lives in memory only, not for a real GPU's."""
     from vit_kernels._tiles import TileChooser
     from vit_kernels.ops import gemm
 
     def candidates(dtype, m, n, tma=False):
-        return gemm.GEMM_TILES_TMA[:1] if tma else offered(dtype, m, n, tma)
+        return offered(dtype, m, n, False)
 
     offered = gemm.gemm_candidates
     TileChooser.forget_all()
@@ -259,17 +260,17 @@ def measure_simulated(
     call on the triton backend, the least over ``rounds`` loops of ``calls`` calls (ours is the
     small difference of two large times, so other processes' load shows in it: load only adds),
     each way beside the least any Python implementation reads (``least_ours``), and the counts of
-    one warm triton call each way (``warm_call_counts``); then a row "<op> (TMA)" per op of
-    ``TMA_OPS`` asked for, measured under ``tma_tiles``."""
+    one warm triton call each way (``warm_call_counts``); then a row "<op> (pointer)" per op of
+    ``GEMM_OPS`` asked for, measured under ``pointer_tiles``."""
     from tools.cuda_sim import simulated_cuda
 
     rows = []
     with simulated_cuda(90) as recorder:
         for op in ops:
             rows.append(_simulated_row(recorder, op, op, calls, rounds))
-        for op in (op for op in TMA_OPS if op in ops):
-            with tma_tiles():
-                rows.append(_simulated_row(recorder, op, f"{op} (TMA)", calls, rounds))
+        for op in (op for op in GEMM_OPS if op in ops):
+            with pointer_tiles():
+                rows.append(_simulated_row(recorder, op, f"{op} (pointer)", calls, rounds))
     return rows
 
 

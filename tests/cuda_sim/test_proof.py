@@ -1,6 +1,6 @@
-"""Proving tile candidates on the simulated device: a first call's every candidate is recorded,
-pickled and replayed (in this process, where a GPU user's would be a child) before any of them runs
-for its choice, and a candidate whose replay fails is never run for the choice."""
+"""Proving tile candidates on the simulated device: a search's every candidate is recorded, pickled
+and replayed (in this process, where a GPU user's would be a child) before any of them runs for its
+choice, and a candidate whose replay fails is never run for the choice."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pickle
 import torch
 
 from tools.cuda_sim import replay_in_this_process
-from vit_kernels import _proof
+from vit_kernels import _proof, _tiles
 from vit_kernels.ops import attention
 
 
-def test_every_candidate_of_a_first_call_is_proven_before_it_runs(sim, monkeypatch):
+def test_every_candidate_of_a_search_is_proven_before_it_runs(sim, monkeypatch):
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     qkv = torch.randn(4, 197, 3 * 2 * 64, dtype=torch.bfloat16, device="cuda")
     seed = torch.empty(1, dtype=torch.int64, device="cuda")
     attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
@@ -27,6 +28,7 @@ def test_every_candidate_of_a_first_call_is_proven_before_it_runs(sim, monkeypat
 
 
 def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
+    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     qkv = torch.randn(4, 197, 3 * 2 * 32, dtype=torch.float16, device="cuda")
     seed = torch.empty(1, dtype=torch.int64, device="cuda")
     candidates = attention.fwd_candidates(torch.float16, 32, 197)
