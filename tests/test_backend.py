@@ -159,3 +159,21 @@ def test_environment_variable_sets_initial_backend():
     assert done.stdout.strip() == "torch"
     bad = _run_with_env("import vit_kernels", VIT_KERNELS_BACKEND="fastest")
     assert bad.returncode != 0 and "VIT_KERNELS_BACKEND must be one of" in bad.stderr
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_under_torch_compile_the_table_keeps_only_what_beat_inductor(arch):
+    """Inside a compiled graph the table runs our kernels only where they were measured ahead of
+    torch.compile (sm_90: attention with gradients; CUDA 16-bit: the patch embedding); every other
+    op stays PyTorch's for Inductor to fuse, the CPU's eager defaults included."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with simulated_cuda(arch):
+        for op in backend.OPS:
+            for name, impl in backend._registry[op].items():
+                for grad in (False, True):
+                    assert not impl.compiled(cpu, torch.float32, grad), (op, name)
+                    for dtype in (torch.float16, torch.bfloat16):
+                        expected = (op, name) == ("patch_embed", "triton") or (
+                            (op, name) == ("attention", "triton") and grad and arch == 90
+                        )
+                        assert impl.compiled(cuda, dtype, grad) is expected, (op, name, dtype, grad)

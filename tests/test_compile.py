@@ -135,3 +135,18 @@ def test_vmap_over_the_kernels_runs_them_per_sample(name):
         batched = torch.vmap(lambda row: vk.layer_norm(row, w, b))(x)
         looped = torch.stack([vk.layer_norm(row, w, b) for row in x])
     torch.testing.assert_close(batched, looped)
+
+
+@needs_extension
+def test_auto_under_compile_leaves_what_inductor_fuses_to_it():
+    """On CPU float32 the table's eager default for the patch embedding is the extension; inside a
+    compiled graph (not measured ahead of torch.compile) it is the reference's ops, for Inductor."""
+    images, weight, bias = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 8, 8), torch.randn(8)
+    eager = vk.patch_embed(images, weight, bias, patch_size=8)
+    assert ("patch_embed", "extension", "table") in {(r.op, r.backend, r.source) for r in vk.explain()}
+    capture = GraphCapture()
+    compiled = torch.compile(lambda *a: vk.patch_embed(*a, patch_size=8), backend=capture, fullgraph=True)
+    torch.testing.assert_close(compiled(images, weight, bias), eager, atol=1e-5, rtol=1e-5)
+    assert not any(op.startswith("vit_kernels.") for op in capture.ops()), capture.ops()
+    traced = [r for r in vk.explain() if r.source == "table (traced)" and r.op == "patch_embed"]
+    assert traced and traced[0].backend == "torch" and "under torch.compile" in traced[0].reason

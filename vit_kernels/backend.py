@@ -84,6 +84,9 @@ class Impl:
     supports: SupportCheck = lambda device, dtype: None
     limits: LimitCheck = lambda *args: None
     preferred: Preference = lambda device, dtype, grad: False
+    # the table's default inside a torch.compile graph, where Inductor fuses the reference's ops with
+    # their neighbours: only where the implementation was measured ahead of torch.compile
+    compiled: Preference = lambda device, dtype, grad: False
     op: str = ""
     backend: str = ""
 
@@ -121,7 +124,15 @@ def implementations(
     for name, impl in table.items():
         if not isinstance(impl, Impl):
             raise TypeError(f"implementations({op!r}, {name}=...) must be an Impl, got {type(impl).__name__}")
-        register(op, name, impl.fn, supports=impl.supports, preferred=impl.preferred, limits=impl.limits)
+        register(
+            op,
+            name,
+            impl.fn,
+            supports=impl.supports,
+            preferred=impl.preferred,
+            compiled=impl.compiled,
+            limits=impl.limits,
+        )
     if validation_args is not None:
         _validation_args[op] = validation_args
 
@@ -451,6 +462,7 @@ class _Call:
     grad: bool
     limit_reasons: dict[str, str]
     args: Optional[Sequence[Any]] = None
+    traced: bool = False  # inside a torch.compile graph
 
     def signature(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
@@ -510,14 +522,22 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
     measurable = call.args is not None and not _signature.untimeable(call.args)
     if not (_tiles.searching() and measurable) or getattr(_measuring, "active", False):
         chosen = next(
-            (b for b in capable if b != "torch" and impls[b].preferred(call.device, call.dtype, call.grad)),
+            (
+                b
+                for b in capable
+                if b != "torch"
+                and (impls[b].compiled if call.traced else impls[b].preferred)(
+                    call.device, call.dtype, call.grad
+                )
+            ),
             "torch",
         )
-        why = (
-            "the op's table (vk.tune, or VIT_KERNELS_TUNE=1, searches)"
-            if not _tiles.searching()
-            else "nothing is timed while tracing (torch.compile, export, fake or meta tensors): the op's table"
-        )
+        if call.traced:
+            why = "the op's table under torch.compile (elsewhere Inductor fuses the reference's ops)"
+        elif not _tiles.searching():
+            why = "the op's table (vk.tune, or VIT_KERNELS_TUNE=1, searches)"
+        else:
+            why = "nothing is timed for fake, meta or captured tensors: the op's table"
         candidates = {b: "not measured" for b in capable}
         return impls[chosen], call.record(requested, chosen, "table", why, {**candidates, **excluded})
     entry = _measure_call(call, capable)
@@ -647,7 +667,7 @@ def _traced_backend(
     measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
     make Dynamo guard the compiled graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    call = _Call(op, device, dtype, arg_key, grad, dict(limits))
+    call = _Call(op, device, dtype, arg_key, grad, dict(limits), traced=True)
     with _lock:
         impl, record = _decide(call, _choice(choice_name, choice_strict))
         record.source += " (traced)"

@@ -926,9 +926,9 @@ def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[st
 
 
 def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    """The table's default on sm_90 in 16 bits with gradients: Triton, whose forward + backward from
-    the packed qkv took 0.484 ms on an H100 against SDPA's 0.843 and torch.compile's 0.729 (ViT-B/16,
-    B=128, bf16; benchmarks/results/h100-2026-11-26.md). Without gradients SDPA's forward (cuDNN,
+    """The table's default on sm_90 in 16 bits with gradients, eager and under torch.compile: Triton,
+    whose forward + backward from the packed qkv took 0.484 ms on an H100 against SDPA's 0.843 and
+    torch.compile's 0.729 (ViT-B/16, B=128, bf16; benchmarks/results/h100-2026-11-26.md). Without gradients SDPA's forward (cuDNN,
     0.086 ms against 0.120) stays; other architectures were never measured: the reference."""
     return grad and dtype in (torch.float16, torch.bfloat16) and capability(device) == 90
 
@@ -942,6 +942,7 @@ backend.implementations(
         supports=backend.triton_supports_dot,
         limits=_triton_limits,
         preferred=_triton_default,
+        compiled=_triton_default,
     ),
     extension=backend.Impl(attention_extension, supports=_extension_supports, limits=_extension_limits),
 )

@@ -453,10 +453,10 @@ def _extension_limits(x, weight=None, bias=None, eps=1e-6, residual=None) -> Opt
 
 
 def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    """Static default (no measurement, or tracing) on CUDA in 16 bits without gradients (inference):
-    the extension's forward. On an H100 (ViT-B/16, B=128, bf16, with the residual add;
-    benchmarks/results/h100-2026-11-22.md) it took 0.059 ms against PyTorch's 0.101 (Triton 0.187); forward
-    + backward it was not faster (0.286 against 0.274), so training keeps PyTorch's until measured."""
+    """The table's default on CUDA in 16 bits without gradients (eager inference): the extension's
+    forward, 1.7x PyTorch's with the residual add; forward + backward it is not faster (ViT-B/16,
+    B=128, bf16, H100; benchmarks/results/h100-2026-11-22.md). Under torch.compile Inductor fuses
+    PyTorch's LayerNorm with its neighbours."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not grad
 
 

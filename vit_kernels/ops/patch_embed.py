@@ -367,16 +367,15 @@ if _ext.LOADED:
 
 
 def _extension_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    """Static default (no measurement, or tracing) on CPU float32: the extension, whose backward
-    the benchmarks measured 3.5-3.7x faster than conv2d's and its forward within 10%
-    (benchmarks/results/cpu-*.md)."""
+    """The table's default on CPU float32 (eager): the extension, whose backward is 3.5-3.7x
+    conv2d's and its forward within 10% (benchmarks/results/cpu-epyc-2threads-2026-11-22-quick.md)."""
     return device.type == "cpu" and dtype == torch.float32
 
 
 def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    """Static default on CUDA in 16 bits: Triton. On an H100 (ViT-B/16, B=128, bf16;
-    benchmarks/results/h100-2026-11-22.md) it took 0.124 ms forward against conv2d's 1.303 and 0.759 ms
-    forward + backward against 3.213 (the extension 0.372 / 0.760)."""
+    """The table's default on CUDA in 16 bits, eager and under torch.compile: Triton, 4-10x conv2d's
+    and torch.compile's forward and forward + backward (ViT-B/16, B=128, bf16, H100;
+    benchmarks/results/h100-2026-11-26.md)."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
@@ -384,6 +383,11 @@ def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> boo
 backend.implementations(
     "patch_embed",
     torch=backend.Impl(patch_embed_ref),
-    triton=backend.Impl(patch_embed_triton, supports=backend.triton_supports_dot, preferred=_triton_default),
+    triton=backend.Impl(
+        patch_embed_triton,
+        supports=backend.triton_supports_dot,
+        preferred=_triton_default,
+        compiled=_triton_default,
+    ),
     extension=backend.Impl(patch_embed_extension, supports=_ext.supports, preferred=_extension_default),
 )
