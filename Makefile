@@ -116,18 +116,24 @@ test-gpu: $(STAMP)
 	fi
 
 # A GPU lent for minutes: `make install` first, then one command, everything in GPU_SESSION_OUT. The
-# gpu tests (tile tables first, xdist workers) for GPU_SESSION_TEST_S seconds, stopped by SIGINT so
+# headline first: the end-to-end table (python -m benchmarks e2e: eager, vk, compile, vk+compile),
+# in GPU_SESSION_E2E_S seconds, its files rewritten after every row. Then the
+# gpu tests (the direct launch's, the tiles that run by default, then every table's, on xdist
+# workers) for GPU_SESSION_TEST_S seconds, stopped by SIGINT so
 # that pytest still prints its summary, each test's outcome and every failure in full as they
 # happen (outcomes.txt, failures.txt); then the GPU report's sections but its own test run, in
 # GPU_SESSION_REPORT_S seconds (an item once started runs to its end: stopped a minute past the budget,
-# the sections done so far kept), its progress (each item as it starts) in gpu-report.log. About 8
+# the sections done so far kept), its progress (each item as it starts) in gpu-report.log. About 14
 # minutes with the defaults.
 GPU_SESSION_OUT ?= build/gpu-session
+GPU_SESSION_E2E_S ?= 300
 GPU_SESSION_TEST_S ?= 240
 GPU_SESSION_REPORT_S ?= 200
 gpu-session: $(STAMP)
 	mkdir -p $(GPU_SESSION_OUT)
 	rm -f $(GPU_SESSION_OUT)/outcomes.txt $(GPU_SESSION_OUT)/failures.txt
+	-env -u TRITON_INTERPRET timeout -s INT -k 20 $$(( $(GPU_SESSION_E2E_S) + 120 )) \
+		$(PY) -m benchmarks e2e --out $(GPU_SESSION_OUT) --budget $(GPU_SESSION_E2E_S) 2> $(GPU_SESSION_OUT)/e2e.log
 	-VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 30 $(GPU_SESSION_TEST_S) \
 		$(MAKE) --no-print-directory test-gpu > $(GPU_SESSION_OUT)/test-gpu.log 2>&1
 	tail -n 3 $(GPU_SESSION_OUT)/test-gpu.log
@@ -158,6 +164,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m benchmarks --quick --out $(BENCH_OUT)/quick.json --markdown $(BENCH_OUT)/quick.md \
 		--plots $(BENCH_OUT)/plots > /dev/null
+	$(PY) -m benchmarks e2e --quick --out $(BENCH_OUT)/e2e --budget 300 > /dev/null
 
 # The regression gate: the working tree against BENCH_BASELINE, both timed in alternating rounds.
 # Exit 1 (a regression) fails; 3 (inconclusive: noise too high within the budget) is reported only.

@@ -2,6 +2,7 @@
 
     python -m benchmarks --out results.json            # full suite on the GPU (or CPU if none)
     python -m benchmarks --quick --out quick.json      # a few minutes on a CPU: the whole code path
+    python -m benchmarks e2e [--quick]                 # the end-to-end table: eager, vk, compile, vk+compile
     python -m benchmarks ab --baseline origin/main     # the gate: baseline vs working tree, A/B rounds
     python -m benchmarks --compare BASELINE.json --results CURRENT.json --threshold 0.05
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ab, cases, cli, compare, e2e, environment, noise, ops_bench, peaks, report
+from benchmarks import ab, cases, cli, compare, e2e, environment, headline, noise, ops_bench, peaks, report
 from vit_kernels import backend
 
 # (model, batch) pairs for the end-to-end runs, and for the per-op shapes with EVA02-B/14 (RoPE,
@@ -231,6 +232,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["e2e"]:
+        return headline.main(argv[1:])
     if argv[:1] == ["ab"]:
         parser = cli.Parser(prog="python -m benchmarks ab", description=ab.__doc__)
         ab.add_arguments(parser)
@@ -243,4 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run("python -m benchmarks" + (" ab" if sys.argv[1:2] == ["ab"] else ""), main))
+    sys.exit(
+        cli.run(
+            "python -m benchmarks" + ("".join(f" {a}" for a in sys.argv[1:2] if a in ("ab", "e2e"))), main
+        )
+    )

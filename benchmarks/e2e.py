@@ -114,8 +114,9 @@ def _step(
     dtype: torch.dtype,
     mode: str,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
+    compile_mode: Optional[str] = None,
 ) -> Callable[[int], object]:
-    fn = torch.compile(module) if compiled else module
+    fn = torch.compile(module, mode=compile_mode) if compiled else module
     if mode == "inference":
         module.eval()
 

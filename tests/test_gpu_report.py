@@ -177,7 +177,7 @@ def test_a_gpu_test_run_stopped_by_its_budget_reports_what_ran():
         )
     )
     assert "by then 16 passed, 1 failed, 1 errors, 1 skipped" in text
-    assert gpu_tests.FIRST[:2] == ("test_direct_launch.py", "test_tiles.py")
+    assert gpu_tests.FIRST[:3] == ("test_direct_launch.py", "test_table_defaults.py", "test_tiles.py")
 
 
 def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():

@@ -43,10 +43,11 @@ def _environment() -> dict[str, str]:
 
 
 # Run first (here and by `make test-gpu`), so that a run stopped by its time budget
-# has covered them: the direct launch's, every tile of every table, then the ops whose kernels the
-# GPU runs found wrong.
+# has covered them: the direct launch's, the tiles that run by default, every tile of every table,
+# then the ops whose kernels the GPU runs found wrong.
 FIRST = (
     "test_direct_launch.py",  # eight tests: whether the direct launch may be turned on by default
+    "test_table_defaults.py",  # the bfloat16 attention backward at ViT-B/16's shape first
     "test_tiles.py",
     "test_attention.py",
     "test_extension.py",

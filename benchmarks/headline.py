@@ -1,0 +1,287 @@
+"""python -m benchmarks e2e: the one end-to-end table users ask for, vit-kernels against what they run.
+
+Per model, mode and batch, side by side in one run, bf16 autocast (float32 on a CPU), AdamW (fused on
+CUDA) for training:
+
+* ``eager``: PyTorch eager (our ViT on the ``torch`` backend; timm's model unpatched);
+* ``vk``: vit-kernels eager (our ViT on ``auto``; timm's model ``vk.patch_model``'d);
+* ``compile``: ``torch.compile`` of the eager model;
+* ``vk+compile``: ``torch.compile`` of the vk model (our kernels where the table puts them under
+  compile, Inductor around them);
+* ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only).
+
+Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
+training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
+8. Beside each figure: the first step's seconds, and for the training rows of the first model the
+profiler's share of the step's device time per op (the top ones), with and without vk.
+
+Rows run headline first (ViT-B/16 training), so a budget spent early leaves the later ones out;
+the JSON and markdown are rewritten after every row (atomically), so a run cut short keeps what
+ran. Output: ``<out>/e2e-<device>-<date>.json`` and ``.md``.
+
+    python -m benchmarks e2e [--quick] [--device cuda|cpu] [--out DIR] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import re
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import vit_kernels as vk
+from benchmarks import cli, e2e, environment
+from benchmarks.timing import time_call
+from vit.model import ViT, get_config
+from vit_kernels._tune_cache import write_atomically
+
+VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
+# (model, source): our presets, then timm's model of the same name, patched for vk
+FULL_MODELS = (
+    ("vit_base_patch16_224", "vit"),
+    ("vit_small_patch16_224", "vit"),
+    ("vit_base_patch16_224", "timm"),
+)
+QUICK_MODELS = (("vit_digits", "vit"),)
+# (mode, batch): training throughput, inference throughput, then inference latency
+FULL_RUNS = (("train", 128), ("infer", 256), ("infer", 1), ("infer", 8))
+QUICK_RUNS = (("train", 8), ("infer", 16), ("infer", 1))
+PROFILE_TOP = 8  # ops listed per profiled step
+# The targets: (mode, batch, variant, over, at least)
+TARGETS = (
+    ("train", 128, "vk+compile", "compile", 1.10),
+    ("train", 128, "vk", "eager", 1.05),
+    ("infer", 256, "vk+compile", "compile", 1.05),
+)
+
+
+def _model(name: str, source: str, device: torch.device) -> torch.nn.Module:
+    if source == "timm":
+        import timm
+
+        return timm.create_model(name, pretrained=False).to(device)  # random weights: no download
+    return ViT(get_config(name)).to(device)
+
+
+def variant_setup(
+    variant: str, model: torch.nn.Module, source: str, device: torch.device
+) -> tuple[torch.nn.Module, str, bool, Optional[str]] | str:
+    """(module, backend, compiled?, compile mode) of ``variant``, or why it cannot run here."""
+    if variant.endswith("cudagraphs") and device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    ours = variant.startswith("vk")
+    module = model
+    if ours and source == "timm":
+        module = copy.deepcopy(model)
+        vk.patch_model(module)
+    backend = "auto" if ours else "torch"
+    mode = "reduce-overhead" if variant.endswith("cudagraphs") else None
+    return module, backend, "compile" in variant, mode
+
+
+def _profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
+    """Each op's share of one step's device time (self time; the CPU's on a CPU), the top ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        step(0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    times = {e.key: getattr(e, attribute, 0.0) for e in profiler.key_averages()}
+    total = sum(times.values()) or 1.0
+    top = sorted(times.items(), key=lambda item: -item[1])[:PROFILE_TOP]
+    return {name: round(t / total, 4) for name, t in top if t > 0}
+
+
+def measure(
+    model_name: str,
+    source: str,
+    mode: str,
+    batch: int,
+    variant: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    model: torch.nn.Module,
+    profile: bool,
+) -> dict[str, object]:
+    """One row: images/s, median ms, the first step's seconds (and the profile), or why not."""
+    row: dict[str, object] = {
+        "model": model_name if source == "vit" else f"{model_name} (timm)",
+        "mode": mode,
+        "batch": batch,
+        "variant": variant,
+    }
+    setup = variant_setup(variant, model, source, device)
+    if isinstance(setup, str):
+        return {**row, "skipped": setup}
+    module, backend, compiled, compile_mode = setup
+    config = get_config(model_name)
+    inputs = [
+        (
+            torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
+            torch.randint(0, config.num_classes, (batch,), device=device),
+        )
+        for _ in range(2)
+    ]
+    try:
+        step = e2e._step(
+            module,
+            backend,
+            compiled,
+            device,
+            dtype,
+            "inference" if mode == "infer" else mode,
+            inputs,
+            compile_mode,
+        )
+        first_step_s = e2e._first_call_s(step, device)
+        timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
+        if profile:
+            row["profile"] = _profile(step, device)
+    except Exception as error:  # reported, not fatal: e.g. a compile failure
+        return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
+    return {
+        **row,
+        "images_per_second": batch / (timing.median_ms * 1e-3),
+        "median_ms": timing.median_ms,
+        "first_step_s": first_step_s,
+    }
+
+
+def device_slug(device: torch.device) -> str:
+    """``h100``, ``h200``, ``a100`` from the GPU's name, else its name in lower case; ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    found = re.search(r"\b([a-z]\d{2,3})\b", name)
+    return found.group(1) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def ratio(rows: list[dict], mode: str, batch: int, variant: str, over: str, model: str) -> Optional[float]:
+    """images/s of ``variant`` over ``over`` for one model, mode and batch; None where either is absent."""
+    found = {
+        r["variant"]: r.get("images_per_second")
+        for r in rows
+        if (r["model"], r["mode"], r["batch"]) == (model, mode, batch)
+    }
+    a, b = found.get(variant), found.get(over)
+    return a / b if a and b else None
+
+
+def markdown(report: dict) -> str:
+    rows, head = report["rows"], report["rows"][0]["model"] if report["rows"] else ""
+    lines = [
+        f"# End to end on {report['device']}, {report['date']}, {report['commit']}",
+        "",
+        f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; {report['dtype']}; "
+        "images/s (the first step's seconds in parentheses). Each row's variants ran side by side in one run.",
+        "",
+        "| model | mode | batch | " + " | ".join(VARIANTS) + " |",
+        "|---|---|---:|" + "---:|" * len(VARIANTS),
+    ]
+    keys = list(dict.fromkeys((r["model"], r["mode"], r["batch"]) for r in rows))
+    for key in keys:
+        cells = []
+        for variant in VARIANTS:
+            row = next(
+                (r for r in rows if (r["model"], r["mode"], r["batch"], r["variant"]) == (*key, variant)),
+                None,
+            )
+            if row is None:
+                cells.append("not measured")
+            elif "images_per_second" in row:
+                cells.append(f"{row['images_per_second']:,.0f} ({row['first_step_s']:.1f} s)")
+            else:
+                cells.append(row.get("skipped") or f"failed: {row.get('invalid')}")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    lines += ["", "| target | measured | met |", "|---|---:|---|"]
+    for mode, batch, variant, over, least in TARGETS:
+        found = ratio(rows, mode, batch, variant, over, head)
+        measured, met = (
+            ("not measured", "not measured")
+            if found is None
+            else (f"{found:.3f}x", "yes" if found >= least else "no")
+        )
+        lines.append(f"| {head} {mode} B={batch}: {variant} >= {least:.2f}x {over} | {measured} | {met} |")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        lines += ["", "Share of one step's device time per op (top ones):", ""]
+        for r in profiled:
+            shares = ", ".join(f"{name} {share:.0%}" for name, share in r["profile"].items())
+            lines.append(f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']}: {shares}")
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    device: torch.device, quick: bool, out: Path, budget_s: float, say: Callable[[str], None] = print
+) -> dict:
+    """Measure every row in order until ``budget_s`` is spent, writing the files after each row."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    date = datetime.date.today().isoformat()
+    stem = out / f"e2e-{device_slug(device)}-{date}"
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": date,
+        "commit": environment.git_sha(),
+        "versions": environment.versions(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": [],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    models = QUICK_MODELS if quick else FULL_MODELS
+    for index, (name, source) in enumerate(models):
+        try:
+            model = _model(name, source, device)
+        except ImportError as error:
+            report["rows"] += [
+                {"model": f"{name} (timm)", "mode": mode, "batch": batch, "variant": v, "skipped": str(error)}
+                for mode, batch in (QUICK_RUNS if quick else FULL_RUNS)
+                for v in VARIANTS
+            ]
+            continue
+        for mode, batch in QUICK_RUNS if quick else FULL_RUNS:
+            for variant in VARIANTS:
+                if time.perf_counter() - started > budget_s:
+                    say(f"e2e: budget of {budget_s:.0f} s spent; {stem}.json holds what ran")
+                    return report
+                row = measure(
+                    name, source, mode, batch, variant, device, dtype, model, index == 0 and mode == "train"
+                )
+                report["rows"].append(row)
+                shown = row.get("images_per_second")
+                say(
+                    f"e2e: {row['model']} {mode} B={batch} {variant}: "
+                    + (f"{shown:,.0f} images/s" if shown else str(row.get("skipped") or row.get("invalid")))
+                )
+                write_atomically(f"{stem}.json", json.dumps(report, indent=1))
+                write_atomically(f"{stem}.md", markdown(report))
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = cli.Parser(prog="python -m benchmarks e2e", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the smallest preset at small batches (a CPU)")
+    parser.add_argument(
+        "--device", type=cli.device_name, default=None, help="cuda or cpu (default: cuda when available)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="folder of the JSON and markdown"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=300.0, help="seconds; rows not started by then are left out"
+    )
+    args = parser.parse_args(argv)
+    device = cli.check_device("--device", args.device)
+    cli.check_output("--out", args.out, folder=True)
+    if args.budget <= 0:
+        parser.error(f"--budget must be positive, got {args.budget}")
+    run(device, args.quick, args.out, args.budget)
+    return 0

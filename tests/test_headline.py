@@ -1,0 +1,116 @@
+"""python -m benchmarks e2e: the end-to-end table's rows (model, mode, batch, variant, images/s, the
+first step's seconds, the profile's shares), its variants, its markdown with the targets, and the
+files it keeps after every row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import headline
+from vit.model import ViT, get_config
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("variant,backend", [("eager", "torch"), ("vk", "auto")])
+def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, backend, monkeypatch):
+    used = []
+    monkeypatch.setattr(headline.e2e, "_step", _spy(headline.e2e._step, used))
+    model = ViT(get_config("vit_digits"))
+    row = headline.measure("vit_digits", "vit", "infer", 2, variant, CPU, torch.float32, model, True)
+    assert {"model", "mode", "batch", "variant", "images_per_second", "first_step_s", "median_ms"} <= set(row)
+    assert (row["model"], row["mode"], row["batch"], row["variant"]) == ("vit_digits", "infer", 2, variant)
+    assert row["images_per_second"] > 0 and row["first_step_s"] > 0
+    assert row["profile"] and all(0 < share <= 1 for share in row["profile"].values())
+    assert used == [(backend, False, None)]
+
+
+def _spy(step, used):
+    def spied(module, backend, compiled, device, dtype, mode, batches, compile_mode=None):
+        used.append((backend, compiled, compile_mode))
+        return step(module, backend, compiled, device, dtype, mode, batches, compile_mode)
+
+    return spied
+
+
+def test_variants_are_the_five_and_cuda_graphs_need_cuda():
+    model = ViT(get_config("vit_digits"))
+    setups = {v: headline.variant_setup(v, model, "vit", CPU) for v in headline.VARIANTS}
+    assert setups["vk+compile-cudagraphs"] == "CUDA graphs need a CUDA device"
+    assert [(s[1], s[2], s[3]) for v, s in setups.items() if not isinstance(s, str)] == [
+        ("torch", False, None),
+        ("auto", False, None),
+        ("torch", True, None),
+        ("auto", True, None),
+    ]
+
+
+def test_the_markdown_states_each_target_or_says_not_measured():
+    rows = [
+        {
+            "model": "vit_base_patch16_224",
+            "mode": "train",
+            "batch": 128,
+            "variant": v,
+            "images_per_second": ips,
+            "first_step_s": 1.0,
+        }
+        for v, ips in (("eager", 2457.0), ("vk", 2531.0), ("compile", 3180.0), ("vk+compile", 3600.0))
+    ]
+    report = {
+        "device": "x",
+        "date": "d",
+        "commit": "c",
+        "versions": {"torch": "t", "triton": "r"},
+        "dtype": "bfloat16",
+        "rows": rows,
+    }
+    text = headline.markdown(report)
+    assert (
+        "| vit_base_patch16_224 | train | 128 | 2,457 (1.0 s) | 2,531 (1.0 s) | 3,180 (1.0 s) | 3,600 (1.0 s) | not measured |"
+        in text
+    )
+    assert "vk+compile >= 1.10x compile | 1.132x | yes |" in text
+    assert "vk >= 1.05x eager | 1.030x | no |" in text
+    assert "infer B=256: vk+compile >= 1.05x compile | not measured | not measured |" in text
+
+
+def test_a_run_keeps_its_files_after_every_row(tmp_path, monkeypatch):
+    """Rows are written as they finish: a run cut short (here by its budget) keeps the rows that ran."""
+    monkeypatch.setattr(headline, "QUICK_RUNS", (("infer", 2),))
+    monkeypatch.setattr(headline, "VARIANTS", ("eager", "vk", "compile"))
+    seen = []
+
+    def measured(*args, **kwargs):
+        seen.append(args[4])
+        if len(seen) == 2:
+            monkeypatch.setattr(headline.time, "perf_counter", lambda: float("inf"))  # the budget is spent
+        return {
+            "model": "vit_digits",
+            "mode": "infer",
+            "batch": 2,
+            "variant": args[4],
+            "images_per_second": 1.0,
+            "first_step_s": 0.5,
+            "median_ms": 2.0,
+        }
+
+    monkeypatch.setattr(headline, "measure", measured)
+    report = headline.run(CPU, True, tmp_path, 60.0, say=lambda text: None)
+    (stem,) = {p.stem for p in tmp_path.iterdir()}
+    assert stem.startswith("e2e-cpu-")
+    written = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert [r["variant"] for r in written["rows"]] == seen == ["eager", "vk"] and written == report
+    assert {"device", "date", "commit", "versions", "dtype", "rows"} <= set(written)
+    assert "| vit_digits | infer | 2 |" in (tmp_path / f"{stem}.md").read_text()
+
+
+def test_bad_arguments_name_the_option(tmp_path):
+    with pytest.raises(SystemExit):
+        headline.main(["--budget", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--out"):
+        (tmp_path / "file").write_text("")
+        headline.main(["--out", str(tmp_path / "file")])

@@ -1,0 +1,127 @@
+"""The tiles that run by default, as a user's first call runs them on this GPU (``gpu`` cases, CUDA
+only), at ViT-B/16's own shapes: no pin, no search. Each op's table entry for the device's
+architecture is checked once in process and must pass that check (no warning that it fell back),
+and the output and every gradient must stay within twice PyTorch's own error in the same dtype
+against float64 (``tests.helpers.check_against_formula``). First of all the bfloat16 attention
+backward at L = 197, head dim 64 (`make gpu-session` runs this file right after the direct
+launch's)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import vit_kernels as vk
+from tests.helpers import CUDA, check_against_formula, cuda_param, device_reason
+from tests.test_attention import formula_out, out_only
+from tests.test_layer_norm import layer_norm_formula, run_layer_norm
+from tests.test_linear import mlp_formula
+from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
+from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
+from vit_kernels import _tiles
+from vit_kernels._triton import HAS_TRITON, capability
+from vit_kernels.ops import attention
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+SKIP = device_reason("triton", CUDA)
+SIXTEEN_BITS = [
+    cuda_param(torch.bfloat16, id="bf16", skip_reason=SKIP),
+    cuda_param(torch.float16, id="fp16", skip_reason=SKIP),
+]
+BATCH, LENGTH, DIM, HEADS = 4, 197, 768, 12  # ViT-B/16
+
+
+@pytest.fixture(autouse=True)
+def defaults_must_pass_their_check():
+    """A table entry that fails its check warns and falls back: here that is a failure."""
+    _tiles.TileChooser.forget_all()
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message="vit_kernels: the .* tile .* is wrong", category=RuntimeWarning
+        )
+        yield
+    _tiles.TileChooser.forget_all()
+
+
+def _hows() -> set:
+    return {t["how"] for t in vk.explain().tiles}
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_the_default_attention_at_vit_b16(dtype):
+    qkv = torch.randn(BATCH, LENGTH, 3 * DIM)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(
+            out_only,
+            formula_out,
+            [qkv],
+            dtype,
+            ["qkv"],
+            CUDA,
+            grad_parts={"qkv": ("q", "k", "v")},
+            num_heads=HEADS,
+        )
+    default = attention.bwd_candidates(dtype, DIM // HEADS, LENGTH, arch=capability(CUDA))[0]
+    assert default in {choice.tile for choice in attention.BWD_CHOOSER.report().values()}
+    assert _hows() == {"checked"}
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_the_default_patch_embedding_at_vit_b16(dtype):
+    inputs = make_inputs(BATCH, 3, 224, 224, 16, DIM)
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(
+            run_patch_embed, patch_embed_formula, inputs, dtype, PATCH_EMBED_NAMES, CUDA, patch_size=16
+        )
+    assert _hows() == {"checked"}
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_the_default_gemms_of_a_vit_b16_mlp(dtype):
+    """fc1 + GELU saving the pre-activation, fc2 + residual, GELU' and the split-K weight gradients:
+    by the TMA kernel on sm_90, else the pointer kernel's default."""
+    hidden = 4 * DIM
+    inputs = [
+        torch.randn(BATCH, LENGTH, DIM),
+        torch.randn(hidden, DIM) / math.sqrt(DIM),
+        torch.randn(hidden),
+        torch.randn(DIM, hidden) / math.sqrt(hidden),
+        torch.randn(DIM),
+        torch.randn(BATCH, LENGTH, DIM),
+    ]
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(
+            lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, residual=r),
+            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
+            inputs,
+            dtype,
+            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
+            CUDA,
+        )
+    assert _hows() == {"checked"}
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_the_default_layer_norm_at_vit_b16(dtype):
+    inputs = [
+        torch.randn(BATCH * LENGTH, DIM) * 3 + 1,
+        torch.randn(DIM),
+        torch.randn(DIM),
+        torch.randn(BATCH * LENGTH, DIM),
+    ]
+    with vk.use_backend("triton", strict=True):
+        check_against_formula(
+            run_layer_norm,
+            layer_norm_formula,
+            inputs,
+            dtype,
+            ["x", "weight", "bias", "residual"],
+            CUDA,
+            eps=1e-6,
+        )
+    assert _hows() == {"checked"}
