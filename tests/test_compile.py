@@ -150,3 +150,59 @@ def test_auto_under_compile_leaves_what_inductor_fuses_to_it():
     assert not any(op.startswith("vit_kernels.") for op in capture.ops()), capture.ops()
     traced = [r for r in vk.explain() if r.source == "table (traced)" and r.op == "patch_embed"]
     assert traced and traced[0].backend == "torch" and "under torch.compile" in traced[0].reason
+
+
+@needs_extension
+def test_a_vit_compiled_by_inductor_holds_our_ops_among_inductors_kernels():
+    """``torch.compile(fullgraph=True)`` of a ViT on the extension backend (on the CPU the registered
+    ops stand for the kernels): no graph break forward or backward, our ops called from Inductor's
+    code beside its own fused kernels, and outputs and every gradient equal to eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = vit.create_model("vit_digits")
+    images = torch.randn(4, 1, 8, 8)
+    with vk.use_backend("extension"):
+        eager = model(images)
+        eager.square().sum().backward()
+        expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        compiled = torch.compile(model, fullgraph=True)
+
+        def step():
+            out = compiled(images)
+            out.square().sum().backward()
+            return out
+
+        out, code = run_and_get_code(step)
+    text = "\n".join(code)
+    assert "torch.ops.vit_kernels." in text, "no vit_kernels op called from Inductor's code"
+    assert "cpp_fused" in text, "no kernel of Inductor's own around our ops"
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs", "reduce-overhead"])
+def test_auto_compiles_fullgraph_in_every_mode_on_cuda(mode):
+    """A ViT on ``auto`` (the table's kernels under compile: attention and the patch embedding on
+    sm_90) compiles with ``fullgraph=True`` in each mode, CUDA graphs included, forward and
+    backward, and agrees with eager."""
+    torch.manual_seed(0)
+    model = vit.create_model("vit_tiny_patch16_224", num_classes=10).cuda()
+    images = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(images)
+    eager.float().square().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    for _ in range(2):  # CUDA graphs record on a later call
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = compiled(images)
+        out.float().square().sum().backward()
+    torch.testing.assert_close(out.float(), eager.float(), atol=5e-2, rtol=5e-2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.float(), expected[name].float(), atol=5e-2, rtol=5e-2, msg=name)
