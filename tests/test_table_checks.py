@@ -175,3 +175,27 @@ def test_a_key_launched_while_nothing_may_run_is_explained_as_unchecked():
     assert rows == [{"kernel": "probe", "key": ("traced",), "tile": "a", "how": "table, unchecked"}]
     assert "  probe, ('traced',): 'a', table, unchecked" in str(vk.explain()).splitlines()
     _tiles.TileChooser.instances.remove(chooser)
+
+
+def test_each_check_is_a_log_line_shown_only_when_asked(checkable, caplog):
+    run, check, _ = _runs()
+    with caplog.at_level("WARNING", logger="vit_kernels"):
+        _tiles.TileChooser("quiet").choose(("k",), CPU, ["a"], run, check)
+    assert not caplog.records
+    with caplog.at_level("INFO", logger="vit_kernels"):
+        _tiles.TileChooser("told").choose(("k",), CPU, ["a"], run, check)
+    assert [r.getMessage() for r in caplog.records] == ["told ('k',): checked tile 'a'"]
+
+
+def test_set_verbosity_takes_a_level_name_and_refuses_others():
+    from vit_kernels._logging import LOGGER
+
+    try:
+        vk.set_verbosity("info")
+        assert LOGGER.level == 20 and LOGGER.handlers
+        with pytest.raises(ValueError, match="level must be a logging level"):
+            vk.set_verbosity("chatty")
+        with pytest.raises(TypeError, match="level must be a str or an int"):
+            vk.set_verbosity(2.5)
+    finally:
+        vk.set_verbosity("warning")
