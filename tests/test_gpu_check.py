@@ -61,9 +61,10 @@ def on_meta(dtype, *shape):
 
 
 def recorded(call) -> list:
-    """The launches ``call()`` makes as a first call on the simulated H100 (every candidate tile)."""
+    """The launches ``call()`` makes searching on the simulated H100 (every candidate tile, the
+    table's default first)."""
     _tiles.TileChooser.forget_all()
-    with simulated_cuda(90) as device:
+    with simulated_cuda(90) as device, _tiles.search():
         call()
     return device.launches
 
@@ -73,9 +74,9 @@ def first_seen(items) -> list:
 
 
 def test_launchers_record_gpu_configs_on_meta_tensors():
-    """A linear forward on meta tensors records one launch per GEMM candidate tile (what a GPU would
-    validate and time), each with its grid computed from its tile: the pointer kernel's default, then
-    the persistent TMA kernel's (one program per SM of an H100, at most one per tile)."""
+    """A linear forward searching on meta tensors records one launch per GEMM candidate tile (what a
+    GPU would validate and time), each with its grid computed from its tile: the persistent TMA
+    kernel's (one program per SM of an H100, at most one per tile), then the pointer kernel's default."""
     shapes = []
     launches = recorded(
         lambda: shapes.append(
@@ -100,7 +101,7 @@ def test_launchers_record_gpu_configs_on_meta_tensors():
         for v in variants
     )
     assert tiles == list(gemm.gemm_candidates(torch.bfloat16, 64 * 197, 3072, tma=True))
-    assert tiles == list(gemm.GEMM_TILES_16BIT[:1] + gemm.GEMM_TILES_TMA)
+    assert tiles == list(gemm.GEMM_TILES_TMA + gemm.GEMM_TILES_16BIT[:1])
     for v in variants:
         blocks = triton.cdiv(64 * 197, v.kwargs["BLOCK_M"]) * triton.cdiv(3072, v.kwargs["BLOCK_N"])
         persistent = v.name == "_linear_tma_kernel"
