@@ -15,7 +15,8 @@ import torch
 
 import vit
 import vit_kernels as vk
-from vit_kernels import backend
+from vit_kernels import _measure, backend
+from vit_kernels._tune_cache import DiskCache
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -93,3 +94,16 @@ def test_save_tuning_writes_every_tuned_decision(tmp_path):
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert data["format"] == 1 and data["environment"]["torch"] == torch.__version__
     assert data["dispatch"] and data["dispatch"].items() <= dict(backend._disk.items()).items()
+
+
+def test_tune_searches_what_earlier_calls_took_from_the_table(monkeypatch):
+    monkeypatch.setattr(backend, "_disk", DiskCache(None))  # nothing tuned before
+    backend.clear_decisions()
+    searched = []
+    measure = _measure.measure
+    monkeypatch.setattr(_measure, "measure", lambda *a, **k: searched.append(1) or measure(*a, **k))
+    model, images = vit.create_model("vit_digits"), torch.randn(8, 1, 8, 8)
+    model(images).sum().backward()  # the tables decide; the fast path keeps each signature's choice
+    assert not searched
+    rows = vk.tune(model, (images,))
+    assert searched and {r.source for r in rows} <= {"measured", "tuned", "only candidate"}, rows

@@ -58,6 +58,10 @@ def tune(
         return (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested, r.source)
 
     calls_before = {identity(r): r.calls for r in backend.explain()}
+    # what earlier calls decided from the tables (kept per call signature and per tile key) is
+    # decided again, by a search; tuned decisions come back from the cache
+    backend._forget_choices()
+    _tiles.TileChooser.forget_all()
     with (
         _tiles.search(rank == 0),
         backend.use_backend("auto"),
