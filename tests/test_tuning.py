@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import vit
+from tests.test_distributed import TORCHRUN
 import vit_kernels as vk
 from vit_kernels import _measure, backend
 from vit_kernels._tune_cache import DiskCache
@@ -56,17 +57,7 @@ def test_a_fresh_process_runs_the_tuned_choices_and_searches_nothing(tmp_path):
 
 
 def test_every_rank_runs_rank_zeros_choices(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "tests.tune_ranks",
-        str(tmp_path),
-    ]
+    command = [*TORCHRUN[:-1], "tests.tune_ranks", str(tmp_path)]  # torchrun, 2 CPU ranks, -m ...
     env = {**ENV, "VIT_KERNELS_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
