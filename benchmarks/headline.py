@@ -36,9 +36,9 @@ import torch
 
 import vit_kernels as vk
 from benchmarks import cli, e2e, environment
+from benchmarks.report import write_atomic
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
-from vit_kernels._tune_cache import write_atomically
 
 VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
 # (model, source): our presets, then timm's model of the same name, patched for vk
@@ -124,14 +124,7 @@ def measure(
     module, backend, compiled, compile_mode = setup
     if compiled:  # each compiled row from a clean slate: its first step compiles, and no cache limit is hit
         torch._dynamo.reset()
-    config = get_config(model_name)
-    inputs = [
-        (
-            torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
-            torch.randint(0, config.num_classes, (batch,), device=device),
-        )
-        for _ in range(2)
-    ]
+    inputs = e2e._inputs(get_config(model_name), batch, device)
     try:
         step = e2e._step(
             module,
@@ -228,15 +221,15 @@ def run(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     date = datetime.date.today().isoformat()
     stem = out / f"e2e-{device_slug(device)}-{date}"
+    versions = environment.versions(device)
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": versions["device"],
         "date": date,
-        "commit": environment.git_sha(),
-        "versions": environment.versions(device),
+        "commit": versions["git_sha"],
+        "versions": versions,
         "dtype": str(dtype).removeprefix("torch."),
         "rows": [],
     }
-    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     models = QUICK_MODELS if quick else FULL_MODELS
     for index, (name, source) in enumerate(models):
@@ -263,8 +256,8 @@ def run(
                     f"e2e: {row['model']} {mode} B={batch} {variant}: "
                     + (f"{shown:,.0f} images/s" if shown else str(row.get("skipped") or row.get("invalid")))
                 )
-                write_atomically(f"{stem}.json", json.dumps(report, indent=1))
-                write_atomically(f"{stem}.md", markdown(report))
+                write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=1))
+                write_atomic(stem.with_suffix(".md"), markdown(report))
     return report
 
 

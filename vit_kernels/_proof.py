@@ -216,11 +216,11 @@ def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
                 return None
             recorded[tile] = [describer.launch(*launch) for launch in launches]
         except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process
-            recorded[tile] = f"{RECORDING_RAISED}{type(error).__name__}: {_first_line(error)}"
+            recorded[tile] = f"{RECORDING_RAISED}{type(error).__name__}: {first_line(error)}"
     return recorded, describer.spans
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error)
     return text.splitlines()[0] if text else ""
 
@@ -388,7 +388,7 @@ def replay(spec: ProofSpec, out: TextIO) -> int:
             if launches and torch.device(spec.device).type == "cuda":  # a fault shows at the latest here
                 torch.cuda.synchronize()
         except Exception as error:  # reported to the parent, which excludes the candidate
-            why = f"{type(error).__name__}: {_first_line(error)}".replace("\n", " ")
+            why = f"{type(error).__name__}: {first_line(error)}".replace("\n", " ")
             say("raised", i, why)
             return 3
         say("ok", i)

@@ -110,6 +110,11 @@ def _as_tile(value):
     return tuple(_as_tile(v) for v in value) if isinstance(value, list) else value
 
 
+def _raised(error: Exception) -> str:
+    """What an entry that raised is excluded for: the exception's type and first line."""
+    return f"raised {type(error).__name__}: {_proof.first_line(error)}"
+
+
 class TileChooser:
     """The tile each key of one launcher launches: the table's first right entry (checked once) or
     the tile searched for it (tuned), in memory and on disk (keyed by the GPU's name and the software
@@ -200,9 +205,7 @@ class TileChooser:
                     verdict = RIGHT if problem is None else problem
                     _verdicts.put(verdict_key, {"verdict": verdict})
                 except Exception as error:  # this process's refusal (out of memory...): not kept
-                    verdict = (
-                        f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                    )
+                    verdict = _raised(error)
             if verdict == RIGHT:
                 trials[tile] = "checked"
                 return Choice(tile, "checked", trials)
@@ -213,9 +216,7 @@ class TileChooser:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        raise RuntimeError(
-            f"vit_kernels: no {self.name} tile computes the right answer on this GPU for {key}: {trials}"
-        )
+        raise self._none_right(key, trials)
 
     def _search(self, key, device, candidates, run, check) -> Optional[Choice]:
         """Every candidate proven in a child (unless proving is off), checked, and the right ones
@@ -232,17 +233,20 @@ class TileChooser:
                     return None
                 problem = check(outputs)
             except Exception as error:  # a candidate that cannot run is excluded, not fatal
-                problem = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                problem = _raised(error)
             trials[tile] = None if problem is None else f"invalid: {problem}"
         valid = {tile: (lambda tile=tile: run(tile)) for tile, trial in trials.items() if trial is None}
         if not valid:
-            raise RuntimeError(
-                f"vit_kernels: no {self.name} tile computes the right answer on this GPU for {key}: {trials}"
-            )
+            raise self._none_right(key, trials)
         times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
         timed = {tile: statistics.median(samples) for tile, samples in times.items()}
         trials.update(timed)
         return Choice(min(timed, key=timed.get), "tuned", trials)
+
+    def _none_right(self, key: tuple, trials: dict) -> RuntimeError:
+        return RuntimeError(
+            f"vit_kernels: no {self.name} tile computes the right answer on this GPU for {key}: {trials}"
+        )
 
     def pin(self, key: tuple, tile: Tile) -> None:
         """Launch ``tile`` for ``key`` from now on in this process, unmeasured (tooling: the compile

@@ -58,10 +58,7 @@ def tune(
         return (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested, r.source)
 
     calls_before = {identity(r): r.calls for r in backend.explain()}
-    # what earlier calls decided from the tables (kept per call signature and per tile key) is
-    # decided again, by a search; tuned decisions come back from the cache
-    backend._forget_choices()
-    _tiles.TileChooser.forget_all()
+    _forget_decided()  # what earlier calls took from the tables is decided again, by a search
     with (
         _tiles.search(rank == 0),
         backend.use_backend("auto"),
@@ -122,5 +119,11 @@ def load_tuning(path: Union[str, os.PathLike]) -> None:
 def _hold(data: dict) -> None:
     backend._disk.hold(data["dispatch"])
     _tiles._disk.hold(data["tiles"])
+    _forget_decided()
+
+
+def _forget_decided() -> None:
+    """Forget the choices kept per call signature and per tile key in memory: the next calls decide
+    again, tuned decisions coming back from the caches."""
     backend._forget_choices()
     _tiles.TileChooser.forget_all()

@@ -26,6 +26,7 @@ from vit_kernels._triton import (
     LAUNCH_CONFIGS,
     TensorDescriptor,
     cached_call,
+    capability,
     cdiv,
     dot_precision,
     interpreted,
@@ -222,14 +223,8 @@ def tma_layout(a: torch.Tensor, b: torch.Tensor, aligned: bool = True) -> Option
     if a_t is None or b_t is None:
         return None
     # the tests run it under the interpreter where they pin its tiles
-    hopper = interpreted(a.device) or (a.device.type == "cuda" and _hopper_or_newer(a.device))
+    hopper = interpreted(a.device) or capability(a.device) >= 90
     return (a_t, b_t) if hopper else None
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(device: torch.device) -> bool:
-    """Whether a CUDA device has TMA (compute capability 9.0+); asked once per device."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tile_report() -> list[dict]:
