@@ -5,39 +5,20 @@ under fake tensors); the same checks with the Triton ops run on CUDA (marked gpu
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import vit
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, requires_cuda
+from tools.graph_capture import GraphCapture, JointCapture
 from vit_kernels import _ext, backend
 
 needs_extension = pytest.mark.skipif(
     _ext.supports(torch.device("cpu"), torch.float32) is not None, reason="vit_kernels._C is not built"
 )
-
-
-class GraphCapture:
-    """A torch.compile backend that keeps every graph it is given and runs it as traced."""
-
-    def __init__(self):
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def ops(self, index: int = -1) -> set[str]:
-        """The vit_kernels ops and the reference's key ops called by graph ``index``."""
-        names = {
-            str(node.target).removesuffix(".default")
-            for node in self.graphs[index].graph.nodes
-            if node.op == "call_function"
-        }
-        return {
-            n for n in names if n.startswith("vit_kernels.") or "scaled_dot_product" in n or "layer_norm" in n
-        }
 
 
 def block_ops(x, w, b, qkv):
@@ -206,3 +187,36 @@ def test_auto_compiles_fullgraph_in_every_mode_on_cuda(mode):
     torch.testing.assert_close(out.float(), eager.float(), atol=5e-2, rtol=5e-2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.float(), expected[name].float(), atol=5e-2, rtol=5e-2, msg=name)
+
+
+@needs_extension
+@pytest.mark.parametrize("name", vit.list_models())
+def test_every_preset_compiles_fullgraph_with_our_ops_forward_and_backward(name):
+    """Each ``vit`` preset (one block, 4 x 4 patches, no dropout) on the extension backend compiles with
+    ``fullgraph=True``: the forward graph holds the patch embedding and LayerNorm ops (and the
+    attention softmax where the extension takes the preset's attention: not with RoPE), the backward
+    graph their backward ops, and the output and every gradient equal eager's."""
+    config = vit.get_config(name)
+    size = 4 * config.patch_size
+    torch._dynamo.reset()  # each preset is a new ViT.forward specialisation: no recompile limit
+    torch.manual_seed(0)
+    # dropout off (a compiled graph draws other random numbers than eager), training mode kept
+    model = vit.create_model(name, depth=1, img_size=size, num_classes=3, drop_rate=0.0, attn_drop_rate=0.0)
+    images = torch.randn(2, config.in_chans, size, size)
+    capture = JointCapture()
+    with vk.use_backend("extension"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # EVA02's SwiGLU: the extension has none
+        eager = model(images)
+        eager.square().sum().backward()
+        expected = {key: p.grad.clone() for key, p in model.named_parameters()}
+        model.zero_grad()
+        out = torch.compile(model, backend=capture.backend, fullgraph=True)(images)
+        out.square().sum().backward()
+    forward, backward = capture.kernel_ops(capture.forward), capture.kernel_ops(capture.backward)
+    assert {"patchify", "fused_layer_norm"} <= forward, forward
+    assert "fused_layer_norm_backward" in backward, backward
+    if not config.rope:
+        assert "softmax" in forward and "softmax_backward" in backward, (forward, backward)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[key], atol=1e-4, rtol=1e-4, msg=key)
