@@ -84,8 +84,7 @@ coverage-report: $(STAMP) $(INT_STAMP)
 	TRITON_INTERPRET=1 COVERAGE_FILE=build/cpu-suite/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
 		-m "not slow and not aot and not gpu" $(PYTEST_ARGS)
 	cd tests/integration && TRITON_INTERPRET=1 COVERAGE_FILE=$(abspath build/integration/.coverage) ../../$(INT_PY) \
-		-m coverage run --source=vit_kernels -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir=. \
-		-c pytest.ini .
+		-m coverage run --source=vit_kernels -m $(INT_PYTEST) --ignore=$(INT_FAKE_CUDA) .
 	env -u TRITON_INTERPRET COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m coverage run -m pytest -q -p no:cacheprovider \
 		tests/cuda_sim --deselect tests/cuda_sim/test_recorded_launches.py
 	COVERAGE_FILE=$(CUDA_SIM_OUT)/.coverage $(PY) -m tests.cuda_sim.coverage_report \
@@ -152,9 +151,15 @@ $(INT_STAMP): pyproject.toml setup.py tests/integration/requirements.txt $(INT_S
 	VIT_KERNELS_CUDA=0 $(INT_PY) -m pip install -q --no-build-isolation --no-deps --force-reinstall .
 	touch $(INT_STAMP)
 
+# The fake-CUDA compile tests trace Triton ops as a GPU user's process does, with Triton's compiler
+# (not its interpreter, which TRITON_INTERPRET, read at import, would put under every kernel): a run apart.
+INT_PYTEST := pytest -q -p no:cacheprovider --import-mode=importlib --rootdir=. -c pytest.ini
+INT_FAKE_CUDA := test_compile_fake_cuda.py
 test-integration: $(INT_STAMP)
-	cd tests/integration && TRITON_INTERPRET=1 ../../$(INT_VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
-		--rootdir=. -c pytest.ini . $(DURATIONS) $(PYTEST_ARGS)
+	cd tests/integration && TRITON_INTERPRET=1 ../../$(INT_VENV)/bin/$(INT_PYTEST) --ignore=$(INT_FAKE_CUDA) . \
+		$(DURATIONS) $(PYTEST_ARGS)
+	cd tests/integration && env -u TRITON_INTERPRET ../../$(INT_VENV)/bin/$(INT_PYTEST) $(INT_FAKE_CUDA) \
+		$(DURATIONS) $(PYTEST_ARGS)
 
 # Benchmarks: the full suite (on the GPU when there is one), and the CPU smoke run that CI makes.
 BENCH_OUT ?= build/bench

@@ -551,6 +551,41 @@ def _backward_on_the_device(apply):
     return backward
 
 
+def _device_answers(arch: int) -> list:
+    """What the device says of itself (properties, capability, name) and of its random state, as a
+    device of ``arch``: patches of ``torch.cuda``."""
+    props = types.SimpleNamespace(**ARCHITECTURES[arch])
+    cuda = torch.cuda
+    return [
+        mock.patch.object(cuda, "get_device_properties", lambda device=None: props),
+        mock.patch.object(cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
+        mock.patch.object(cuda, "get_device_name", lambda device=None: props.name),
+        mock.patch.object(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8)),
+        mock.patch.object(cuda, "set_rng_state", lambda state, device="cuda": None),
+    ]
+
+
+@contextlib.contextmanager
+def fake_cuda(arch: int = 90) -> Iterator[None]:
+    """torch.compile's tracing of a GPU user's model, with no GPU: inside the block, tensors are
+    ``FakeTensorMode``'s (shapes and dtypes, no data), ``device="cuda"`` and ``.to("cuda")`` make fake
+    CUDA tensors (this needs a CUDA build of torch, as the integration environment's), the device
+    answers as one of ``arch`` and the Triton backend counts as available. Dynamo traces the graph,
+    which dispatch fills from its tables under compile; nothing runs. Make the model outside the
+    block (its initialisation reads values) and move it inside. The autograd engine opens a CUDA
+    context to run a backward, so AOTAutograd's backward graph cannot be traced here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(_clear_device_caches)
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        for patch in _device_answers(arch):
+            stack.enter_context(patch)
+        stack.enter_context(mock.patch.dict(backend._backend_checks, triton=lambda: None))
+        _clear_device_caches()
+        yield
+
+
 @contextlib.contextmanager
 def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]:
     """Inside the block, ``device="cuda"`` gives simulated tensors on a device of ``arch`` (90 or 80)
@@ -562,7 +597,6 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
     from triton.runtime.jit import JITFunction
 
     recorder = Recorder(arch)
-    props = types.SimpleNamespace(**ARCHITECTURES[arch])
 
     def record(self, *args, grid, warmup, **kwargs):
         def launch():  # and return the compiled kernel, as Triton's: not our time
@@ -577,13 +611,9 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(cuda, "is_available", lambda: True),
         mock.patch.object(cuda, "device_count", lambda: 1),
         mock.patch.object(cuda, "current_device", lambda: 0),
-        mock.patch.object(cuda, "get_device_properties", lambda device=None: props),
-        mock.patch.object(cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
-        mock.patch.object(cuda, "get_device_name", lambda device=None: props.name),
+        *_device_answers(arch),
         mock.patch.object(cuda, "synchronize", lambda device=None: None),
         mock.patch.object(cuda, "is_current_stream_capturing", lambda: not measuring),
-        mock.patch.object(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8)),
-        mock.patch.object(cuda, "set_rng_state", lambda state, device="cuda": None),
         mock.patch.object(cuda, "manual_seed", lambda seed: None),
         mock.patch.object(cuda, "Event", _Event),
         mock.patch.object(BackwardCFunction, "apply", _backward_on_the_device(BackwardCFunction.apply)),
