@@ -723,28 +723,32 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Whether autocast is on for any device: one C call, where reading the main input's device and its
 # autocast state costs about a microsecond (asked per device only when some autocast is on).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 _PLAIN = _signature._PLAIN
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     """Everything a public op's validation, autocast casts and backend decision depend on, read
     cheaply: the op, the choice in force, grad mode, autocast for the main input's device, and each
-    argument (a tensor: its shape, dtype, device, requires_grad, contiguity (part of a decision's
-    signature) and type; None, bool, int, float or str: its type and value). None when the main
-    input is not a plain tensor or another argument is of any other type (validation will say
-    what was expected)."""
+    argument (a plain tensor or parameter: its shape, dtype, device, requires_grad and contiguity
+    (part of a decision's signature); another tensor type: the same and its type; None, bool, int,
+    float or str: its type and value). None when the main input is not a plain tensor or another
+    argument is of any other type (validation will say what was expected)."""
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
-    parts: list = [op, _context_choice.get() or _process_choice, torch.is_grad_enabled(), autocast]
+    parts: list = [op, _context_choice.get() or _process_choice, _grad_enabled(), autocast]
     append = parts.append
     for a in args:
         kind = type(a)
-        if kind in _PLAIN:  # its type, then its value (a type is never a value here: unambiguous)
+        if kind in _TENSOR_TYPES:
+            append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous()))
+        elif kind in _PLAIN:  # its type, then its value (a type is never a value here: unambiguous)
             append(kind)
             append(a)
-        elif kind in _TENSOR_TYPES or isinstance(a, torch.Tensor):
+        elif isinstance(a, torch.Tensor):
             append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), kind))
         else:  # a list, an array, ...: validation will say what was expected
             return None
@@ -781,7 +785,7 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
     casts: a dictionary lookup and a few attribute reads per call instead of validation and the
     signature of ``resolve`` (what was valid for those shapes, dtypes, devices and values stays
     valid). While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         prepared = prepare(*args)
         return resolve(op, prepared[0].device, prepared[0].dtype, prepared).fn(*prepared)
     key = _call_key(op, args)
