@@ -16,7 +16,7 @@ import torch
 
 from tools.op_specs import KERNELS, OPS, SPECS, Shape
 from vit.model import get_config
-from vit_kernels.ops.attention import explicit_attention, split_qkv
+from vit_kernels.ops.attention_reference import explicit_attention, split_qkv
 
 __all__ = ["KERNELS", "OPS", "OpCase", "Shape", "build_case", "eager_math_attention", "shape_of"]
 

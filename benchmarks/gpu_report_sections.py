@@ -14,7 +14,7 @@ from benchmarks import block_traffic, cases, cuda_graphs, e2e, environment, host
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
 from tools import gpu_tests, selftest
-from vit_kernels.ops import attention, gemm, layer_norm, patch_embed
+from vit_kernels.ops import attention_tiles, gemm, layer_norm, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
 # Per-op shapes, ViT-B/16 first (the targets are set there): ViT-B/L/S/Ti/16 at batch 128/64/256/256, then
@@ -129,7 +129,7 @@ def ops_section(ctx: Context, budget: Budget) -> dict:
         "modes": list(OP_MODES),
         "peaks": ctx.measured_peaks,
         "rows": rows,
-        "attention_tiles": attention.tile_report(),
+        "attention_tiles": attention_tiles.tile_report(),
         "layer_norm_tiles": layer_norm.tile_report(),
         "gemm_tiles": gemm.tile_report(),
         "patch_embed_tiles": patch_embed.tile_report(),

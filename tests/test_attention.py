@@ -458,7 +458,7 @@ def test_head_dims_beyond_the_kernel_are_a_limit_of_its_table(device, name):
 def test_sdpa_layouts_it_would_refuse_are_recognised():
     """The torch backend copies q, k and v before SDPA on CUDA where its fused kernels would raise
     on the layout (a qkv cut out of a wider tensor has rows that are not 16-byte aligned)."""
-    from vit_kernels.ops.attention import sdpa_misaligned, split_qkv
+    from vit_kernels.ops.attention_reference import sdpa_misaligned, split_qkv
 
     aligned = torch.randn(2, 17, 3 * 64, dtype=torch.float16)
     assert not any(sdpa_misaligned(t) for t in split_qkv(aligned, 4))
@@ -473,7 +473,7 @@ def test_sdpa_layouts_it_would_refuse_are_recognised():
 def test_masks_reach_sdpa_as_an_aligned_bias(shape):
     """On CUDA the torch backend hands SDPA a fresh bias whose rows start on 16-element boundaries:
     a boolean mask as 0 / -inf in the queries' dtype, a float one with its values (and its gradient)."""
-    from vit_kernels.ops.attention import SDPA_ALIGNMENT_ELEMENTS, padded_bias
+    from vit_kernels.ops.attention_reference import SDPA_ALIGNMENT_ELEMENTS, padded_bias
 
     keep = torch.rand(shape) < 0.6
     bias = padded_bias(keep, torch.float16)

@@ -13,7 +13,7 @@ from tests.helpers import CPU_BACKENDS, check_against_formula
 from tests.test_attention import _dropout_mask
 from tests.test_attention_rope import assert_out_probs_and_grad, frequency_tables, rope_formula
 from vit_kernels import backend
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention, attention_reference, attention_tiles
 
 MASK_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS
@@ -303,9 +303,9 @@ def test_tile_validation_checks_against_the_masked_reference():
     heads, head_dim, length = 2, 16, 21
     mask = make_mask("pair_bool", 3, heads, length)
     qkv = torch.randn(3, length, 3 * heads * head_dim)
-    check = attention._check_against_pytorch(["out"], list, qkv, heads, 0.25, mask=mask)
-    assert check([attention.attention_ref(qkv, heads, 0.25, attn_mask=mask)]) is None
-    assert check([attention.attention_ref(qkv, heads, 0.25)]) is not None
+    check = attention_reference.check_against_pytorch(["out"], list, qkv, heads, 0.25, mask=mask)
+    assert check([attention_reference.attention_ref(qkv, heads, 0.25, attn_mask=mask)]) is None
+    assert check([attention_reference.attention_ref(qkv, heads, 0.25)]) is not None
 
 
 BAD = [
@@ -341,14 +341,14 @@ def test_masked_candidates_fit_the_mask_tile(dtype, head_dim):
     EXTRA_LOADS_MAX_STAGES stages (a 128 x 128 float32 mask tile passes sm_80's shared memory), the
     same first (default) tile as an unmasked call where that one fits."""
     for candidates in (
-        attention.fwd_candidates(dtype, head_dim, 197, True, True),
-        [t for pair in attention.bwd_candidates(dtype, head_dim, 197, True, True) for t in pair],
+        attention_tiles.fwd_candidates(dtype, head_dim, 197, True, True),
+        [t for pair in attention_tiles.bwd_candidates(dtype, head_dim, 197, True, True) for t in pair],
     ):
         assert candidates
         assert all(
-            bm * bn <= attention.MASK_MAX_TILE and stages <= attention.EXTRA_LOADS_MAX_STAGES
+            bm * bn <= attention_tiles.MASK_MAX_TILE and stages <= attention_tiles.EXTRA_LOADS_MAX_STAGES
             for bm, bn, _, stages in candidates
         )
-    plain = attention.fwd_candidates(dtype, head_dim, 197)[0]
-    if plain[0] * plain[1] <= attention.MASK_MAX_TILE:
-        assert attention.fwd_candidates(dtype, head_dim, 197, True, True)[0][:3] == plain[:3]
+    plain = attention_tiles.fwd_candidates(dtype, head_dim, 197)[0]
+    if plain[0] * plain[1] <= attention_tiles.MASK_MAX_TILE:
+        assert attention_tiles.fwd_candidates(dtype, head_dim, 197, True, True)[0][:3] == plain[:3]

@@ -12,7 +12,7 @@ from tests.helpers import CPU_BACKENDS, assert_close, check_against_formula
 from tests.test_attention import _dropout_mask
 from vit_kernels import backend
 from vit_kernels import nn as vkn
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention, attention_reference
 
 ROPE_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS
@@ -399,7 +399,7 @@ def test_tile_validation_checks_against_the_rotated_reference(layout):
     cos, sin = frequency_tables(length - 1, head_dim, layout)
     qkv = torch.randn(3, length, 3 * heads * head_dim)
     other = "half" if layout == "interleaved" else "interleaved"
-    check = attention._check_against_pytorch(["out"], list, qkv, heads, 0.25, rope=(cos, sin, layout))
-    assert check([attention.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=layout)]) is None
-    assert check([attention.attention_ref(qkv, heads, 0.25)]) is not None
-    assert check([attention.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=other)]) is not None
+    check = attention_reference.check_against_pytorch(["out"], list, qkv, heads, 0.25, rope=(cos, sin, layout))
+    assert check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=layout)]) is None
+    assert check([attention_reference.attention_ref(qkv, heads, 0.25)]) is not None
+    assert check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=other)]) is not None

@@ -185,18 +185,18 @@ def test_a_real_gemm_replays_in_a_child(children):
 def test_every_attention_candidate_is_proven_in_a_child_on_the_gpu(children, dtype):
     """On a GPU: the attention forward's candidates recorded on a real call's tensors replay in a
     child on the device, and each one runs there cleanly."""
-    from vit_kernels.ops import attention
+    from vit_kernels.ops import attention, attention_tiles
 
     qkv = torch.randn(2, 197, 3 * 2 * 64, dtype=dtype, device="cuda")
     seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-    candidates = attention.fwd_candidates(dtype, 64, 197)
+    candidates = attention_tiles.fwd_candidates(dtype, 64, 197)
 
     def run(tile):
-        attention.FWD_CHOOSER.pin(attention._chooser_key(qkv, 2), tile)
+        attention_tiles.FWD_CHOOSER.pin(attention._chooser_key(qkv, 2), tile)
         try:
             return list(attention.attention_fwd(qkv, 2, 64**-0.5, 0.0, seed))
         finally:
-            attention.FWD_CHOOSER.forget()
+            attention_tiles.FWD_CHOOSER.forget()
 
     assert _proof.verdicts(
         "attention forward", ("proof", dtype), qkv.device, candidates, run

@@ -290,7 +290,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from vit_kernels.ops import attention
+    from vit_kernels.ops import attention, attention_tiles
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dynamic_length = StatelessSymbolicContext(
@@ -299,7 +299,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
     symbolic = mode.from_tensor(torch.empty(2, 197, 3 * 12 * 96), symbolic_context=dynamic_length)
     concrete = torch.empty(2, 197, 3 * 12 * 96)
     assert isinstance(symbolic.shape[1], torch.SymInt)
-    tile = attention.AttentionTile(64, 32, 4, 3)
+    tile = attention_tiles.AttentionTile(64, 32, 4, 3)
     plans: dict = {}
 
     def plan_of(qkv):
@@ -307,7 +307,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
         assert _tiles.decided(plans, key) is None
         made = attention._launch_config(tile, True, qkv, 12, 0.0, None, None)
         chooser_key = functools.partial(attention._chooser_key, qkv, 12)
-        return key, _tiles.keep(plans, key, made, attention.FWD_CHOOSER, qkv.device, chooser_key)
+        return key, _tiles.keep(plans, key, made, attention_tiles.FWD_CHOOSER, qkv.device, chooser_key)
 
     _, (grid, config) = plan_of(symbolic)
     assert plans == {}
@@ -316,7 +316,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
     assert concrete_config["BLOCK_TAIL"] == 16 and concrete_config["BLOCK_D"] == 128
     assert not concrete_config["EVEN_D"]
     assert _tiles.decided(plans, key) == (concrete_grid, concrete_config)
-    attention.FWD_CHOOSER.pin(("another key",), tile)
+    attention_tiles.FWD_CHOOSER.pin(("another key",), tile)
     assert _tiles.decided(plans, key) is None
 
     def broken(size):

@@ -12,7 +12,7 @@ import torch
 
 import vit_kernels as vk
 from vit_kernels import _proof, _tiles, _timer
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention, attention_reference
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def test_an_entry_with_the_wrong_dk_the_h100_found_falls_back_to_a_right_one(
     dtype, scale = torch.bfloat16, 64**-0.5
     qkv = (torch.randn(2, 50, 3 * 128, dtype=torch.float64) * 2).to(dtype)
     grad_out = torch.randn(2, 50, 128, dtype=torch.float64).to(dtype)
-    exact = torch.cat(attention._reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
+    exact = torch.cat(attention_reference.reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
     dq, dk, dv = exact.chunk(3, dim=-1)
     wrong = torch.cat([dq, dk + relative_error * dk.abs().max() * torch.sign(torch.randn_like(dk)), dv], -1)
     bad, good = ((64, 64, 4, 3), (32, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 2))
@@ -145,7 +145,7 @@ def test_an_entry_with_the_wrong_dk_the_h100_found_falls_back_to_a_right_one(
         return [(wrong if tiles == bad else exact).to(dtype)]
 
     def check():
-        return attention._check_against_pytorch(
+        return attention_reference.check_against_pytorch(
             ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, scale, grad_out
         )
 

@@ -23,7 +23,7 @@ from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels import _tiles
 from vit_kernels._triton import HAS_TRITON, capability
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention_tiles
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -66,8 +66,8 @@ def test_the_default_attention_at_vit_b16(dtype):
             grad_parts={"qkv": ("q", "k", "v")},
             num_heads=HEADS,
         )
-    default = attention.bwd_candidates(dtype, DIM // HEADS, LENGTH, arch=capability(CUDA))[0]
-    assert default in {choice.tile for choice in attention.BWD_CHOOSER.report().values()}
+    default = attention_tiles.bwd_candidates(dtype, DIM // HEADS, LENGTH, arch=capability(CUDA))[0]
+    assert default in {choice.tile for choice in attention_tiles.BWD_CHOOSER.report().values()}
     assert _hows() == {"checked"}
 
 

@@ -15,7 +15,7 @@ import torch
 from tests.helpers import fake_timer
 from tools.cuda_sim import simulated_cuda
 from vit_kernels import _accuracy, _tiles, _timer
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention, attention_reference, attention_tiles
 
 
 @pytest.fixture
@@ -68,9 +68,9 @@ def test_nothing_runs_where_nothing_may():
 def test_a_search_on_a_gpu_launches_every_candidate(dtype, head_dim):
     with simulated_cuda(90) as device, _tiles.search():
         _attention_fwd_and_bwd(dtype, head_dim)
-    pairs = attention.bwd_candidates(dtype, head_dim, 197, arch=90)
+    pairs = attention_tiles.bwd_candidates(dtype, head_dim, 197, arch=90)
     assert _launched_tiles(device.launches, "_attention_fwd_kernel") == set(
-        attention.fwd_candidates(dtype, head_dim, 197)
+        attention_tiles.fwd_candidates(dtype, head_dim, 197)
     )
     assert _launched_tiles(device.launches, "_attention_bwd_dq_kernel") == {dq for dq, _ in pairs}
     assert _launched_tiles(device.launches, "_attention_bwd_dkdv_kernel") == {dkdv for _, dkdv in pairs}
@@ -82,9 +82,9 @@ def test_a_first_call_on_a_gpu_launches_the_tables_entry_only(arch):
     call's data) and launches it: nothing else is compiled or run."""
     with simulated_cuda(arch) as device:
         _attention_fwd_and_bwd(torch.bfloat16, 64)
-    dq, dkdv = attention.bwd_candidates(torch.bfloat16, 64, 197, arch=arch)[0]
+    dq, dkdv = attention_tiles.bwd_candidates(torch.bfloat16, 64, 197, arch=arch)[0]
     assert _launched_tiles(device.launches, "_attention_fwd_kernel") == {
-        attention.fwd_candidates(torch.bfloat16, 64, 197)[0]
+        attention_tiles.fwd_candidates(torch.bfloat16, 64, 197)[0]
     }
     assert _launched_tiles(device.launches, "_attention_bwd_dq_kernel") == {dq}
     assert _launched_tiles(device.launches, "_attention_bwd_dkdv_kernel") == {dkdv}
@@ -108,7 +108,7 @@ def _launched_tiles(launches, name):
 
 def test_no_listed_tile_is_one_the_h100_found_wrong():
     """(32, 64, 8, 2) and (32, 64, 4, 2) computed a wrong dK at 16-bit head dims 80-128 on an H100."""
-    for _dq, dkdv in attention.ATTENTION_BWD_TILES[(False, 128)]:
+    for _dq, dkdv in attention_tiles.ATTENTION_BWD_TILES[(False, 128)]:
         assert dkdv not in ((32, 64, 8, 2), (32, 64, 4, 2)), dkdv
 
 
@@ -120,9 +120,9 @@ def test_the_attention_check_catches_a_wrong_dk(dtype):
     qkv = torch.randn(2, 17, 3 * 2 * 16).to(dtype)
     grad_out = torch.randn(2, 17, 2 * 16).to(dtype)
     scale = 16**-0.5
-    exact = attention._reference_attention(qkv, 2, scale, grad_out, torch.float64)
+    exact = attention_reference.reference_attention(qkv, 2, scale, grad_out, torch.float64)
     right = torch.cat(exact, dim=-1).to(dtype)
-    check = attention._check_against_pytorch(
+    check = attention_reference.check_against_pytorch(
         ["dq", "dk", "dv"], lambda outs: list(outs[0].chunk(3, dim=-1)), qkv, 2, scale, grad_out
     )
     assert check([right]) is None
@@ -137,16 +137,16 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
     from benchmarks import gpu_report_markdown
 
     measurable.update({(64, 64, 4, 3): 0.2, (128, 64, 8, 3): 0.1})
-    attention.FWD_CHOOSER.forget()
+    attention_tiles.FWD_CHOOSER.forget()
     try:
-        attention.FWD_CHOOSER.choose(
+        attention_tiles.FWD_CHOOSER.choose(
             ("torch.bfloat16", 64, 197, 256),
             torch.device("cpu"),
             [(64, 64, 4, 3), (128, 64, 8, 3)],
             lambda tile: [torch.zeros(1)],
             lambda outputs: None,
         )
-        rows = attention.tile_report()
+        rows = attention_tiles.tile_report()
         assert rows == [
             {
                 "kernel": "forward",
@@ -159,7 +159,7 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
         text = "\n".join(gpu_report_markdown._tiles({"attention_tiles": rows}))
         assert "| forward | torch.bfloat16, 64, 197, 256 | (128, 64, 8, 3) |" in text
     finally:
-        attention.FWD_CHOOSER.forget()
+        attention_tiles.FWD_CHOOSER.forget()
 
 
 def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
@@ -175,8 +175,8 @@ def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
     key = attention._chooser_key(qkv, 2)
     assert key == ("cpu", "torch.bfloat16", 64, 197, 16) and all(type(part) in (str, int) for part in key)
     hash(key)
-    assert attention._validation_images(qkv, 2) == 4
-    tiles = attention.fwd_candidates(qkv.dtype, 64, qkv.shape[1])
+    assert attention_reference.validation_images(qkv, 2) == 4
+    tiles = attention_tiles.fwd_candidates(qkv.dtype, 64, qkv.shape[1])
     assert all(type(v) is int for tile in tiles for v in tile)
 
 
@@ -204,19 +204,19 @@ def test_the_pair_measured_fastest_on_sm90_is_its_default():
     """dQ (64, 64, 4, 3) + dK/dV (32, 64, 4, 2): the pair the H100 and the H200 chose at ViT-B/16's
     shapes in bfloat16 runs first on sm_90; elsewhere the table's first pair."""
     measured = ((64, 64, 4, 3), (32, 64, 4, 2))
-    assert attention.bwd_candidates(torch.bfloat16, 64, 197, arch=90)[0] == measured
-    assert attention.bwd_candidates(torch.float16, 64, 197, arch=90)[0] == measured
-    generic = attention.ATTENTION_BWD_TILES[(False, 64)][0]
-    assert attention.bwd_candidates(torch.bfloat16, 64, 197, arch=80)[0] == generic != measured
+    assert attention_tiles.bwd_candidates(torch.bfloat16, 64, 197, arch=90)[0] == measured
+    assert attention_tiles.bwd_candidates(torch.float16, 64, 197, arch=90)[0] == measured
+    generic = attention_tiles.ATTENTION_BWD_TILES[(False, 64)][0]
+    assert attention_tiles.bwd_candidates(torch.bfloat16, 64, 197, arch=80)[0] == generic != measured
     assert (
-        attention.bwd_candidates(torch.float32, 64, 197, arch=90)[0]
-        == attention.ATTENTION_BWD_TILES[(True, 64)][0]
+        attention_tiles.bwd_candidates(torch.float32, 64, 197, arch=90)[0]
+        == attention_tiles.ATTENTION_BWD_TILES[(True, 64)][0]
     )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_16bit_forward_candidates_include_128_rows_on_8_warps_at_2_to_4_stages(head_dim):
-    tiles = attention.ATTENTION_FWD_TILES[(False, head_dim)]
+    tiles = attention_tiles.ATTENTION_FWD_TILES[(False, head_dim)]
     stages = {stages for bm, _, warps, stages in tiles if (bm, warps) == (128, 8)}
     assert {2, 3} <= stages, tiles
 
@@ -229,10 +229,10 @@ def test_validation_rejects_the_wrong_dk_the_h100_found(dtype, relative_error):
     qkv = (torch.randn(2, 50, 3 * 128, dtype=torch.float64) * 2).to(dtype)
     grad_out = torch.randn(2, 50, 128, dtype=torch.float64).to(dtype)
     scale = 64**-0.5
-    check = attention._check_against_pytorch(
+    check = attention_reference.check_against_pytorch(
         ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, scale, grad_out
     )
-    exact = torch.cat(attention._reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
+    exact = torch.cat(attention_reference.reference_attention(qkv, 2, scale, grad_out, torch.float64), dim=-1)
     assert check([exact.to(dtype)]) is None
     dq, dk, dv = exact.chunk(3, dim=-1)
     wrong_dk = dk + relative_error * dk.abs().max() * torch.sign(torch.randn_like(dk))
@@ -247,10 +247,10 @@ def test_validation_passes_exact_zero_gradients_at_length_1(dtype):
     candidate was refused against those residues), and a dQ as large as dV still fails."""
     qkv = torch.randn(4, 1, 3 * 32, dtype=torch.float64).to(dtype)
     grad_out = torch.randn(4, 1, 32, dtype=torch.float64).to(dtype)
-    check = attention._check_against_pytorch(
+    check = attention_reference.check_against_pytorch(
         ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, 16**-0.5, grad_out
     )
-    _, _, dv = torch.cat(attention._reference_attention(qkv, 2, 16**-0.5, grad_out, torch.float64), -1).chunk(
+    _, _, dv = torch.cat(attention_reference.reference_attention(qkv, 2, 16**-0.5, grad_out, torch.float64), -1).chunk(
         3, -1
     )
     zeros = torch.zeros_like(dv)

@@ -34,7 +34,7 @@ from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels._triton import HAS_TRITON, triton
-from vit_kernels.ops import attention, gemm, layer_norm, patch_embed
+from vit_kernels.ops import attention, attention_tiles, gemm, layer_norm, patch_embed
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -71,12 +71,12 @@ def attention_cases() -> list:
     """Per (precision, padded head dim) key, dtype and head dim it serves: each forward tile (with the
     default backward pair), then each further backward pair (with the default forward tile)."""
     cases = []
-    for key, fwd_tiles in attention.ATTENTION_FWD_TILES.items():
+    for key, fwd_tiles in attention_tiles.ATTENTION_FWD_TILES.items():
         fp32, _ = key
-        pairs = attention.ATTENTION_BWD_TILES[key]
+        pairs = attention_tiles.ATTENTION_BWD_TILES[key]
         runs = [(tile, pairs[0]) for tile in fwd_tiles] + [(fwd_tiles[0], pair) for pair in pairs[1:]]
         for dtype in (torch.float32,) if fp32 else (torch.float16, torch.bfloat16):
-            for head_dim in [d for d in HEAD_DIMS if attention._tile_key(dtype, d) == key]:
+            for head_dim in [d for d in HEAD_DIMS if attention_tiles.tile_key(dtype, d) == key]:
                 for fwd, (dq, dkdv) in runs:
                     name = f"{DTYPE_NAMES[dtype]}-hd{head_dim}-fwd{tile_id(fwd)}-dq{tile_id(dq)}-dkdv{tile_id(dkdv)}"
                     cases.append(cuda_param(dtype, head_dim, fwd, (dq, dkdv), id=name, skip_reason=SKIP))
@@ -95,7 +95,7 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
 
         return choose
 
-    fitted = attention._fitted(fwd, LENGTH), tuple(attention._fitted(t, LENGTH) for t in pair)
+    fitted = attention_tiles.fitted(fwd, LENGTH), tuple(attention_tiles.fitted(t, LENGTH) for t in pair)
     monkeypatch.setattr(attention, "fwd_tile", pinned(fitted[0]))
     monkeypatch.setattr(attention, "bwd_tiles", pinned(fitted[1]))
     heads = 2

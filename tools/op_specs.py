@@ -21,7 +21,7 @@ import torch
 
 import vit_kernels as vk  # the public ops, looked up at call time (as users call them)
 from vit_kernels import backend
-from vit_kernels.ops.attention import attention_ref
+from vit_kernels.ops.attention_reference import attention_ref
 from vit_kernels.ops.layer_norm import layer_norm_ref
 from vit_kernels.ops.linear import linear_gelu_ref, linear_ref, mlp_ref
 from vit_kernels.ops.patch_embed import patch_embed_ref

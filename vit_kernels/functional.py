@@ -38,7 +38,7 @@ from vit_kernels.ops import layer_norm as _layer_norm  # noqa: F401
 from vit_kernels.ops import linear as _linear  # noqa: F401
 from vit_kernels.ops import patch_embed as _patch_embed  # noqa: F401
 from vit_kernels.ops import swiglu as _swiglu  # noqa: F401
-from vit_kernels.ops.attention import check_attention_mask
+from vit_kernels.ops.attention_reference import check_attention_mask
 from vit_kernels.ops.rope import check_rope
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tools.cuda_sim import replay_in_this_process
 from vit_kernels import _proof, _tiles
-from vit_kernels.ops import attention
+from vit_kernels.ops import attention, attention_tiles
 
 
 def test_every_candidate_of_a_search_is_proven_before_it_runs(sim, monkeypatch):
@@ -18,7 +18,7 @@ def test_every_candidate_of_a_search_is_proven_before_it_runs(sim, monkeypatch):
     qkv = torch.randn(4, 197, 3 * 2 * 64, dtype=torch.bfloat16, device="cuda")
     seed = torch.empty(1, dtype=torch.int64, device="cuda")
     attention.attention_fwd(qkv, 2, 0.125, 0.0, seed)
-    candidates = attention.fwd_candidates(torch.bfloat16, 64, 197)
+    candidates = attention_tiles.fwd_candidates(torch.bfloat16, 64, 197)
     proven = {
         key.rsplit(" | ", 1)[1]: verdict
         for key, verdict in ((k, e["verdict"]) for k, e in _proof._disk.items())
@@ -31,7 +31,7 @@ def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
     monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     qkv = torch.randn(4, 197, 3 * 2 * 32, dtype=torch.float16, device="cuda")
     seed = torch.empty(1, dtype=torch.int64, device="cuda")
-    candidates = attention.fwd_candidates(torch.float16, 32, 197)
+    candidates = attention_tiles.fwd_candidates(torch.float16, 32, 197)
     faulty = candidates[0]
 
     def child(spec):  # what a child reports where the first candidate faulted
@@ -42,7 +42,7 @@ def test_a_candidate_that_fails_its_replay_is_not_run(sim, monkeypatch):
     monkeypatch.setattr(_proof, "run_child", child)
     before = len(sim.launches)
     attention.attention_fwd(qkv, 2, 32**-0.5, 0.0, seed)
-    chosen = attention.FWD_CHOOSER.report()[attention._chooser_key(qkv, 2)]
+    chosen = attention_tiles.FWD_CHOOSER.report()[attention._chooser_key(qkv, 2)]
     assert chosen.trials[faulty] == "invalid: faulted in a child process (killed by SIGSEGV)"
     assert chosen.tile != faulty
     launched = {

@@ -17,7 +17,7 @@ import torch
 from tools.cuda_sim import Launch, simulated_cuda
 from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
-from vit_kernels.ops import attention, layer_norm, linear, patch_embed, swiglu
+from vit_kernels.ops import attention, attention_tiles, layer_norm, linear, patch_embed, swiglu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
@@ -310,15 +310,15 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                     dropout_p > 0
                 ):  # candidates are validated without dropout: each one may be chosen and run with it
                     key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
-                    for tile in attention.fwd_candidates(
+                    for tile in attention_tiles.fwd_candidates(
                         dt, head_dim, seq_len, rope is not None, mask is not None
                     ):
-                        attention.FWD_CHOOSER.pin(key, tile)
+                        attention_tiles.FWD_CHOOSER.pin(key, tile)
                         attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
-                    for tiles in attention.bwd_candidates(
+                    for tiles in attention_tiles.bwd_candidates(
                         dt, head_dim, seq_len, rope is not None, mask is not None
                     ):
-                        attention.BWD_CHOOSER.pin(key, tiles)
+                        attention_tiles.BWD_CHOOSER.pin(key, tiles)
                         attention.attention_bwd(
                             torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more
                         )

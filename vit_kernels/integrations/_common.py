@@ -14,7 +14,7 @@ from torch import nn
 
 import vit_kernels.functional as vkf
 from vit_kernels.activations import GELU, GELU_TANH, QUICK_GELU, RELU, gelu_act
-from vit_kernels.ops.attention import mask_broadcasts
+from vit_kernels.ops.attention_reference import mask_broadcasts
 
 
 def qualified_name(cls: type) -> str:
