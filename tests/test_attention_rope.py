@@ -13,6 +13,7 @@ from tests.test_attention import _dropout_mask
 from vit_kernels import backend
 from vit_kernels import nn as vkn
 from vit_kernels.ops import attention, attention_reference
+from vit_kernels.ops.rope import Rope
 
 ROPE_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS
@@ -315,9 +316,9 @@ def test_chooser_key_and_launches_tell_rope_calls_apart():
 
     qkv = torch.empty(2, 197, 3 * 2 * 64)
     plain = attention._chooser_key(qkv, 2)
-    assert attention._chooser_key(qkv, 2, (None, None, "half")) not in (
+    assert attention._chooser_key(qkv, 2, Rope(None, None, "half")) not in (
         plain,
-        attention._chooser_key(qkv, 2, (None, None, "interleaved")),
+        attention._chooser_key(qkv, 2, Rope(None, None, "interleaved")),
     )
     for layout, code in (("interleaved", 1), ("half", 2)):
         with simulated_cuda(90) as device:
@@ -399,7 +400,15 @@ def test_tile_validation_checks_against_the_rotated_reference(layout):
     cos, sin = frequency_tables(length - 1, head_dim, layout)
     qkv = torch.randn(3, length, 3 * heads * head_dim)
     other = "half" if layout == "interleaved" else "interleaved"
-    check = attention_reference.check_against_pytorch(["out"], list, qkv, heads, 0.25, rope=(cos, sin, layout))
-    assert check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=layout)]) is None
+    check = attention_reference.check_against_pytorch(
+        ["out"], list, qkv, heads, 0.25, rope=Rope(cos, sin, layout)
+    )
+    assert (
+        check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=layout)])
+        is None
+    )
     assert check([attention_reference.attention_ref(qkv, heads, 0.25)]) is not None
-    assert check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=other)]) is not None
+    assert (
+        check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=other)])
+        is not None
+    )

@@ -366,3 +366,34 @@ def test_a_warm_call_with_another_scale_or_eps_launches_by_its_own_plan():
             torch.testing.assert_close(
                 vk.layer_norm(x, weight, bias, eps).double(), expected, atol=2e-5, rtol=2e-5
             )
+
+
+WITHOUT_TRITON = """
+import sys, warnings
+sys.modules["triton"] = None  # import triton raises ImportError, as where it is not installed
+warnings.simplefilter("error")
+import torch, vit, vit_kernels as vk
+reasons = set(vk.available_backends()["triton"].values())
+assert reasons == {"triton is not installed (pip install triton)"}, reasons
+model = vit.create_model("vit_digits")
+model(torch.randn(2, 1, 8, 8)).square().sum().backward()
+assert vk.explain().ran() <= {"torch", "extension"}, vk.explain()
+with vk.use_backend("triton"):
+    pass
+"""
+
+
+def test_the_package_imports_and_trains_without_triton():
+    """Where Triton is not installed the package imports without a word on stderr, a model trains
+    on the other backends, and asking for Triton says why it cannot."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0 and "RuntimeError: backend 'triton' is not available" in result.stderr, (
+        result.stderr
+    )
+    before_the_request = result.stderr.split("Traceback")[0]
+    assert before_the_request == "", before_the_request

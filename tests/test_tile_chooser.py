@@ -250,9 +250,9 @@ def test_validation_passes_exact_zero_gradients_at_length_1(dtype):
     check = attention_reference.check_against_pytorch(
         ["dq", "dk", "dv"], lambda outputs: list(outputs[0].chunk(3, dim=-1)), qkv, 2, 16**-0.5, grad_out
     )
-    _, _, dv = torch.cat(attention_reference.reference_attention(qkv, 2, 16**-0.5, grad_out, torch.float64), -1).chunk(
-        3, -1
-    )
+    _, _, dv = torch.cat(
+        attention_reference.reference_attention(qkv, 2, 16**-0.5, grad_out, torch.float64), -1
+    ).chunk(3, -1)
     zeros = torch.zeros_like(dv)
     assert check([torch.cat([zeros, zeros, dv], dim=-1).to(dtype)]) is None
     problem = check([torch.cat([dv, zeros, dv], dim=-1).to(dtype)])

@@ -96,8 +96,8 @@ def reference_dtype(dtype: torch.dtype) -> torch.dtype:
 #   the H100's wrong dK (off by 1.3e-2 to 8.4e-2 where PyTorch's own error was 5e-4 in float16 and
 #   4e-3 in bfloat16, benchmarks/results/h100-2026-11-22.md) fails;
 # - float32, four units (4.8e-7): PyTorch's own error is itself one or two units (cuBLAS, SDPA), and
-#   another summation order as exact differs by as much (an H200 measured the Triton GEMMs and
-#   attention at 1.3 to 4.5 units, PyTorch at 0.5 to 2);
+#   another summation order as exact differs by as much (the Triton GEMMs and attention at 1.3 to
+#   3.8 units, PyTorch at 0.4 to 1.6: benchmarks/results/h200-2026-11-26.md);
 # - float64, 4096 units (9.1e-13): the same exact sums in other orders.
 # One table for the tile choosers, auto, the selftest, the benchmarks and the GPU tests
 # (tests/helpers.error_bound).

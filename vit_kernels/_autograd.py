@@ -3,8 +3,8 @@
 Every kernel is a registered op (``torch.library.triton_op`` for Triton, ``TORCH_LIBRARY`` for the
 extension) with a fake implementation and ``torch.library.register_autograd``, so that
 torch.compile and export keep it opaque in the graph. Called in eager mode, that registration costs
-the host 10-20 us per call (the dispatcher, then the Python autograd kernel and, for Triton ops,
-``custom_op``'s wrapper around the body), more than many ViT kernels run on a GPU. So in eager mode
+the host the dispatcher, then the Python autograd kernel and, for Triton ops, ``custom_op``'s
+wrapper around the body: more than many ViT kernels run on a GPU. So in eager mode
 ``differentiable`` runs the same forward, setup_context and backward from a plain
 ``torch.autograd.Function`` (the body called directly), and
 ``direct`` calls a backward op's body directly; while tracing, both call the registered op.
@@ -12,7 +12,7 @@ the host 10-20 us per call (the dispatcher, then the Python autograd kernel and,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -32,10 +32,15 @@ def tracing() -> bool:
     ) or torch._C._are_functorch_transforms_active()
 
 
-def _register(body: Callable) -> tuple[str, Callable]:
+def _register(body: Callable) -> tuple[str, Optional[Callable]]:
     """Register ``body`` (a Triton op's Python implementation, named ``_<name>``, its schema read from
-    its annotations) as ``torch.library.triton_op`` ``vit_kernels::<name>`` -> (name, the op)."""
+    its annotations) as ``torch.library.triton_op`` ``vit_kernels::<name>`` -> (name, the op). Without
+    Triton nothing is registered (None): the Triton backend is off, and no call reaches the op."""
+    from vit_kernels._triton import HAS_TRITON  # imported here: vit_kernels._triton imports this module
+
     name = body.__name__.lstrip("_")
+    if not HAS_TRITON:
+        return name, None
     torch.library.triton_op(f"vit_kernels::{name}", mutates_args=())(body)
     return name, getattr(torch.ops.vit_kernels, name).default
 
@@ -63,7 +68,8 @@ def differentiable(
     constant. ``backward`` takes None for an output that receives no gradient (eagerly no zeros are
     made for the outputs only backward reads, such as a saved pre-activation)."""
     name, op = _register(body)
-    torch.library.register_autograd(f"vit_kernels::{name}", backward, setup_context=setup_context)
+    if op is not None:
+        torch.library.register_autograd(f"vit_kernels::{name}", backward, setup_context=setup_context)
 
     def function_forward(ctx, *args):
         ctx.set_materialize_grads(False)  # an output without a gradient gives None, not a tensor of zeros

@@ -17,10 +17,10 @@ the process-wide default that every context starts from. When the chosen backend
 call falls back to ``auto``'s choice, with a warning once and a record in ``explain()``.
 
 ``auto`` runs the op table's choice: each ``Impl``'s ``preferred(device, dtype, grad)`` names where
-it is the default, from measurements cited beside it (``benchmarks/results/``): on CUDA in 16 bits
-Triton's ``patch_embed`` (4-10x PyTorch's) and, on sm_90 with gradients, Triton's attention (1.74x
-SDPA's forward + backward); without gradients the extension's ``layer_norm``; on CPU float32 the
-extension's ``patch_embed``; the reference everywhere else. A first call compiles what it runs and
+it is the default, from the measurements each op's table cites beside it: on CUDA in 16 bits
+Triton's ``patch_embed`` and, on sm_90 with gradients, Triton's attention; without gradients the
+extension's ``layer_norm``; on CPU float32 the extension's ``patch_embed``; the reference
+everywhere else. A first call compiles what it runs and
 checks each kernel's tile once (``_tiles``); nothing is timed, no child process starts.
 
 Searching happens only when asked: ``vk.tune(model, inputs)``, or ``VIT_KERNELS_TUNE=1`` /

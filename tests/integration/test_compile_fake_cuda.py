@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         "(make test-integration does)"
     )
 
+
 def _traced(model, arch, dtype, grad):
     """The ops of ``model``'s compiled graph (one, or fullgraph fails) on fake CUDA tensors, and what
     dispatch decided while tracing, as {op: backend}."""

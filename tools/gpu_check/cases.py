@@ -18,6 +18,7 @@ from tools.cuda_sim import Launch, simulated_cuda
 from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
 from vit_kernels.ops import attention, attention_tiles, layer_norm, linear, patch_embed, swiglu
+from vit_kernels.ops.rope import Rope
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
@@ -309,7 +310,7 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 if (
                     dropout_p > 0
                 ):  # candidates are validated without dropout: each one may be chosen and run with it
-                    key = attention._chooser_key(qkv, heads, None if rope is None else (*tables, rope), mask)
+                    key = attention._chooser_key(qkv, heads, None if rope is None else Rope(*tables, rope), mask)
                     for tile in attention_tiles.fwd_candidates(
                         dt, head_dim, seq_len, rope is not None, mask is not None
                     ):

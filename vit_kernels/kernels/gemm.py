@@ -84,8 +84,8 @@ def grouped_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
 
 # acc + a @ b for the K loops of the GEMMs. Float32 inputs (PRECISION "ieee", exact products on FMA
 # units): each BLOCK_K block is summed from zero and then added to acc, so an output's rounding errors
-# grow like sqrt(BLOCK_K) + sqrt(K / BLOCK_K) rather than sqrt(K). One FMA chain through a 1,023-long
-# reduction erred 12x cuBLAS's float32 on an H100; blocks of 32 err about 2x (the same data, emulated).
+# grow like sqrt(BLOCK_K) + sqrt(K / BLOCK_K) rather than sqrt(K), the error of one FMA chain through
+# the whole reduction (benchmarks/results/h200-2026-11-26.md: 5 to 10.6 units at K = 1023).
 # ``zero`` must not be a compile-time constant: Triton folds acc + dot(a, b, 0) back into
 # dot(a, b, acc). 16-bit inputs accumulate in place, as the tensor cores do.
 @triton.jit

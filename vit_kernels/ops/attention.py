@@ -13,7 +13,7 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -22,7 +22,6 @@ from vit_kernels._autograd import differentiable, direct, tracing
 from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import decided, keep, tile_to_launch
 from vit_kernels._triton import (
-    HAS_TRITON,
     capability,
     cdiv,
     dot_precision,
@@ -54,7 +53,7 @@ from vit_kernels.ops.attention_tiles import (
     fwd_candidates,
     interpreter_tile,
 )
-from vit_kernels.ops.rope import tables_4d
+from vit_kernels.ops.rope import Rope, tables_4d
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -80,7 +79,7 @@ def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
 
 
 def _chooser_key(
-    qkv: torch.Tensor, num_heads: int, rope: Optional[tuple] = None, mask: Optional[torch.Tensor] = None
+    qkv: torch.Tensor, num_heads: int, rope: Optional[Rope] = None, mask: Optional[torch.Tensor] = None
 ) -> tuple:
     """What a tile choice is kept for: device, dtype, head dim, length and the batch x heads bucket (the grid),
     as Python ints (under torch.compile with dynamic shapes the sizes are SymInts: made concrete), the
@@ -94,7 +93,7 @@ def _chooser_key(
         _signature.bucket(int(batch) * num_heads),
     )
     if rope is not None:
-        key += (f"rope={rope[2]}",)
+        key += (f"rope={rope.layout}",)
     return key if mask is None else key + (f"mask={MASK_KINDS[_mask_code(mask)]}",)
 
 
@@ -104,7 +103,7 @@ def _launch_config(
     qkv: torch.Tensor,
     num_heads: int,
     dropout_p: float,
-    rope: Optional[tuple],
+    rope: Optional[Rope],
     mask: Optional[torch.Tensor],
 ) -> tuple[tuple[int], dict]:
     """(grid, keyword arguments) of one launch of an attention kernel with ``tile``: its programs
@@ -122,7 +121,7 @@ def _launch_config(
         EVEN_D=head_dim == block_d,
         DROPOUT=dropout_p > 0,
         PRECISION=dot_precision(qkv.dtype),
-        ROPE=0 if rope is None else ROPE_CODES[rope[2]],
+        ROPE=0 if rope is None else ROPE_CODES[rope.layout],
         MASK=0 if mask is None else _mask_code(mask),
         num_warps=warps,
         num_stages=stages,
@@ -130,13 +129,13 @@ def _launch_config(
 
 
 def _plan_key(
-    qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, rope: Optional[tuple], mask
+    qkv: torch.Tensor, num_heads: int, scale: float, dropout_p: float, rope: Optional[Rope], mask
 ) -> tuple:
     """Everything a call's tile choice and launch depend on besides its tensors' data: the plans of a
     decided call are kept under it (``_tiles.decided``)."""
     key = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, num_heads, scale, dropout_p)
     if rope is not None:
-        key += (rope[2], rope[0].shape, rope[0].stride(), rope[1].shape, rope[1].stride())
+        key += (rope.layout, rope.cos.shape, rope.cos.stride(), rope.sin.shape, rope.sin.stride())
     return key if mask is None else key + (mask.dtype, mask.shape, mask.stride())
 
 
@@ -147,11 +146,11 @@ _BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key + dO's strides -> (generation, 
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
 
 
-def _launch_tensors(qkv: torch.Tensor, num_heads: int, rope: Optional[tuple], mask) -> tuple:
+def _launch_tensors(qkv: torch.Tensor, num_heads: int, rope: Optional[Rope], mask) -> tuple:
     """(Cos, Sin, Mask) for the kernels: the tables and the mask as (B, H, L_r, Dh) and (B, H, L, L)
     views (stride 0 where broadcast; a float64 mask cast to float32); qkv as the placeholder pointer
     (never read) of each one absent."""
-    cos, sin = (qkv, qkv) if rope is None else tables_4d(qkv, num_heads, rope[0], rope[1])
+    cos, sin = (qkv, qkv) if rope is None else tables_4d(qkv, num_heads, rope.cos, rope.sin)
     if mask is not None:
         if mask.dtype == torch.float64:
             mask = finite_cast(mask, torch.float32)
@@ -184,247 +183,272 @@ def _mask_code(mask: torch.Tensor) -> int:
     return 2 if mask.dtype == torch.bool else 1
 
 
-if HAS_TRITON:
+class ForwardPlan(NamedTuple):
+    """What the forward launch of a decided call needs besides its tensors (``_tiles.decided``)."""
 
-    def _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
-        """(out's shape, the statistics' shape, grid, arguments after the tensors, keywords) of the
-        forward launch with ``tile``."""
-        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
-        head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
-        grid, config = _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask)
-        out_strides = (seq_len * model_dim, model_dim)  # of the new (B, L, D) out (L, D > 0: validated)
-        args = (*head, *out_strides, *strides, scale * LOG2E, dropout_p, inv_scale, limit)
-        return (batch, seq_len, model_dim), (2, batch * num_heads, seq_len), grid, args, config
+    out_shape: tuple  # (B, L, D)
+    stats_shape: tuple  # (2, B*H, L): the row max and 1 / the row sum
+    grid: tuple
+    args: tuple  # the kernel's arguments after the tensors (``_launch_scalars``)
+    config: dict  # the constexprs, warps and stages (``_launch_config``)
 
-    def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
-        out_shape, stats_shape, grid, args, config = plan
-        device = qkv.device
-        out = torch.empty(out_shape, dtype=qkv.dtype, device=device)
-        stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
-        cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
-        tensors = (qkv, out, stats[0], stats[1], seed, cos, sin, mask)
-        launch(_attention_fwd_kernel, grid, *tensors, *args, plan=plan, **config)
-        return out, stats
 
-    def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
-        """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
+class BackwardPlan(NamedTuple):
+    """What the dQ and dK/dV launches of a decided call need besides their tensors."""
 
-        def trial():
-            def run(tile):
-                return [
-                    _launch_fwd(
-                        _fwd_plan(tile, qkv, num_heads, scale, 0.0, rope, mask), qkv, seed, rope, mask
-                    )[0]
-                ]
+    dqkv_shape: tuple  # (B, L, 3D)
+    dq_grid: tuple
+    dq_config: dict
+    dkdv_grid: tuple
+    dkdv_config: dict
+    args: tuple  # both kernels' arguments after the tensors
 
-            n = validation_images(qkv, num_heads)
-            return run, check_against_pytorch(
-                ["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale, rope=rope, mask=mask
-            )
 
-        return tile_to_launch(
-            FWD_CHOOSER,
-            qkv.device,
-            lambda: _chooser_key(qkv, num_heads, rope, mask),
-            lambda: interpreter_tile(qkv.shape[1]),
-            lambda: fwd_candidates(
-                qkv.dtype, _shape(qkv, num_heads)[3], qkv.shape[1], rope is not None, mask is not None
-            ),
-            trial,
+def _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask) -> ForwardPlan:
+    """The forward launch with ``tile``."""
+    batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
+    head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
+    grid, config = _launch_config(tile, False, qkv, num_heads, dropout_p, rope, mask)
+    out_strides = (seq_len * model_dim, model_dim)  # of the new (B, L, D) out (L, D > 0: validated)
+    args = (*head, *out_strides, *strides, scale * LOG2E, dropout_p, inv_scale, limit)
+    return ForwardPlan((batch, seq_len, model_dim), (2, batch * num_heads, seq_len), grid, args, config)
+
+
+def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
+    out = torch.empty(plan.out_shape, dtype=qkv.dtype, device=qkv.device)
+    stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=qkv.device)
+    cos, sin, mask = _launch_tensors(qkv, plan.args[1], rope, mask)
+    tensors = (qkv, out, stats[0], stats[1], seed, cos, sin, mask)
+    launch(_attention_fwd_kernel, plan.grid, *tensors, *plan.args, plan=plan, **plan.config)
+    return out, stats
+
+
+def fwd_tile(qkv, num_heads, scale, seed, rope=None, mask=None) -> tuple:
+    """The forward tile to launch: see ``_tiles.tile_to_launch`` (validated without dropout)."""
+
+    def trial():
+        def run(tile):
+            return [
+                _launch_fwd(_fwd_plan(tile, qkv, num_heads, scale, 0.0, rope, mask), qkv, seed, rope, mask)[0]
+            ]
+
+        n = validation_images(qkv, num_heads)
+        return run, check_against_pytorch(
+            ["out"], lambda outputs: [outputs[0][:n]], qkv, num_heads, scale, rope=rope, mask=mask
         )
 
-    def _attention_fwd(
-        qkv: torch.Tensor,
-        num_heads: int,
-        scale: float,
-        dropout_p: float,
-        seed: torch.Tensor,
-        cos: Optional[torch.Tensor] = None,
-        sin: Optional[torch.Tensor] = None,
-        rope_layout: str = "interleaved",
-        mask: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
-        and 1 / the row sum of the exponentials. With tables cos, sin (broadcastable to (B, H, L_r, Dh)),
-        q and k rotated (``rope_layout``) inside the kernel; with a mask (boolean or additive,
-        broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
-        rope = None if cos is None else (cos, sin, rope_layout)
-        key = _plan_key(qkv, num_heads, scale, dropout_p, rope, mask)
-        plan = decided(_FWD_PLANS, key)
-        if plan is None:
-            tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
-            made = _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask)
-            chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
-            plan = keep(_FWD_PLANS, key, made, FWD_CHOOSER, qkv.device, chooser_key)
-        return _launch_fwd(plan, qkv, seed, rope, mask)
-
-    def _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask) -> tuple:
-        """(dqkv's shape, (grid, keywords) of the dQ launch and of the dK/dV launch with ``tiles``, the
-        arguments after the tensors)."""
-        batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
-        head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
-        dqkv_shape = (batch, seq_len, 3 * model_dim)
-        args = (
-            *head,
-            *grad_out.stride(),
-            seq_len * 3 * model_dim,  # the new (B, L, 3D) dqkv's strides
-            3 * model_dim,
-            *strides,
-            scale,
-            scale * LOG2E,
-            dropout_p,
-            inv_scale,
-            limit,
-        )
-        return (
-            dqkv_shape,
-            _launch_config(tiles[0], False, qkv, num_heads, dropout_p, rope, mask),
-            _launch_config(tiles[1], True, qkv, num_heads, dropout_p, rope, mask),
-            args,
-        )
-
-    def _launch_bwd(plan, grad_out, qkv, stats, seed, rope=None, mask=None) -> torch.Tensor:
-        """The dQ kernel (first: it writes delta), then the dK/dV kernel, launched by ``plan``
-        (``_bwd_plan``) -> dqkv (B, L, 3D)."""
-        dqkv_shape, (dq_grid, dq_config), (dkdv_grid, dkdv_config), args = plan
-        row_max, inv_sum = stats[0], stats[1]
-        delta = torch.empty_like(row_max)
-        dqkv = torch.empty(dqkv_shape, dtype=qkv.dtype, device=qkv.device)
-        cos, sin, mask = _launch_tensors(qkv, args[1], rope, mask)
-        tensors = (qkv, grad_out, row_max, inv_sum, delta, seed, dqkv, cos, sin, mask)
-        launch(_attention_bwd_dq_kernel, dq_grid, *tensors, *args, plan=plan, **dq_config)
-        launch(_attention_bwd_dkdv_kernel, dkdv_grid, *tensors, *args, plan=plan, **dkdv_config)
-        return dqkv
-
-    def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
-        """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
-
-        def trial():
-            def run(tiles):
-                plan = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, 0.0, rope, mask)
-                return [_launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)]
-
-            n = validation_images(qkv, num_heads)
-            return run, check_against_pytorch(
-                ["dq", "dk", "dv"],
-                lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
-                qkv,
-                num_heads,
-                scale,
-                grad_out,
-                rope,
-                mask,
-            )
-
-        return tile_to_launch(
-            BWD_CHOOSER,
-            qkv.device,
-            lambda: _chooser_key(qkv, num_heads, rope, mask),
-            lambda: (interpreter_tile(qkv.shape[1]),) * 2,
-            lambda: bwd_candidates(
-                qkv.dtype,
-                _shape(qkv, num_heads)[3],
-                qkv.shape[1],
-                rope is not None,
-                mask is not None,
-                capability(qkv.device),
-            ),
-            trial,
-        )
-
-    def _attention_bwd(
-        grad_out: torch.Tensor,
-        qkv: torch.Tensor,
-        stats: torch.Tensor,
-        seed: torch.Tensor,
-        num_heads: int,
-        scale: float,
-        dropout_p: float,
-        cos: Optional[torch.Tensor] = None,
-        sin: Optional[torch.Tensor] = None,
-        rope_layout: str = "interleaved",
-        mask: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
-        q and k; the tables and the mask get none)."""
-        rope = None if cos is None else (cos, sin, rope_layout)
-        key = (*_plan_key(qkv, num_heads, scale, dropout_p, rope, mask), grad_out.stride())
-        plan = decided(_BWD_PLANS, key)
-        if plan is None:
-            tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
-            made = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask)
-            chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
-            plan = keep(_BWD_PLANS, key, made, BWD_CHOOSER, qkv.device, chooser_key)
-        return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
-
-    attention_bwd = direct(_attention_bwd)
-
-    def _attention_probs(
-        qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float
-    ) -> torch.Tensor:
-        """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
-        batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-        if interpreted(qkv.device):
-            bm, bn, warps, stages = interpreter_tile(seq_len)
-        else:  # one q tile against k tiles, as in dQ: the default pair's dQ tile
-            bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
-        probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
-        grid = _row_blocks(bm, seq_len, batch * num_heads)
-        tensors = (qkv, stats[0], stats[1], probs)
-        sizes = (seq_len, num_heads, head_dim, model_dim, *qkv.stride(), scale * LOG2E)
-        config = dict(
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_D=padded_head_dim(head_dim),
-            PRECISION=dot_precision(qkv.dtype),
-            num_warps=warps,
-            num_stages=stages,
-        )
-        launch(_attention_probs_kernel, grid, *tensors, *sizes, **config)
-        return probs
-
-    def _fwd_setup_context(ctx, inputs, output):
-        qkv, num_heads, scale, dropout_p, seed, *extra = inputs
-        cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
-        out, stats = output
-        ctx.save_for_backward(qkv, stats, seed, cos, sin, mask)
-        ctx.params, ctx.num_inputs, ctx.rope_layout = (num_heads, scale, dropout_p), len(inputs), rope_layout
-
-    def _fwd_backward(ctx, grad_out, grad_stats):
-        nones = (None,) * (ctx.num_inputs - 1)
-        if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
-            return (None, *nones)
-        qkv, stats, seed, cos, sin, mask = ctx.saved_tensors
-        dqkv = attention_bwd(grad_out, qkv, stats, seed, *ctx.params, cos, sin, ctx.rope_layout, mask)
-        return (dqkv, *nones)
-
-    attention_fwd = differentiable(_attention_fwd, _fwd_backward, _fwd_setup_context)
-
-    def _probs_setup_context(ctx, inputs, output):
-        qkv, stats, num_heads, scale = inputs
-        ctx.save_for_backward(qkv, output)
-        ctx.num_heads, ctx.scale = num_heads, scale
-
-    def _probs_backward(ctx, grad_probs):
-        # d(softmax): dS = P * (dP - rowsum(dP * P)); dq = scale dS k, dk = scale dS^T q. The
-        # probabilities are materialised anyway, so this runs as plain tensor ops. stats get no
-        # gradient: the formula above is the full derivative of softmax with respect to S.
-        qkv, probs = ctx.saved_tensors
-        q, k, _ = split_qkv(qkv, ctx.num_heads)
-        p = probs.float()
-        g = grad_probs.float()
-        ds = p * (g - (g * p).sum(-1, keepdim=True)) * ctx.scale
-        dq = merge_heads((ds @ k.float()).to(qkv.dtype))
-        dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
-        return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
-
-    attention_probs = differentiable(
-        _attention_probs,
-        _probs_backward,
-        _probs_setup_context,
-        double_backward=True,
+    return tile_to_launch(
+        FWD_CHOOSER,
+        qkv.device,
+        lambda: _chooser_key(qkv, num_heads, rope, mask),
+        lambda: interpreter_tile(qkv.shape[1]),
+        lambda: fwd_candidates(
+            qkv.dtype, _shape(qkv, num_heads)[3], qkv.shape[1], rope is not None, mask is not None
+        ),
+        trial,
     )
+
+
+def _attention_fwd(
+    qkv: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    rope_layout: str = "interleaved",
+    mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv (B, L, 3D) -> out (B, L, D), row statistics (2, B*H, L) float32: the row max of q . k
+    and 1 / the row sum of the exponentials. With tables cos, sin (broadcastable to (B, H, L_r, Dh)),
+    q and k rotated (``rope_layout``) inside the kernel; with a mask (boolean or additive,
+    broadcastable to (B, H, L, L)), the scores masked as SDPA's."""
+    rope = None if cos is None else Rope(cos, sin, rope_layout)
+    key = _plan_key(qkv, num_heads, scale, dropout_p, rope, mask)
+    plan = decided(_FWD_PLANS, key)
+    if plan is None:
+        tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
+        made = _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask)
+        chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
+        plan = keep(_FWD_PLANS, key, made, FWD_CHOOSER, qkv.device, chooser_key)
+    return _launch_fwd(plan, qkv, seed, rope, mask)
+
+
+def _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask) -> BackwardPlan:
+    """The dQ and dK/dV launches with ``tiles`` (dQ tile, dK/dV tile)."""
+    batch, seq_len, model_dim, _ = _shape(qkv, num_heads)
+    head, strides, (inv_scale, limit) = _launch_scalars(qkv, num_heads, scale, rope, mask)
+    dqkv_shape = (batch, seq_len, 3 * model_dim)
+    args = (
+        *head,
+        *grad_out.stride(),
+        seq_len * 3 * model_dim,  # the new (B, L, 3D) dqkv's strides
+        3 * model_dim,
+        *strides,
+        scale,
+        scale * LOG2E,
+        dropout_p,
+        inv_scale,
+        limit,
+    )
+    return BackwardPlan(
+        dqkv_shape,
+        *_launch_config(tiles[0], False, qkv, num_heads, dropout_p, rope, mask),
+        *_launch_config(tiles[1], True, qkv, num_heads, dropout_p, rope, mask),
+        args,
+    )
+
+
+def _launch_bwd(plan, grad_out, qkv, stats, seed, rope=None, mask=None) -> torch.Tensor:
+    """The dQ kernel (first: it writes delta), then the dK/dV kernel, launched by ``plan``
+    (``_bwd_plan``) -> dqkv (B, L, 3D)."""
+    row_max, inv_sum = stats[0], stats[1]
+    delta = torch.empty_like(row_max)
+    dqkv = torch.empty(plan.dqkv_shape, dtype=qkv.dtype, device=qkv.device)
+    cos, sin, mask = _launch_tensors(qkv, plan.args[1], rope, mask)
+    tensors = (qkv, grad_out, row_max, inv_sum, delta, seed, dqkv, cos, sin, mask)
+    launch(_attention_bwd_dq_kernel, plan.dq_grid, *tensors, *plan.args, plan=plan, **plan.dq_config)
+    launch(_attention_bwd_dkdv_kernel, plan.dkdv_grid, *tensors, *plan.args, plan=plan, **plan.dkdv_config)
+    return dqkv
+
+
+def bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope=None, mask=None) -> tuple:
+    """The backward tile pair (dQ tile, dK/dV tile) to launch: see ``_tiles.tile_to_launch``."""
+
+    def trial():
+        def run(tiles):
+            plan = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, 0.0, rope, mask)
+            return [_launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)]
+
+        n = validation_images(qkv, num_heads)
+        return run, check_against_pytorch(
+            ["dq", "dk", "dv"],
+            lambda outputs: list(outputs[0][:n].chunk(3, dim=-1)),
+            qkv,
+            num_heads,
+            scale,
+            grad_out,
+            rope,
+            mask,
+        )
+
+    return tile_to_launch(
+        BWD_CHOOSER,
+        qkv.device,
+        lambda: _chooser_key(qkv, num_heads, rope, mask),
+        lambda: (interpreter_tile(qkv.shape[1]),) * 2,
+        lambda: bwd_candidates(
+            qkv.dtype,
+            _shape(qkv, num_heads)[3],
+            qkv.shape[1],
+            rope is not None,
+            mask is not None,
+            capability(qkv.device),
+        ),
+        trial,
+    )
+
+
+def _attention_bwd(
+    grad_out: torch.Tensor,
+    qkv: torch.Tensor,
+    stats: torch.Tensor,
+    seed: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    dropout_p: float,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    rope_layout: str = "interleaved",
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """dO (B, L, D) -> dqkv (B, L, 3D), packed like qkv (with rope: the gradient of the unrotated
+    q and k; the tables and the mask get none)."""
+    rope = None if cos is None else Rope(cos, sin, rope_layout)
+    key = (*_plan_key(qkv, num_heads, scale, dropout_p, rope, mask), grad_out.stride())
+    plan = decided(_BWD_PLANS, key)
+    if plan is None:
+        tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
+        made = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask)
+        chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
+        plan = keep(_BWD_PLANS, key, made, BWD_CHOOSER, qkv.device, chooser_key)
+    return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
+
+
+attention_bwd = direct(_attention_bwd)
+
+
+def _attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
+    batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
+    if interpreted(qkv.device):
+        bm, bn, warps, stages = interpreter_tile(seq_len)
+    else:  # one q tile against k tiles, as in dQ: the default pair's dQ tile
+        bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
+    probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
+    grid = _row_blocks(bm, seq_len, batch * num_heads)
+    tensors = (qkv, stats[0], stats[1], probs)
+    sizes = (seq_len, num_heads, head_dim, model_dim, *qkv.stride(), scale * LOG2E)
+    config = dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=padded_head_dim(head_dim),
+        PRECISION=dot_precision(qkv.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    launch(_attention_probs_kernel, grid, *tensors, *sizes, **config)
+    return probs
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    qkv, num_heads, scale, dropout_p, seed, *extra = inputs
+    cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
+    out, stats = output
+    ctx.save_for_backward(qkv, stats, seed, cos, sin, mask)
+    ctx.params, ctx.num_inputs, ctx.rope_layout = (num_heads, scale, dropout_p), len(inputs), rope_layout
+
+
+def _fwd_backward(ctx, grad_out, grad_stats):
+    nones = (None,) * (ctx.num_inputs - 1)
+    if grad_out is None:  # only the probabilities were used: their own backward gives d qkv
+        return (None, *nones)
+    qkv, stats, seed, cos, sin, mask = ctx.saved_tensors
+    dqkv = attention_bwd(grad_out, qkv, stats, seed, *ctx.params, cos, sin, ctx.rope_layout, mask)
+    return (dqkv, *nones)
+
+
+attention_fwd = differentiable(_attention_fwd, _fwd_backward, _fwd_setup_context)
+
+
+def _probs_setup_context(ctx, inputs, output):
+    qkv, stats, num_heads, scale = inputs
+    ctx.save_for_backward(qkv, output)
+    ctx.num_heads, ctx.scale = num_heads, scale
+
+
+def _probs_backward(ctx, grad_probs):
+    # d(softmax): dS = P * (dP - rowsum(dP * P)); dq = scale dS k, dk = scale dS^T q. The
+    # probabilities are materialised anyway, so this runs as plain tensor ops. stats get no
+    # gradient: the formula above is the full derivative of softmax with respect to S.
+    qkv, probs = ctx.saved_tensors
+    q, k, _ = split_qkv(qkv, ctx.num_heads)
+    p = probs.float()
+    g = grad_probs.float()
+    ds = p * (g - (g * p).sum(-1, keepdim=True)) * ctx.scale
+    dq = merge_heads((ds @ k.float()).to(qkv.dtype))
+    dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
+    return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
+
+
+attention_probs = differentiable(
+    _attention_probs,
+    _probs_backward,
+    _probs_setup_context,
+    double_backward=True,
+)
 
 
 def attention_triton(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):
@@ -516,8 +540,7 @@ EXTENSION_CUDA_REASON = (
 
 def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """The extension's attention runs on the CPU only: on CUDA its unfused scores-softmax-GEMM path
-    loses to SDPA by 4-15x (1.34 vs 0.09 ms forward, 3.20 vs 0.83 ms forward+backward at ViT-B/16,
-    B=128, bf16, H100), so it is not offered there at all."""
+    loses to SDPA (``EXTENSION_CUDA_REASON``), so it is not offered there at all."""
     if device.type == "cuda":
         return EXTENSION_CUDA_REASON
     return _ext.supports(device, dtype)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_kernels._accuracy import check_against, reference_dtype
-from vit_kernels.ops.rope import apply_rope, tables_4d
+from vit_kernels.ops.rope import Rope, apply_rope, tables_4d
 
 VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
 VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
@@ -215,19 +215,19 @@ def reference_attention(
     scale: float,
     grad_out: Optional[torch.Tensor],
     dtype: torch.dtype,
-    rope: Optional[tuple] = None,
+    rope: Optional[Rope] = None,
     mask: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     """SDPA on the first ``validation_images`` images of qkv computed in ``dtype``: [out] or, given
-    grad_out, [dq, dk, dv] each (n, L, D); with rope (cos, sin, layout), of the rotated q and k. With
+    grad_out, [dq, dk, dv] each (n, L, D); with ``rope``, of the rotated q and k. With
     an attention mask, the masked softmax written out (``masked_softmax``): rows whose every key is
     masked are 0 by that rule on every device, whatever SDPA's kernel for the device does with them."""
     n = validation_images(qkv, num_heads)
     leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
     q, k, v = split_qkv(leaf, num_heads)
     if rope is not None:
-        cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope[0], rope[1]))
-        q, k = apply_rope(q, cos, sin, rope[2]), apply_rope(k, cos, sin, rope[2])
+        cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope.cos, rope.sin))
+        q, k = apply_rope(q, cos, sin, rope.layout), apply_rope(k, cos, sin, rope.layout)
     if mask is not None:
         batch, seq_len = qkv.shape[0], qkv.shape[1]
         mask = mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach()
@@ -248,7 +248,7 @@ def check_against_pytorch(
     num_heads: int,
     scale: float,
     grad_out: Optional[torch.Tensor] = None,
-    rope: Optional[tuple] = None,
+    rope: Optional[Rope] = None,
     mask: Optional[torch.Tensor] = None,
 ) -> Callable:
     """A check for the TileChooser: each part of a candidate's outputs (on the validation images)

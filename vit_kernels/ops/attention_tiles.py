@@ -39,15 +39,15 @@ def _pairs(*pairs: tuple) -> tuple[tuple[AttentionTile, AttentionTile], ...]:
 
 # Launch configurations on a GPU, per (float32 or 16-bit, padded head dim) (``vit_kernels._tiles``):
 # the first one is the default (checked once on the user's GPU; ``ATTENTION_BWD_DEFAULTS`` puts the
-# pair measured on an architecture ahead of it there), and ``vk.tune`` searches them all. Forward: tiles. Backward: (dQ tile, dK/dV tile) pairs,
-# the dK/dV kernel (which keeps dK, dV, K and V tiles live across its loop) with narrower query
-# blocks. float32 stays exact (ieee FMA, no tf32) and holds its tiles in registers without tensor
-# cores: smaller tiles. The 16-bit lists hold 128-row, 8-warp forward tiles (two warpgroups of 64
-# rows on sm_90) and backward pairs with 128-row dQ or 128-key dK/dV tiles. Every entry is compiled
-# for sm_80 and sm_90 by `make check-gpu` (no spills) and run against float64 by the GPU tests
-# (tests/test_tiles.py). The defaults are the fastest right ones an H100 measured, and the 16-bit
-# head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2), which computed a wrong dK there, are
-# left out (benchmarks/results/h100-2026-11-22.md).
+# pair measured on an architecture ahead of it there), and ``vk.tune`` searches them all.
+# Forward: tiles. Backward: (dQ tile, dK/dV tile) pairs, the dK/dV kernel (which keeps dK, dV, K and
+# V tiles live across its loop) with narrower query blocks. float32 stays exact (ieee FMA, no tf32)
+# and holds its tiles in registers without tensor cores: smaller tiles. The 16-bit lists hold
+# 128-row, 8-warp forward tiles (two warpgroups of 64 rows on sm_90) and backward pairs with 128-row
+# dQ or 128-key dK/dV tiles. Every entry compiles for sm_80 and sm_90 without spills (`make
+# check-gpu`) and is run against float64 by the GPU tests (tests/test_tiles.py). The 16-bit
+# head-dim-128 dK/dV tiles (32, 64, 8, 2) and (32, 64, 4, 2) compute a wrong dK on an H100 and are
+# not listed (benchmarks/results/h100-2026-11-22.md).
 ATTENTION_FWD_TILES = {
     (False, 64): _tiles(
         (64, 64, 4, 3),

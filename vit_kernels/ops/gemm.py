@@ -146,7 +146,7 @@ class TmaLaunch:
     a descriptor reads (``tma_layout``; the data's 16-byte alignment is asked per call): which of A
     and B are read through their transposes, the grid (one program per multiprocessor at most), the
     arguments after the tensors and the keywords. The descriptors are built by the plan's first
-    launch (``TensorDescriptor.from_tensor`` and its checks: 1.2 us a descriptor on the host) and
+    launch (``TensorDescriptor.from_tensor`` and its checks, host work on every call otherwise) and
     kept without a base; a later launch copies them over its own operands (the plan fixes their
     shapes and strides). No kept copy holds a tensor: no storage outlives its call."""
 
@@ -607,8 +607,8 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
 # SUMS_OF_A_ROWS). The table's default is "separate" (a search times both per key), by occupancy in the compile report: the row sums raise the default 16-bit tile
 # (128 x 128 x 64, 8 warps) from 114 to 152 registers per thread on sm_90, 2 -> 1 CTA per SM, and
 # the compiler hoists the A-tile read out of the first tile column's branch, so every program pays
-# it; the extra read it saves is 2 bytes per element of dY, about 13 us of a ViT-B/16 batch-128
-# fc2 dW GEMM of about 200 us.
+# it; the extra read it saves is 2 bytes per element of dY, against the dW GEMM's K-fold reuse of
+# the same bytes.
 BIAS_GRAD_WAYS = ("separate", "fused")
 BIAS_GRAD_CHOOSER = TileChooser("bias gradient", lambda: (_linear_kernel, _linear_tma_kernel))
 _BIAS_GRAD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: the way

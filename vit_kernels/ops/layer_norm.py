@@ -24,7 +24,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import HAS_TRITON, cdiv, launch, multiprocessors, next_power_of_2
+from vit_kernels._triton import cdiv, launch, multiprocessors, next_power_of_2
 from vit_kernels.kernels.layer_norm import _layer_norm_bwd_kernel, _layer_norm_fwd_kernel
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -152,255 +152,261 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-if HAS_TRITON:
-
-    def _fwd_plan(
-        tile, x2, r2, weight, bias, eps
-    ) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
-        """(grid, arguments after the tensors, keywords, the outputs' dtype and device) of a forward
-        launch with ``tile`` on rows x2 (+ r2) (rows, D)."""
-        rows, dim = x2.shape
-        per_program, warps = tile
-        args = (
-            rows,
-            dim,
-            x2.stride(0),
-            0 if r2 is None else r2.stride(0),
-            dim,  # y's row stride (y is new, D > 0)
-            dim,
-            0 if weight is None else weight.stride(0),
-            0 if bias is None else bias.stride(0),
-            eps,
-        )
-        return (
-            (cdiv(rows, per_program),),
-            args,
-            dict(
-                ROWS=per_program,
-                BLOCK_D=next_power_of_2(dim),
-                HAS_RESIDUAL=r2 is not None,
-                HAS_WEIGHT=weight is not None,
-                HAS_BIAS=bias is not None,
-                num_warps=warps,
-            ),
-            x2.dtype,
-            x2.device,
-        )
-
-    def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
-        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> y (rows, D), s = x + r (rows, D)
-        (empty (0,) without r2), mean and rstd (rows,) float32."""
-        grid, args, config, dtype, device = plan
-        rows, dim = args[0], args[1]
-        y = torch.empty((rows, dim), dtype=dtype, device=device)
-        summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
-        mean = torch.empty(rows, dtype=torch.float32, device=device)
-        rstd = torch.empty_like(mean)
-        inputs = (
-            x2,
-            x2 if r2 is None else r2,
-            x2 if weight is None else weight,
-            x2 if bias is None else bias,
-        )
-        launch(_layer_norm_fwd_kernel, grid, *inputs, y, summed, mean, rstd, *args, plan=plan, **config)
-        return y, summed, mean, rstd
-
-    def _layer_norm_fwd(
-        x: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        eps: float,
-        residual: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x, residual (..., D) -> y (..., D), s = x + residual (..., D) (empty without a residual),
-        mean and rstd (rows,) fp32."""
-        x2 = _rows(x)
-        r2 = _rows(residual) if residual is not None else None
-        plan_key = (
-            x2.shape,
-            x2.stride(0),
-            x.dtype,
-            x.device,
-            None if r2 is None else r2.stride(0),
-            None if weight is None else weight.stride(0),
-            None if bias is None else bias.stride(0),
-            eps,
-        )
-        plan = decided(_FWD_PLANS, plan_key)
-        if plan is None:
-            rows, dim = (int(n) for n in x2.shape)  # SymInts made concrete (traced with dynamic shapes)
-            block_d = next_power_of_2(dim)
-
-            def trial():
-                def run(tile):
-                    outputs = _launch_fwd(_fwd_plan(tile, x2, r2, weight, bias, eps), x2, r2, weight, bias)
-                    return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
-
-                def references():
-                    return (
-                        _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
-                        _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
-                    )
-
-                return run, check_against(("y",) if r2 is None else ("y", "s"), references, x2.dtype)
-
-            key = (
-                str(x.device),
-                str(x.dtype),
-                block_d,
-                residual is not None,
-                weight is not None,
-                bias is not None,
-                _signature.bucket(rows),
-            )
-            tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
-            made = _fwd_plan(tile, x2, r2, weight, bias, eps)
-            plan = keep(_FWD_PLANS, plan_key, made, FWD_CHOOSER, x.device, lambda: key)
-        y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
-        return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
-
-    def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
-        """(grid, the partial sums' shape, arguments after the tensors, keywords, ds's dtype and device)
-        of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most
-        ``programs per SM`` x SMs; the partial sums of d(weight) and d(bias) per program ((1, D),
-        unwritten, without them)."""
-        rows, dim = s2.shape
-        tile_rows, per_sm, warps = tile
-        programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(s2.device)))
-        args = (
-            rows,
-            dim,
-            cdiv(cdiv(rows, tile_rows), programs),
-            s2.stride(0),
-            dy2.stride(0),
-            0 if dsum2 is None else dsum2.stride(0),
-            dim,  # ds's row stride (ds is new, D > 0)
-            0 if weight is None else weight.stride(0),
-        )
-        config = dict(
-            ROWS=tile_rows,
+def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
+    """(grid, arguments after the tensors, keywords, the outputs' dtype and device) of a forward
+    launch with ``tile`` on rows x2 (+ r2) (rows, D)."""
+    rows, dim = x2.shape
+    per_program, warps = tile
+    args = (
+        rows,
+        dim,
+        x2.stride(0),
+        0 if r2 is None else r2.stride(0),
+        dim,  # y's row stride (y is new, D > 0)
+        dim,
+        0 if weight is None else weight.stride(0),
+        0 if bias is None else bias.stride(0),
+        eps,
+    )
+    return (
+        (cdiv(rows, per_program),),
+        args,
+        dict(
+            ROWS=per_program,
             BLOCK_D=next_power_of_2(dim),
-            HAS_DSUM=dsum2 is not None,
+            HAS_RESIDUAL=r2 is not None,
             HAS_WEIGHT=weight is not None,
-            NEEDS_WB=needs_weight_bias,
+            HAS_BIAS=bias is not None,
             num_warps=warps,
+        ),
+        x2.dtype,
+        x2.device,
+    )
+
+
+def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
+    """The forward kernel launched by ``plan`` (``_fwd_plan``) -> y (rows, D), s = x + r (rows, D)
+    (empty (0,) without r2), mean and rstd (rows,) float32."""
+    grid, args, config, dtype, device = plan
+    rows, dim = args[0], args[1]
+    y = torch.empty((rows, dim), dtype=dtype, device=device)
+    summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
+    mean = torch.empty(rows, dtype=torch.float32, device=device)
+    rstd = torch.empty_like(mean)
+    inputs = (
+        x2,
+        x2 if r2 is None else r2,
+        x2 if weight is None else weight,
+        x2 if bias is None else bias,
+    )
+    launch(_layer_norm_fwd_kernel, grid, *inputs, y, summed, mean, rstd, *args, plan=plan, **config)
+    return y, summed, mean, rstd
+
+
+def _layer_norm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    residual: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual (..., D) -> y (..., D), s = x + residual (..., D) (empty without a residual),
+    mean and rstd (rows,) fp32."""
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else None
+    plan_key = (
+        x2.shape,
+        x2.stride(0),
+        x.dtype,
+        x.device,
+        None if r2 is None else r2.stride(0),
+        None if weight is None else weight.stride(0),
+        None if bias is None else bias.stride(0),
+        eps,
+    )
+    plan = decided(_FWD_PLANS, plan_key)
+    if plan is None:
+        rows, dim = (int(n) for n in x2.shape)  # SymInts made concrete (traced with dynamic shapes)
+        block_d = next_power_of_2(dim)
+
+        def trial():
+            def run(tile):
+                outputs = _launch_fwd(_fwd_plan(tile, x2, r2, weight, bias, eps), x2, r2, weight, bias)
+                return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
+
+            def references():
+                return (
+                    _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
+                    _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
+                )
+
+            return run, check_against(("y",) if r2 is None else ("y", "s"), references, x2.dtype)
+
+        key = (
+            str(x.device),
+            str(x.dtype),
+            block_d,
+            residual is not None,
+            weight is not None,
+            bias is not None,
+            _signature.bucket(rows),
         )
-        return (programs,), (programs if needs_weight_bias else 1, dim), args, config, s2.dtype, s2.device
+        tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
+        made = _fwd_plan(tile, x2, r2, weight, bias, eps)
+        plan = keep(_FWD_PLANS, plan_key, made, FWD_CHOOSER, x.device, lambda: key)
+    y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
+    return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
-    def _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
-        """The backward kernel launched by ``plan`` (``_bwd_plan``) -> ds like s2, the partial sums of
-        d(weight) and d(bias) float32."""
-        grid, partials, args, config, dtype, device = plan
-        ds = torch.empty((args[0], args[1]), dtype=dtype, device=device)
-        partial_w = torch.empty(partials, dtype=torch.float32, device=device)
-        partial_b = torch.empty_like(partial_w)
-        inputs = (s2, dy2, dy2 if dsum2 is None else dsum2, s2 if weight is None else weight, mean, rstd)
-        launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, plan=plan, **config)
-        return ds, partial_w, partial_b
 
-    def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:
-        """PyTorch's ds (+ dS), and d(weight), d(bias) when asked, from the forward's mean and rstd,
-        computed in ``dtype`` (statistics in the dtype PyTorch's own forward gives them)."""
-        dim = s2.shape[1]
-        s, dy = s2.to(dtype), dy2.to(dtype)
-        stat = torch.ops.aten.native_layer_norm(s[:1], [dim], None, None, 1e-5)[1].dtype
-        w = weight.to(dtype) if weight is not None else torch.ones(dim, dtype=dtype, device=s.device)
-        ds, dw, _ = torch.ops.aten.native_layer_norm_backward(
-            dy,
-            s,
-            [dim],
-            mean.to(stat)[:, None],
-            rstd.to(stat)[:, None],
-            w,
-            None,
-            [True, needs_weight_bias, False],
-        )
-        parts = [ds if dsum2 is None else ds + dsum2.to(dtype)]
-        return parts + [dw, dy.sum(0)] if needs_weight_bias else parts
+def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
+    """(grid, the partial sums' shape, arguments after the tensors, keywords, ds's dtype and device)
+    of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most
+    ``programs per SM`` x SMs; the partial sums of d(weight) and d(bias) per program ((1, D),
+    unwritten, without them)."""
+    rows, dim = s2.shape
+    tile_rows, per_sm, warps = tile
+    programs = max(1, min(cdiv(rows, tile_rows), per_sm * multiprocessors(s2.device)))
+    args = (
+        rows,
+        dim,
+        cdiv(cdiv(rows, tile_rows), programs),
+        s2.stride(0),
+        dy2.stride(0),
+        0 if dsum2 is None else dsum2.stride(0),
+        dim,  # ds's row stride (ds is new, D > 0)
+        0 if weight is None else weight.stride(0),
+    )
+    config = dict(
+        ROWS=tile_rows,
+        BLOCK_D=next_power_of_2(dim),
+        HAS_DSUM=dsum2 is not None,
+        HAS_WEIGHT=weight is not None,
+        NEEDS_WB=needs_weight_bias,
+        num_warps=warps,
+    )
+    return (programs,), (programs if needs_weight_bias else 1, dim), args, config, s2.dtype, s2.device
 
-    def _layer_norm_bwd(
-        grad_y: torch.Tensor,
-        grad_sum: Optional[torch.Tensor],
-        summed: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        mean: torch.Tensor,
-        rstd: torch.Tensor,
-        needs_weight_bias: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
-        s2, dy2 = _rows(summed), _rows(grad_y)
-        dsum2 = _rows(grad_sum) if grad_sum is not None else None
-        plan_key = (
-            s2.shape,
-            s2.stride(0),
-            dy2.stride(0),
-            s2.dtype,
-            s2.device,
-            None if dsum2 is None else dsum2.stride(0),
-            None if weight is None else weight.stride(0),
+
+def _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
+    """The backward kernel launched by ``plan`` (``_bwd_plan``) -> ds like s2, the partial sums of
+    d(weight) and d(bias) float32."""
+    grid, partials, args, config, dtype, device = plan
+    ds = torch.empty((args[0], args[1]), dtype=dtype, device=device)
+    partial_w = torch.empty(partials, dtype=torch.float32, device=device)
+    partial_b = torch.empty_like(partial_w)
+    inputs = (s2, dy2, dy2 if dsum2 is None else dsum2, s2 if weight is None else weight, mean, rstd)
+    launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, plan=plan, **config)
+    return ds, partial_w, partial_b
+
+
+def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:
+    """PyTorch's ds (+ dS), and d(weight), d(bias) when asked, from the forward's mean and rstd,
+    computed in ``dtype`` (statistics in the dtype PyTorch's own forward gives them)."""
+    dim = s2.shape[1]
+    s, dy = s2.to(dtype), dy2.to(dtype)
+    stat = torch.ops.aten.native_layer_norm(s[:1], [dim], None, None, 1e-5)[1].dtype
+    w = weight.to(dtype) if weight is not None else torch.ones(dim, dtype=dtype, device=s.device)
+    ds, dw, _ = torch.ops.aten.native_layer_norm_backward(
+        dy,
+        s,
+        [dim],
+        mean.to(stat)[:, None],
+        rstd.to(stat)[:, None],
+        w,
+        None,
+        [True, needs_weight_bias, False],
+    )
+    parts = [ds if dsum2 is None else ds + dsum2.to(dtype)]
+    return parts + [dw, dy.sum(0)] if needs_weight_bias else parts
+
+
+def _layer_norm_bwd(
+    grad_y: torch.Tensor,
+    grad_sum: Optional[torch.Tensor],
+    summed: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    needs_weight_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> d(s) (..., D) (= dx = dresidual), d(weight) (D,) and d(bias) (D,) in fp32."""
+    s2, dy2 = _rows(summed), _rows(grad_y)
+    dsum2 = _rows(grad_sum) if grad_sum is not None else None
+    plan_key = (
+        s2.shape,
+        s2.stride(0),
+        dy2.stride(0),
+        s2.dtype,
+        s2.device,
+        None if dsum2 is None else dsum2.stride(0),
+        None if weight is None else weight.stride(0),
+        needs_weight_bias,
+    )
+    plan = decided(_BWD_PLANS, plan_key)
+    if plan is None:
+        rows, dim = (int(n) for n in s2.shape)  # SymInts made concrete (traced with dynamic shapes)
+        block_d = next_power_of_2(dim)
+
+        def trial():
+            def run(tile):
+                tried = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
+                ds, partial_w, partial_b = _launch_bwd(tried, s2, dy2, dsum2, weight, mean, rstd)
+                return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
+
+            def references():
+                return tuple(
+                    _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
+                    for dtype in (reference_dtype(s2.dtype), s2.dtype)
+                )
+
+            names = ("ds", "dweight", "dbias") if needs_weight_bias else ("ds",)
+            return run, check_against(names, references, s2.dtype)
+
+        key = (
+            str(summed.device),
+            str(summed.dtype),
+            block_d,
+            grad_sum is not None,
+            weight is not None,
             needs_weight_bias,
+            _signature.bucket(rows),
         )
-        plan = decided(_BWD_PLANS, plan_key)
-        if plan is None:
-            rows, dim = (int(n) for n in s2.shape)  # SymInts made concrete (traced with dynamic shapes)
-            block_d = next_power_of_2(dim)
+        tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
+        made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
+        plan = keep(_BWD_PLANS, plan_key, made, BWD_CHOOSER, summed.device, lambda: key)
+    ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)
+    return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 
-            def trial():
-                def run(tile):
-                    tried = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
-                    ds, partial_w, partial_b = _launch_bwd(tried, s2, dy2, dsum2, weight, mean, rstd)
-                    return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
 
-                def references():
-                    return tuple(
-                        _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
-                        for dtype in (reference_dtype(s2.dtype), s2.dtype)
-                    )
+layer_norm_bwd = direct(_layer_norm_bwd)
 
-                names = ("ds", "dweight", "dbias") if needs_weight_bias else ("ds",)
-                return run, check_against(names, references, s2.dtype)
 
-            key = (
-                str(summed.device),
-                str(summed.dtype),
-                block_d,
-                grad_sum is not None,
-                weight is not None,
-                needs_weight_bias,
-                _signature.bucket(rows),
-            )
-            tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
-            made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
-            plan = keep(_BWD_PLANS, plan_key, made, BWD_CHOOSER, summed.device, lambda: key)
-        ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)
-        return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
+def _fwd_setup_context(ctx, inputs, output):
+    x, weight, bias, eps, residual = inputs
+    y, summed, mean, rstd = output
+    ctx.save_for_backward(summed if residual is not None else x, weight, mean, rstd)
+    ctx.has = (weight is not None, bias is not None, residual is not None)
 
-    layer_norm_bwd = direct(_layer_norm_bwd)
 
-    def _fwd_setup_context(ctx, inputs, output):
-        x, weight, bias, eps, residual = inputs
-        y, summed, mean, rstd = output
-        ctx.save_for_backward(summed if residual is not None else x, weight, mean, rstd)
-        ctx.has = (weight is not None, bias is not None, residual is not None)
+def _fwd_backward(ctx, grad_y, grad_sum, grad_mean, grad_rstd):
+    summed, weight, mean, rstd = ctx.saved_tensors
+    has_weight, has_bias, has_residual = ctx.has
+    grad_sum = grad_sum if has_residual else None
+    if grad_y is None and grad_sum is None:
+        return (None,) * 5
+    if grad_y is None:  # only the sum x + residual was used
+        grad_y = torch.zeros_like(summed)
+    ds, dw, db = layer_norm_bwd(grad_y, grad_sum, summed, weight, mean, rstd, has_weight or has_bias)
+    return (
+        ds,
+        dw.to(ds.dtype) if has_weight else None,
+        db.to(ds.dtype) if has_bias else None,
+        None,
+        ds if has_residual else None,
+    )
 
-    def _fwd_backward(ctx, grad_y, grad_sum, grad_mean, grad_rstd):
-        summed, weight, mean, rstd = ctx.saved_tensors
-        has_weight, has_bias, has_residual = ctx.has
-        grad_sum = grad_sum if has_residual else None
-        if grad_y is None and grad_sum is None:
-            return (None,) * 5
-        if grad_y is None:  # only the sum x + residual was used
-            grad_y = torch.zeros_like(summed)
-        ds, dw, db = layer_norm_bwd(grad_y, grad_sum, summed, weight, mean, rstd, has_weight or has_bias)
-        return (
-            ds,
-            dw.to(ds.dtype) if has_weight else None,
-            db.to(ds.dtype) if has_bias else None,
-            None,
-            ds if has_residual else None,
-        )
 
-    layer_norm_fwd = differentiable(_layer_norm_fwd, _fwd_backward, _fwd_setup_context)
+layer_norm_fwd = differentiable(_layer_norm_fwd, _fwd_backward, _fwd_setup_context)
 
 
 def layer_norm_triton(x, weight, bias, eps, residual):

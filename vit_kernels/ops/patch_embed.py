@@ -26,7 +26,6 @@ from vit_kernels._tiles import (
     tile_to_launch,
 )
 from vit_kernels._triton import (
-    HAS_TRITON,
     capability,
     LAUNCH_CONFIGS,
     cached_call,
@@ -112,215 +111,220 @@ def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
     return (tile_d, tile_k, tile_m, warps), slices, rows_per_split, weight_grid, input_grid
 
 
-if HAS_TRITON:
+def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+    """(out's shape, ``out_dtype``, (D, K, T), the arguments after the tensors, grid, constants) of a
+    forward launch with ``tile``."""
+    n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
+    w2 = weight.reshape(dim, k_dim)  # a view, or a contiguous copy: its strides follow weight's
+    config = gemm_config(tile)
+    args = (
+        n * tokens,
+        dim,
+        k_dim,
+        tokens,
+        grid_w,
+        patch_size,
+        *images.stride(),
+        *w2.stride(),
+        bias.stride(0) if bias is not None else 0,
+    )
+    constants = dict(
+        HAS_BIAS=bias is not None,
+        HAS_CLS=cls_token is not None,
+        HAS_POS=pos_embed is not None,
+        PRECISION=dot_precision(images.dtype),
+        **config,
+    )
+    grid = (cdiv(n * tokens, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),)
+    return (n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants
 
-    def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
-        """(out's shape, ``out_dtype``, (D, K, T), the arguments after the tensors, grid, constants) of a
-        forward launch with ``tile``."""
-        n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
-        w2 = weight.reshape(dim, k_dim)  # a view, or a contiguous copy: its strides follow weight's
-        config = gemm_config(tile)
-        args = (
-            n * tokens,
-            dim,
-            k_dim,
-            tokens,
-            grid_w,
-            patch_size,
-            *images.stride(),
-            *w2.stride(),
-            bias.stride(0) if bias is not None else 0,
-        )
-        constants = dict(
-            HAS_BIAS=bias is not None,
-            HAS_CLS=cls_token is not None,
-            HAS_POS=pos_embed is not None,
-            PRECISION=dot_precision(images.dtype),
-            **config,
-        )
-        grid = (cdiv(n * tokens, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),)
-        return (n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants
 
-    def _launch_fwd(plan: tuple, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
-        """The forward kernel launched by ``plan`` (``_fwd_plan``) -> tokens (N, T, D)."""
-        out_shape, out_dtype, (dim, k_dim, tokens), args, grid, constants = plan
-        out = torch.empty(out_shape, dtype=out_dtype, device=images.device)
-        pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
-        cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
-        w2 = weight.reshape(dim, k_dim)
-        bias = bias if bias is not None else out
-        launch(_patch_embed_fwd_kernel, grid, images, w2, bias, cls, pos, out, *args, plan=plan, **constants)
-        return out
+def _launch_fwd(plan: tuple, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
+    """The forward kernel launched by ``plan`` (``_fwd_plan``) -> tokens (N, T, D)."""
+    out_shape, out_dtype, (dim, k_dim, tokens), args, grid, constants = plan
+    out = torch.empty(out_shape, dtype=out_dtype, device=images.device)
+    pos = pos_embed.reshape(tokens, dim).contiguous() if pos_embed is not None else out
+    cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
+    w2 = weight.reshape(dim, k_dim)
+    bias = bias if bias is not None else out
+    launch(_patch_embed_fwd_kernel, grid, images, w2, bias, cls, pos, out, *args, plan=plan, **constants)
+    return out
 
-    def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
-        """What a forward tile choice is kept for: dtypes, the optional inputs, the GEMM's rows
-        (bucketed), columns and depth, the patch and the tokens, and whether the images are
-        channels-last. Plain ints (SymInts made concrete)."""
-        n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
-        return (
-            images.device,
-            images.dtype,
-            out_dtype,
-            bias is not None,
-            cls_token is not None,
-            pos_embed is not None,
-            bucket(int(n) * int(tokens)),
-            int(dim),
-            int(k_dim),
-            patch_size,
-            int(tokens),
-            bool(images.stride(1) == 1),
-        )
 
-    def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
-        """The forward tile to launch for an output of ``out_dtype``: see
-        ``vit_kernels._tiles.tile_to_launch``. A candidate is
-        checked on ``validation_images`` against conv2d (+ class token and position embedding) in
-        float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
-        n, dim, _, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
+def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+    """What a forward tile choice is kept for: dtypes, the optional inputs, the GEMM's rows
+    (bucketed), columns and depth, the patch and the tokens, and whether the images are
+    channels-last. Plain ints (SymInts made concrete)."""
+    n, dim, k_dim, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
+    return (
+        images.device,
+        images.dtype,
+        out_dtype,
+        bias is not None,
+        cls_token is not None,
+        pos_embed is not None,
+        bucket(int(n) * int(tokens)),
+        int(dim),
+        int(k_dim),
+        patch_size,
+        int(tokens),
+        bool(images.stride(1) == 1),
+    )
 
-        def trial():
-            def run(tile):
-                plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
-                return [_launch_fwd(plan, images, weight, bias, cls_token, pos_embed)]
 
-            wide = reference_dtype(images.dtype)
-            picked = validation_images(int(n), images.device)
+def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
+    """The forward tile to launch for an output of ``out_dtype``: see
+    ``vit_kernels._tiles.tile_to_launch``. A candidate is
+    checked on ``validation_images`` against conv2d (+ class token and position embedding) in
+    float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
+    n, dim, _, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
 
-            @torch.no_grad()
-            def reference(dtype):
-                def cast(t):
-                    return t if t is None or dtype is None else t.to(dtype)
+    def trial():
+        def run(tile):
+            plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
+            return [_launch_fwd(plan, images, weight, bias, cls_token, pos_embed)]
 
-                subset = images if picked is None else images.index_select(0, picked)
-                return [
-                    patch_embed_ref(
-                        cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
-                    )
-                ]
+        wide = reference_dtype(images.dtype)
+        picked = validation_images(int(n), images.device)
 
-            def parts_of(outputs):
-                return [outputs[0] if picked is None else outputs[0].index_select(0, picked)]
+        @torch.no_grad()
+        def reference(dtype):
+            def cast(t):
+                return t if t is None or dtype is None else t.to(dtype)
 
-            return run, check_against(
-                ["out"], lambda: (reference(wide), reference(None)), images.dtype, parts_of
-            )
+            subset = images if picked is None else images.index_select(0, picked)
+            return [
+                patch_embed_ref(
+                    cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
+                )
+            ]
 
-        return tile_to_launch(
+        def parts_of(outputs):
+            return [outputs[0] if picked is None else outputs[0].index_select(0, picked)]
+
+        return run, check_against(["out"], lambda: (reference(wide), reference(None)), images.dtype, parts_of)
+
+    return tile_to_launch(
+        FWD_CHOOSER,
+        images.device,
+        lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
+        lambda: GEMM_INTERPRETER_TILE,
+        lambda: fwd_candidates(images.dtype, int(n) * int(tokens), int(dim), capability(images.device)),
+        trial,
+    )
+
+
+def _patch_embed_fwd(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cls_token: Optional[torch.Tensor],
+    pos_embed: Optional[torch.Tensor],
+    patch_size: int,
+) -> torch.Tensor:
+    """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
+    plan_key = (
+        images.shape,
+        images.stride(),
+        images.dtype,
+        images.device,
+        weight.shape,
+        weight.stride(),
+        None if bias is None else bias.stride(0),
+        None if cls_token is None else cls_token.dtype,
+        None if pos_embed is None else pos_embed.dtype,
+        patch_size,
+    )
+    plan = decided(_FWD_PLANS, plan_key)
+    if plan is None:
+        out_dtype = _out_dtype(images, cls_token, pos_embed)
+        tile = fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
+        plan = keep(
+            _FWD_PLANS,
+            plan_key,
+            _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
             FWD_CHOOSER,
             images.device,
             lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
-            lambda: GEMM_INTERPRETER_TILE,
-            lambda: fwd_candidates(images.dtype, int(n) * int(tokens), int(dim), capability(images.device)),
-            trial,
         )
+    return _launch_fwd(plan, images, weight, bias, cls_token, pos_embed)
 
-    def _patch_embed_fwd(
-        images: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        cls_token: Optional[torch.Tensor],
-        pos_embed: Optional[torch.Tensor],
-        patch_size: int,
-    ) -> torch.Tensor:
-        """images (N, C, H, W) -> tokens (N, T, D), the GEMM's tile from ``fwd_tile``."""
-        plan_key = (
-            images.shape,
-            images.stride(),
-            images.dtype,
-            images.device,
-            weight.shape,
-            weight.stride(),
-            None if bias is None else bias.stride(0),
-            None if cls_token is None else cls_token.dtype,
-            None if pos_embed is None else pos_embed.dtype,
-            patch_size,
-        )
-        plan = decided(_FWD_PLANS, plan_key)
-        if plan is None:
-            out_dtype = _out_dtype(images, cls_token, pos_embed)
-            tile = fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
-            plan = keep(
-                _FWD_PLANS,
-                plan_key,
-                _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
-                FWD_CHOOSER,
-                images.device,
-                lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
-            )
-        return _launch_fwd(plan, images, weight, bias, cls_token, pos_embed)
 
-    def _patch_embed_bwd(
-        grad_out: torch.Tensor,
-        images: torch.Tensor,
-        weight: torch.Tensor,
-        patch_size: int,
-        has_cls: bool,
-        needs_images: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
-        n, dim, k_dim, num_patches, tokens, grid_w = _geometry(images, weight, patch_size, has_cls)
-        grad_out = grad_out.to(images.dtype).contiguous()
-        (tile_d, tile_k, tile_m, warps), slices, rows_per_split, grid, input_grid = cached_call(
-            _bwd_plan, n * num_patches, dim, k_dim, images.device
-        )
-        partial = slices > 1
-        dw = torch.empty(
-            (slices, dim, k_dim) if partial else (dim, k_dim),
-            dtype=torch.float32 if partial else weight.dtype,
-            device=images.device,
-        )
-        sizes = (n * num_patches, dim, k_dim, tokens, grid_w, patch_size)
-        config = dict(
-            HAS_CLS=has_cls,
-            PRECISION=dot_precision(images.dtype),
-            BLOCK_D=tile_d,
-            BLOCK_K=tile_k,
-            BLOCK_M=tile_m,
-            num_warps=warps,
-        )
-        split = (rows_per_split, *images.stride(), dim * k_dim if partial else 0)
-        launch(_patch_embed_bwd_weight_kernel, grid, images, grad_out, dw, *sizes, *split, **config)
-        if partial:
-            dw = dw.sum(0).to(weight.dtype)
-        if not needs_images:
-            return images.new_empty(0), dw.view(weight.shape)
-        dimages = torch.empty_like(images)
-        w2 = weight.reshape(dim, k_dim)
-        launch(
-            _patch_embed_bwd_input_kernel,
-            input_grid,
-            grad_out,
-            w2,
-            dimages,
-            *sizes,
-            *dimages.stride(),
-            *w2.stride(),
-            **config,
-        )
-        return dimages, dw.view(weight.shape)
+def _patch_embed_bwd(
+    grad_out: torch.Tensor,
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    patch_size: int,
+    has_cls: bool,
+    needs_images: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> d(images) (empty unless ``needs_images``), d(weight) (D, C, P, P)."""
+    n, dim, k_dim, num_patches, tokens, grid_w = _geometry(images, weight, patch_size, has_cls)
+    grad_out = grad_out.to(images.dtype).contiguous()
+    (tile_d, tile_k, tile_m, warps), slices, rows_per_split, grid, input_grid = cached_call(
+        _bwd_plan, n * num_patches, dim, k_dim, images.device
+    )
+    partial = slices > 1
+    dw = torch.empty(
+        (slices, dim, k_dim) if partial else (dim, k_dim),
+        dtype=torch.float32 if partial else weight.dtype,
+        device=images.device,
+    )
+    sizes = (n * num_patches, dim, k_dim, tokens, grid_w, patch_size)
+    config = dict(
+        HAS_CLS=has_cls,
+        PRECISION=dot_precision(images.dtype),
+        BLOCK_D=tile_d,
+        BLOCK_K=tile_k,
+        BLOCK_M=tile_m,
+        num_warps=warps,
+    )
+    split = (rows_per_split, *images.stride(), dim * k_dim if partial else 0)
+    launch(_patch_embed_bwd_weight_kernel, grid, images, grad_out, dw, *sizes, *split, **config)
+    if partial:
+        dw = dw.sum(0).to(weight.dtype)
+    if not needs_images:
+        return images.new_empty(0), dw.view(weight.shape)
+    dimages = torch.empty_like(images)
+    w2 = weight.reshape(dim, k_dim)
+    launch(
+        _patch_embed_bwd_input_kernel,
+        input_grid,
+        grad_out,
+        w2,
+        dimages,
+        *sizes,
+        *dimages.stride(),
+        *w2.stride(),
+        **config,
+    )
+    return dimages, dw.view(weight.shape)
 
-    patch_embed_bwd = direct(_patch_embed_bwd)
 
-    def _setup_context(ctx, inputs, output):
-        images, weight, bias, cls_token, pos_embed, patch_size = inputs
-        ctx.save_for_backward(images, weight)
-        ctx.patch_size = patch_size
-        ctx.has = (bias is not None, cls_token is not None, pos_embed is not None)
+patch_embed_bwd = direct(_patch_embed_bwd)
 
-    def _backward(ctx, grad_out):
-        images, weight = ctx.saved_tensors
-        has_bias, has_cls, has_pos = ctx.has
-        dimages, dweight = patch_embed_bwd(
-            grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0]
-        )
-        per_token = grad_out.sum(0, keepdim=True, dtype=torch.float32)  # (1, T, D): one pass over dOut
-        dbias = per_token[0, int(has_cls) :].sum(0).to(weight.dtype) if has_bias else None
-        dcls = per_token[:, :1].to(grad_out.dtype) if has_cls else None
-        dpos = per_token.to(grad_out.dtype) if has_pos else None
-        return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
 
-    patch_embed_fwd = differentiable(_patch_embed_fwd, _backward, _setup_context)
+def _setup_context(ctx, inputs, output):
+    images, weight, bias, cls_token, pos_embed, patch_size = inputs
+    ctx.save_for_backward(images, weight)
+    ctx.patch_size = patch_size
+    ctx.has = (bias is not None, cls_token is not None, pos_embed is not None)
+
+
+def _backward(ctx, grad_out):
+    images, weight = ctx.saved_tensors
+    has_bias, has_cls, has_pos = ctx.has
+    dimages, dweight = patch_embed_bwd(
+        grad_out, images, weight, ctx.patch_size, has_cls, ctx.needs_input_grad[0]
+    )
+    per_token = grad_out.sum(0, keepdim=True, dtype=torch.float32)  # (1, T, D): one pass over dOut
+    dbias = per_token[0, int(has_cls) :].sum(0).to(weight.dtype) if has_bias else None
+    dcls = per_token[:, :1].to(grad_out.dtype) if has_cls else None
+    dpos = per_token.to(grad_out.dtype) if has_pos else None
+    return dimages if ctx.needs_input_grad[0] else None, dweight, dbias, dcls, dpos, None
+
+
+patch_embed_fwd = differentiable(_patch_embed_fwd, _backward, _setup_context)
 
 
 def patch_embed_triton(images, weight, bias, patch_size, cls_token=None, pos_embed=None):

@@ -15,13 +15,22 @@ left as they are: timm's ``num_prefix_tokens`` convention.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from vit_kernels._checks import check_choice, check_float_tensor, shape_of
 
 ROPE_LAYOUTS = ("interleaved", "half")
+
+
+class Rope(NamedTuple):
+    """A call's rotation: the tables cos, sin (each broadcastable to (B, H, L_r, Dh)) and the pair
+    layout, one of ROPE_LAYOUTS."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layout: str
 
 
 def rotate(x: torch.Tensor, layout: str) -> torch.Tensor:

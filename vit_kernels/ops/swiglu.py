@@ -35,7 +35,6 @@ from vit_kernels._tiles import (
     tile_to_launch,
 )
 from vit_kernels._triton import (
-    HAS_TRITON,
     cdiv,
     dot_precision,
     launch,
@@ -270,101 +269,102 @@ def _gate_and_up_grads(dh2, x2, g, u, gate_weight, up_weight, needs_bias_g: bool
     return dx, dwg, dwu, dbg if needs_bias_g else None, dbu if needs_bias_u else None
 
 
-if HAS_TRITON:
+def _swiglu_fwd(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_weight: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+    down_weight: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    save_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu (no ``down_weight``): H (..., Hd); swiglu_mlp: Y = H W_d^T + b_d (+ residual)
+    (..., D_out), the residual added in the down GEMM's epilogue. Then H (M, Hd) when there is a
+    down projection (its weight gradient reads it; else empty), and the pre-activations G, U
+    (M, Hd) that backward reads when ``save_preact`` (else empty: not written)."""
+    h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, save_preact)
+    if down_weight is None:
+        return h.view(*x.shape[:-1], gate_weight.shape[0]), h.new_empty(0), g, u
+    out = _matmul(
+        h,
+        down_weight.t(),
+        torch.result_type(x, residual) if residual is not None else x.dtype,
+        bias=down_bias,
+        residual=_rows(residual) if residual is not None else None,
+    )
+    return out.view(*x.shape[:-1], down_weight.shape[0]), h, g, u
 
-    def _swiglu_fwd(
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        gate_bias: Optional[torch.Tensor],
-        up_weight: torch.Tensor,
-        up_bias: Optional[torch.Tensor],
-        down_weight: Optional[torch.Tensor],
-        down_bias: Optional[torch.Tensor],
-        residual: Optional[torch.Tensor],
-        save_preact: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """swiglu (no ``down_weight``): H (..., Hd); swiglu_mlp: Y = H W_d^T + b_d (+ residual)
-        (..., D_out), the residual added in the down GEMM's epilogue. Then H (M, Hd) when there is a
-        down projection (its weight gradient reads it; else empty), and the pre-activations G, U
-        (M, Hd) that backward reads when ``save_preact`` (else empty: not written)."""
-        h, g, u = _gate_and_up(_rows(x), gate_weight, gate_bias, up_weight, up_bias, save_preact)
-        if down_weight is None:
-            return h.view(*x.shape[:-1], gate_weight.shape[0]), h.new_empty(0), g, u
-        out = _matmul(
-            h,
-            down_weight.t(),
-            torch.result_type(x, residual) if residual is not None else x.dtype,
-            bias=down_bias,
-            residual=_rows(residual) if residual is not None else None,
-        )
-        return out.view(*x.shape[:-1], down_weight.shape[0]), h, g, u
 
-    def _swiglu_bwd(
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        gate_weight: torch.Tensor,
-        up_weight: torch.Tensor,
-        down_weight: Optional[torch.Tensor],
-        h: torch.Tensor,
-        g: torch.Tensor,
-        u: torch.Tensor,
-        needs_bias_g: bool,
-        needs_bias_u: bool,
-        needs_bias_d: bool,
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-    ]:
-        """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (those of an absent bias or down projection
-        empty): dW_d, db_d from dY and H (``_weight_and_bias_grads``) and dH = dY W_d where there is a
-        down projection (else dH = dY), then the gate and up gradients."""
-        dy2 = _rows(grad_out).to(x.dtype)
-        empty = dy2.new_empty(0)
-        if down_weight is None:
-            dh2, dwd, dbd = dy2, empty, None
-        else:
-            dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
-            dh2 = _matmul(dy2, down_weight, x.dtype)
-        dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
-            dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
-        )
-        return (
-            dx.view(x.shape),
-            dwg,
-            dbg.to(gate_weight.dtype) if needs_bias_g else empty,
-            dwu,
-            dbu.to(up_weight.dtype) if needs_bias_u else empty,
-            dwd,
-            dbd.to(down_weight.dtype) if needs_bias_d else empty,
-        )
+def _swiglu_bwd(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: Optional[torch.Tensor],
+    h: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    needs_bias_g: bool,
+    needs_bias_u: bool,
+    needs_bias_d: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx, dW_g, db_g, dW_u, db_u, dW_d, db_d (those of an absent bias or down projection
+    empty): dW_d, db_d from dY and H (``_weight_and_bias_grads``) and dH = dY W_d where there is a
+    down projection (else dH = dY), then the gate and up gradients."""
+    dy2 = _rows(grad_out).to(x.dtype)
+    empty = dy2.new_empty(0)
+    if down_weight is None:
+        dh2, dwd, dbd = dy2, empty, None
+    else:
+        dwd, dbd = _weight_and_bias_grads(dy2, h, down_weight.dtype, needs_bias_d)
+        dh2 = _matmul(dy2, down_weight, x.dtype)
+    dx, dwg, dwu, dbg, dbu = _gate_and_up_grads(
+        dh2, _rows(x), g, u, gate_weight, up_weight, needs_bias_g, needs_bias_u
+    )
+    return (
+        dx.view(x.shape),
+        dwg,
+        dbg.to(gate_weight.dtype) if needs_bias_g else empty,
+        dwu,
+        dbu.to(up_weight.dtype) if needs_bias_u else empty,
+        dwd,
+        dbd.to(down_weight.dtype) if needs_bias_d else empty,
+    )
 
-    swiglu_bwd = direct(_swiglu_bwd)
 
-    def _swiglu_setup_context(ctx, inputs, output):
-        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual, _ = inputs
-        ctx.save_for_backward(x, gate_weight, up_weight, down_weight, output[1], output[2], output[3])
-        ctx.has = (gate_bias is not None, up_bias is not None, down_bias is not None, residual is not None)
+swiglu_bwd = direct(_swiglu_bwd)
 
-    def _swiglu_backward_op(ctx, grad_out, grad_h, grad_g, grad_u):
-        if grad_out is None:
-            return (None,) * 9
-        x, gate_weight, up_weight, down_weight, h, g, u = ctx.saved_tensors
-        has_bg, has_bu, has_bd, has_residual = ctx.has
-        dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_bwd(
-            grad_out, x, gate_weight, up_weight, down_weight, h, g, u, has_bg, has_bu, has_bd
-        )
-        return (
-            dx,
-            dwg,
-            dbg if has_bg else None,
-            dwu,
-            dbu if has_bu else None,
-            None if down_weight is None else dwd,
-            dbd if has_bd else None,
-            grad_out if has_residual else None,
-            None,
-        )
 
-    swiglu_fwd = differentiable(_swiglu_fwd, _swiglu_backward_op, _swiglu_setup_context)
+def _swiglu_setup_context(ctx, inputs, output):
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual, _ = inputs
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, output[1], output[2], output[3])
+    ctx.has = (gate_bias is not None, up_bias is not None, down_bias is not None, residual is not None)
+
+
+def _swiglu_backward_op(ctx, grad_out, grad_h, grad_g, grad_u):
+    if grad_out is None:
+        return (None,) * 9
+    x, gate_weight, up_weight, down_weight, h, g, u = ctx.saved_tensors
+    has_bg, has_bu, has_bd, has_residual = ctx.has
+    dx, dwg, dbg, dwu, dbu, dwd, dbd = swiglu_bwd(
+        grad_out, x, gate_weight, up_weight, down_weight, h, g, u, has_bg, has_bu, has_bd
+    )
+    return (
+        dx,
+        dwg,
+        dbg if has_bg else None,
+        dwu,
+        dbu if has_bu else None,
+        None if down_weight is None else dwd,
+        dbd if has_bd else None,
+        grad_out if has_residual else None,
+        None,
+    )
+
+
+swiglu_fwd = differentiable(_swiglu_fwd, _swiglu_backward_op, _swiglu_setup_context)
 
 
 def swiglu_triton(x, gate_weight, gate_bias, up_weight, up_bias):
