@@ -310,7 +310,9 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 if (
                     dropout_p > 0
                 ):  # candidates are validated without dropout: each one may be chosen and run with it
-                    key = attention._chooser_key(qkv, heads, None if rope is None else Rope(*tables, rope), mask)
+                    key = attention._chooser_key(
+                        qkv, heads, None if rope is None else Rope(*tables, rope), mask
+                    )
                     for tile in attention_tiles.fwd_candidates(
                         dt, head_dim, seq_len, rope is not None, mask is not None
                     ):
