@@ -216,8 +216,9 @@ def _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask) -> ForwardPlan
 
 def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel launched by ``plan`` (``_fwd_plan``) -> out, row statistics."""
-    out = torch.empty(plan.out_shape, dtype=qkv.dtype, device=qkv.device)
-    stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=qkv.device)
+    device = qkv.device  # read once: a tensor's attribute is a PyTorch call on the host
+    out = torch.empty(plan.out_shape, dtype=qkv.dtype, device=device)
+    stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     cos, sin, mask = _launch_tensors(qkv, plan.args[1], rope, mask)
     tensors = (qkv, out, stats[0], stats[1], seed, cos, sin, mask)
     launch(_attention_fwd_kernel, plan.grid, *tensors, *plan.args, plan=plan, **plan.config)
