@@ -46,6 +46,7 @@ lint: $(STAMP)
 	@$(PY) -m ruff --version 2>/dev/null | grep -qx "ruff $(RUFF_VERSION)" || $(PY) -m pip install -q "ruff==$(RUFF_VERSION)"
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m tools.kernel_calls
 
 # A second `make demo` is refused while runs/demo holds the first run: DEMO_ARGS=--overwrite replaces it.
 # One thread: as fast as two for this small model on a quiet machine, 3-5x faster on a busy one.

@@ -81,7 +81,17 @@ def _patch_embed_fwd_kernel(
         mask_k = ks < k_dim
         a = tl.load(
             Images
-            + _pixel_offsets(image, patch_row, patch_col, ks, P, stride_n, stride_c, stride_h, stride_w),
+            + _pixel_offsets(
+                image=image,
+                patch_row=patch_row,
+                patch_col=patch_col,
+                offs_k=ks,
+                P=P,
+                stride_n=stride_n,
+                stride_c=stride_c,
+                stride_h=stride_h,
+                stride_w=stride_w,
+            ),
             mask=is_patch[:, None] & mask_k[None, :],
             other=0.0,
         )
@@ -161,7 +171,15 @@ def _patch_embed_bwd_weight_kernel(
         a = tl.load(
             Images
             + _pixel_offsets(
-                image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w
+                image=image,
+                patch_row=patch // grid_w,
+                patch_col=patch % grid_w,
+                offs_k=offs_k,
+                P=P,
+                stride_n=stride_n,
+                stride_c=stride_c,
+                stride_h=stride_h,
+                stride_w=stride_w,
             ),
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
@@ -226,6 +244,14 @@ def _patch_embed_bwd_input_kernel(
         )
         acc = accumulate_dot(acc, dout, w.to(dout.dtype), zero, PRECISION)
     offsets = _pixel_offsets(
-        image, patch // grid_w, patch % grid_w, offs_k, P, stride_n, stride_c, stride_h, stride_w
+        image=image,
+        patch_row=patch // grid_w,
+        patch_col=patch % grid_w,
+        offs_k=offs_k,
+        P=P,
+        stride_n=stride_n,
+        stride_c=stride_c,
+        stride_h=stride_h,
+        stride_w=stride_w,
     )
     tl.store(DImages + offsets, acc.to(DImages.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
