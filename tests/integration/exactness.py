@@ -101,3 +101,21 @@ def compare_in_float32(
         kind = "output" if name == "output" else "gradient"
         worst[kind] = max(worst[kind], error)
     return worst["output"], worst["gradient"]
+
+
+def tiny_transformers_model(config_name: str, model_name: str, layers: int = 2, **extra) -> nn.Module:
+    """A freshly initialised transformers vision model ``model_name`` of config ``config_name`` at
+    the tests' tiny size (width 32, 4 heads, hidden 64, 32 x 32 images in 8 x 8 patches), on SDPA;
+    ``extra``: more config fields."""
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        **extra,
+    )
+    return getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa")

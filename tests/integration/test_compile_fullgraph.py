@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-import transformers
-from exactness import patched_copy
+from exactness import patched_copy, tiny_transformers_model
 from torchvision.models import VisionTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives beside the package, not in it
@@ -23,27 +22,18 @@ def _timm(name, **overrides):
     return timm.create_model(name, pretrained=False, img_size=32, num_classes=5, **overrides)
 
 
-def _huggingface(config_name, model_name, **extra):
-    config = getattr(transformers, config_name)(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-        **extra,
-    )
-    return getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa")
-
-
 MODELS = {
     "timm vit": lambda: _timm("vit_tiny_patch16_224", depth=2, patch_size=8),
     "timm registers + layer scale": lambda: _timm(
         "vit_tiny_patch16_224", depth=2, patch_size=8, reg_tokens=4, init_values=0.1
     ),
-    "huggingface vit": lambda: _huggingface("ViTConfig", "ViTForImageClassification", num_labels=5),
-    "huggingface siglip": lambda: _huggingface("SiglipVisionConfig", "SiglipVisionModel"),
-    "huggingface dinov2": lambda: _huggingface("Dinov2Config", "Dinov2Model", layerscale_value=0.5),
+    "huggingface vit": lambda: tiny_transformers_model(
+        "ViTConfig", "ViTForImageClassification", num_labels=5
+    ),
+    "huggingface siglip": lambda: tiny_transformers_model("SiglipVisionConfig", "SiglipVisionModel"),
+    "huggingface dinov2": lambda: tiny_transformers_model(
+        "Dinov2Config", "Dinov2Model", layerscale_value=0.5
+    ),
     "torchvision vit": lambda: VisionTransformer(
         image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=5
     ),

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from exactness import compare, patched_copy
+from exactness import compare, patched_copy, tiny_transformers_model
 from transformers import ViTConfig, ViTForImageClassification
 
 from vit_kernels.integrations import huggingface
@@ -101,22 +101,12 @@ def _tower_inputs(family, config, batch=2):
 @pytest.mark.parametrize("family", sorted(VISION_TOWERS))
 @pytest.mark.parametrize("training", [False, True])
 def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, record_difference):
-    import transformers
-
     config_name, model_name, extra = VISION_TOWERS[family]
-    config = getattr(transformers, config_name)(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-        hidden_dropout_prob=0.0,
-        attention_dropout=0.0,
-        **extra,
-    )
     torch.manual_seed(0)
-    reference = getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double()
+    reference = tiny_transformers_model(
+        config_name, model_name, hidden_dropout_prob=0.0, attention_dropout=0.0, **extra
+    ).double()
+    config = reference.config
     reference.train(training)
     fused, report = patched_copy(reference)
     kinds = [(name, new) for name, _, new in report.replaced]
@@ -156,22 +146,10 @@ def test_vision_towers_fuse_attention_and_mlp_and_stay_exact(family, training, r
 def test_a_compiled_patched_vision_tower_matches_eager(family):
     """torch.compile of a patched tower (the attention interface, the fused MLP or SwiGLU, SigLIP's
     pooling head): the same output and gradients as the eager patched model."""
-    import transformers
-
     config_name, model_name, extra = VISION_TOWERS[family]
-    config = getattr(transformers, config_name)(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-        **extra,
-    )
     torch.manual_seed(0)
-    model, _ = patched_copy(
-        getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa").double()
-    )
+    model, _ = patched_copy(tiny_transformers_model(config_name, model_name, layers=1, **extra).double())
+    config = model.config
     model.eval()
     (images,), _ = _tower_inputs(family, config)
     weight = next(p for name, p in model.named_parameters() if name.startswith("embeddings.patch_embedding"))
