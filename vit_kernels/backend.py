@@ -20,8 +20,8 @@ call falls back to ``auto``'s choice, with a warning once and a record in ``expl
 it is the default, from the measurements each op's table cites beside it: on CUDA in 16 bits
 Triton's ``patch_embed`` and, on sm_90 with gradients, Triton's attention; without gradients the
 extension's ``layer_norm``; on CPU float32 the extension's ``patch_embed``; the reference
-everywhere else. A first call compiles what it runs and
-checks each kernel's tile once (``_tiles``); nothing is timed, no child process starts.
+everywhere else. A first call compiles what it runs and checks each kernel's tile once
+(``_tiles``); nothing is timed, no child process starts.
 
 Searching happens only when asked: ``vk.tune(model, inputs)``, or ``VIT_KERNELS_TUNE=1`` /
 ``set_autotune(True)`` for ordinary calls. Then ``auto``, the first time it meets a call signature

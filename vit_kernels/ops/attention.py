@@ -48,10 +48,10 @@ from vit_kernels.ops.attention_tiles import (
     BWD_CHOOSER,
     FWD_CHOOSER,
     AttentionTile,
-    padded_head_dim,
     bwd_candidates,
     fwd_candidates,
     interpreter_tile,
+    padded_head_dim,
 )
 from vit_kernels.ops.rope import Rope, tables_4d
 
