@@ -44,6 +44,10 @@ turns ``cuda`` into simulated tensors): ``capture`` keeps the calls one warm cal
 outside the clock is taken out of the call's time. An autograd Function's ``apply`` and the autograd
 engine are clocked as PyTorch's too; the package's Functions' forward and backward, which they call,
 are ours again inside them (``ours`` pauses the clock).
+
+Dynamo cannot trace a tensor subclass, so what torch.compile puts in a GPU user's graph is traced
+under ``fake_cuda(arch)`` instead: FakeTensorMode's CUDA tensors (a CUDA build of torch, no GPU)
+with the same answers of the device.
 """
 
 from __future__ import annotations
