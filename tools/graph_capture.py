@@ -6,6 +6,16 @@ from __future__ import annotations
 import torch
 
 
+def kernel_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
+    """The vit_kernels ops that ``graphs`` call, without their namespace and overload."""
+    return {
+        str(node.target).removeprefix("vit_kernels.").removesuffix(".default")
+        for gm in graphs
+        for node in gm.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("vit_kernels.")
+    }
+
+
 class GraphCapture:
     """A torch.compile backend that keeps every graph it is given and runs it as traced."""
 
@@ -43,13 +53,3 @@ class JointCapture:
             return lambda gm, example_inputs: (graphs.append(gm), make_boxed_func(gm.forward))[1]
 
         self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
-
-    @staticmethod
-    def kernel_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
-        """The vit_kernels ops that ``graphs`` call, without their overload."""
-        return {
-            str(node.target).removeprefix("vit_kernels.").removesuffix(".default")
-            for gm in graphs
-            for node in gm.graph.nodes
-            if node.op == "call_function" and str(node.target).startswith("vit_kernels.")
-        }

@@ -216,13 +216,14 @@ def _record(tiles: Sequence, run) -> Optional[tuple[dict, dict]]:
                 return None
             recorded[tile] = [describer.launch(*launch) for launch in launches]
         except Exception as error:  # the candidate's own launcher refuses it: excluded, as in-process
-            recorded[tile] = f"{RECORDING_RAISED}{type(error).__name__}: {first_line(error)}"
+            recorded[tile] = RECORDING_RAISED + error_line(error)
     return recorded, describer.spans
 
 
-def first_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
     text = str(error)
-    return text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _prove(device: torch.device, recorded: tuple[dict, dict]) -> dict:
@@ -388,7 +389,7 @@ def replay(spec: ProofSpec, out: TextIO) -> int:
             if launches and torch.device(spec.device).type == "cuda":  # a fault shows at the latest here
                 torch.cuda.synchronize()
         except Exception as error:  # reported to the parent, which excludes the candidate
-            why = f"{type(error).__name__}: {first_line(error)}".replace("\n", " ")
+            why = error_line(error).replace("\n", " ")
             say("raised", i, why)
             return 3
         say("ok", i)

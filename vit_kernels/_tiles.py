@@ -112,7 +112,7 @@ def _as_tile(value):
 
 def _raised(error: Exception) -> str:
     """What an entry that raised is excluded for: the exception's type and first line."""
-    return f"raised {type(error).__name__}: {_proof.first_line(error)}"
+    return f"raised {_proof.error_line(error)}"
 
 
 class TileChooser:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives bes
 import vit  # noqa: E402
 import vit_kernels as vk  # noqa: E402
 from tools.cuda_sim import fake_cuda  # noqa: E402
-from tools.graph_capture import GraphCapture  # noqa: E402
+from tools.graph_capture import GraphCapture, kernel_ops  # noqa: E402
 from vit_kernels import backend  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -28,8 +28,8 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 
 def _traced(model, arch, dtype, grad):
-    """The ops of ``model``'s compiled graph (one, or fullgraph fails) on fake CUDA tensors, and what
-    dispatch decided while tracing, as {op: backend}."""
+    """The ops of ``model``'s compiled graph (one, or fullgraph fails) on fake CUDA tensors, ours among
+    them (``kernel_ops``), and what dispatch decided while tracing, as {op: backend}."""
     torch._dynamo.reset()
     backend.clear_decisions()
     capture = GraphCapture()
@@ -40,15 +40,7 @@ def _traced(model, arch, dtype, grad):
     assert len(capture.graphs) == 1
     called = {str(node.target) for node in capture.graphs[0].graph.nodes if node.op == "call_function"}
     decided = {row.op: row.backend for row in vk.explain() if row.source.endswith("(traced)")}
-    return called, decided
-
-
-def _ours(called):
-    return {
-        name.removeprefix("vit_kernels.").removesuffix(".default")
-        for name in called
-        if "vit_kernels." in name
-    }
+    return called, kernel_ops(capture.graphs), decided
 
 
 def _preset():
@@ -64,27 +56,27 @@ def _patched_timm():
 @pytest.mark.parametrize("make", [_preset, _patched_timm], ids=["vit preset", "patched timm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_training_on_sm90_compiles_our_attention_and_patch_embedding_only(make, dtype):
-    called, decided = _traced(make(), 90, dtype, grad=True)
-    assert _ours(called) == {"patch_embed_fwd", "attention_fwd"}, called
+    called, ours, decided = _traced(make(), 90, dtype, grad=True)
+    assert ours == {"patch_embed_fwd", "attention_fwd"}, called
     assert not any("scaled_dot_product" in name for name in called), called
     assert decided["attention"] == "triton" and decided["patch_embed"] == "triton", decided
     assert {decided[op] for op in ("layer_norm", "linear", "mlp")} == {"torch"}, decided
 
 
 def test_inference_on_sm90_keeps_sdpa_and_compiles_our_patch_embedding():
-    called, decided = _traced(_preset(), 90, torch.bfloat16, grad=False)
-    assert _ours(called) == {"patch_embed_fwd"}, called
+    called, ours, decided = _traced(_preset(), 90, torch.bfloat16, grad=False)
+    assert ours == {"patch_embed_fwd"}, called
     assert any("scaled_dot_product" in name for name in called), called
     assert decided["attention"] == "torch", decided
 
 
 def test_training_on_sm80_keeps_sdpa_where_our_attention_was_never_measured():
-    called, decided = _traced(_preset(), 80, torch.bfloat16, grad=True)
-    assert _ours(called) == {"patch_embed_fwd"}, called
+    called, ours, decided = _traced(_preset(), 80, torch.bfloat16, grad=True)
+    assert ours == {"patch_embed_fwd"}, called
     assert decided["attention"] == "torch" and decided["patch_embed"] == "triton", decided
 
 
 def test_float32_compiles_no_kernel_of_ours():
-    called, decided = _traced(_preset(), 90, torch.float32, grad=True)
-    assert not _ours(called), called
+    called, ours, decided = _traced(_preset(), 90, torch.float32, grad=True)
+    assert not ours, called
     assert set(decided.values()) == {"torch"}, decided

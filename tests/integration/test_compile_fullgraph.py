@@ -15,7 +15,7 @@ from torchvision.models import VisionTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives beside the package, not in it
 import vit_kernels as vk  # noqa: E402
-from tools.graph_capture import JointCapture  # noqa: E402
+from tools.graph_capture import JointCapture, kernel_ops  # noqa: E402
 
 
 def _timm(name, **overrides):
@@ -72,7 +72,7 @@ def test_a_patched_model_compiles_fullgraph_with_our_ops_forward_and_backward(fa
         actual, actual_grads = _step(
             model, images, torch.compile(model, backend=capture.backend, fullgraph=True)
         )
-    forward, backward = capture.kernel_ops(capture.forward), capture.kernel_ops(capture.backward)
+    forward, backward = kernel_ops(capture.forward), kernel_ops(capture.backward)
     # every family's LayerNorms and attention (its softmax) run our ops, forward and backward
     assert {"fused_layer_norm", "softmax"} <= forward, forward
     assert {"fused_layer_norm_backward", "softmax_backward"} <= backward, backward
