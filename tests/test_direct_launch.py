@@ -15,7 +15,7 @@ from benchmarks.host_overhead import VIT_B, forward_then_backward
 from tests.helpers import CUDA, cuda_param, device_reason, spy_direct_launches
 from tools.op_specs import OPS, SPECS
 
-from vit_kernels._triton import HAS_TRITON, direct_launch, launch, triton
+from vit_kernels._triton import FP_FUSION, HAS_TRITON, direct_launch, launch, recorded_launches, triton
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -98,6 +98,19 @@ def test_another_specialisation_goes_through_kernel_grid_and_becomes_the_direct_
     launch(kernel, grid, *changed, plan=plan, BLOCK=32)
     assert [call[0] for call in kernel.calls] == ["jit", "jit", "direct"]
     assert kernel.calls[1][2] == changed and kernel.calls[2][2][:4] == changed
+
+
+def test_every_launch_through_kernel_grid_states_fp_fusion():
+    kernel, plan, grid = _Kernel(), ("a plan",), (1,)
+    x, y = torch.randn(64), torch.randn(64)
+    launch(kernel, grid, x, y, 64, 0.5, BLOCK=32)
+    launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32, num_warps=4)
+    with direct_launch(False):
+        launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32)
+    with recorded_launches() as recorded:
+        launch(kernel, grid, x, y, 64, 0.5, plan=plan, BLOCK=32)
+    stated = [call[3] for call in kernel.calls] + [kwargs for _, _, _, kwargs in recorded]
+    assert len(stated) == 4 and all(kwargs["enable_fp_fusion"] is FP_FUSION is True for kwargs in stated)
 
 
 def test_without_a_plan_or_turned_off_every_launch_goes_through_kernel_grid():

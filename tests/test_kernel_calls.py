@@ -1,5 +1,6 @@
-"""``make lint``'s check of the kernels' calls (``tools.kernel_calls``): a call of a ``@triton.jit``
-function with more than 8 positional arguments is reported; keywords past the eighth pass."""
+"""``make lint``'s check of the kernels' shape (``tools.kernel_calls``): a call of a ``@triton.jit``
+function with more than 8 positional arguments is reported, keywords past the eighth pass; a
+``@triton.jit`` function over 130 lines is reported, one of 130 passes."""
 
 from tools.kernel_calls import violations
 
@@ -24,6 +25,19 @@ def test_a_call_with_nine_positional_arguments_is_reported(tmp_path):
     (tmp_path / "kernel.py").write_text(KERNEL)
     found = violations(tmp_path)
     assert len(found) == 1 and ":13: helper(...) passes 9 arguments by position" in found[0], found
+
+
+def _kernel_of(lines: int) -> str:
+    """A jit function of ``lines`` lines, decorator excluded."""
+    body = "".join(f"    x = x + {i}\n" for i in range(lines - 2))
+    return f"import triton\n\n\n@triton.jit\ndef kernel_{lines}(x):\n{body}    return x\n"
+
+
+def test_a_jit_function_over_130_lines_is_reported(tmp_path):
+    (tmp_path / "long.py").write_text(_kernel_of(131))
+    (tmp_path / "short.py").write_text(_kernel_of(130))
+    found = violations(tmp_path)
+    assert len(found) == 1 and "long.py:5: kernel_131 is 131 lines, at most 130" in found[0], found
 
 
 def test_the_kernels_pass():

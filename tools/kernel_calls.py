@@ -1,6 +1,11 @@
-"""python -m tools.kernel_calls: calls of a ``@triton.jit`` function pass at most 8 arguments by
-position, the rest by keyword (``make lint``): in a positional run of a dozen strides and flags, one
-argument out of place still compiles and computes something else."""
+"""python -m tools.kernel_calls: the kernels' shape rules (``make lint``).
+
+- A call of a ``@triton.jit`` function passes at most 8 arguments by position, the rest by keyword:
+  in a positional run of a dozen strides and flags, one argument out of place still compiles and
+  computes something else.
+- A ``@triton.jit`` function is at most 130 lines (its signature and docstring included): a kernel
+  longer than a screen or two is split into named passes (helpers Triton inlines).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from pathlib import Path
 
 MAX_POSITIONAL = 8
+MAX_LINES = 130
 KERNELS = Path(__file__).resolve().parents[1] / "vit_kernels" / "kernels"
 
 
@@ -28,20 +34,31 @@ def jit_functions(trees: dict[Path, ast.Module]) -> set[str]:
 
 
 def violations(folder: Path = KERNELS) -> list[str]:
-    """``file:line: name(...)`` for each call of a jit function with more than MAX_POSITIONAL
-    positional arguments."""
+    """``file:line: ...`` for each call of a jit function with more than MAX_POSITIONAL positional
+    arguments and each jit function over MAX_LINES lines."""
     trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.py"))}
     names = jit_functions(trees)
-    return [
-        f"{path}:{node.lineno}: {node.func.id}(...) passes {len(node.args)} arguments by position, "
-        f"at most {MAX_POSITIONAL}: pass the rest by keyword"
-        for path, tree in trees.items()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in names
-        and len(node.args) > MAX_POSITIONAL
-    ]
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in names
+                and len(node.args) > MAX_POSITIONAL
+            ):
+                found.append(
+                    f"{path}:{node.lineno}: {node.func.id}(...) passes {len(node.args)} arguments by "
+                    f"position, at most {MAX_POSITIONAL}: pass the rest by keyword"
+                )
+            elif isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES:
+                    found.append(
+                        f"{path}:{node.lineno}: {node.name} is {lines} lines, at most {MAX_LINES}: "
+                        "split it into named passes"
+                    )
+    return found
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ import functools
 import inspect
 import threading
 import types
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -143,6 +143,24 @@ def recording() -> bool:
     return bool(_recorders) and threading.get_ident() in _recorders
 
 
+class LaunchPlan(NamedTuple):
+    """One kernel launch of a decided call, besides its tensors (``_tiles.decided``): the launchers'
+    ``plan`` for ops with one kernel and one output dtype."""
+
+    grid: tuple
+    args: tuple  # the kernel's arguments after the tensors
+    config: dict  # the constexprs and warps
+    dtype: torch.dtype  # the outputs'
+    device: torch.device
+
+
+# Every kernel is compiled with FP fusion (a * b + c contracted to one fused multiply-add) on, stated
+# at each launch rather than left to Triton's default, which Triton 3.10 turns off: the kernels'
+# accuracy (the float32 block sums the tests bound) and the compile gate's registers and spills are
+# those of the contracted code. Under torch.compile, Inductor compiles the kernels with its options.
+FP_FUSION = True
+
+
 def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
     (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
@@ -153,15 +171,15 @@ def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs)
     traces the call (not asked again)."""
     recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
     if recorded is not None:
-        recorded.append((kernel, grid, args, kwargs))
+        recorded.append((kernel, grid, args, {**kwargs, "enable_fp_fusion": FP_FUSION}))
     elif not eager and tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
     else:
         direct = _direct_launches.get((kernel, id(plan)))
         if direct is None or direct.plan is not plan or not direct(args):
-            compiled = kernel[grid](*args, **kwargs)
+            compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
             if len(_direct_launches) >= LAUNCH_CONFIGS:
                 _direct_launches.clear()
             _direct_launches[(kernel, id(plan))] = DirectLaunch.of(kernel, plan, grid, compiled, args, kwargs)

@@ -1,7 +1,7 @@
 """Every Triton launch the simulated devices recorded, compiled for that device's architecture by
 the compile gate's own binder and compiler (tools.gpu_check), one launch per kernel variant:
 the launch a GPU user's call makes compiles, fits the SM, does not spill and has no transpose of a
-computed tile feeding a dot. Runs after every
+computed tile feeding a dot, and it states FP fusion (``_triton.FP_FUSION``). Runs after every
 other test of the stage (conftest orders it last), on the launches they recorded. A variant the
 compile gate (or an earlier run) already compiled, in a launch of the same kind, is read from its
 folder (``tools.gpu_check.compile.Compiled``, outside the clone), whoever compiled it: the gate, an
@@ -38,6 +38,10 @@ def test_every_recorded_launch_compiles_for_its_device(arch, capsys):
     launches = LAUNCHES[arch]
     if not launches:
         pytest.fail("no launch was recorded on this architecture: run the whole stage (make test-cuda-sim)")
+    unstated = {
+        str(launch.kernel) for launch in launches if launch.kwargs.get("enable_fp_fusion") is not True
+    }
+    assert not unstated, f"launches that leave FP fusion to Triton's default: {sorted(unstated)}"
     jobs, duplicates = {}, 0
     for launch in launches:
         for variant in expand(launch):

@@ -24,7 +24,7 @@ from vit_kernels._tiles import (
     report_rows,
     tile_to_launch,
 )
-from vit_kernels._triton import cdiv, launch, multiprocessors, next_power_of_2
+from vit_kernels._triton import LaunchPlan, cdiv, launch, multiprocessors, next_power_of_2
 from vit_kernels.kernels.layer_norm import _layer_norm_bwd_kernel, _layer_norm_fwd_kernel
 
 MAX_TRITON_COLS = 65536  # the Triton kernel holds a row in one tile
@@ -152,9 +152,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
-    """(grid, arguments after the tensors, keywords, the outputs' dtype and device) of a forward
-    launch with ``tile`` on rows x2 (+ r2) (rows, D)."""
+def _fwd_plan(tile, x2, r2, weight, bias, eps) -> LaunchPlan:
+    """The forward launch with ``tile`` on rows x2 (+ r2) (rows, D)."""
     rows, dim = x2.shape
     per_program, warps = tile
     args = (
@@ -168,7 +167,7 @@ def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict,
         0 if bias is None else bias.stride(0),
         eps,
     )
-    return (
+    return LaunchPlan(
         (cdiv(rows, per_program),),
         args,
         dict(
@@ -184,11 +183,11 @@ def _fwd_plan(tile, x2, r2, weight, bias, eps) -> tuple[tuple[int], tuple, dict,
     )
 
 
-def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
+def _launch_fwd(plan: LaunchPlan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
     """The forward kernel launched by ``plan`` (``_fwd_plan``) -> y (rows, D), s = x + r (rows, D)
     (empty (0,) without r2), mean and rstd (rows,) float32."""
-    grid, args, config, dtype, device = plan
-    rows, dim = args[0], args[1]
+    rows, dim = plan.args[0], plan.args[1]
+    dtype, device = plan.dtype, plan.device
     y = torch.empty((rows, dim), dtype=dtype, device=device)
     summed = torch.empty((rows, dim) if r2 is not None else (0,), dtype=dtype, device=device)
     mean = torch.empty(rows, dtype=torch.float32, device=device)
@@ -199,7 +198,18 @@ def _launch_fwd(plan, x2, r2, weight, bias) -> tuple[torch.Tensor, ...]:
         x2 if weight is None else weight,
         x2 if bias is None else bias,
     )
-    launch(_layer_norm_fwd_kernel, grid, *inputs, y, summed, mean, rstd, *args, plan=plan, **config)
+    launch(
+        _layer_norm_fwd_kernel,
+        plan.grid,
+        *inputs,
+        y,
+        summed,
+        mean,
+        rstd,
+        *plan.args,
+        plan=plan,
+        **plan.config,
+    )
     return y, summed, mean, rstd
 
 
@@ -258,9 +268,15 @@ def _layer_norm_fwd(
     return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
 
-def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
-    """(grid, the partial sums' shape, arguments after the tensors, keywords, ds's dtype and device)
-    of a backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most
+class BackwardPlan(NamedTuple):
+    """The backward launch of a decided call, besides its tensors."""
+
+    launch: LaunchPlan  # its dtype and device: ds's
+    partials: tuple  # the shape of the partial sums of d(weight) and d(bias)
+
+
+def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> BackwardPlan:
+    """The backward launch with ``tile`` on rows (rows, D): one program per tile of rows, at most
     ``programs per SM`` x SMs; the partial sums of d(weight) and d(bias) per program ((1, D),
     unwritten, without them)."""
     rows, dim = s2.shape
@@ -284,15 +300,18 @@ def _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias) -> tuple:
         NEEDS_WB=needs_weight_bias,
         num_warps=warps,
     )
-    return (programs,), (programs if needs_weight_bias else 1, dim), args, config, s2.dtype, s2.device
+    return BackwardPlan(
+        LaunchPlan((programs,), args, config, s2.dtype, s2.device),
+        (programs if needs_weight_bias else 1, dim),
+    )
 
 
-def _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
+def _launch_bwd(plan: BackwardPlan, s2, dy2, dsum2, weight, mean, rstd) -> tuple[torch.Tensor, ...]:
     """The backward kernel launched by ``plan`` (``_bwd_plan``) -> ds like s2, the partial sums of
     d(weight) and d(bias) float32."""
-    grid, partials, args, config, dtype, device = plan
+    grid, args, config, dtype, device = plan.launch
     ds = torch.empty((args[0], args[1]), dtype=dtype, device=device)
-    partial_w = torch.empty(partials, dtype=torch.float32, device=device)
+    partial_w = torch.empty(plan.partials, dtype=torch.float32, device=device)
     partial_b = torch.empty_like(partial_w)
     inputs = (s2, dy2, dy2 if dsum2 is None else dsum2, s2 if weight is None else weight, mean, rstd)
     launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, plan=plan, **config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,24 +96,45 @@ def _out_dtype(images: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embe
     return out_dtype
 
 
+class BackwardPlan(NamedTuple):
+    """The backward's two launches over the patches, besides their tensors."""
+
+    tile: tuple  # (BLOCK_D, BLOCK_K, BLOCK_M, warps), both kernels'
+    slices: int  # of dW's reduction over the patches
+    rows_per_split: int  # patches per slice
+    weight_grid: tuple
+    input_grid: tuple
+
+
+class ForwardPlan(NamedTuple):
+    """The forward launch of a decided call, besides its tensors (``_tiles.decided``)."""
+
+    out_shape: tuple  # (N, T, D)
+    out_dtype: torch.dtype
+    sizes: tuple  # (D, K, T): the GEMM's columns and depth, the tokens per image
+    args: tuple  # the kernel's arguments after the tensors
+    grid: tuple
+    constants: dict  # the constexprs and warps
+
+
 @functools.lru_cache(maxsize=LAUNCH_CONFIGS)
-def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> tuple:
-    """((BLOCK_D, BLOCK_K, BLOCK_M, warps), K slices, rows per slice, the weight gradient's grid,
-    the input gradient's grid) of the backward's launches over ``rows`` patches: dW's reduction over
-    the rows split as ``split_k_slices`` says, in slices of whole SPLIT_ROWS. Made once per distinct
-    call (a decided call looks it up)."""
+def _bwd_plan(rows: int, dim: int, k_dim: int, device: torch.device) -> BackwardPlan:
+    """The backward's launches over ``rows`` patches: dW's reduction over the rows split as
+    ``split_k_slices`` says, in slices of whole SPLIT_ROWS. Made once per distinct call (a decided
+    call looks it up)."""
     tile_d, tile_k, tile_m, warps = (32, 32, 32, 1) if interpreted(device) else (64, 64, 64, 4)
     slices = split_k_slices(dim, k_dim, rows, device)
     rows_per_split = max(1, cdiv(cdiv(rows, slices), SPLIT_ROWS)) * SPLIT_ROWS
     slices = max(1, cdiv(rows, rows_per_split))
     weight_grid = (cdiv(dim, tile_d), cdiv(k_dim, tile_k), slices)
     input_grid = (cdiv(rows, tile_m), cdiv(k_dim, tile_k))
-    return (tile_d, tile_k, tile_m, warps), slices, rows_per_split, weight_grid, input_grid
+    return BackwardPlan((tile_d, tile_k, tile_m, warps), slices, rows_per_split, weight_grid, input_grid)
 
 
-def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
-    """(out's shape, ``out_dtype``, (D, K, T), the arguments after the tensors, grid, constants) of a
-    forward launch with ``tile``."""
+def _fwd_plan(
+    tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype
+) -> ForwardPlan:
+    """The forward launch with ``tile``."""
     n, dim, k_dim, _, tokens, grid_w = _geometry(images, weight, patch_size, cls_token is not None)
     w2 = weight.reshape(dim, k_dim)  # a view, or a contiguous copy: its strides follow weight's
     config = gemm_config(tile)
@@ -136,10 +157,10 @@ def _fwd_plan(tile: GemmTile, images, weight, bias, cls_token, pos_embed, patch_
         **config,
     )
     grid = (cdiv(n * tokens, config["BLOCK_M"]) * cdiv(dim, config["BLOCK_N"]),)
-    return (n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants
+    return ForwardPlan((n, tokens, dim), out_dtype, (dim, k_dim, tokens), args, grid, constants)
 
 
-def _launch_fwd(plan: tuple, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
+def _launch_fwd(plan: ForwardPlan, images, weight, bias, cls_token, pos_embed) -> torch.Tensor:
     """The forward kernel launched by ``plan`` (``_fwd_plan``) -> tokens (N, T, D)."""
     out_shape, out_dtype, (dim, k_dim, tokens), args, grid, constants = plan
     out = torch.empty(out_shape, dtype=out_dtype, device=images.device)

@@ -35,6 +35,7 @@ from vit_kernels._tiles import (
     tile_to_launch,
 )
 from vit_kernels._triton import (
+    LaunchPlan,
     cdiv,
     dot_precision,
     launch,
@@ -93,9 +94,8 @@ class _DualGemm:
         self.x2, self.gate_weight, self.gate_bias = x2, gate_weight, gate_bias
         self.up_weight, self.up_bias, self.save_preact = up_weight, up_bias, save_preact
 
-    def plan(self, tile: GemmTile) -> tuple[tuple[int], tuple, dict, torch.dtype, torch.device]:
-        """(grid, the arguments after the tensors, constants, the outputs' dtype and device) of a
-        launch with ``tile``."""
+    def plan(self, tile: GemmTile) -> LaunchPlan:
+        """The launch with ``tile``."""
         x2, wg, wu, bg, bu = self.x2, self.gate_weight, self.up_weight, self.gate_bias, self.up_bias
         (m, k), n = x2.shape, wg.shape[0]
         args = (
@@ -108,7 +108,7 @@ class _DualGemm:
             0 if bg is None else bg.stride(0),
             0 if bu is None else bu.stride(0),
         )
-        return (
+        return LaunchPlan(
             (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),),
             args,
             dict(
@@ -227,7 +227,7 @@ def _outputs(m: int, n: int, dtype: torch.dtype, device: torch.device, save_prea
     )
 
 
-def _launch(plan: tuple, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool) -> tuple:
+def _launch(plan: LaunchPlan, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bool) -> tuple:
     """Launch ``plan`` (``_DualGemm.plan``) into fresh (H, G, U) (``_outputs``) and return them (an
     empty K still runs: H = silu(b_g) * b_u)."""
     grid, args, config, dtype, device = plan
