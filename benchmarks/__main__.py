@@ -20,6 +20,7 @@ import torch
 
 from benchmarks import ab, cases, cli, compare, e2e, environment, headline, noise, ops_bench, peaks, report
 from vit_kernels import backend
+from vit_kernels._files import write_atomically
 
 # (model, batch) pairs for the end-to-end runs, and for the per-op shapes with EVA02-B/14 (RoPE,
 # SwiGLU), DINOv3-B (half RoPE) and a padded NaFlex batch (key-padding mask) beside them.
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 },
             )
         if args.markdown:
-            report.write_atomic(args.markdown, table)
+            write_atomically(args.markdown, table)
         if args.plots:
             for path in report.plot(rows, args.plots):
                 print(f"wrote {path}", file=sys.stderr)

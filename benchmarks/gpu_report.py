@@ -30,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from benchmarks import environment, gpu_report_markdown, report, targets
+from benchmarks import environment, gpu_report_markdown, targets
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import CPU_SECTIONS, SECTIONS, Context
+from vit_kernels._files import write_atomically
 from tools.op_specs import OPS
 from vit_kernels import backend
 
@@ -166,8 +167,8 @@ def build(args: argparse.Namespace) -> dict:
 def write(data: dict, out: Path) -> tuple[Path, Path]:
     """gpu-report.json and gpu-report.md in ``out``, each written atomically."""
     paths = out / "gpu-report.json", out / "gpu-report.md"
-    report.write_atomic(paths[0], json.dumps(data, indent=1, default=str) + "\n")
-    report.write_atomic(paths[1], gpu_report_markdown.render(data) + "\n")
+    write_atomically(paths[0], json.dumps(data, indent=1, default=str) + "\n")
+    write_atomically(paths[1], gpu_report_markdown.render(data) + "\n")
     return paths
 
 

@@ -36,7 +36,7 @@ import torch
 
 import vit_kernels as vk
 from benchmarks import cli, e2e, environment
-from benchmarks.report import write_atomic
+from vit_kernels._files import write_atomically
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 
@@ -256,8 +256,8 @@ def run(
                     f"e2e: {row['model']} {mode} B={batch} {variant}: "
                     + (f"{shown:,.0f} images/s" if shown else str(row.get("skipped") or row.get("invalid")))
                 )
-                write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=1))
-                write_atomic(stem.with_suffix(".md"), markdown(report))
+                write_atomically(stem.with_suffix(".json"), json.dumps(report, indent=1))
+                write_atomically(stem.with_suffix(".md"), markdown(report))
     return report
 
 

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
 from benchmarks import noise as noise_
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a partial file beside ``path``, then rename it over ``path``: a kill never
-    leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+from vit_kernels._files import write_atomically
 
 
 def write_json(
     path: Path, rows: list[dict[str, object]], peaks: dict[str, float], meta: dict[str, object]
 ) -> None:
-    """Every row, the run's peaks and its metadata, atomically (``write_atomic``)."""
-    write_atomic(path, json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
+    """Every row, the run's peaks and its metadata, atomically (``write_atomically``)."""
+    write_atomically(path, json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=1) + "\n")
 
 
 def read_json(path: Path) -> dict[str, object]:

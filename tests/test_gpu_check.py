@@ -4,6 +4,7 @@ analysis on real Triton IR, and the ptxas log parser."""
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -491,3 +492,35 @@ def test_the_report_counts_computed_transposes_per_kernel():
     assert table[0].endswith("| computed-tile transposes |")
     assert table[2].startswith("| `_clean` |") and table[2].endswith("| 0 |")
     assert table[3].startswith("| `_k` | 2 |") and table[3].endswith("| 2 |")
+
+
+def _report(path, registers: int, spills: int = 0, extra: bool = False):
+    row = {
+        "kernel": "_k",
+        "target": "sm_90",
+        "config": "BLOCK=64 warps=4",
+        "signature": {"X": "*fp16"},
+        "constexprs": {"BLOCK": "64"},
+        "registers": registers,
+        "spill_bytes": spills,
+        "stack_bytes": 0,
+        "shared_bytes": 1024,
+        "error": None,
+    }
+    rows = [row, {**row, "config": "BLOCK=128 warps=4"}] if extra else [row]
+    path.write_text(json.dumps({"variants": rows}))
+    return path
+
+
+def test_compare_reports_a_variant_whose_registers_or_spills_change_beyond_the_tolerance(tmp_path):
+    from tools.gpu_check.compare import compare
+
+    before = _report(tmp_path / "before.json", 100)
+    table, problems = compare(before, _report(tmp_path / "same.json", 104))
+    assert problems == [] and "| `_k` | sm_90 | 1 | 1 | 100 -> 104 | 0 | 0 | 0 |" in table, table
+    _, problems = compare(before, _report(tmp_path / "more.json", 106))
+    assert len(problems) == 1 and "registers 100 -> 106" in problems[0], problems
+    _, problems = compare(before, _report(tmp_path / "spills.json", 100, spills=8))
+    assert len(problems) == 1 and "spill_bytes 0 -> 8" in problems[0], problems
+    _, problems = compare(before, _report(tmp_path / "extra.json", 100, extra=True))
+    assert len(problems) == 1 and problems[0].startswith("only in") and "BLOCK=128" in problems[0], problems

@@ -397,3 +397,20 @@ def test_the_package_imports_and_trains_without_triton():
     )
     before_the_request = result.stderr.split("Traceback")[0]
     assert before_the_request == "", before_the_request
+
+
+def test_write_atomically_replaces_the_file_whole_and_leaves_nothing_behind_on_failure(tmp_path, monkeypatch):
+    from vit_kernels import _files
+
+    path = tmp_path / "made" / "metrics.json"
+    _files.write_atomically(path, "first")
+    _files.write_atomically(path, "second")
+    assert path.read_text() == "second" and sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_files.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _files.write_atomically(path, "third")
+    assert path.read_text() == "second" and sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
+from vit_kernels._files import write_atomically
 from vit import checkpoint, cli, distributed, options
 from vit.cli import UsageError
 from vit.data import ImageData, augment, check_labels, load_dataset, resize
@@ -107,15 +108,6 @@ def evaluate(
     return Evaluation(total_loss / len(data), correct / len(data))
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "w", newline="") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
 class MetricsLog:
     """One row per evaluated epoch, rewritten (atomically) to metrics.csv and metrics.json as it grows."""
 
@@ -127,12 +119,12 @@ class MetricsLog:
         if not self.enabled:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.folder / "metrics.json", json.dumps(self.rows, indent=2))
+        write_atomically(self.folder / "metrics.json", json.dumps(self.rows, indent=2))
         table = io.StringIO()
         writer = csv.DictWriter(table, fieldnames=list(self.rows[-1]))
         writer.writeheader()
         writer.writerows(self.rows)
-        _write_atomically(self.folder / "metrics.csv", table.getvalue())
+        write_atomically(self.folder / "metrics.csv", table.getvalue())
 
 
 class StopSignal:

@@ -21,12 +21,13 @@ import importlib.metadata
 import json
 import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from vit_kernels._files import write_atomically
 
 FORMAT = 1
 
@@ -69,19 +70,6 @@ def environment() -> dict[str, str]:
         "triton": _version("triton"),
         "vit_kernels": _version("vit-kernels"),
     }
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a
-    reader sees the old file or the new one, never a part."""
-    fd, temporary = tempfile.mkstemp(prefix=".vit_kernels-", suffix=".tmp", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 class DiskCache:

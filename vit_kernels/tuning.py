@@ -18,7 +18,8 @@ import torch
 
 from vit_kernels import _tiles, backend
 from vit_kernels._explain import Explanation
-from vit_kernels._tune_cache import environment, write_atomically
+from vit_kernels._files import write_atomically
+from vit_kernels._tune_cache import environment
 
 FORMAT = 1
 

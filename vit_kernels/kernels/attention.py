@@ -312,8 +312,9 @@ def _attention_fwd_key_block(
         p = tl.exp2((s - m_safe[:, None]) * scale_log2)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
+        _, _, _, keep_scale = dropout
         keep = _dropout_keep(dropout, offs_m[:, None], rows_n[None, :], seq_len)
-        p = tl.where(keep, p * dropout[3], 0.0)  # dropout[3]: keep_scale
+        p = tl.where(keep, p * keep_scale, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -545,8 +546,9 @@ def _attention_bwd_p_dp(
         p = tl.where((rows_n < seq_len)[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
+        _, _, _, keep_scale = dropout
         keep = _dropout_keep(dropout, rows_m[:, None], rows_n[None, :], seq_len)
-        dp = tl.where(keep, dp * dropout[3], 0.0)  # dropout[3]: keep_scale
+        dp = tl.where(keep, dp * keep_scale, 0.0)
     return p, dp
 
 
@@ -623,9 +625,10 @@ def _attention_bwd_dkdv_query_block(
     p_t = tl.exp2((s_t - row_max[None, :]) * scale_log2) * inv_sum[None, :]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
+        _, _, _, keep_scale = dropout
         keep_t = _dropout_keep(dropout, rows_m[None, :], offs_n[:, None], seq_len)
-        p_dropped_t = tl.where(keep_t, p_t * dropout[3], 0.0)  # dropout[3]: keep_scale
-        dp_t = tl.where(keep_t, dp_t * dropout[3], 0.0)
+        p_dropped_t = tl.where(keep_t, p_t * keep_scale, 0.0)
+        dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
     else:
         p_dropped_t = p_t
     ds_t = p_t * (dp_t - delta[None, :])
