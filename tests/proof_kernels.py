@@ -8,12 +8,19 @@ import os
 import time
 
 
+# What a launch passes besides the kernel's parameters: Triton's launcher takes them apart.
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
 class _Kernel:
     def __init__(self, function):
         self.fn = function
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.fn(grid, *args, **kwargs)
+        def run(*args, **kwargs):
+            return self.fn(grid, *args, **{k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
+
+        return run
 
 
 def fill(grid, out, value, MODE):
