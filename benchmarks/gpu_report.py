@@ -33,9 +33,9 @@ import torch
 from benchmarks import environment, gpu_report_markdown, targets
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import CPU_SECTIONS, SECTIONS, Context
-from vit_kernels._files import write_atomically
 from tools.op_specs import OPS
 from vit_kernels import backend
+from vit_kernels._files import write_atomically
 
 NO_GPU = "No CUDA GPU found: nothing in this report was measured on a GPU (the CPU part ran on the CPU)."
 DEFAULT_TOTAL_S = 450.0  # the sections' budgets, scaled to this; startup and writing make up the 8 minutes

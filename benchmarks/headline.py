@@ -36,9 +36,9 @@ import torch
 
 import vit_kernels as vk
 from benchmarks import cli, e2e, environment
-from vit_kernels._files import write_atomically
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
+from vit_kernels._files import write_atomically
 
 VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
 # (model, source): our presets, then timm's model of the same name, patched for vk
