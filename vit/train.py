@@ -118,7 +118,6 @@ class MetricsLog:
         self.rows.append(row)
         if not self.enabled:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(self.folder / "metrics.json", json.dumps(self.rows, indent=2))
         table = io.StringIO()
         writer = csv.DictWriter(table, fieldnames=list(self.rows[-1]))
