@@ -207,11 +207,30 @@ def markdown(report: dict) -> str:
         lines.append(f"| {head} {mode} B={batch}: {variant} >= {least:.2f}x {over} | {measured} | {met} |")
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
-        lines += ["", "Share of one step's device time per op (top ones):", ""]
+        lines += [
+            "",
+            "Share of one step's device time per kernel, the top ones (full names in the JSON):",
+            "",
+        ]
         for r in profiled:
-            shares = ", ".join(f"{name} {share:.0%}" for name, share in r["profile"].items())
-            lines.append(f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']}: {shares}")
+            shares = ", ".join(
+                f"{short_kernel_name(name)} {share:.1%} ({share * r['median_ms']:.2f} ms)"
+                for name, share in r["profile"].items()
+            )
+            lines.append(
+                f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']} ({r['median_ms']:.1f} ms): {shares}"
+            )
     return "\n".join(lines) + "\n"
+
+
+def short_kernel_name(name: str) -> str:
+    """A C++ kernel's profiler key without its scope, template arguments and parameter list:
+    ``void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)`` -> ``CatArrayBatchedCopy``.
+    Other keys (Triton's and cuBLAS's kernels, ``aten::`` ops on a CPU) as they are."""
+    if not name.startswith("void "):
+        return name
+    bare = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", bare, maxsplit=1)[0].rsplit("::", 1)[-1] or name
 
 
 def run(

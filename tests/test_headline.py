@@ -78,6 +78,34 @@ def test_the_markdown_states_each_target_or_says_not_measured():
     assert "infer B=256: vk+compile >= 1.05x compile | not measured | not measured |" in text
 
 
+def test_the_markdown_lists_each_profiled_kernel_by_its_short_name_with_its_milliseconds():
+    cat = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>, 4>(int, unsigned)"
+    row = {
+        "model": "vit_base_patch16_224",
+        "mode": "train",
+        "batch": 128,
+        "variant": "eager",
+        "images_per_second": 2642.0,
+        "first_step_s": 2.4,
+        "median_ms": 48.4,
+        "profile": {"nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN": 0.1274, cat: 0.056},
+    }
+    report = {
+        "device": "x",
+        "date": "d",
+        "commit": "c",
+        "versions": {"torch": "t", "triton": "r"},
+        "dtype": "bfloat16",
+        "rows": [row],
+    }
+    line = next(line for line in headline.markdown(report).splitlines() if line.startswith("- "))
+    assert line == (
+        "- vit_base_patch16_224 train B=128 eager (48.4 ms): "
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN 12.7% (6.17 ms), CatArrayBatchedCopy 5.6% (2.71 ms)"
+    )
+    assert headline.short_kernel_name("aten::addmm") == "aten::addmm"
+
+
 def test_a_run_keeps_its_files_after_every_row(tmp_path, monkeypatch):
     """Rows are written as they finish: a run cut short (here by its budget) keeps the rows that ran."""
     monkeypatch.setattr(headline, "QUICK_RUNS", (("infer", 2),))

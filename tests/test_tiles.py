@@ -33,6 +33,7 @@ from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
+from vit_kernels import _tiles, _tune_cache
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import attention, attention_tiles, gemm, layer_norm, patch_embed
 
@@ -211,6 +212,7 @@ def test_patch_embed_tile(monkeypatch, dtype, tile):
     assert launched, "the forward did not run the pinned tile"
 
 
+@pytest.mark.parametrize("searched", [False, True], ids=["default", "searched"])
 @pytest.mark.parametrize(
     "dtype",
     [
@@ -218,30 +220,37 @@ def test_patch_embed_tile(monkeypatch, dtype, tile):
         cuda_param(torch.float32, id="fp32", skip_reason=SKIP),
     ],
 )
-def test_gemm_tile_choice_on_the_gpu(dtype):
-    """The choice as a user's first call makes it: the fused bias + GELU GEMM of a ViT-B fc1 at batch 24
-    (with more rows than are validated), every candidate validated and timed, the fastest one kept
-    and launched, the output right."""
+def test_gemm_tile_choice_on_the_gpu(tmp_path, dtype, searched):
+    """The choice of the fused bias + GELU GEMM of a ViT-B fc1 at batch 24 (more rows than are
+    checked), the output right either way. By default, as a user's first call makes it: the table's
+    first entry, checked once on the call's data and nothing else run. Searched (``vk.tune``,
+    ``VIT_KERNELS_TUNE=1``): every candidate validated and timed, the fastest right one kept."""
     gemm.GEMM_CHOOSER.forget()
+    _tiles.set_cache_folder(tmp_path)  # no verdict or tuned tile left by another test
     try:
         x = torch.randn(24, LENGTH, 768, device=CUDA, dtype=dtype)
         w = (torch.randn(3072, 768, device=CUDA) / math.sqrt(768)).to(dtype)
         b = torch.randn(3072, device=CUDA, dtype=dtype)
-        with vk.use_backend("triton", strict=True):
+        with vk.use_backend("triton", strict=True), _tiles.search(searched):
             y = vk.linear_gelu(x, w, b)
         (row,) = gemm.tile_report()
         candidates = gemm.gemm_candidates(
             dtype, 24 * LENGTH, 3072, gemm.tma_layout(x.reshape(-1, 768), w.t()) is not None
         )
-        assert set(row["candidates"]) == {repr(tile) for tile in candidates}
-        times = {tile: trial for tile, trial in row["candidates"].items() if isinstance(trial, float)}
-        assert times, row
-        assert row["chosen"] == min(times, key=times.get)
+        if searched:
+            assert set(row["candidates"]) == {repr(tile) for tile in candidates}
+            times = {tile: trial for tile, trial in row["candidates"].items() if isinstance(trial, float)}
+            assert times, row
+            assert row["chosen"] == min(times, key=times.get)
+        else:
+            assert row["candidates"] == {repr(candidates[0]): "checked"}
+            assert row["chosen"] == repr(candidates[0])
         exact = linear_gelu_formula(x.double(), w.double(), b.double(), "none")
         own = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
         error = (y.double() - exact).abs().max() / exact.abs().max()
         assert error <= max(2 * ((own.double() - exact).abs().max() / exact.abs().max()), 1e-5)
     finally:
+        _tiles.set_cache_folder(_tune_cache.default_folder())
         gemm.GEMM_CHOOSER.forget()
 
 

@@ -548,10 +548,16 @@ def _extension_supports(device: torch.device, dtype: torch.dtype) -> Optional[st
 
 
 def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-    """The table's default on sm_90 in 16 bits with gradients, eager and under torch.compile: Triton,
-    whose forward + backward from the packed qkv took 0.484 ms on an H100 against SDPA's 0.843 and
-    torch.compile's 0.729 (ViT-B/16, B=128, bf16; benchmarks/results/h100-2026-11-26.md). Without gradients SDPA's forward (cuDNN,
-    0.086 ms against 0.120) stays; other architectures were never measured: the reference."""
+    """The eager table's default on sm_90 in 16 bits with gradients: Triton, whose forward + backward
+    from the packed qkv took 0.484 ms on an H100 against SDPA's 0.843 (ViT-B/16, B=128, bf16;
+    benchmarks/results/h100-2026-11-26.md): SDPA's caller splits qkv into three copies and
+    concatenates their gradients. Without gradients SDPA's forward (cuDNN, 0.086 ms against 0.120)
+    stays; other architectures were never measured: the reference.
+
+    Under torch.compile the reference (Inductor's SDPA, cuDNN on sm_90) everywhere: Inductor folds
+    those copies into its neighbours, and in a compiled ViT-B/16 training step (B=128, bf16, H200)
+    cuDNN's backward took 2.9 ms of the step against 4.6 ms for Triton's dQ and dK/dV kernels
+    (benchmarks/results/e2e-h200-2026-11-28.md)."""
     return grad and dtype in (torch.float16, torch.bfloat16) and capability(device) == 90
 
 
@@ -564,7 +570,6 @@ backend.implementations(
         supports=backend.triton_supports_dot,
         limits=_triton_limits,
         preferred=_triton_default,
-        compiled=_triton_default,
     ),
     extension=backend.Impl(attention_extension, supports=_extension_supports, limits=_extension_limits),
 )
