@@ -98,16 +98,23 @@ test-all: $(STAMP)
 
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
-# without a GPU it confirms what it collects, says so and passes. The direct launch's tests, the tile tables and the files the
-# GPU runs found wrong go first (FIRST of tools/gpu_tests.py, as in the GPU report); with
+# without a GPU it confirms what it collects, says so and passes. The direct launch's tests and the
+# default tiles run first, on their own (HEADLINE of tools/gpu_tests.py), then the tile tables and the
+# files the GPU runs found wrong (FIRST, as in the GPU report) and the rest; with
 # pytest-xdist installed, GPU_TEST_WORKERS processes (tools/gpu_tests.py, default one per core, 8 to 16) share the GPU
 # (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		workers=$$($(PY) -c "from tools.gpu_tests import xdist_args; print(*xdist_args())"); \
-		files=$$($(PY) -c "from tools.gpu_tests import ordered_test_files; print(*ordered_test_files())"); \
-		echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files"; \
-		env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files; \
+		ran=0; failed=0; \
+		for part in headline rest; do \
+			files=$$($(PY) -c "from tools.gpu_tests import ordered_test_files; print(*ordered_test_files('$$part'))"); \
+			echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files"; \
+			env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files; code=$$?; \
+			case $$code in 0) ran=1;; 5) ;; *) failed=1;; esac; \
+		done; \
+		if [ $$ran -eq 0 ] && [ $$failed -eq 0 ]; then echo "test-gpu: no gpu test collected (pytest exit 5)"; exit 1; fi; \
+		exit $$failed; \
 	else \
 		out=$$(env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu --collect-only $(PYTEST_ARGS)); code=$$?; \
 		echo "$$out" | tail -n 1; \

@@ -212,3 +212,8 @@ def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():
     first = ["tests/" + name for name in gpu_tests.FIRST]
     assert files[: len(first)] == first
     assert sorted(ordered) == sorted(collected(["tests"]))
+    halves = gpu_tests.ordered_test_files("headline") + gpu_tests.ordered_test_files("rest")
+    assert halves == gpu_tests.ordered_test_files()
+    assert [Path(f).name for f in gpu_tests.ordered_test_files("headline")] == list(gpu_tests.HEADLINE)
+    with pytest.raises(ValueError, match="part must be"):
+        gpu_tests.ordered_test_files("first")

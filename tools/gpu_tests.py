@@ -57,11 +57,24 @@ FIRST = (
 )
 
 
-def ordered_test_files() -> list[str]:
+# `make test-gpu` runs these on their own before the rest: a GPU window's first questions (the direct
+# launch, the tiles that run by default), 16 tests that pytest-xdist would otherwise hand out in
+# chunks with the tile tests behind them, so that a window stopped after a few minutes had them
+# still running.
+HEADLINE = FIRST[:2]
+
+
+def ordered_test_files(part: str = "all") -> list[str]:
     """tests/'s test files, the FIRST ones first, each named once: pytest collects a folder named
-    beside its own files in the folder's order, so the folder itself is never passed."""
+    beside its own files in the folder's order, so the folder itself is never passed. ``part``:
+    "all", "headline" (the HEADLINE files) or "rest" (the others, in the same order)."""
+    if part not in ("all", "headline", "rest"):
+        raise ValueError(f"part must be 'all', 'headline' or 'rest', got {part!r}")
     rest = sorted(path.name for path in TESTS.glob("test_*.py") if path.name not in FIRST)
-    return [str(TESTS / name) for name in (*FIRST, *rest) if (TESTS / name).is_file()]
+    names = [name for name in (*FIRST, *rest) if (TESTS / name).is_file()]
+    if part != "all":
+        names = [name for name in names if (name in HEADLINE) == (part == "headline")]
+    return [str(TESTS / name) for name in names]
 
 
 _PROGRESS = re.compile(r"^([.FEsxX]+)\s*\[\s*\d+%\]$")
