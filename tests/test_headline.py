@@ -26,6 +26,13 @@ def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, 
     assert row["images_per_second"] > 0 and row["first_step_s"] > 0
     assert row["profile"] and all(0 < share <= 1 for share in row["profile"].values())
     assert used == [(backend, False, None)]
+    # vk's profiled row also times a new process's first step (its caches on disk warm), eager's not
+    assert (row.get("first_step_warm_s", 0) > 0) == (variant == "vk"), row
+
+
+def test_a_failed_first_step_in_a_new_process_names_its_error():
+    with pytest.raises(RuntimeError, match="first step in a new process failed: .*no_such_model"):
+        headline.first_step_in_a_new_process("no_such_model", "vit", "train", 2, CPU, torch.float32)
 
 
 def _spy(step, used):
