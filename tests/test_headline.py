@@ -55,6 +55,18 @@ def test_variants_are_the_five_and_cuda_graphs_need_cuda():
     ]
 
 
+def _markdown_of(rows: list[dict]) -> str:
+    report = {
+        "device": "x",
+        "date": "d",
+        "commit": "c",
+        "versions": {"torch": "t", "triton": "r"},
+        "dtype": "bfloat16",
+        "rows": rows,
+    }
+    return headline.markdown(report)
+
+
 def test_the_markdown_states_each_target_or_says_not_measured():
     rows = [
         {
@@ -67,17 +79,10 @@ def test_the_markdown_states_each_target_or_says_not_measured():
         }
         for v, ips in (("eager", 2457.0), ("vk", 2531.0), ("compile", 3180.0), ("vk+compile", 3600.0))
     ]
-    report = {
-        "device": "x",
-        "date": "d",
-        "commit": "c",
-        "versions": {"torch": "t", "triton": "r"},
-        "dtype": "bfloat16",
-        "rows": rows,
-    }
-    text = headline.markdown(report)
+    rows[1]["first_step_warm_s"] = 0.4
+    text = _markdown_of(rows)
     assert (
-        "| vit_base_patch16_224 | train | 128 | 2,457 (1.0 s) | 2,531 (1.0 s) | 3,180 (1.0 s) | 3,600 (1.0 s) | not measured |"
+        "| vit_base_patch16_224 | train | 128 | 2,457 (1.0 s) | 2,531 (1.0 s; 0.4 s warm) | 3,180 (1.0 s) | 3,600 (1.0 s) | not measured |"
         in text
     )
     assert "vk+compile >= 1.10x compile | 1.132x | yes |" in text
@@ -97,15 +102,7 @@ def test_the_markdown_lists_each_profiled_kernel_by_its_short_name_with_its_mill
         "median_ms": 48.4,
         "profile": {"nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN": 0.1274, cat: 0.056},
     }
-    report = {
-        "device": "x",
-        "date": "d",
-        "commit": "c",
-        "versions": {"torch": "t", "triton": "r"},
-        "dtype": "bfloat16",
-        "rows": [row],
-    }
-    line = next(line for line in headline.markdown(report).splitlines() if line.startswith("- "))
+    line = next(line for line in _markdown_of([row]).splitlines() if line.startswith("- "))
     assert line == (
         "- vit_base_patch16_224 train B=128 eager (48.4 ms): "
         "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN 12.7% (6.17 ms), CatArrayBatchedCopy 5.6% (2.71 ms)"
