@@ -13,8 +13,9 @@ CUDA) for training:
 Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
 training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
 8. Beside each figure: the first step's seconds (for vk's training row of the first model also the
-first step of a new process, the caches on disk warm), and for the training rows of the first model
-the profiler's share of the step's device time per op (the top ones), with and without vk.
+first step of a new process, the caches on disk warm), for the training rows of the first model
+the profiler's share of the step's device time per op (the top ones), with and without vk, and at
+batch 1, where the host sets the pace, its self time per op, eager and vk.
 
 Rows run headline first (ViT-B/16 training), so a budget spent early leaves the later ones out;
 the JSON and markdown are rewritten after every row (atomically), so a run cut short keeps what
@@ -87,20 +88,34 @@ def variant_setup(
     return module, backend, "compile" in variant, mode
 
 
-def _profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
-    """Each op's share of one step's device time (self time; the CPU's on a CPU), the top ones."""
+def _self_times(step: Callable[[int], object], device: torch.device, host: bool) -> dict[str, float]:
+    """Each op's self time in one step, in us: on the device (``host`` False, the CPU's on a CPU),
+    or in the host's calls (``host`` True: PyTorch's ops as the profiler records them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as profiler:
+    on_device = device.type == "cuda" and not host
+    with profile(activities=[ProfilerActivity.CUDA if on_device else ProfilerActivity.CPU]) as profiler:
         step(0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    times = {e.key: getattr(e, attribute, 0.0) for e in profiler.key_averages()}
+    attribute = "self_device_time_total" if on_device else "self_cpu_time_total"
+    return {e.key: getattr(e, attribute, 0.0) for e in profiler.key_averages()}
+
+
+def _profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
+    """Each op's share of one step's device time (self time; the CPU's on a CPU), the top ones."""
+    times = _self_times(step, device, host=False)
     total = sum(times.values()) or 1.0
     top = sorted(times.items(), key=lambda item: -item[1])[:PROFILE_TOP]
     return {name: round(t / total, 4) for name, t in top if t > 0}
+
+
+def _host_profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
+    """The host's self time per op in one step, in us, the top ones, and the total under "all":
+    where a step whose pace the host sets (batch 1) spends it."""
+    times = _self_times(step, device, host=True)
+    top = sorted(times.items(), key=lambda item: -item[1])[:PROFILE_TOP]
+    return {"all": round(sum(times.values()), 1), **{name: round(t, 1) for name, t in top if t > 0}}
 
 
 def measure(
@@ -147,6 +162,8 @@ def measure(
                 row["first_step_warm_s"] = first_step_in_a_new_process(
                     model_name, source, mode, batch, device, dtype
                 )
+        if batch == 1 and variant in ("eager", "vk"):
+            row["host_profile"] = _host_profile(step, device)
     except Exception as error:  # reported, not fatal: e.g. a compile failure
         return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
     return {
@@ -268,6 +285,15 @@ def markdown(report: dict) -> str:
             )
             lines.append(
                 f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']} ({r['median_ms']:.1f} ms): {shares}"
+            )
+    host_profiled = [r for r in rows if r.get("host_profile")]
+    if host_profiled:
+        lines += ["", "The host's self time per op in one step at batch 1, the top ones, us:", ""]
+        for r in host_profiled:
+            ops = ", ".join(f"{name} {us:,.0f}" for name, us in r["host_profile"].items() if name != "all")
+            lines.append(
+                f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']} "
+                f"(all ops {r['host_profile']['all']:,.0f}): {ops}"
             )
     return "\n".join(lines) + "\n"
 

@@ -28,6 +28,22 @@ def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, 
     assert used == [(backend, False, None)]
     # vk's profiled row also times a new process's first step (its caches on disk warm), eager's not
     assert (row.get("first_step_warm_s", 0) > 0) == (variant == "vk"), row
+    assert "host_profile" not in row  # batch 2
+
+
+@pytest.mark.parametrize("variant", ["eager", "vk", "compile"])
+def test_a_batch_1_row_of_eager_or_vk_has_the_hosts_time_per_op(variant):
+    model = ViT(get_config("vit_digits"))
+    row = headline.measure("vit_digits", "vit", "infer", 1, variant, CPU, torch.float32, model, False)
+    assert row["images_per_second"] > 0, row
+    if variant == "compile":
+        assert "host_profile" not in row
+        return
+    ops = row["host_profile"]
+    assert ops["all"] >= max(us for name, us in ops.items() if name != "all") > 0
+    assert any(name.startswith("aten::") for name in ops), ops
+    line = next(line for line in _markdown_of([row]).splitlines() if line.startswith("- "))
+    assert line.startswith(f"- vit_digits infer B=1 {variant} (all ops "), line
 
 
 def test_a_failed_first_step_in_a_new_process_names_its_error():
