@@ -175,7 +175,7 @@ def measure(
 
 
 FIRST_STEP_CHILD = "from benchmarks.headline import first_step_child; first_step_child()"
-FIRST_STEP_TIMEOUT_S = 600
+FIRST_STEP_TIMEOUT_S = 300
 
 
 def first_step_in_a_new_process(
