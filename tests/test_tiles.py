@@ -33,7 +33,7 @@ from tests.test_layer_norm import layer_norm_formula, run_layer_norm
 from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
-from vit_kernels import _tiles, _tune_cache
+from vit_kernels import _tiles
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import attention, attention_tiles, gemm, layer_norm, patch_embed
 
@@ -220,13 +220,12 @@ def test_patch_embed_tile(monkeypatch, dtype, tile):
         cuda_param(torch.float32, id="fp32", skip_reason=SKIP),
     ],
 )
-def test_gemm_tile_choice_on_the_gpu(tmp_path, dtype, searched):
+def test_gemm_tile_choice_on_the_gpu(dtype, searched):
     """The choice of the fused bias + GELU GEMM of a ViT-B fc1 at batch 24 (more rows than are
     checked), the output right either way. By default, as a user's first call makes it: the table's
     first entry, checked once on the call's data and nothing else run. Searched (``vk.tune``,
     ``VIT_KERNELS_TUNE=1``): every candidate validated and timed, the fastest right one kept."""
     gemm.GEMM_CHOOSER.forget()
-    _tiles.set_cache_folder(tmp_path)  # no verdict or tuned tile left by another test
     try:
         x = torch.randn(24, LENGTH, 768, device=CUDA, dtype=dtype)
         w = (torch.randn(3072, 768, device=CUDA) / math.sqrt(768)).to(dtype)
@@ -250,7 +249,6 @@ def test_gemm_tile_choice_on_the_gpu(tmp_path, dtype, searched):
         error = (y.double() - exact).abs().max() / exact.abs().max()
         assert error <= max(2 * ((own.double() - exact).abs().max() / exact.abs().max()), 1e-5)
     finally:
-        _tiles.set_cache_folder(_tune_cache.default_folder())
         gemm.GEMM_CHOOSER.forget()
 
 
