@@ -139,22 +139,12 @@ def measure(
     setup = variant_setup(variant, model, source, device)
     if isinstance(setup, str):
         return {**row, "skipped": setup}
-    module, backend, compiled, compile_mode = setup
+    compiled = setup[2]
     if compiled:  # each compiled row from a clean slate: its first step compiles, and no cache limit is hit
         torch._dynamo.reset()
     inputs = e2e._inputs(get_config(model_name), batch, device)
     try:
-        step = e2e._step(
-            module,
-            backend,
-            compiled,
-            device,
-            dtype,
-            "inference" if mode == "infer" else mode,
-            inputs,
-            compile_mode,
-        )
-        first_step_s = e2e._first_call_s(step, device)
+        step, first_step_s = _first_step(setup, mode, inputs, device, dtype)
         timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
         if profile:
             row["profile"] = _profile(step, device)
@@ -172,6 +162,14 @@ def measure(
         "median_ms": timing.median_ms,
         "first_step_s": first_step_s,
     }
+
+
+def _first_step(setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype):
+    """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``."""
+    module, backend, compiled, compile_mode = setup
+    mode = "inference" if mode == "infer" else mode
+    step = e2e._step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
+    return step, e2e._first_call_s(step, device)
 
 
 FIRST_STEP_CHILD = "from benchmarks.headline import first_step_child; first_step_child()"
@@ -206,11 +204,8 @@ def first_step_child() -> None:
     model_name, source, mode, batch, device_name, dtype_name = sys.argv[1:7]
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     setup = variant_setup("vk", _model(model_name, source, device), source, device)
-    module, backend, compiled, compile_mode = setup
     inputs = e2e._inputs(get_config(model_name), int(batch), device)
-    mode = "inference" if mode == "infer" else mode
-    step = e2e._step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
-    print(e2e._first_call_s(step, device))
+    print(_first_step(setup, mode, inputs, device, dtype)[1])
 
 
 def device_slug(device: torch.device) -> str:
