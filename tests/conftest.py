@@ -19,9 +19,9 @@ import torch  # noqa: E402
 import vit_kernels as vk  # noqa: E402
 from tests.covering import mark_uncovered_slow  # noqa: E402
 from tests.helpers import FUZZ_SEED, device_backends, exact_float32, skip_unless_offered  # noqa: E402
-from vit_kernels import _proof, _tiles, backend  # noqa: E402
+from vit_kernels import _proof, _tiles, _tune_cache, backend  # noqa: E402
 from tools.cuda_sim import replay_in_this_process  # noqa: E402
-from vit_kernels._tune_cache import DiskCache  # noqa: E402
+from vit_kernels._tune_cache import Store  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -41,15 +41,13 @@ def pytest_collectstart(collector):
 
 @pytest.fixture(autouse=True)
 def tile_choices_in_memory(monkeypatch):
-    """Each test's tile choices, verdicts and candidate proofs stay its own: none persists to the next
-    test, in memory or through the disk (tests of the persistence set a folder themselves), and no
-    test leaves searching on for the next. Candidates are
+    """Each test's tuned decisions, tile choices, verdicts and candidate proofs stay its own: none
+    persists to the next test, in memory or through the disk (tests of the persistence set a folder
+    themselves), and no test leaves searching on for the next. Candidates are
     proven by replaying their launches in the test's own process: a child per key would cost
     seconds each (tests/test_proof.py starts real children)."""
-    monkeypatch.setattr(_tiles, "_disk", DiskCache(None, "tiles"))
-    monkeypatch.setattr(_tiles, "_verdicts", DiskCache(None, "checks"))
+    monkeypatch.setattr(_tune_cache, "_store", Store(None))
     monkeypatch.setitem(_tiles.SEARCH, "enabled", False)
-    monkeypatch.setattr(_proof, "_disk", DiskCache(None, "proofs"))
     monkeypatch.setattr(_proof, "run_child", replay_in_this_process)
     monkeypatch.setitem(_proof._settings, "children", 1)
     _tiles.TileChooser.forget_all()

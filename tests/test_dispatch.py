@@ -55,7 +55,7 @@ def test_auto_picks_the_fastest_valid_and_rejects_the_wrong_one_with_one_warning
     assert row.candidates["wrong"].startswith("invalid: output 0: relative error")
     assert row.candidates["limited"].startswith("excluded: K = 8 > 4")
     assert out.shape == (4, 3)
-    assert json.loads(next(measured.glob("dispatch-*.json")).read_text())["entries"]
+    assert json.loads(next(measured.glob("tuning-*.json")).read_text())["dispatch"]
 
 
 def test_the_margin_keeps_the_reference_unless_beaten_by_it(measured):
@@ -116,12 +116,12 @@ def test_a_second_process_reuses_the_disk_cache_and_a_corrupt_file_only_warns(tm
     second = _second_process(tmp_path)
     assert (second["backend"], second["source"]) == ("fast", "tuned")
     assert not any("failed validation" in w for w in second["warnings"])
-    (cache_file,) = tmp_path.glob("dispatch-*.json")
+    (cache_file,) = tmp_path.glob("tuning-*.json")
     cache_file.write_text("{ not json")
     third = _second_process(tmp_path)
     assert (third["backend"], third["source"]) == ("fast", "measured")
-    assert any("ignoring the unreadable dispatch cache" in w for w in third["warnings"])
-    assert json.loads(cache_file.read_text())["format"] == 1  # rewritten
+    assert any("ignoring the unreadable cache" in w for w in third["warnings"])
+    assert json.loads(cache_file.read_text())["format"] == 2  # rewritten
 
 
 def test_nothing_is_timed_under_torch_compile(measured, monkeypatch):

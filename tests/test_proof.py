@@ -14,9 +14,9 @@ import torch
 
 from tests import proof_kernels
 from tests.helpers import CUDA, device_reason, fake_timer
-from vit_kernels import _env, _proof, _tiles, _timer
+from vit_kernels import _env, _proof, _tiles, _timer, _tune_cache
 from vit_kernels._triton import HAS_TRITON, launch
-from vit_kernels._tune_cache import DiskCache
+from vit_kernels._tune_cache import Store, store
 
 CPU = torch.device("cpu")
 SKIP = device_reason("triton", CUDA)
@@ -31,7 +31,7 @@ def children(monkeypatch, tmp_path):
         started.append(spec)
         return _proof._spawn(spec)
 
-    monkeypatch.setattr(_proof, "_disk", DiskCache(tmp_path, "proofs"))
+    monkeypatch.setattr(_tune_cache, "_store", Store(tmp_path))
     monkeypatch.setattr(_proof, "run_child", spawn)
     return started
 
@@ -59,7 +59,7 @@ def test_a_faulting_raising_or_hanging_candidate_is_excluded_and_the_rest_proven
     assert torch.equal(out, torch.zeros(3))  # recorded, not run, in this process
     # kept: in memory, then on disk for another process
     assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
-    _proof._disk.clear()  # as another process: read from the file
+    store().clear()  # as another process: read from the file
     assert _proof.verdicts("test", ("k",), CPU, tiles, fill_run(out)) == verdicts
     assert len(children) == 4
     assert _proof.verdicts("test", ("other key",), CPU, ["first"], fill_run(out)) == {"first": None}
@@ -208,8 +208,6 @@ def test_verdicts_and_choices_are_kept_per_driver(monkeypatch, tmp_path):
     """The caches' digest covers the CUDA driver (cuDriverGetVersion): a new driver proves afresh."""
     import ctypes
 
-    from vit_kernels import _tune_cache
-
     class Driver:
         @staticmethod
         def cuDriverGetVersion(pointer):
@@ -218,14 +216,14 @@ def test_verdicts_and_choices_are_kept_per_driver(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
     assert _tune_cache.environment()["driver"] == "13000"
-    with_driver = DiskCache(tmp_path, "proofs").path
+    with_driver = Store(tmp_path).path
 
     def no_driver(name):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert _tune_cache.environment()["driver"] == "none"
-    assert DiskCache(tmp_path, "proofs").path != with_driver
+    assert Store(tmp_path).path != with_driver
 
 
 def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(children):
@@ -239,7 +237,9 @@ def test_a_candidate_whose_own_launcher_raises_is_excluded_for_this_call_only(ch
         "refused": "raised while recording its launches: MemoryError: out of memory",
         "first": None,
     }
-    assert not any(" | 'refused'" in key for key, _ in _proof._disk.items())  # not kept: may pass next time
+    assert not any(
+        " | 'refused'" in key for key, _ in store().items("proofs")
+    )  # not kept: may pass next time
 
 
 def test_a_child_imports_the_kernels_without_the_api_and_its_registrations():

@@ -121,12 +121,12 @@ def test_the_cache_folder_follows_xdg_then_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", "")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert _tune_cache.default_folder() == tmp_path / "home" / ".cache" / "vit_kernels"
-    cache = _tune_cache.DiskCache(tmp_path, "tiles")
-    cache.put("k", {"tile": [1, 2]})
-    again = _tune_cache.DiskCache(tmp_path, "tiles")
-    assert again.items() == [("k", {"tile": [1, 2]})]
+    cache = _tune_cache.Store(tmp_path)
+    cache.put("tiles", "k", {"tile": [1, 2]})
+    again = _tune_cache.Store(tmp_path)
+    assert again.items("tiles") == [("k", {"tile": [1, 2]})] and again.items("checks") == []
     again.clear()
-    assert again.get("k") == {"tile": [1, 2]}  # read lazily again
+    assert again.get("tiles", "k") == {"tile": [1, 2]}  # read lazily again
 
 
 def test_backend_reasons_and_the_fast_paths_limits(monkeypatch):

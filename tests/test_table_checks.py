@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from vit_kernels import _proof, _tiles, _timer
+from vit_kernels import _proof, _tiles, _timer, _tune_cache
+from vit_kernels._tune_cache import Store
 from vit_kernels.ops import attention, attention_reference
 
 CPU = torch.device("cpu")
@@ -64,7 +65,7 @@ def test_no_right_entry_is_an_error_not_a_wrong_answer(checkable):
 
 
 def test_an_entry_that_raises_is_skipped_and_its_refusal_not_kept(checkable, tmp_path):
-    _tiles.set_cache_folder(tmp_path)
+    _tune_cache._store = Store(tmp_path)
 
     def run(tile):
         if tile == "a":
@@ -73,7 +74,7 @@ def test_an_entry_that_raises_is_skipped_and_its_refusal_not_kept(checkable, tmp
 
     with pytest.warns(RuntimeWarning, match="raised OutOfMemoryError"):
         assert _tiles.TileChooser("test").choose(("k",), CPU, ["a", "b"], run, lambda outputs: None) == "b"
-    assert [entry["verdict"] for entry in _tiles._verdicts.in_memory().values()] == ["right"]
+    assert [entry["verdict"] for entry in _tune_cache.store().in_memory("checks").values()] == ["right"]
 
 
 def _kernel_one():
@@ -87,14 +88,14 @@ def _kernel_two():
 def test_verdicts_persist_per_kernel_source(checkable, tmp_path):
     """A second process (a fresh chooser on the same folder) runs no entry whose verdict it finds:
     not the wrong one, not the right one; a chooser whose kernels' source differs checks again."""
-    _tiles.set_cache_folder(tmp_path)
+    _tune_cache._store = Store(tmp_path)
     run, check, runs = _runs(wrong=("a",))
     with pytest.warns(RuntimeWarning):
         assert (
             _tiles.TileChooser("test", lambda: (_kernel_one,)).choose(("k",), CPU, ["a", "b"], run, check)
             == "b"
         )
-    _tiles.set_cache_folder(tmp_path)  # a new process reads the file
+    _tune_cache._store = Store(tmp_path)  # a new process reads the file
     runs.clear()
     with pytest.warns(RuntimeWarning, match="tile 'a' is wrong"):
         assert (
@@ -130,7 +131,7 @@ def test_an_entry_with_the_wrong_dk_the_h100_found_falls_back_to_a_right_one(
     """A table entry whose dK is off by what an H100's wrong tile gave (1.3e-2 to 8.4e-2 of its largest
     magnitude): the first call warns naming dK, the next entry runs and its gradient is right; the
     verdict persists, so a second process never runs the wrong entry."""
-    _tiles.set_cache_folder(tmp_path)
+    _tune_cache._store = Store(tmp_path)
     dtype, scale = torch.bfloat16, 64**-0.5
     qkv = (torch.randn(2, 50, 3 * 128, dtype=torch.float64) * 2).to(dtype)
     grad_out = torch.randn(2, 50, 128, dtype=torch.float64).to(dtype)
@@ -155,7 +156,7 @@ def test_an_entry_with_the_wrong_dk_the_h100_found_falls_back_to_a_right_one(
     assert chosen == good and runs == [bad, good]
     (gradient,) = run(chosen)
     assert check()([gradient]) is None
-    _tiles.set_cache_folder(tmp_path)  # a second process
+    _tune_cache._store = Store(tmp_path)  # a second process
     runs.clear()
     with pytest.warns(RuntimeWarning, match="is wrong"):
         assert _tiles.TileChooser("attention backward").choose(key, CPU, [bad, good], run, check()) == good

@@ -14,7 +14,8 @@ import torch
 
 from tests.helpers import fake_timer
 from tools.cuda_sim import simulated_cuda
-from vit_kernels import _accuracy, _tiles, _timer
+from vit_kernels import _accuracy, _tiles, _timer, _tune_cache
+from vit_kernels._tune_cache import Store
 from vit_kernels.ops import attention, attention_reference, attention_tiles
 
 
@@ -319,7 +320,7 @@ def test_tile_validation_runs_without_autocast():
     assert seen and not any(seen)
 
 
-def test_tile_choices_persist_on_disk(tmp_path):
+def test_tile_choices_persist_on_disk(tmp_path, monkeypatch):
     """A second process (a fresh chooser, the same cache folder) takes the stored choice without
     running a candidate; a stored tile that is no longer a candidate is measured afresh."""
     calls = []
@@ -332,23 +333,19 @@ def test_tile_choices_persist_on_disk(tmp_path):
         mock.patch.object(_tiles, "can_measure", lambda device: True),
         mock.patch.object(_timer, "time_runs", fake_timer(lambda tile: float(tile[0]))),
     )
-    previous = _tiles._disk
-    _tiles.set_cache_folder(tmp_path)
-    try:
-        with patches[0], patches[1], _tiles.search():
-            first = _tiles.TileChooser("persisted").choose(
-                ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
-            )
-            assert first == (2, (1, 2))
-            calls.clear()
-            _tiles.set_cache_folder(tmp_path)  # a new process reads the file
-            again = _tiles.TileChooser("persisted").choose(
-                ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
-            )
-            assert again == (2, (1, 2)) and calls == []
-            changed = _tiles.TileChooser("persisted").choose(
-                ("k",), torch.device("cpu"), [(5, (1, 2))], run, lambda outputs: None
-            )
-            assert changed == (5, (1, 2)) and calls
-    finally:
-        _tiles._disk = previous
+    monkeypatch.setattr(_tune_cache, "_store", Store(tmp_path))
+    with patches[0], patches[1], _tiles.search():
+        first = _tiles.TileChooser("persisted").choose(
+            ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
+        )
+        assert first == (2, (1, 2))
+        calls.clear()
+        _tune_cache._store = Store(tmp_path)  # a new process reads the file
+        again = _tiles.TileChooser("persisted").choose(
+            ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
+        )
+        assert again == (2, (1, 2)) and calls == []
+        changed = _tiles.TileChooser("persisted").choose(
+            ("k",), torch.device("cpu"), [(5, (1, 2))], run, lambda outputs: None
+        )
+        assert changed == (5, (1, 2)) and calls

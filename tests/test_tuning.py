@@ -17,7 +17,7 @@ import vit
 from tests.test_distributed import TORCHRUN
 import vit_kernels as vk
 from vit_kernels import _measure, backend
-from vit_kernels._tune_cache import DiskCache
+from vit_kernels._tune_cache import store
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -84,12 +84,11 @@ def test_save_tuning_writes_every_tuned_decision(tmp_path):
     vk.save_tuning(tmp_path / "tuning.json")
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert data["format"] == 1 and data["environment"]["torch"] == torch.__version__
-    assert data["dispatch"] and data["dispatch"].items() <= dict(backend._disk.items()).items()
+    assert data["dispatch"] and data["dispatch"].items() <= dict(store().items("dispatch")).items()
 
 
 def test_tune_searches_what_earlier_calls_took_from_the_table(monkeypatch):
-    monkeypatch.setattr(backend, "_disk", DiskCache(None))  # nothing tuned before
-    backend.clear_decisions()
+    backend.clear_decisions()  # nothing tuned before (conftest: the cache is the test's own)
     searched = []
     measure = _measure.measure
     monkeypatch.setattr(_measure, "measure", lambda *a, **k: searched.append(1) or measure(*a, **k))

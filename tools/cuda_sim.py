@@ -70,9 +70,9 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _measure, _proof, _signature, _tiles, _triton, backend
+from vit_kernels import _ext, _measure, _proof, _signature, _tiles, _triton, _tune_cache, backend
 from vit_kernels._triton import HAS_TRITON, triton
-from vit_kernels._tune_cache import DiskCache
+from vit_kernels._tune_cache import Store
 from vit_kernels.ops import attention
 
 ARCHITECTURES = {
@@ -431,7 +431,7 @@ class Recorder:
         self.not_ours = 0.0
         self.calls = {kind: 0 for kind in CALL_KINDS}  # clocked calls by how they were entered
         self.captured: Optional[list[Callable[[], object]]] = None  # inside ``capture``
-        self.decisions = DiskCache(None)  # auto's decisions made in the block (memory only)
+        self.store = Store(None)  # what auto and the tile choosers decide in the block (memory only)
 
     def mark(self) -> tuple[float, dict[str, int]]:
         """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
@@ -492,12 +492,12 @@ class Recorder:
 
 
 def exceptions_caught(recorder: "Recorder") -> list[str]:
-    """Every candidate that auto (in ``recorder``'s block: its ``decisions``) or a tile chooser
+    """Every candidate that auto (in ``recorder``'s block: its ``store``) or a tile chooser
     excluded because it raised: on the simulated device every value reads 0 and every candidate
     validates, so any exclusion is an exception."""
     found = [
         f"auto, {signature}, {name}: {outcome}"
-        for signature, entry in recorder.decisions.items()
+        for signature, entry in recorder.store.items("dispatch")
         for name, outcome in entry["candidates"].items()
         if isinstance(outcome, str) and "raised" in outcome
     ]
@@ -646,12 +646,9 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(_measure, "CUDA_REPEATS", 2),
         mock.patch.object(_tiles, "TIMED_ROUNDS", 2),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
-        mock.patch.object(_tiles, "_disk", DiskCache(None, "tiles")),
-        mock.patch.object(_tiles, "_verdicts", DiskCache(None, "checks")),
-        mock.patch.object(_proof, "_disk", DiskCache(None, "proofs")),
+        mock.patch.object(_tune_cache, "_store", recorder.store),
         mock.patch.object(_proof, "run_child", replay_in_this_process),
         mock.patch.dict(_proof._settings, children=1),
-        mock.patch.object(backend, "_disk", recorder.decisions),
         mock.patch.dict(attention._UNUSED_SEEDS, clear=True),  # a simulated tensor must not outlive it
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)

@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence, TextIO
 import torch
 
 from vit_kernels import _env, _signature, _triton
-from vit_kernels._tune_cache import DiskCache, default_folder
+from vit_kernels._tune_cache import store
 
 PREFIX = "vit_kernels-proof:"
 STARTUP_SECONDS = 300  # for a child to import torch, triton and vit_kernels
@@ -71,17 +71,10 @@ _settings = {
     "enabled": _env.flag("VIT_KERNELS_PROVE_TILES", default=True),
     "children": _children_from_environment(),
 }
-_disk = DiskCache(default_folder(), "proofs")
 
 
 def enabled() -> bool:
     return _settings["enabled"]
-
-
-def set_cache_folder(folder) -> None:
-    """Where verdicts persist (beside the tile choices; None: memory only)."""
-    global _disk
-    _disk = DiskCache(folder, "proofs")
 
 
 @dataclass(frozen=True)
@@ -196,12 +189,12 @@ def verdicts(
             # this process's refusal (out of memory...) is not kept
             if not verdict.startswith(RECORDING_RAISED):
                 kept[keys[tile]] = {"verdict": verdict}
-        _disk.put_all(kept)
+        store().put_all("proofs", kept)
     return {tile: None if verdict == OK else verdict for tile, verdict in found.items()}
 
 
 def _known(disk_key: str) -> Optional[str]:
-    verdict = (_disk.get(disk_key) or {}).get("verdict")
+    verdict = (store().get("proofs", disk_key) or {}).get("verdict")
     return verdict if isinstance(verdict, str) else None
 
 

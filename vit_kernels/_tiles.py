@@ -46,7 +46,7 @@ from vit_kernels import _autograd, _env, _proof, _signature, _timer
 from vit_kernels._accuracy import without_autocast
 from vit_kernels._logging import LOGGER
 from vit_kernels._triton import LAUNCH_CONFIGS, interpreted, recording
-from vit_kernels._tune_cache import DiskCache, default_folder
+from vit_kernels._tune_cache import store
 
 Tile = tuple  # a NamedTuple of one kernel's launch parameters, or a tuple of them (attention's pairs)
 
@@ -92,17 +92,9 @@ def can_measure(device: torch.device) -> bool:
 # device, in interleaved rounds until TIMED_ROUNDS or TIMING_BUDGET_S seconds; the median counts.
 TIMED_ROUNDS, TIMING_BUDGET_S = 25, 0.3
 
-_disk = DiskCache(default_folder(), "tiles")  # the tiles searched (tuned), per key
-_verdicts = DiskCache(default_folder(), "checks")  # each table entry checked: "right" or what was wrong
+# In the cache (``_tune_cache``): "tiles", the tile searched per key; "checks", each table entry's
+# verdict, "right" or what was wrong.
 RIGHT = "right"
-
-
-def set_cache_folder(folder) -> None:
-    """Where tile choices and verdicts persist (``vk.set_autotune(cache_dir=...)``; None: memory only)."""
-    global _disk, _verdicts
-    _disk = DiskCache(folder, "tiles")
-    _verdicts = DiskCache(folder, "checks")
-    _proof.set_cache_folder(folder)
 
 
 def _as_tile(value):
@@ -162,7 +154,7 @@ class TileChooser:
         if hit is not None:
             return hit.tile
         disk_key = f"{self.name} | {_signature.device_name(device)} | {key!r}"
-        stored = _disk.get(disk_key)
+        stored = store().get("tiles", disk_key)
         # the candidate equal to the stored tile (JSON keeps its values, not its NamedTuple type)
         stored_tile = None if stored is None else _as_tile(stored["tile"])
         cached = next((c for c in candidates if c == stored_tile), None)
@@ -182,8 +174,10 @@ class TileChooser:
                 self._keep(key, hit)
                 LOGGER.info("%s %s: %s tile %r", self.name, key, hit.how, hit.tile)
                 if hit.how == "tuned":
-                    _disk.put(
-                        disk_key, {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}}
+                    store().put(
+                        "tiles",
+                        disk_key,
+                        {"tile": hit.tile, "trials": {repr(t): v for t, v in hit.trials.items()}},
                     )
         return hit.tile
 
@@ -195,7 +189,7 @@ class TileChooser:
         device_name = _signature.device_name(device)
         for tile in candidates:
             verdict_key = f"{self.name} | {device_name} | {self.source()} | {key!r} | {tile!r}"
-            verdict = (_verdicts.get(verdict_key) or {}).get("verdict")
+            verdict = (store().get("checks", verdict_key) or {}).get("verdict")
             if verdict is None:
                 try:
                     outputs = run(tile)
@@ -203,7 +197,7 @@ class TileChooser:
                         return None
                     problem = check(outputs)
                     verdict = RIGHT if problem is None else problem
-                    _verdicts.put(verdict_key, {"verdict": verdict})
+                    store().put("checks", verdict_key, {"verdict": verdict})
                 except Exception as error:  # this process's refusal (out of memory...): not kept
                     verdict = _raised(error)
             if verdict == RIGHT:

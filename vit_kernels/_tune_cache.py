@@ -1,12 +1,12 @@
-"""The on-disk caches: ``auto``'s tuned decisions, the tuned tiles, the table entries' checks and the
-tile candidates' proofs.
+"""The one on-disk cache: ``auto``'s tuned decisions, the tuned tiles, the table entries' checks and
+the tile candidates' proofs.
 
-One JSON file per kind and software environment (``dispatch-<digest>.json``, ``tiles-<digest>.json``,
-``checks-<digest>.json``, ``proofs-<digest>.json``), where the digest covers the torch, CUDA runtime, CUDA driver, triton and
-vit_kernels versions (a new version measures afresh); inside, one entry per key, which names the
-device it was measured on. The folder is ``VIT_KERNELS_CACHE_DIR`` (read once, at import), else
+One JSON file per software environment (``tuning-<digest>.json``), where the digest covers the
+torch, CUDA runtime, CUDA driver, triton and vit_kernels versions (a new version measures afresh);
+inside, one section per kind (``Store.FIELDS``) and one entry per key, which names the device it
+was measured on. The folder is ``VIT_KERNELS_CACHE_DIR`` (read once, at import), else
 ``$XDG_CACHE_HOME/vit_kernels``, else ``~/.cache/vit_kernels``; ``vk.set_autotune(cache_dir=...)``
-overrides it, and ``cache_dir=False`` keeps decisions in memory only.
+moves it (``set_folder``), and ``cache_dir=False`` keeps everything in memory only.
 
 Writes are atomic (a temporary file in the same folder, then ``os.replace``), and merge with what
 another process wrote meanwhile. A file that cannot be read or parsed is ignored with one warning:
@@ -29,7 +29,7 @@ import torch
 
 from vit_kernels._files import write_atomically
 
-FORMAT = 1
+FORMAT = 2
 
 
 def default_folder() -> Optional[Path]:
@@ -72,88 +72,107 @@ def environment() -> dict[str, str]:
     }
 
 
-class DiskCache:
-    """Entries by key (a string), loaded lazily from one JSON file; ``kind`` names the file and the
-    field every entry must have (``FIELDS``)."""
+class Store:
+    """Entries by kind and key (a string), loaded lazily from one JSON file. Every entry of a kind
+    has that kind's field (``FIELDS``)."""
 
-    FIELDS = {"dispatch": "backend", "tiles": "tile", "proofs": "verdict", "checks": "verdict"}
+    FIELDS = {"dispatch": "backend", "tiles": "tile", "checks": "verdict", "proofs": "verdict"}
 
-    def __init__(self, folder: Optional[Path], kind: str = "dispatch"):
-        self.folder, self.kind = folder, kind
-        self._entries: Optional[dict[str, dict]] = None
+    def __init__(self, folder: Optional[Path]):
+        self.folder = folder
+        self._sections: Optional[dict[str, dict[str, dict]]] = None
         self._env = environment()
         digest = hashlib.sha256(json.dumps(self._env, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = None if folder is None else folder / f"{kind}-{digest}.json"
+        self.path = None if folder is None else folder / f"tuning-{digest}.json"
 
-    def _read(self) -> dict[str, dict]:
+    def _read(self) -> dict[str, dict[str, dict]]:
+        empty = {kind: {} for kind in self.FIELDS}
         if self.path is None or not self.path.exists():
-            return {}
+            return empty
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if (
-                not isinstance(data, dict)
-                or data.get("format") != FORMAT
-                or not isinstance(data.get("entries"), dict)
-            ):
-                raise ValueError(f"not a vit_kernels {self.kind} cache of format {FORMAT}")
-            field = self.FIELDS[self.kind]
-            return {
-                k: v for k, v in data["entries"].items() if isinstance(v, dict) and v.get(field) is not None
-            }
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not a vit_kernels cache of format {FORMAT}")
+            for kind, field in self.FIELDS.items():
+                section = data.get(kind)
+                if not isinstance(section, dict):
+                    raise ValueError(f"its {kind!r} section is not a mapping")
+                empty[kind] = {
+                    k: v for k, v in section.items() if isinstance(v, dict) and v.get(field) is not None
+                }
+            return empty
         except (OSError, ValueError) as error:
             warnings.warn(
-                f"vit_kernels: ignoring the unreadable {self.kind} cache {self.path} ({error}); "
-                f"auto measures afresh and rewrites it",
+                f"vit_kernels: ignoring the unreadable cache {self.path} ({error}); what it held is "
+                f"measured afresh and written again",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-            return {}
+            return {kind: {} for kind in self.FIELDS}
 
-    def _loaded(self) -> dict[str, dict]:
-        if self._entries is None:
-            self._entries = self._read()
-        return self._entries
+    def _section(self, kind: str) -> dict[str, dict]:
+        if self._sections is None:
+            self._sections = self._read()
+        return self._sections[kind]
 
-    def get(self, key: str) -> Optional[dict]:
-        return self._loaded().get(key)
+    def get(self, kind: str, key: str) -> Optional[dict]:
+        return self._section(kind).get(key)
 
-    def items(self) -> list[tuple[str, dict]]:
-        return list(self._loaded().items())
+    def items(self, kind: str) -> list[tuple[str, dict]]:
+        return list(self._section(kind).items())
 
-    def put(self, key: str, entry: dict) -> None:
+    def put(self, kind: str, key: str, entry: dict) -> None:
         """Store ``entry`` and write the file (merged with the one on disk, atomically)."""
-        self.put_all({key: entry})
+        self.put_all(kind, {key: entry})
 
-    def put_all(self, entries: dict[str, dict]) -> None:
+    def put_all(self, kind: str, entries: dict[str, dict]) -> None:
         """Store every entry of ``entries`` and write the file once (merged, atomically); nothing to
         write for none."""
-        self.hold(entries)
+        self.hold(kind, entries)
         if self.path is None or not entries:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                merged = {**self._read(), **self._entries}
+                on_disk = self._read()
+            merged = {kind: {**on_disk[kind], **self._sections[kind]} for kind in self.FIELDS}
             payload = json.dumps(
-                {"format": FORMAT, "environment": self._env, "entries": merged}, indent=1, sort_keys=True
+                {"format": FORMAT, "environment": self._env, **merged}, indent=1, sort_keys=True
             )
             write_atomically(str(self.path), payload)
         except OSError as error:
             warnings.warn(
-                f"vit_kernels: could not write the {self.kind} cache {self.path} ({error})",
-                RuntimeWarning,
-                stacklevel=3,
+                f"vit_kernels: could not write the cache {self.path} ({error})", RuntimeWarning, stacklevel=4
             )
 
-    def in_memory(self) -> dict[str, dict]:
-        """The entries loaded or stored by this process so far (the file is not read)."""
-        return dict(self._entries or {})
+    def in_memory(self, kind: str) -> dict[str, dict]:
+        """The entries of ``kind`` loaded or stored by this process so far (the file is not read)."""
+        return dict((self._sections or {}).get(kind, {}))
 
-    def hold(self, entries: dict[str, dict]) -> None:
+    def hold(self, kind: str, entries: dict[str, dict]) -> None:
         """Keep ``entries`` in memory (beside the file's, ahead of them), written with the next put."""
-        self._loaded().update(entries)
+        self._section(kind).update(entries)
 
     def clear(self) -> None:
-        """Forget the loaded entries (the file is read again on next use)."""
-        self._entries = None
+        """Forget every loaded entry (the file is read again on next use)."""
+        self._sections = None
+
+
+_store = Store(default_folder())
+
+
+def store() -> Store:
+    """The cache in use (every reader asks here, so that moving the folder moves every kind)."""
+    return _store
+
+
+def set_folder(folder: Optional[Path]) -> None:
+    """Keep the cache in ``folder`` from now on (None: in memory only); what this process decided
+    stays decided there."""
+    global _store
+    known = {kind: _store.in_memory(kind) for kind in Store.FIELDS}
+    _store = Store(folder)
+    for kind, entries in known.items():
+        if entries:
+            _store.hold(kind, entries)

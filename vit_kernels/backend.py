@@ -51,7 +51,8 @@ from vit_kernels._triton import HAS_TRITON
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._logging import LOGGER
-from vit_kernels._tune_cache import DiskCache, default_folder
+from vit_kernels import _tune_cache
+from vit_kernels._tune_cache import store
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
 CHOICES = ("auto",) + BACKENDS
@@ -345,7 +346,6 @@ class _Settings:
 
 
 _settings = _Settings()
-_disk = DiskCache(default_folder())
 _memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
 _fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
 FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
@@ -382,7 +382,6 @@ def set_autotune(
     first, so that one that faults cannot take this process down (``vit_kernels._proof``; the
     initial value is ``VIT_KERNELS_PROVE_TILES``, default on).
     """
-    global _disk
     if enabled is not None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
@@ -394,10 +393,7 @@ def set_autotune(
     if cache_dir is not None:
         if cache_dir is True or not isinstance(cache_dir, (str, os.PathLike, bool)):
             raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
-        known = _disk.in_memory()  # what this process decided stays decided in the new folder
-        _disk = DiskCache(None if cache_dir is False else Path(cache_dir).expanduser())
-        _disk.hold(known)
-        _tiles.set_cache_folder(_disk.folder)
+        _tune_cache.set_folder(None if cache_dir is False else Path(cache_dir).expanduser())
     if prove_tiles is not None:
         if not isinstance(prove_tiles, bool):
             raise TypeError(f"prove_tiles must be a bool, got {type(prove_tiles).__name__}")
@@ -410,7 +406,7 @@ def autotune_settings() -> dict[str, object]:
     return {
         "enabled": _tiles.searching(),
         "margin": _settings.margin,
-        "cache_file": None if _disk.path is None else str(_disk.path),
+        "cache_file": None if store().path is None else str(store().path),
         "prove_tiles": _proof.enabled(),
     }
 
@@ -421,7 +417,7 @@ def clear_decisions() -> None:
     with _lock:
         _forget_choices()
         _warned.clear()
-        _disk.clear()
+        store().clear()
         _journal.clear()
 
 
@@ -512,7 +508,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
             requested, "torch", "only candidate", "no other implementation can take this call", excluded
         )
     key = call.signature()
-    entry = _disk.get(key)
+    entry = store().get("dispatch", key)
     if entry is None and call.args is None:
         entry = _unanimous(call.prefix())
     if entry is not None and entry["backend"] in capable:
@@ -542,7 +538,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
         return impls[chosen], call.record(requested, chosen, "table", why, {**candidates, **excluded})
     entry = _measure_call(call, capable)
     LOGGER.info("%s: %s (%s)", key, entry["backend"], entry["reason"])
-    _disk.put(key, entry)
+    store().put("dispatch", key, entry)
     _decisions_changed(call.op)
     return impls[entry["backend"]], call.record(
         requested, entry["backend"], "measured", entry["reason"], {**_describe(entry), **excluded}
@@ -553,7 +549,7 @@ def _unanimous(prefix: str) -> Optional[dict]:
     """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
     grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
     shapes being compiled), else None (the table decides)."""
-    entries = [e for k, e in _disk.items() if k.startswith(prefix)]
+    entries = [e for k, e in store().items("dispatch") if k.startswith(prefix)]
     if entries and len({e["backend"] for e in entries}) == 1:
         entry = dict(entries[0])
         entry["reason"] = (

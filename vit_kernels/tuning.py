@@ -19,7 +19,7 @@ import torch
 from vit_kernels import _tiles, backend
 from vit_kernels._explain import Explanation
 from vit_kernels._files import write_atomically
-from vit_kernels._tune_cache import environment
+from vit_kernels._tune_cache import environment, store
 
 FORMAT = 1
 
@@ -89,8 +89,8 @@ def tuning() -> dict:
     return {
         "format": FORMAT,
         "environment": environment(),
-        "dispatch": dict(backend._disk.items()),
-        "tiles": dict(_tiles._disk.items()),
+        "dispatch": dict(store().items("dispatch")),
+        "tiles": dict(store().items("tiles")),
     }
 
 
@@ -118,8 +118,8 @@ def load_tuning(path: Union[str, os.PathLike]) -> None:
 
 
 def _hold(data: dict) -> None:
-    backend._disk.hold(data["dispatch"])
-    _tiles._disk.hold(data["tiles"])
+    store().hold("dispatch", data["dispatch"])
+    store().hold("tiles", data["tiles"])
     _forget_decided()
 
 

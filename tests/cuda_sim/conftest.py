@@ -27,7 +27,6 @@ LAUNCHES: dict[int, list] = {arch: [] for arch in ARCHS}  # every launch of the 
 def sim(request):
     """A fresh simulated device of the parametrised architecture, deciding from scratch."""
     backend.clear_decisions()
-    backend._disk.clear()
     _tiles.TileChooser.forget_all()
     vk.set_autotune(False, cache_dir=False)
     with warnings.catch_warnings():

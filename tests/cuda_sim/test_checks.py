@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tools.cuda_sim import exceptions_caught, simulated_cuda
-from vit_kernels import backend
+from vit_kernels._tune_cache import store
 
 
 def test_the_check_after_each_block_sees_the_auto_candidates_that_raised_in_it():
@@ -11,7 +11,7 @@ def test_the_check_after_each_block_sees_the_auto_candidates_that_raised_in_it()
     raised inside the block after the block has ended, read from the block's own decisions."""
     with simulated_cuda(90) as recorder:
         entry = {"backend": "torch", "candidates": {"triton": "invalid: raised ValueError: refused"}}
-        backend._disk.put("attention|signature", entry)
+        store().put("dispatch", "attention|signature", entry)
     assert exceptions_caught(recorder) == [
         "auto, attention|signature, triton: invalid: raised ValueError: refused"
     ]

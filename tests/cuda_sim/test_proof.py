@@ -10,6 +10,7 @@ import torch
 
 from tools.cuda_sim import replay_in_this_process
 from vit_kernels import _proof, _tiles
+from vit_kernels._tune_cache import store
 from vit_kernels.ops import attention, attention_tiles
 
 
@@ -21,7 +22,7 @@ def test_every_candidate_of_a_search_is_proven_before_it_runs(sim, monkeypatch):
     candidates = attention_tiles.fwd_candidates(torch.bfloat16, 64, 197)
     proven = {
         key.rsplit(" | ", 1)[1]: verdict
-        for key, verdict in ((k, e["verdict"]) for k, e in _proof._disk.items())
+        for key, verdict in ((k, e["verdict"]) for k, e in store().items("proofs"))
         if key.startswith("attention forward |")
     }
     assert proven == {repr(tile): _proof.OK for tile in candidates}
