@@ -255,17 +255,18 @@ def _active() -> _Choice:
 class _TraceGuard:
     """What a torch.compile'd graph was traced under, in plain attributes that Dynamo guards on
     (it cannot read a ContextVar): the choice in force when it last changed (``use_backend`` entered
-    or left, ``set_backend``) and, per op, an epoch bumped whenever that op's decisions can change
-    (a measurement of the op; for every op: the cache cleared, an implementation registered, the
-    settings). A compiled graph is reused only while the choice and the epochs of the ops it holds
-    are what they were at its trace; otherwise it is traced again, and decides again.
+    or left, ``set_backend``) and the generation of the decisions, counting their every change (a
+    measurement, the cache cleared, an implementation registered, the settings). A compiled graph
+    is reused only while both are what they were at its trace; otherwise it is traced again, and
+    decides again. The per-call fast path (``call``) keeps no entry decided under an older
+    generation.
     Being one object, it follows the most recent change in any thread: compiled code run in threads
     with different ``use_backend`` choices at once recompiles (or, if it is already cached for the
     other choice, runs it): give each thread its own compiled module, or use ``set_backend``."""
 
     def __init__(self):
         self.choice: _Choice = _process_choice
-        self.epochs: dict[str, int] = dict.fromkeys(OPS, 0)
+        self.generation = 0
 
 
 _trace_guard = _TraceGuard()
@@ -275,10 +276,10 @@ def _choice_changed() -> None:
     _trace_guard.choice = _active()
 
 
-def _decisions_changed(op: Optional[str] = None) -> None:
-    """``op``'s decisions may have changed (every op's when None): graphs traced before retrace."""
-    for name in (op,) if op is not None else OPS:
-        _trace_guard.epochs[name] += 1
+def _decisions_changed() -> None:
+    """Decisions may have changed: graphs traced before retrace, fast-path entries decided before
+    are not kept."""
+    _trace_guard.generation += 1
 
 
 def _check_choice(name: str, strict: bool) -> _Choice:
@@ -349,7 +350,6 @@ _settings = _Settings()
 _memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
 _fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
 FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
-_fast_generation = 0  # bumped when _fast is cleared: an entry decided before that is not stored after it
 _journal = Journal()
 _warned: set[tuple] = set()
 _lock = threading.RLock()
@@ -357,12 +357,10 @@ _measuring = threading.local()
 
 
 def _forget_choices() -> None:
-    global _fast_generation
     with _lock:
         _memo.clear()
         _fast.clear()
-        _fast_generation += 1
-    _decisions_changed()
+        _decisions_changed()
 
 
 def set_autotune(
@@ -539,7 +537,7 @@ def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Re
     entry = _measure_call(call, capable)
     LOGGER.info("%s: %s (%s)", key, entry["backend"], entry["reason"])
     store().put("dispatch", key, entry)
-    _decisions_changed(call.op)
+    _decisions_changed()
     return impls[entry["backend"]], call.record(
         requested, entry["backend"], "measured", entry["reason"], {**_describe(entry), **excluded}
     )
@@ -656,12 +654,12 @@ def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
 
 @torch.compiler.assume_constant_result
 def _traced_backend(
-    op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict, epoch
+    op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict, generation
 ):
     """The decision while torch.compile traces (called once per trace, outside the graph, without
     reading sizes so that none is specialised): the tuned decision or the table's, never a
-    measurement. ``choice_*`` and ``epoch`` (the op's) come from ``_trace_guard``: passed in, they
-    make Dynamo guard the compiled graph on them."""
+    measurement. ``choice_*`` and ``generation`` come from ``_trace_guard``: passed in, they make
+    Dynamo guard the compiled graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     call = _Call(op, device, dtype, arg_key, grad, dict(limits), traced=True)
     with _lock:
@@ -691,7 +689,7 @@ def _resolve(
         index = -1 if device.index is None else device.index
         key, grad = _signature.traced_key(args), _signature.needs_grad(args)
         limits = tuple(sorted(_limit_reasons(op, args).items()))
-        guard = (_trace_guard.choice.name, _trace_guard.choice.strict, _trace_guard.epochs[op])
+        guard = (_trace_guard.choice.name, _trace_guard.choice.strict, _trace_guard.generation)
         name = _traced_backend(op, device.type, index, dtype, key, grad, limits, *guard)
         return _registry[op][name], None
     choice = _active()
@@ -792,13 +790,13 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
         if plan is not None:
             args = tuple(a if dtype is None else a.to(dtype) for a, dtype in zip(args, plan))
         return impl.fn(*args)
-    generation = _fast_generation
+    generation = _trace_guard.generation
     prepared = prepare(*args)
     impl, record = _resolve(op, prepared[0].device, prepared[0].dtype, prepared)
     if record is not None and key is not None:
         plan = _cast_plan(args, prepared)
         with _lock:
-            if plan is not False and generation == _fast_generation:
+            if plan is not False and generation == _trace_guard.generation:
                 if len(_fast) >= FAST_PATH_ENTRIES:
                     _fast.clear()
                 _fast[key] = (impl, record, plan)
