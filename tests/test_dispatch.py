@@ -357,3 +357,56 @@ def test_a_decision_stored_after_the_cache_was_cleared_is_dropped(monkeypatch):
     monkeypatch.setattr(backend, "_resolve", resolve_then_clear)
     vk.layer_norm(torch.randn(3, 8), None, None)
     assert backend._fast == {}
+
+
+def _keys(args_list: list[tuple], native) -> list:
+    saved = backend._native_key
+    backend._native_key = native
+    try:
+        return [backend._call_key("linear", args) for args in args_list]
+    finally:
+        backend._native_key = saved
+
+
+@pytest.mark.skipif(backend._native_key is None, reason="the extension (and its call_key) is not built")
+def test_the_native_call_key_tells_apart_exactly_what_the_python_key_does():
+    """The C++ key (csrc/call_key.cpp) and the Python loop agree on which calls share a key: any
+    change of shape, dtype, device, requires_grad, contiguity, position, or of a plain argument's
+    value or type (1, 1.0, True) makes another key; equal facts make the same one."""
+    x = torch.randn(4, 8)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    calls = [
+        (x, w, None, 1),
+        (torch.randn(4, 8), torch.nn.Parameter(torch.randn(6, 8)), None, 1),  # equal facts
+        (x, w.detach().requires_grad_(), None, 1),  # a plain tensor where the parameter was: the same facts
+        (x, w, None, 1.0),
+        (x, w, None, True),
+        (x, w, None, "1"),
+        (x, w, None, None),
+        (x.t().contiguous().t(), w, None, 1),  # strided
+        (x.double(), w, None, 1),
+        (x.to("meta"), w, None, 1),
+        (x.clone().requires_grad_(), w, None, 1),
+        (torch.randn(5, 8), w, None, 1),
+        (torch.randn(4, 2, 4), w, None, 1),
+        (x, None, w, 1),  # the same tensors at other places
+        (torch.randn(4, 8, dtype=torch.float64).to(torch.float32), w, torch.randn(6), 1),
+        (x, w, torch.randn(6), 1),
+    ]
+    native, python = _keys(calls, backend._native_key), _keys(calls, None)
+    assert all(isinstance(key[-1], bytes) for key in native)
+    same_native = [[a == b for b in native] for a in native]
+    same_python = [[a == b for b in python] for a in python]
+    assert same_native == same_python
+    assert native[0] == native[1] == native[2] and native[14] == native[15]
+    assert len(set(native)) == len(calls) - 3
+
+    # another tensor type: the Python key (which adds the type); another argument type: no key at all
+    class Subclass(torch.Tensor):
+        pass
+
+    subclass = torch.randn(4, 8).as_subclass(Subclass)
+    assert backend._native_key((x, subclass), torch.nn.Parameter) is NotImplemented
+    assert backend._call_key("linear", (x, subclass))[-1][-1] is Subclass
+    assert backend._native_key((x, [1]), torch.nn.Parameter) is None
+    assert backend._call_key("linear", (x, [1])) is None

@@ -722,18 +722,39 @@ _is_compiling = torch.compiler.is_compiling
 _PLAIN = _signature._PLAIN
 
 
+# The arguments' part of the key read in C++ (csrc/call_key.cpp), set when the extension loads
+# (``use_native_call_key``); the same facts as the Python loop below, packed, in about a tenth of
+# its time: the Python loop's five attribute reads per tensor are most of a warm call's cost.
+_native_key: Optional[Callable[[tuple, type], Any]] = None
+
+
+def use_native_call_key(native: Optional[Callable[[tuple, type], Any]]) -> None:
+    """Read the fast path's key with ``native`` (the extension's ``call_key``; None: in Python)."""
+    global _native_key
+    with _lock:
+        _native_key = native
+        _fast.clear()
+
+
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     """Everything a public op's validation, autocast casts and backend decision depend on, read
     cheaply: the op, the choice in force, grad mode, autocast for the main input's device, and each
     argument (a plain tensor or parameter: its shape, dtype, device, requires_grad and contiguity
     (part of a decision's signature); another tensor type: the same and its type; None, bool, int,
     float or str: its type and value). None when the main input is not a plain tensor or another
-    argument is of any other type (validation will say what was expected)."""
+    argument is of any other type (validation will say what was expected). The arguments' part
+    comes from ``_native_key`` where it can read it (plain tensors and parameters only): its keys
+    end in a bytes object, which no key of the Python loop holds, so the two never meet."""
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
-    parts: list = [op, _context_choice.get() or _process_choice, _grad_enabled(), autocast]
+    head = (op, _context_choice.get() or _process_choice, _grad_enabled(), autocast)
+    if _native_key is not None:
+        native = _native_key(args, torch.nn.Parameter)
+        if native is not NotImplemented:
+            return None if native is None else head + native
+    parts: list = list(head)
     append = parts.append
     for a in args:
         kind = type(a)

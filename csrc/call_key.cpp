@@ -1,0 +1,106 @@
+// call_key: the per-call fast path's key of the public ops (vit_kernels/backend.py, ``_call_key``),
+// read in C++. Reading a tensor's shape, dtype, device, requires_grad and contiguity from Python
+// costs five attribute lookups and three new objects per tensor; an MLP call's six tensors cost the
+// host more than the rest of its dispatch together. Here each tensor's facts are packed into one
+// bytes object, so that a warm call is one C call, a tuple hash and a dictionary lookup.
+//
+// call_key(args: tuple, parameter_type: type) returns
+// * a tuple: for each argument that is None, a bool, an int, a float or a str (exact types), its
+//   type then its value; then one bytes object holding, for each tensor (exact torch.Tensor or
+//   ``parameter_type``), its position, dimensions, sizes, scalar type, device type and index,
+//   requires_grad and contiguity, as int64;
+// * NotImplemented when an argument is another tensor type (a subclass, whose attributes Python
+//   may define) or its sizes cannot be read here (symbolic): the Python key applies;
+// * None when an argument is of any other type (the op's validation will say what was expected).
+
+#include <Python.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+bool is_plain(PyObject* value) {
+  return value == Py_None || PyBool_Check(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
+         PyUnicode_CheckExact(value);
+}
+
+PyObject* call_key(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 2 || !PyTuple_Check(argv[0]) || !PyType_Check(argv[1])) {
+    PyErr_SetString(PyExc_TypeError, "call_key(args: tuple, parameter_type: type)");
+    return nullptr;
+  }
+  PyObject* args = argv[0];
+  auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  auto* parameter_type = reinterpret_cast<PyTypeObject*>(argv[1]);
+  const Py_ssize_t count = PyTuple_GET_SIZE(args);
+  Py_ssize_t plain = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* value = PyTuple_GET_ITEM(args, i);
+    PyTypeObject* type = Py_TYPE(value);
+    if (type == tensor_type || type == parameter_type) {
+      continue;
+    }
+    if (THPVariable_Check(value)) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!is_plain(value)) {
+      Py_RETURN_NONE;
+    }
+    ++plain;
+  }
+  c10::SmallVector<int64_t, 64> facts;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* value = PyTuple_GET_ITEM(args, i);
+    if (!THPVariable_Check(value)) {
+      continue;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(value);
+    if (tensor.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    try {
+      const auto sizes = tensor.sizes();
+      facts.push_back(i);
+      facts.push_back(static_cast<int64_t>(sizes.size()));
+      facts.append(sizes.begin(), sizes.end());
+      facts.push_back(static_cast<int64_t>(tensor.scalar_type()));
+      facts.push_back(static_cast<int64_t>(tensor.device().type()));
+      facts.push_back(tensor.device().index());
+      facts.push_back(tensor.requires_grad());
+      facts.push_back(tensor.is_contiguous());
+    } catch (const std::exception&) {  // a tensor whose facts only Python reads (e.g. no strides)
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+  }
+  PyObject* key = PyTuple_New(2 * plain + 1);
+  if (key == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t at = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* value = PyTuple_GET_ITEM(args, i);
+    if (THPVariable_Check(value)) {
+      continue;
+    }
+    auto* type = reinterpret_cast<PyObject*>(Py_TYPE(value));
+    Py_INCREF(type);
+    PyTuple_SET_ITEM(key, at++, type);
+    Py_INCREF(value);
+    PyTuple_SET_ITEM(key, at++, value);
+  }
+  PyObject* packed =
+      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(facts.data()), facts.size() * sizeof(int64_t));
+  if (packed == nullptr) {
+    Py_DECREF(key);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(key, at, packed);
+  return key;
+}
+
+}  // namespace
+
+PyMethodDef vit_kernels_methods[] = {
+    {"call_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call_key)), METH_FASTCALL,
+     "The per-call fast path's key of the public ops' arguments (see csrc/call_key.cpp)."},
+    {nullptr, nullptr, 0, nullptr}};
