@@ -70,7 +70,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _measure, _proof, _signature, _tiles, _triton, _tune_cache, backend
+from vit_kernels import _ext, _proof, _signature, _tiles, _timer, _triton, _tune_cache, backend
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels._tune_cache import Store
 from vit_kernels.ops import attention
@@ -643,8 +643,7 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         ),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
-        mock.patch.object(_measure, "CUDA_REPEATS", 2),
-        mock.patch.object(_tiles, "TIMED_ROUNDS", 2),
+        mock.patch.dict(_timer.SEARCH_ROUNDS, cuda=(2, 0.3)),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.object(_tune_cache, "_store", recorder.store),
         mock.patch.object(_proof, "run_child", replay_in_this_process),

@@ -22,13 +22,6 @@ import torch
 
 from vit_kernels import _accuracy, _timer
 
-# Repetitions: after one untimed run each (validation, which also compiles and warms caches), the
-# candidates are timed by ``_timer.time_runs`` in interleaved rounds, each run from an idle device,
-# until ``repeats`` rounds or ``budget_s`` seconds. On CUDA the median counts; on the CPU, shared with
-# other processes, the minimum (the least disturbed run).
-CPU_REPEATS, CPU_BUDGET_S = 10, 0.15
-CUDA_REPEATS, CUDA_BUDGET_S = 25, 0.3
-
 
 @dataclass
 class Candidate:
@@ -104,9 +97,10 @@ def _mismatch(
 
 
 def _time(runs: dict[str, Callable], device: torch.device) -> dict[str, tuple[float, float]]:
-    """(ranking, median) milliseconds per run of each of ``runs``, timed in interleaved rounds."""
-    repeats, budget = (CUDA_REPEATS, CUDA_BUDGET_S) if device.type == "cuda" else (CPU_REPEATS, CPU_BUDGET_S)
-    times = _timer.time_runs(runs, device, rounds=repeats, budget_s=budget)
+    """(ranking, median) milliseconds per run of each of ``runs`` (after the untimed run that
+    validated it), timed by ``_timer.search_times``. On CUDA the median ranks; on the CPU, shared with
+    other processes, the minimum (the least disturbed run)."""
+    times = _timer.search_times(runs, device)
     pick = statistics.median if device.type == "cuda" else min
     return {name: (pick(t), statistics.median(t)) for name, t in times.items()}
 

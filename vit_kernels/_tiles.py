@@ -88,10 +88,6 @@ def can_measure(device: torch.device) -> bool:
     return device.type == "cuda" and not _autograd.tracing() and not _signature.capturing_cuda_graph()
 
 
-# Valid candidates are timed by ``_timer.time_runs`` after one untimed round, each run from an idle
-# device, in interleaved rounds until TIMED_ROUNDS or TIMING_BUDGET_S seconds; the median counts.
-TIMED_ROUNDS, TIMING_BUDGET_S = 25, 0.3
-
 # In the cache (``_tune_cache``): "tiles", the tile searched per key; "checks", each table entry's
 # verdict, "right" or what was wrong.
 RIGHT = "right"
@@ -232,7 +228,7 @@ class TileChooser:
         valid = {tile: (lambda tile=tile: run(tile)) for tile, trial in trials.items() if trial is None}
         if not valid:
             raise self._none_right(key, trials)
-        times = _timer.time_runs(valid, device, rounds=TIMED_ROUNDS, budget_s=TIMING_BUDGET_S, warmup=1)
+        times = _timer.search_times(valid, device, warmup=1)  # after one untimed round; the median counts
         timed = {tile: statistics.median(samples) for tile, samples in times.items()}
         trials.update(timed)
         return Choice(min(timed, key=timed.get), "tuned", trials)

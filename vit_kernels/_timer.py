@@ -30,6 +30,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# A search's rounds (auto's candidates, the tile choosers'), per device type: interleaved rounds, each
+# run from an idle device, until this many rounds or this many seconds. Fewer on the CPU, where a
+# search times the C++ kernels against the reference on a machine shared with other processes.
+SEARCH_ROUNDS = {"cuda": (25, 0.3), "cpu": (10, 0.15)}
+
+
+def search_times(
+    runs: Mapping[Hashable, Callable[[], object]], device: torch.device, *, warmup: int = 0
+) -> dict[Hashable, list[float]]:
+    """``time_runs`` with a search's rounds (``SEARCH_ROUNDS``)."""
+    rounds, budget_s = SEARCH_ROUNDS["cuda" if device.type == "cuda" else "cpu"]
+    return time_runs(runs, device, rounds=rounds, budget_s=budget_s, warmup=warmup)
+
+
 def time_runs(
     runs: Mapping[Hashable, Callable[[], object]],
     device: torch.device,
