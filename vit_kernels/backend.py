@@ -1,35 +1,24 @@
-"""Which implementation of each op runs: ``auto | triton | extension | torch``.
+"""Which implementation of each op runs: ``auto | triton | extension | torch`` (docs/dispatch.md).
 
-Every op (``patch_embed``, ``attention``, ...) declares its implementations in one table at the end
-of ``vit_kernels/ops/<op>.py`` (``implementations(op, torch=Impl(...), triton=Impl(...), ...)``):
-per backend, the function, a support check by device and dtype, limits by shape (e.g. head dim <=
-256), and where it is the table's default. ``resolve`` is the only place that chooses or falls back.
+Every op declares its implementations in one table at the end of ``vit_kernels/ops/<op>.py``
+(``implementations(op, torch=Impl(...), triton=Impl(...), ...)``): per backend the function, a
+support check by device and dtype, limits by shape, and where it is the table's default (eager,
+and inside a torch.compile graph), each default citing the measurement it rests on. ``torch`` is
+the pure-PyTorch reference and the fallback; ``triton`` runs CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1`` (a test tool ``auto`` never picks); ``extension`` is ``vit_kernels._C``.
 
-* ``torch``: the pure-PyTorch reference, runs everywhere, the fallback.
-* ``triton``: the Triton kernels; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the
-  interpreter is a test tool: ``auto`` never picks interpreted Triton).
-* ``extension``: the compiled ``vit_kernels._C`` ops (CUDA kernels and C++ CPU kernels).
+``auto`` runs the table's choice: a first call compiles what it runs and checks each kernel's tile
+once (``_tiles``); nothing is timed and no child process starts. Searching happens only when asked
+(``vk.tune``, ``VIT_KERNELS_TUNE=1`` / ``set_autotune(True)``): then a new signature (``_signature``)
+has every capable implementation validated and timed on clones of its inputs (``_measure``), and
+the fastest valid one that beats the reference by the margin is kept, in memory and on disk
+(``_tune_cache``), where later processes find it. While tracing, the tuned decision or the table
+decides; nothing is timed.
 
-The choice is context-local: ``use_backend`` lives in a ``contextvars.ContextVar``, so a thread or
-task never sees another's. ``set_backend`` (and ``VIT_KERNELS_BACKEND``, read once at import) sets
-the process-wide default that every context starts from. When the chosen backend cannot take a call
-(device, dtype, or a shape limit), ``strict=True`` raises naming the op and the limit; otherwise the
-call falls back to ``auto``'s choice, with a warning once and a record in ``explain()``.
-
-``auto`` runs the op table's choice: each ``Impl``'s ``preferred(device, dtype, grad)`` names where
-it is the default, from the measurements each op's table cites beside it: on CUDA in 16 bits
-Triton's ``patch_embed`` and, on sm_90 with gradients, Triton's attention; without gradients the
-extension's ``layer_norm``; on CPU float32 the extension's ``patch_embed``; the reference
-everywhere else. A first call compiles what it runs and checks each kernel's tile once
-(``_tiles``); nothing is timed, no child process starts.
-
-Searching happens only when asked: ``vk.tune(model, inputs)``, or ``VIT_KERNELS_TUNE=1`` /
-``set_autotune(True)`` for ordinary calls. Then ``auto``, the first time it meets a call signature
-(see ``_signature``), times each capable implementation on clones of the real inputs, validates it
-against the reference, and picks the fastest valid one that beats the reference by the margin
-(``_measure``); decisions are kept in memory and on disk (``_tune_cache``, ``vk.save_tuning``), and
-a tuned decision runs in later processes, searching or not. Nothing is timed while tracing
-(torch.compile, export, fake tensors): there the tuned decision, else the table decides.
+``use_backend`` (context-local, a ``ContextVar``) and ``set_backend`` (process-wide, initially
+``VIT_KERNELS_BACKEND``) choose a backend; a call it cannot take falls back to ``auto`` with one
+warning and a record in ``explain()``, or raises under ``strict=True``. ``resolve`` is the only
+place that chooses or falls back; ``call`` is the public ops' entry, with its per-call fast path.
 """
 
 from __future__ import annotations
