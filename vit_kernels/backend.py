@@ -35,12 +35,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _measure, _proof, _signature, _tiles
+from vit_kernels import _measure, _proof, _signature, _tiles, _tune_cache
 from vit_kernels._triton import HAS_TRITON
 from vit_kernels._checks import autocast_dtype_of
 from vit_kernels._explain import Explanation, Journal, Record
 from vit_kernels._logging import LOGGER
-from vit_kernels import _tune_cache
 from vit_kernels._tune_cache import store
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
