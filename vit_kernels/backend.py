@@ -717,11 +717,10 @@ _native_key: Optional[Callable[[tuple, type], Any]] = None
 
 
 def use_native_call_key(native: Optional[Callable[[tuple, type], Any]]) -> None:
-    """Read the fast path's key with ``native`` (the extension's ``call_key``; None: in Python)."""
+    """Read the fast path's key with ``native`` (the extension's ``call_key``; None: in Python). The
+    entries stored under the other kind of key stay valid: the two kinds never meet."""
     global _native_key
-    with _lock:
-        _native_key = native
-        _fast.clear()
+    _native_key = native
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
