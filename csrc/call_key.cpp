@@ -34,24 +34,29 @@ PyObject* call_key(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc)
   auto* parameter_type = reinterpret_cast<PyTypeObject*>(argv[1]);
   const Py_ssize_t count = PyTuple_GET_SIZE(args);
   Py_ssize_t plain = 0;
+  // THPVariable_Check is an isinstance against torch.Tensor, whose metaclass answers in Python: it
+  // is asked only of an argument that is neither a plain tensor nor a plain value.
+  auto is_plain_tensor = [&](PyObject* value) {
+    return Py_TYPE(value) == tensor_type || Py_TYPE(value) == parameter_type;
+  };
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* value = PyTuple_GET_ITEM(args, i);
-    PyTypeObject* type = Py_TYPE(value);
-    if (type == tensor_type || type == parameter_type) {
+    if (is_plain_tensor(value)) {
+      continue;
+    }
+    if (is_plain(value)) {
+      ++plain;
       continue;
     }
     if (THPVariable_Check(value)) {
       Py_RETURN_NOTIMPLEMENTED;
     }
-    if (!is_plain(value)) {
-      Py_RETURN_NONE;
-    }
-    ++plain;
+    Py_RETURN_NONE;
   }
   c10::SmallVector<int64_t, 64> facts;
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* value = PyTuple_GET_ITEM(args, i);
-    if (!THPVariable_Check(value)) {
+    if (!is_plain_tensor(value)) {
       continue;
     }
     const at::Tensor& tensor = THPVariable_Unpack(value);
@@ -79,7 +84,7 @@ PyObject* call_key(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc)
   Py_ssize_t at = 0;
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* value = PyTuple_GET_ITEM(args, i);
-    if (THPVariable_Check(value)) {
+    if (is_plain_tensor(value)) {
       continue;
     }
     auto* type = reinterpret_cast<PyObject*>(Py_TYPE(value));
