@@ -19,7 +19,7 @@
 
 namespace {
 
-bool is_plain(PyObject* value) {
+bool is_plain_value(PyObject* value) {
   return value == Py_None || PyBool_Check(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) ||
          PyUnicode_CheckExact(value);
 }
@@ -34,8 +34,8 @@ PyObject* call_key(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc)
   auto* parameter_type = reinterpret_cast<PyTypeObject*>(argv[1]);
   const Py_ssize_t count = PyTuple_GET_SIZE(args);
   Py_ssize_t plain = 0;
-  // THPVariable_Check is an isinstance against torch.Tensor, whose metaclass answers in Python: it
-  // is asked only of an argument that is neither a plain tensor nor a plain value.
+  // isinstance(value, torch.Tensor) goes through torch.Tensor's metaclass, several times the cost of
+  // the rest: it is asked only of an argument that is neither a plain tensor nor a plain value.
   auto is_plain_tensor = [&](PyObject* value) {
     return Py_TYPE(value) == tensor_type || Py_TYPE(value) == parameter_type;
   };
@@ -44,11 +44,15 @@ PyObject* call_key(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc)
     if (is_plain_tensor(value)) {
       continue;
     }
-    if (is_plain(value)) {
+    if (is_plain_value(value)) {
       ++plain;
       continue;
     }
-    if (THPVariable_Check(value)) {
+    const int is_tensor = PyObject_IsInstance(value, THPVariableClass);
+    if (is_tensor < 0) {
+      return nullptr;
+    }
+    if (is_tensor) {
       Py_RETURN_NOTIMPLEMENTED;
     }
     Py_RETURN_NONE;
