@@ -136,7 +136,7 @@ class Store:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 on_disk = self._read()
-            merged = {kind: {**on_disk[kind], **self._sections[kind]} for kind in self.FIELDS}
+            merged = {name: {**on_disk[name], **self._sections[name]} for name in self.FIELDS}
             payload = json.dumps(
                 {"format": FORMAT, "environment": self._env, **merged}, indent=1, sort_keys=True
             )
