@@ -401,8 +401,8 @@ def _cell(value: Union[str, float, int]) -> str:
 def table(
     rows: list[dict[str, Union[str, float]]], markdown: bool = False, columns: tuple[str, ...] = COLUMNS
 ) -> str:
-    """op x (pytorch, torch, torch-pykey, extension, triton, triton-direct, auto) in us/call, as aligned text or a markdown
-    table; the reasons behind each n/a follow the table."""
+    """op x ``columns`` in us/call, as aligned text or a markdown table; the reasons behind each n/a
+    follow the table."""
     header = ["op (us/call)", *columns]
     cells = [[str(r["op"]), *(_cell(r[c]) for c in columns)] for r in rows]
     if markdown:

@@ -701,7 +701,8 @@ def _resolve(
 
 # ---- the per-call fast path ------------------------------------------------------------------------
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PARAMETER = torch.nn.Parameter
+_TENSOR_TYPES = (torch.Tensor, _PARAMETER)
 # Whether autocast is on for any device: one C call, where reading the main input's device and its
 # autocast state costs about a microsecond (asked per device only when some autocast is on).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -738,7 +739,7 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
     head = (op, _context_choice.get() or _process_choice, _grad_enabled(), autocast)
     if _native_key is not None:
-        native = _native_key(args, torch.nn.Parameter)
+        native = _native_key(args, _PARAMETER)
         if native is not NotImplemented:
             return None if native is None else head + native
     parts: list = list(head)
