@@ -7,7 +7,7 @@ with vk.use_backend("triton", strict=True): ...  # this thread / task only; rais
 vk.tune(model, (images,), autocast=torch.bfloat16)  # search backends and tiles (asked for only)
 vk.save_tuning("tuning.json"); vk.load_tuning("tuning.json")  # ship what was searched
 print(vk.explain())                              # what ran for each signature, and why
-vk.set_verbosity("info")                         # a log line per kernel tile checked or tuned
+vk.set_verbosity("info")                         # a log line per kernel compiled, tile checked or tuned
 """
 
 import os as _os

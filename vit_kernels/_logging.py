@@ -1,4 +1,5 @@
-"""The package's log: one line per kernel tile checked or tuned, per backend decision searched.
+"""The package's log: one line per kernel variant compiled, per kernel tile checked or tuned, per
+backend decision searched.
 
 Silent by default (``logging``'s ``vit_kernels`` logger, at WARNING); ``vk.set_verbosity("info")``
 or ``VIT_KERNELS_LOG=info`` (read at import) shows it on stderr.

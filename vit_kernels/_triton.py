@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import threading
+import time
 import types
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 
 from vit_kernels import _env
 from vit_kernels._autograd import tracing
+from vit_kernels._logging import LOGGER
 
 try:
     import triton
@@ -175,14 +178,49 @@ def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs)
     elif not eager and tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
-        kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
+        _run(kernel, grid, args, kwargs)
     else:
         direct = _direct_launches.get((kernel, id(plan)))
         if direct is None or direct.plan is not plan or not direct(args):
-            compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
+            compiled = _run(kernel, grid, args, kwargs)
             if len(_direct_launches) >= LAUNCH_CONFIGS:
                 _direct_launches.clear()
             _direct_launches[(kernel, id(plan))] = DirectLaunch.of(kernel, plan, grid, compiled, args, kwargs)
+
+
+def _run(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)`` in eager mode, returning what it returns (the compiled kernel
+    on a GPU). With the package's log at INFO (``vk.set_verbosity("info")``), each new variant of a
+    kernel (a first call of its launch configuration, dtypes and specialisation) is a log line with
+    the seconds its first launch took: its compile, or its load from Triton's on-disk cache."""
+    if not LOGGER.isEnabledFor(logging.INFO):
+        return kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
+    before = _variants(kernel)
+    started = time.perf_counter()
+    compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
+    seconds = time.perf_counter() - started
+    name = getattr(kernel, "fn", kernel).__name__
+    config = " ".join(f"{k}={v}" for k, v in kwargs.items())
+    dtypes = ",".join(dict.fromkeys(str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)))
+    if before is None:  # the interpreter, or a Triton that keeps its variants elsewhere: the first launch
+        new, how = (kernel, config, dtypes) not in _first_launches, "interpreted"
+        _first_launches.add((kernel, config, dtypes))
+    else:
+        new, how = _variants(kernel) > before, "compiled, or loaded from Triton's cache"
+    if new:
+        LOGGER.info("kernel %s %s for %s: first launch in %.2f s (%s)", name, config, dtypes, seconds, how)
+    return compiled
+
+
+_first_launches: set = set()  # (kernel, config, dtypes) launched, where Triton's variants are not counted
+
+
+def _variants(kernel) -> Optional[int]:
+    """How many variants of ``kernel`` Triton has compiled or loaded in this process, on every device
+    (its per-device caches, whose first member maps a specialisation to its compiled kernel); None
+    where it keeps none (the interpreter)."""
+    caches = getattr(kernel, "device_caches", None)
+    return None if caches is None else sum(len(cache[0]) for cache in caches.values())
 
 
 class DirectLaunch:
