@@ -8,7 +8,10 @@ CUDA) for training:
 * ``compile``: ``torch.compile`` of the eager model;
 * ``vk+compile``: ``torch.compile`` of the vk model (our kernels where the table puts them under
   compile, Inductor around them);
-* ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only).
+* ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only);
+* ``vk-direct``: ``vk`` with Triton's compiled kernels launched directly
+  (``vit_kernels._triton.DirectLaunch``, off by default), where the host sets the pace: inference
+  at batch 1 and 8 on CUDA.
 
 Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
 training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
@@ -43,8 +46,11 @@ from benchmarks import cli, e2e, environment
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 from vit_kernels._files import write_atomically
+from vit_kernels._triton import direct_launch
 
-VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
+VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs", "vk-direct")
+DIRECT = "vk-direct"
+DIRECT_BATCHES = (1, 8)  # inference batches where the host sets the pace
 # (model, source): our presets, then timm's model of the same name, patched for vk
 FULL_MODELS = (
     ("vit_base_patch16_224", "vit"),
@@ -78,6 +84,8 @@ def variant_setup(
     """(module, backend, compiled?, compile mode) of ``variant``, or why it cannot run here."""
     if variant.endswith("cudagraphs") and device.type != "cuda":
         return "CUDA graphs need a CUDA device"
+    if variant == DIRECT and device.type != "cuda":
+        return "the direct launch runs compiled kernels: CUDA only"
     ours = variant.startswith("vk")
     module = model
     if ours and source == "timm":
@@ -137,6 +145,8 @@ def measure(
         "variant": variant,
     }
     setup = variant_setup(variant, model, source, device)
+    if variant == DIRECT and isinstance(setup, tuple) and (mode != "infer" or batch not in DIRECT_BATCHES):
+        setup = "measured where the host sets the pace: inference at batch 1 and 8"
     if isinstance(setup, str):
         return {**row, "skipped": setup}
     compiled = setup[2]
@@ -144,7 +154,7 @@ def measure(
         torch._dynamo.reset()
     inputs = e2e._inputs(get_config(model_name), batch, device)
     try:
-        step, first_step_s = _first_step(setup, mode, inputs, device, dtype)
+        step, first_step_s = _first_step(setup, mode, inputs, device, dtype, direct=variant == DIRECT)
         timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
         if profile:
             row["profile"] = _profile(step, device)
@@ -152,7 +162,7 @@ def measure(
                 row["first_step_warm_s"] = first_step_in_a_new_process(
                     model_name, source, mode, batch, device, dtype
                 )
-        if batch == 1 and variant in ("eager", "vk"):
+        if batch == 1 and variant in ("eager", "vk", DIRECT):
             row["host_profile"] = _host_profile(step, device)
     except Exception as error:  # reported, not fatal: e.g. a compile failure
         return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
@@ -164,11 +174,21 @@ def measure(
     }
 
 
-def _first_step(setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype):
-    """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``."""
+def _first_step(
+    setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype, direct: bool = False
+):
+    """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``; with
+    ``direct``, each step launches its Triton kernels directly (``DirectLaunch``)."""
     module, backend, compiled, compile_mode = setup
     mode = "inference" if mode == "infer" else mode
     step = e2e._step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
+    if direct:
+        plain_step = step
+
+        def step(i):
+            with direct_launch(True):
+                return plain_step(i)
+
     return step, e2e._first_call_s(step, device)
 
 
