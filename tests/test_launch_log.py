@@ -57,6 +57,14 @@ def test_each_new_variant_is_one_line_naming_kernel_configuration_dtypes_and_sec
         assert re.fullmatch(pattern.format(block, dtype), line), line
 
 
+def test_a_plans_launch_with_direct_launches_on_is_logged_too(caplog):
+    kernel, x, plan = _Kernel(), torch.randn(8), object()
+    with _triton.direct_launch(True), caplog.at_level("INFO", logger="vit_kernels"):
+        for _ in range(2):
+            _triton.launch(kernel, (1,), x, 8, plan=plan, BLOCK=16, num_warps=4)
+    assert kernel.launches == 2 and len(_messages(caplog)) == 1
+
+
 def test_nothing_is_logged_at_the_default_level(caplog):
     kernel = _Kernel()
     with caplog.at_level("WARNING", logger="vit_kernels"):

@@ -171,30 +171,36 @@ def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs)
     the keywords come from (a plan table's value, which stays the same object while it is current):
     a call of the same plan with tensors of the same dtypes and 16-byte alignment launches the kernel
     its first call compiled directly (``DirectLaunch``). ``eager``: the caller found that nothing
-    traces the call (not asked again)."""
+    traces the call (not asked again). With the package's log at INFO, an eager launch of a new
+    variant is a log line (``_run_logged``)."""
     recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
     if recorded is not None:
         recorded.append((kernel, grid, args, {**kwargs, "enable_fp_fusion": FP_FUSION}))
     elif not eager and tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
-        _run(kernel, grid, args, kwargs)
+        if LOGGER.isEnabledFor(logging.INFO):
+            _run_logged(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
     else:
         direct = _direct_launches.get((kernel, id(plan)))
         if direct is None or direct.plan is not plan or not direct(args):
-            compiled = _run(kernel, grid, args, kwargs)
+            if LOGGER.isEnabledFor(logging.INFO):
+                compiled = _run_logged(kernel, grid, args, kwargs)
+            else:
+                compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
             if len(_direct_launches) >= LAUNCH_CONFIGS:
                 _direct_launches.clear()
             _direct_launches[(kernel, id(plan))] = DirectLaunch.of(kernel, plan, grid, compiled, args, kwargs)
 
 
-def _run(kernel, grid: tuple, args: tuple, kwargs: dict):
-    """``kernel[grid](*args, **kwargs)`` in eager mode, returning what it returns (the compiled kernel
-    on a GPU). With the package's log at INFO (``vk.set_verbosity("info")``), each new variant of a
-    kernel (a first call of its launch configuration, dtypes and specialisation) is a log line with
-    the seconds its first launch took: its compile, or its load from Triton's on-disk cache."""
-    if not LOGGER.isEnabledFor(logging.INFO):
-        return kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
+def _run_logged(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)`` in eager mode with the package's log at INFO
+    (``vk.set_verbosity("info")``), returning what it returns (the compiled kernel on a GPU): each
+    new variant of a kernel (a first call of its launch configuration, dtypes and specialisation) is
+    a log line with the seconds its first launch took: its compile, or its load from Triton's
+    on-disk cache."""
     before = _variants(kernel)
     started = time.perf_counter()
     compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
