@@ -209,8 +209,14 @@ def _run_logged(kernel, grid: tuple, args: tuple, kwargs: dict):
     config = " ".join(f"{k}={v}" for k, v in kwargs.items())
     dtypes = ",".join(dict.fromkeys(str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)))
     if before is None:  # the interpreter, or a Triton that keeps its variants elsewhere: the first launch
-        new, how = (kernel, config, dtypes) not in _first_launches, "interpreted"
+        new = (kernel, config, dtypes) not in _first_launches
         _first_launches.add((kernel, config, dtypes))
+        interpreted = type(kernel).__name__ == "InterpretedFunction"
+        how = (
+            "interpreted"
+            if interpreted
+            else "its variants not counted: the first launch of its configuration"
+        )
     else:
         new, how = _variants(kernel) > before, "compiled, or loaded from Triton's cache"
     if new:
