@@ -205,11 +205,15 @@ def _run_logged(kernel, grid: tuple, args: tuple, kwargs: dict):
     started = time.perf_counter()
     compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
     seconds = time.perf_counter() - started
-    name = getattr(kernel, "fn", kernel).__name__
+    if before is not None and _variants(kernel) <= before:  # a variant Triton had: nothing to say
+        return compiled
     config = " ".join(f"{k}={v}" for k, v in kwargs.items())
     dtypes = ",".join(dict.fromkeys(str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)))
-    if before is None:  # the interpreter, or a Triton that keeps its variants elsewhere: the first launch
-        new = (kernel, config, dtypes) not in _first_launches
+    if before is not None:
+        how = "compiled, or loaded from Triton's cache"
+    else:  # the interpreter, or a Triton that keeps its variants elsewhere: the first launch
+        if (kernel, config, dtypes) in _first_launches:
+            return compiled
         _first_launches.add((kernel, config, dtypes))
         interpreted = type(kernel).__name__ == "InterpretedFunction"
         how = (
@@ -217,10 +221,8 @@ def _run_logged(kernel, grid: tuple, args: tuple, kwargs: dict):
             if interpreted
             else "its variants not counted: the first launch of its configuration"
         )
-    else:
-        new, how = _variants(kernel) > before, "compiled, or loaded from Triton's cache"
-    if new:
-        LOGGER.info("kernel %s %s for %s: first launch in %.2f s (%s)", name, config, dtypes, seconds, how)
+    name = getattr(kernel, "fn", kernel).__name__
+    LOGGER.info("kernel %s %s for %s: first launch in %.2f s (%s)", name, config, dtypes, seconds, how)
     return compiled
 
 
