@@ -11,7 +11,11 @@ CUDA) for training:
 * ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only);
 * ``vk-direct``: ``vk`` with Triton's compiled kernels launched directly
   (``vit_kernels._triton.DirectLaunch``, off by default), where the host sets the pace: inference
-  at batch 1 and 8 on CUDA.
+  at batch 1 and 8 on CUDA;
+* ``vk-tuned`` (with ``--tuned``, in the first model's training row): ``vk`` after ``vk.tune``
+  under the step's autocast, in a new process with a vit_kernels cache of its own (a search from
+  nothing, which leaves this process on the tables): what searching gains over the tables, and what
+  the search costs (its seconds beside the figure).
 
 Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
 training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
@@ -24,7 +28,7 @@ Rows run headline first (ViT-B/16 training), so a budget spent early leaves the 
 the JSON and markdown are rewritten after every row (atomically), so a run cut short keeps what
 ran. Output: ``<out>/e2e-<device>-<date>.json`` and ``.md``.
 
-    python -m benchmarks e2e [--quick] [--device cuda|cpu] [--out DIR] [--budget SECONDS]
+    python -m benchmarks e2e [--quick] [--tuned] [--device cuda|cpu] [--out DIR] [--budget SECONDS]
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -50,6 +56,7 @@ from vit_kernels._triton import direct_launch
 
 VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs", "vk-direct")
 DIRECT = "vk-direct"
+TUNED = "vk-tuned"  # with --tuned, after VARIANTS in the first model's training row
 DIRECT_BATCHES = (1, 8)  # inference batches where the host sets the pace
 # (model, source): our presets, then timm's model of the same name, patched for vk
 FULL_MODELS = (
@@ -144,6 +151,8 @@ def measure(
         "batch": batch,
         "variant": variant,
     }
+    if variant == TUNED:
+        return _tuned_row(row, model_name, source, device, dtype, profile)
     setup = variant_setup(variant, model, source, device)
     if variant == DIRECT and isinstance(setup, tuple) and (mode != "infer" or batch not in DIRECT_BATCHES):
         setup = "measured where the host sets the pace: inference at batch 1 and 8"
@@ -192,8 +201,46 @@ def _first_step(
     return step, e2e._first_call_s(step, device)
 
 
-FIRST_STEP_CHILD = "from benchmarks.headline import first_step_child; first_step_child()"
-FIRST_STEP_TIMEOUT_S = 300
+CHILD_TIMEOUT_S = {"first step": 300, "tuned": 900}
+
+
+def _in_a_new_process(
+    what: str,
+    entry: str,
+    model_name: str,
+    source: str,
+    mode: str,
+    batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    env: Optional[dict] = None,
+) -> str:
+    """The last line ``benchmarks.headline.<entry>()`` prints in another Python process, given the
+    row's model, source, mode, batch, device and dtype (``_row_of_argv``). Raises RuntimeError
+    naming ``what`` and the child's last error line when it fails."""
+    argv = [model_name, source, mode, str(batch), str(device), str(dtype).removeprefix("torch.")]
+    done = subprocess.run(
+        [sys.executable, "-c", f"from benchmarks.headline import {entry}; {entry}()", *argv],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S[what],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise RuntimeError(f"the {what} in a new process failed: {why}")
+    return lines[-1]
+
+
+def _row_of_argv() -> tuple:
+    """A child's row from its argv: (mode, device, dtype, ``variant_setup`` of vk, the inputs)."""
+    model_name, source, mode, batch, device_name, dtype_name = sys.argv[1:7]
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    setup = variant_setup("vk", _model(model_name, source, device), source, device)
+    inputs = e2e._inputs(get_config(model_name), int(batch), device)
+    return mode, device, dtype, setup, inputs
 
 
 def first_step_in_a_new_process(
@@ -203,29 +250,63 @@ def first_step_in_a_new_process(
     Triton's and vit_kernels' caches on disk are warm from this process's run (its compiles, its
     tiles' verdicts), its memory is not. The step alone, the child's imports and model set-up not
     counted. Raises RuntimeError naming the child's last error line when it fails."""
-    argv = [model_name, source, mode, str(batch), str(device), str(dtype).removeprefix("torch.")]
-    done = subprocess.run(
-        [sys.executable, "-c", FIRST_STEP_CHILD, *argv],
-        capture_output=True,
-        text=True,
-        timeout=FIRST_STEP_TIMEOUT_S,
-        cwd=Path(__file__).resolve().parent.parent,
+    return float(
+        _in_a_new_process("first step", "first_step_child", model_name, source, mode, batch, device, dtype)
     )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise RuntimeError(f"the first step in a new process failed: {why}")
-    return float(lines[-1])
 
 
 def first_step_child() -> None:
     """``first_step_in_a_new_process``'s child: argv model, source, mode, batch, device, dtype;
     prints the first step's seconds."""
-    model_name, source, mode, batch, device_name, dtype_name = sys.argv[1:7]
-    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
-    setup = variant_setup("vk", _model(model_name, source, device), source, device)
-    inputs = e2e._inputs(get_config(model_name), int(batch), device)
+    mode, device, dtype, setup, inputs = _row_of_argv()
     print(_first_step(setup, mode, inputs, device, dtype)[1])
+
+
+def tuned_in_a_new_process(
+    model_name: str, source: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, float]:
+    """``vk`` after ``vk.tune`` in another Python process whose vit_kernels cache is an empty folder
+    of its own, so that the search starts from nothing and this process's decisions stay the tables'
+    (Triton's compile cache is shared): {"tune_s": the search's seconds, "signatures": the op
+    signatures it met, "first_step_s": the first step's after it, "median_ms": a step's}. Raises
+    RuntimeError naming the child's last error line when it fails."""
+    with tempfile.TemporaryDirectory(prefix="vit_kernels-tuned-") as folder:
+        env = dict(os.environ, VIT_KERNELS_CACHE_DIR=folder)
+        line = _in_a_new_process("tuned", "tuned_child", model_name, source, mode, batch, device, dtype, env)
+    return json.loads(line)
+
+
+def tuned_child() -> None:
+    """``tuned_in_a_new_process``'s child: argv as ``first_step_child``'s; prints one JSON line."""
+    mode, device, dtype, setup, inputs = _row_of_argv()
+    module = setup[0].train(mode == "train")
+    started = time.perf_counter()
+    explained = vk.tune(
+        module,
+        (inputs[0][0],),
+        grad=mode == "train",
+        autocast=dtype if dtype in (torch.float16, torch.bfloat16) else None,
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    found = {"tune_s": time.perf_counter() - started, "signatures": len(explained)}
+    step, found["first_step_s"] = _first_step(setup, mode, inputs, device, dtype)
+    found["median_ms"] = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0).median_ms
+    print(json.dumps(found))
+
+
+def _tuned_row(
+    row: dict, model_name: str, source: str, device: torch.device, dtype: torch.dtype, headline_row: bool
+) -> dict[str, object]:
+    """The ``vk-tuned`` row: measured in the first model's training row only (the search takes
+    minutes on a GPU), else why not."""
+    if not headline_row:
+        return {**row, "skipped": "measured in the first model's training row only"}
+    try:
+        found = tuned_in_a_new_process(model_name, source, row["mode"], row["batch"], device, dtype)
+    except Exception as error:  # reported, not fatal
+        return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
+    return {**row, "images_per_second": row["batch"] / (found["median_ms"] * 1e-3), **found}
 
 
 def device_slug(device: torch.device) -> str:
@@ -250,20 +331,23 @@ def ratio(rows: list[dict], mode: str, batch: int, variant: str, over: str, mode
 
 def markdown(report: dict) -> str:
     rows, head = report["rows"], report["rows"][0]["model"] if report["rows"] else ""
+    variants = VARIANTS + ((TUNED,) if any(r["variant"] == TUNED for r in rows) else ())
     lines = [
         f"# End to end on {report['device']}, {report['date']}, {report['commit']}",
         "",
         f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; {report['dtype']}; "
         "images/s (the first step's seconds in parentheses; warm: another process's first step, with the "
-        "caches on disk this run filled). Each row's variants ran side by side in one run.",
+        "caches on disk this run filled"
+        + ("; tune: vk.tune's seconds before it, in a new process" if TUNED in variants else "")
+        + "). Each row's variants ran side by side in one run.",
         "",
-        "| model | mode | batch | " + " | ".join(VARIANTS) + " |",
-        "|---|---|---:|" + "---:|" * len(VARIANTS),
+        "| model | mode | batch | " + " | ".join(variants) + " |",
+        "|---|---|---:|" + "---:|" * len(variants),
     ]
     keys = list(dict.fromkeys((r["model"], r["mode"], r["batch"]) for r in rows))
     for key in keys:
         cells = []
-        for variant in VARIANTS:
+        for variant in variants:
             row = next(
                 (r for r in rows if (r["model"], r["mode"], r["batch"], r["variant"]) == (*key, variant)),
                 None,
@@ -271,8 +355,9 @@ def markdown(report: dict) -> str:
             if row is None:
                 cells.append("not measured")
             elif "images_per_second" in row:
-                warm = row.get("first_step_warm_s")
-                seconds = f"{row['first_step_s']:.1f} s" + ("" if warm is None else f"; {warm:.1f} s warm")
+                warm, tune = row.get("first_step_warm_s"), row.get("tune_s")
+                seconds = ("" if tune is None else f"tune {tune:.1f} s; ") + f"{row['first_step_s']:.1f} s"
+                seconds += "" if warm is None else f"; {warm:.1f} s warm"
                 cells.append(f"{row['images_per_second']:,.0f} ({seconds})")
             else:
                 cells.append(row.get("skipped") or f"failed: {row.get('invalid')}")
@@ -286,6 +371,14 @@ def markdown(report: dict) -> str:
             else (f"{found:.3f}x", "yes" if found >= least else "no")
         )
         lines.append(f"| {head} {mode} B={batch}: {variant} >= {least:.2f}x {over} | {measured} | {met} |")
+    for r in rows:
+        tuned = ratio(rows, r["mode"], r["batch"], TUNED, "vk", r["model"]) if r["variant"] == TUNED else None
+        if tuned is not None:
+            lines += [
+                "",
+                f"{r['model']} {r['mode']} B={r['batch']}: vk-tuned / vk = {tuned:.3f}x (what searching "
+                f"gains over the tables), for a search of {r['tune_s']:.1f} s.",
+            ]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += [
@@ -324,9 +417,15 @@ def short_kernel_name(name: str) -> str:
 
 
 def run(
-    device: torch.device, quick: bool, out: Path, budget_s: float, say: Callable[[str], None] = print
+    device: torch.device,
+    quick: bool,
+    out: Path,
+    budget_s: float,
+    say: Callable[[str], None] = print,
+    tuned: bool = False,
 ) -> dict:
-    """Measure every row in order until ``budget_s`` is spent, writing the files after each row."""
+    """Measure every row in order until ``budget_s`` is spent, writing the files after each row;
+    ``tuned``: with the ``vk-tuned`` variant."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     date = datetime.date.today().isoformat()
     stem = out / f"e2e-{device_slug(device)}-{date}"
@@ -341,6 +440,7 @@ def run(
     }
     started = time.perf_counter()
     models = QUICK_MODELS if quick else FULL_MODELS
+    variants = VARIANTS + ((TUNED,) if tuned else ())
     for index, (name, source) in enumerate(models):
         try:
             model = _model(name, source, device)
@@ -348,11 +448,11 @@ def run(
             report["rows"] += [
                 {"model": f"{name} (timm)", "mode": mode, "batch": batch, "variant": v, "skipped": str(error)}
                 for mode, batch in (QUICK_RUNS if quick else FULL_RUNS)
-                for v in VARIANTS
+                for v in variants
             ]
             continue
         for mode, batch in QUICK_RUNS if quick else FULL_RUNS:
-            for variant in VARIANTS:
+            for variant in variants:
                 if time.perf_counter() - started > budget_s:
                     say(f"e2e: budget of {budget_s:.0f} s spent; {stem}.json holds what ran")
                     return report
@@ -374,6 +474,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = cli.Parser(prog="python -m benchmarks e2e", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the smallest preset at small batches (a CPU)")
     parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also vk after vk.tune (a search of minutes on a GPU), in the first model's training row",
+    )
+    parser.add_argument(
         "--device", type=cli.device_name, default=None, help="cuda or cpu (default: cuda when available)"
     )
     parser.add_argument(
@@ -387,5 +492,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     cli.check_output("--out", args.out, folder=True)
     if args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget}")
-    run(device, args.quick, args.out, args.budget)
+    run(device, args.quick, args.out, args.budget, tuned=args.tuned)
     return 0

@@ -5,6 +5,7 @@ files it keeps after every row."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from benchmarks import headline
 from vit.model import ViT, get_config
 
 CPU = torch.device("cpu")
+CPU_OUT = Path("unwritten")  # where a run whose writes are stubbed out would write
 
 
 @pytest.mark.parametrize("variant,backend", [("eager", "torch"), ("vk", "auto")])
@@ -204,3 +206,61 @@ def test_bad_arguments_name_the_option(tmp_path):
     with pytest.raises(SystemExit, match="--out"):
         (tmp_path / "file").write_text("")
         headline.main(["--out", str(tmp_path / "file")])
+
+
+def test_the_tuned_row_runs_vk_after_vk_tune_in_a_new_process_that_leaves_this_ones_decisions_alone():
+    """``vk-tuned``: the search in a child with a vit_kernels cache of its own, then its steps; this
+    process's cache is not read or written by it. Elsewhere than the first model's training row it
+    says why it was not measured."""
+    from vit_kernels._tune_cache import store
+
+    before = {kind: store().items(kind) for kind in store().FIELDS}
+    model = ViT(get_config("vit_digits"))
+    row = headline.measure("vit_digits", "vit", "train", 8, headline.TUNED, CPU, torch.float32, model, True)
+    assert row["tune_s"] > 0 and row["signatures"] > 0 and row["first_step_s"] > 0, row
+    assert row["images_per_second"] == pytest.approx(8 / (row["median_ms"] * 1e-3))
+    assert {kind: store().items(kind) for kind in store().FIELDS} == before
+    elsewhere = headline.measure(
+        "vit_digits", "vit", "infer", 8, headline.TUNED, CPU, torch.float32, model, False
+    )
+    assert elsewhere["skipped"] == "measured in the first model's training row only"
+
+
+def test_the_tuned_variant_runs_only_when_asked_after_the_others_and_the_markdown_gives_its_gain():
+    measured = []
+
+    def measure(*args, **kwargs):
+        measured.append(args[4])
+        row = {"model": "vit_digits", "mode": "train", "batch": 8, "variant": args[4]}
+        row.update(images_per_second=100.0, first_step_s=0.5, median_ms=80.0)
+        return {**row, "tune_s": 9.0} if args[4] == headline.TUNED else row
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(headline, "QUICK_RUNS", (("train", 8),))
+        patch.setattr(headline, "measure", measure)
+        patch.setattr(headline, "write_atomically", lambda path, text: None)
+        headline.run(CPU, True, CPU_OUT, 60.0, say=lambda text: None)
+        assert headline.TUNED not in measured
+        measured.clear()
+        headline.run(CPU, True, CPU_OUT, 60.0, say=lambda text: None, tuned=True)
+    assert measured == [*headline.VARIANTS, headline.TUNED]
+    rows = [
+        {
+            "model": "m",
+            "mode": "train",
+            "batch": 128,
+            "variant": v,
+            "images_per_second": ips,
+            "first_step_s": 2.0,
+        }
+        for v, ips in (("vk", 3000.0), (headline.TUNED, 3150.0))
+    ]
+    rows[1]["tune_s"] = 95.0
+    text = _markdown_of(rows)
+    assert " | vk-direct | vk-tuned |" in text and "tune: vk.tune's seconds" in text
+    assert "| 3,000 (2.0 s) |" in text and "| 3,150 (tune 95.0 s; 2.0 s) |" in text
+    assert (
+        "m train B=128: vk-tuned / vk = 1.050x (what searching gains over the tables), for a search of 95.0 s."
+        in text
+    )
+    assert "vk-tuned" not in _markdown_of(rows[:1])

@@ -316,9 +316,10 @@ def _parameters(fn: Callable) -> tuple:
     return tuple(inspect.signature(fn).parameters.values())
 
 
-# Off unless VIT_KERNELS_DIRECT_LAUNCH=1: the direct launch has run on the simulated device and the
-# CPU, not yet on a GPU (make test-gpu's tests/test_direct_launch.py and the GPU report's host-cost
-# table check and time it there).
+# Off unless VIT_KERNELS_DIRECT_LAUNCH=1: on an H200 it gave kernel[grid]'s bits for the five ops whose
+# warm calls launch planned kernels and saved 9-44 us per call (benchmarks/results/h200-2026-11-28.md);
+# the GEMM ops' case (the pointer kernel) has not run on a GPU yet (make test-gpu's
+# tests/test_direct_launch.py), nor a whole model (the end-to-end table's vk-direct).
 _direct = {"enabled": _env.flag("VIT_KERNELS_DIRECT_LAUNCH", default=False)}
 _direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, or None
 
