@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 # every pytest stage ends with its slowest tests, so a stage that grows says where
 DURATIONS := --durations=15
 
-.PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all selftest gpu-report ci ci-cold nightly clean
+.PHONY: install lint test-cuda-sim coverage-report demo test test-all test-gpu gpu-session test-integration bench bench-quick bench-gate check-cuda check-gpu check-gpu-all check-triton-oldest selftest gpu-report ci ci-cold nightly clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -220,6 +220,25 @@ check-gpu: $(STAMP)
 check-gpu-all: $(STAMP)
 	$(PY) -m tools.gpu_check --all --out $(GPU_CHECK_OUT)-all
 
+# The oldest Triton the package supports (3.6.0, the version on the GPUs measured so far), on this
+# CPU: every kernel variant check-gpu compiles, compiled for sm_90 by that Triton and its ptxas; then
+# make test's interpreted stage and the simulated device under it. Its own environment, torch
+# 2.13.0's CPU wheel beside it; the tree's extension is the one make install built, for that torch.
+# numpy below 2.4: Triton 3.6's interpreter turns a loop bound into an int from a 1-element array,
+# which numpy 2.4 refuses (every kernel with a computed loop bound fails interpreted; compiled
+# kernels are not concerned).
+OLDEST_TRITON := 3.6.0
+OLDEST_VENV := .venv-triton-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+check-triton-oldest: $(STAMP)
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q torch==2.13.0 triton==$(OLDEST_TRITON) "numpy>=1.26,<2.4" safetensors tqdm \
+		"pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" scikit-learn pillow matplotlib
+	PYTHONPATH=. $(OLDEST_PY) -m tools.gpu_check --targets 90 --out $(GPU_CHECK_OUT)-triton$(OLDEST_TRITON)
+	TRITON_INTERPRET=1 PYTHONPATH=. $(OLDEST_PY) -m pytest -q -m "not slow and not aot and not gpu" -n $(TEST_WORKERS) \
+		--dist loadfile -p no:benchmark -p no:cacheprovider $(DURATIONS) $(PYTEST_ARGS)
+	env -u TRITON_INTERPRET PYTHONPATH=. $(OLDEST_PY) -m pytest -q -p no:cacheprovider tests/cuda_sim $(DURATIONS) $(PYTEST_ARGS)
+
 # What a user with a GPU runs first: the CUDA tests and a short benchmark on their device, one
 # results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
 selftest: $(STAMP)
@@ -270,10 +289,11 @@ ci-cold:
 	CI_COLD=1 .ci/run
 
 # What CI leaves out, for a night (hours on 2 cores, not timed yet): the full parameter products and
-# sweeps (test-all), every Triton variant compiled for sm_80 and sm_90 (check-gpu-all), the coverage
-# report, and a cold CI run. Each runs even when an earlier one fails (make -k).
+# sweeps (test-all), every Triton variant compiled for sm_80 and sm_90 (check-gpu-all), the oldest
+# Triton supported (check-triton-oldest), the coverage report, and a cold CI run. Each runs even
+# when an earlier one fails (make -k).
 nightly:
-	$(MAKE) -k test-all check-gpu-all coverage-report ci-cold
+	$(MAKE) -k test-all check-gpu-all check-triton-oldest coverage-report ci-cold
 
 clean:
-	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so $(INT_VENV)
+	rm -rf build *.egg-info runs .pytest_cache vit_kernels/_C*.so $(INT_VENV) $(OLDEST_VENV)
