@@ -231,6 +231,8 @@ OLDEST_TRITON := 3.6.0
 OLDEST_VENV := .venv-triton-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 check-triton-oldest: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(None if torch.__version__.startswith('2.13.0') else \
+		'check-triton-oldest: the extension in the tree is built for torch ' + torch.__version__ + ', not 2.13.0')"
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install -q torch==2.13.0 triton==$(OLDEST_TRITON) "numpy>=1.26,<2.4" safetensors tqdm \
 		"pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100" scikit-learn pillow matplotlib

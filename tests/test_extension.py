@@ -471,7 +471,6 @@ def _layer_norm_grads(fn, inputs, upstream):
     return [t.grad for t in leaves]
 
 
-@pytest.mark.gpu
 @requires_cuda
 @needs_cuda_kernels
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import fake_timer
+from tests.helpers import device_reason, fake_timer
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda
 from vit_kernels import _accuracy, _tiles, _timer
 from vit_kernels._triton import HAS_TRITON, triton
@@ -64,6 +64,9 @@ def test_the_default_tiles_come_first_and_every_list_is_distinct():
 def choosing_on_the_cpu(monkeypatch):
     """The launchers search as on a GPU, the candidates running in the interpreter; ``times[tile]``
     is what timing one returns (default 1 ms)."""
+    reason = device_reason("triton", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
     times: dict = {}
     monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)

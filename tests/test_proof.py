@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests import proof_kernels
-from tests.helpers import CUDA, device_reason, fake_timer
+from tests.helpers import CUDA, device_reason, fake_timer, requires_cuda
 from vit_kernels import _env, _proof, _tiles, _timer, _tune_cache
-from vit_kernels._triton import HAS_TRITON, launch
+from vit_kernels._triton import launch
 from vit_kernels._tune_cache import Store, store
 
 CPU = torch.device("cpu")
@@ -153,7 +153,7 @@ def test_an_empty_problem_proves_nothing(children):
     assert children == []
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(device_reason("triton", CPU) is not None, reason=str(device_reason("triton", CPU)))
 def test_a_real_gemm_replays_in_a_child(children):
     """The GEMM kernel's recorded launches (its JITFunction, constexprs, strided operands) run in a
     child under the interpreter, as on a GPU they run on the device."""
@@ -179,7 +179,7 @@ def test_a_real_gemm_replays_in_a_child(children):
     assert len(children) == 1
 
 
-@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_attention_candidate_is_proven_in_a_child_on_the_gpu(children, dtype):
