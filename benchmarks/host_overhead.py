@@ -8,7 +8,7 @@ synchronised only before and after the loop; the figure is the median over ``rou
 time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directly), then
 ``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop),
 ``torch-pykey``: the torch backend with the per-call key read in Python (where the extension is
-built it is read in C++, ``csrc/call_key.cpp``), and ``triton-direct``: the triton backend with plans
+built it is read in C++, ``csrc/fast_path_key.cpp``), and ``triton-direct``: the triton backend with plans
 launched directly (``vit_kernels._triton.DirectLaunch``).
 On the CPU, Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
 
@@ -58,7 +58,7 @@ from vit_kernels._triton import direct_launch
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
 COLUMNS = ("pytorch", "torch", "torch-pykey", "extension", "triton", "triton-direct", "auto")
 DIRECT = "triton-direct"  # the triton backend with plans launched directly (vit_kernels._triton.DirectLaunch)
-# the torch backend with the per-call key read in Python, not in C++ (csrc/call_key.cpp)
+# the torch backend with the per-call key read in Python, not in C++ (csrc/fast_path_key.cpp)
 PYKEY = "torch-pykey"
 # (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}

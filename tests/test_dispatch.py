@@ -3,6 +3,7 @@ for an invalid one, the caches (memory, disk, a second process, a corrupt file),
 a search, no timing under torch.compile, context-local choice across threads, strict mode, and
 explain."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -359,23 +360,33 @@ def test_a_decision_stored_after_the_cache_was_cleared_is_dropped(monkeypatch):
     assert backend._fast == {}
 
 
-def _keys(args_list: list[tuple], native) -> list:
+def _keys(calls: list[tuple], native) -> list:
+    """The key of each (args, state) of ``calls``, read with ``native`` (None: the Python loop);
+    ``state()`` makes the context manager entered around the read (grad mode, autocast, a backend
+    choice)."""
     saved = backend._native_key
     backend._native_key = native
     try:
-        return [backend._call_key("linear", args) for args in args_list]
+        keys = []
+        for args, state in calls:
+            with state():
+                keys.append(backend._call_key("linear", args))
+        return keys
     finally:
         backend._native_key = saved
 
 
-@pytest.mark.skipif(backend._native_key is None, reason="the extension (and its call_key) is not built")
+@pytest.mark.skipif(backend._native_key is None, reason="the extension (and its fast_path_key) is not built")
 def test_the_native_call_key_tells_apart_exactly_what_the_python_key_does():
-    """The C++ key (csrc/call_key.cpp) and the Python loop agree on which calls share a key: any
+    """The C++ key (csrc/fast_path_key.cpp) and the Python loop agree on which calls share a key: any
     change of shape, dtype, device, requires_grad, contiguity, position, or of a plain argument's
-    value or type (1, 1.0, True) makes another key; equal facts make the same one."""
+    value or type (1, 1.0, True), or of the state the call runs in (grad mode, autocast and its
+    dtype, the backend chosen in this context or for the process) makes another key; equal facts
+    make the same one."""
     x = torch.randn(4, 8)
     w = torch.nn.Parameter(torch.randn(6, 8))
-    calls = [
+    plain = contextlib.nullcontext
+    args = [
         (x, w, None, 1),
         (torch.randn(4, 8), torch.nn.Parameter(torch.randn(6, 8)), None, 1),  # equal facts
         (x, w.detach().requires_grad_(), None, 1),  # a plain tensor where the parameter was: the same facts
@@ -393,20 +404,47 @@ def test_the_native_call_key_tells_apart_exactly_what_the_python_key_does():
         (torch.randn(4, 8, dtype=torch.float64).to(torch.float32), w, torch.randn(6), 1),
         (x, w, torch.randn(6), 1),
     ]
+    states = [
+        torch.no_grad,
+        torch.inference_mode,  # grad mode off, as under no_grad: the same key
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        lambda: torch.autocast("cpu", dtype=torch.float16),
+        lambda: torch.autocast("cuda", dtype=torch.float16, enabled=False),  # not this device's: the same key
+        lambda: vk.use_backend("torch"),
+        lambda: vk.use_backend("torch", strict=True),
+    ]
+    calls = [(a, plain) for a in args] + [(args[0], state) for state in states]
+    # a meta tensor has no autocast: the same key as without it
+    calls.append(((x.to("meta"), w, None, 1), lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
     native, python = _keys(calls, backend._native_key), _keys(calls, None)
     assert all(isinstance(key[-1], bytes) for key in native)
     same_native = [[a == b for b in native] for a in native]
     same_python = [[a == b for b in python] for a in python]
     assert same_native == same_python
+    first_state = len(args)
     assert native[0] == native[1] == native[2] and native[14] == native[15]
-    assert len(set(native)) == len(calls) - 3
+    assert native[first_state] == native[first_state + 1] and native[first_state + 4] == native[0]
+    assert native[-1] == native[9]
+    assert len(set(native)) == len(calls) - 6
 
-    # another tensor type: the Python key (which adds the type); another argument type: no key at all
+    # the process's choice when no use_backend block is in force
+    before = vk.get_backend()
+    vk.set_backend("torch")
+    try:
+        assert _keys([(args[0], plain)], backend._native_key) == [native[first_state + 5]]
+    finally:
+        vk.set_backend(before)
+
+    # another tensor type: the Python key (which adds the type, and has none for a main input that
+    # is not a plain tensor); another argument type: no key at all
     class Subclass(torch.Tensor):
         pass
 
     subclass = torch.randn(4, 8).as_subclass(Subclass)
-    assert backend._native_key((x, subclass), torch.nn.Parameter) is NotImplemented
+    state = ("linear", backend._context_choice, backend._process_choice)
+    assert backend._native_key((x, subclass), torch.nn.Parameter, *state) is NotImplemented
     assert backend._call_key("linear", (x, subclass))[-1][-1] is Subclass
-    assert backend._native_key((x, [1]), torch.nn.Parameter) is None
+    assert backend._native_key((x, [1]), torch.nn.Parameter, *state) is None
     assert backend._call_key("linear", (x, [1])) is None
+    assert backend._native_key((subclass, x), torch.nn.Parameter, *state) is NotImplemented
+    assert backend._call_key("linear", (subclass, x)) is None

@@ -711,14 +711,15 @@ _is_compiling = torch.compiler.is_compiling
 _PLAIN = _signature._PLAIN
 
 
-# The arguments' part of the key read in C++ (csrc/call_key.cpp), set when the extension loads
-# (``use_native_call_key``); the same facts as the Python loop below, packed, in about a tenth of
-# its time: the Python loop's five attribute reads per tensor are most of a warm call's cost.
-_native_key: Optional[Callable[[tuple, type], Any]] = None
+# The key read in C++ (csrc/fast_path_key.cpp), set when the extension loads (``use_native_call_key``):
+# the same facts as the Python loop below, packed, in a fraction of its time: the loop's five
+# attribute reads per tensor, and the three calls that read the choice, grad mode and autocast, are
+# most of a warm call's cost.
+_native_key: Optional[Callable[..., Any]] = None
 
 
-def use_native_call_key(native: Optional[Callable[[tuple, type], Any]]) -> None:
-    """Read the fast path's key with ``native`` (the extension's ``call_key``; None: in Python). The
+def use_native_call_key(native: Optional[Callable[..., Any]]) -> None:
+    """Read the fast path's key with ``native`` (the extension's ``fast_path_key``; None: in Python). The
     entries stored under the other kind of key stay valid: the two kinds never meet."""
     global _native_key
     _native_key = native
@@ -730,18 +731,18 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     argument (a plain tensor or parameter: its shape, dtype, device, requires_grad and contiguity
     (part of a decision's signature); another tensor type: the same and its type; None, bool, int,
     float or str: its type and value). None when the main input is not a plain tensor or another
-    argument is of any other type (validation will say what was expected). The arguments' part
-    comes from ``_native_key`` where it can read it (plain tensors and parameters only): its keys
-    end in a bytes object, which no key of the Python loop holds, so the two never meet."""
+    argument is of any other type (validation will say what was expected). ``_native_key`` reads it
+    where it can (plain tensors and parameters only): its keys end in a bytes object, which no key of
+    the Python loop holds, so the two never meet."""
+    if _native_key is not None:
+        key = _native_key(args, _PARAMETER, op, _context_choice, _process_choice)
+        if key is not NotImplemented:
+            return key
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
     head = (op, _context_choice.get() or _process_choice, _grad_enabled(), autocast)
-    if _native_key is not None:
-        native = _native_key(args, _PARAMETER)
-        if native is not NotImplemented:
-            return None if native is None else head + native
     parts: list = list(head)
     append = parts.append
     for a in args:
