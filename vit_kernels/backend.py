@@ -742,8 +742,7 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
     if type(first) not in _TENSOR_TYPES:
         return None
     autocast = autocast_dtype_of(first.device.type) if _any_autocast() else None
-    head = (op, _context_choice.get() or _process_choice, _grad_enabled(), autocast)
-    parts: list = list(head)
+    parts: list = [op, _context_choice.get() or _process_choice, _grad_enabled(), autocast]
     append = parts.append
     for a in args:
         kind = type(a)
