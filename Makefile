@@ -98,8 +98,7 @@ test-all: $(STAMP)
 
 # The CUDA cases of every op test file and every tile of every tile table, with
 # Triton compiled for the device (no TRITON_INTERPRET). Collecting none is an error (pytest exits 5);
-# without a GPU it confirms what it collects, says so and passes. The direct launch's tests and the
-# default tiles run first, on their own (HEADLINE of tools/gpu_tests.py), then the tile tables and the
+# without a GPU it confirms what it collects, says so and passes. The default tiles run first, on their own (HEADLINE of tools/gpu_tests.py), then the tile tables and the
 # files the GPU runs found wrong (FIRST, as in the GPU report) and the rest; with
 # pytest-xdist installed, GPU_TEST_WORKERS processes (tools/gpu_tests.py, default one per core, 8 to 16) share the GPU
 # (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
@@ -127,8 +126,7 @@ test-gpu: $(STAMP)
 # (the extension's CUDA code built for this GPU's architecture alone, unless TORCH_CUDA_ARCH_LIST is
 # set: about 90 s on an H200). Then the headline: the end-to-end table (python -m benchmarks e2e:
 # eager, vk, compile, vk+compile, ...) with a budget of GPU_SESSION_E2E_S (230) seconds, its files
-# rewritten after every row, stopped 90 s past it. Then the gpu tests (the direct launch's, the
-# tiles that run by default, then every table's, on xdist workers) for the seconds left, stopped by
+# rewritten after every row, stopped 90 s past it. Then the gpu tests (the tiles that run by default, then every table's, on xdist workers) for the seconds left, stopped by
 # SIGINT so that pytest still prints its summary, each test's outcome and every failure in full as
 # they happen (outcomes.txt, failures.txt). With GPU_SESSION_REPORT_S above 0, that many seconds are
 # kept at the end for the GPU report's GPU_SESSION_REPORT_SECTIONS (an item once started runs to its

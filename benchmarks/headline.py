@@ -9,13 +9,10 @@ CUDA) for training:
 * ``vk+compile``: ``torch.compile`` of the vk model (our kernels where the table puts them under
   compile, Inductor around them);
 * ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only);
-* ``vk-direct``: ``vk`` with Triton's compiled kernels launched directly
-  (``vit_kernels._triton.DirectLaunch``, off by default), where the host sets the pace: inference
-  at batch 1 and 8 on CUDA;
 * ``vk-tuned`` (with ``--tuned``, in the first model's training row): ``vk`` after ``vk.tune``
-  under the step's autocast, in a new process with a vit_kernels cache of its own (a search from
-  nothing, which leaves this process on the tables): what searching gains over the tables, and what
-  the search costs (its seconds beside the figure).
+  under the step's autocast, in a new process (a search from nothing, which leaves this process
+  on the tables): what searching gains over the tables, and what the search costs (its seconds
+  beside the figure).
 
 Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
 training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
@@ -36,11 +33,9 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -52,12 +47,9 @@ from benchmarks import cli, e2e, environment
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 from vit_kernels._files import write_atomically
-from vit_kernels._triton import direct_launch
 
-VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs", "vk-direct")
-DIRECT = "vk-direct"
+VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
 TUNED = "vk-tuned"  # with --tuned, after VARIANTS in the first model's training row
-DIRECT_BATCHES = (1, 8)  # inference batches where the host sets the pace
 # (model, source): our presets, then timm's model of the same name, patched for vk
 FULL_MODELS = (
     ("vit_base_patch16_224", "vit"),
@@ -91,8 +83,6 @@ def variant_setup(
     """(module, backend, compiled?, compile mode) of ``variant``, or why it cannot run here."""
     if variant.endswith("cudagraphs") and device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if variant == DIRECT and device.type != "cuda":
-        return "the direct launch runs compiled kernels: CUDA only"
     ours = variant.startswith("vk")
     module = model
     if ours and source == "timm":
@@ -154,8 +144,6 @@ def measure(
     if variant == TUNED:
         return _tuned_row(row, model_name, source, device, dtype, profile)
     setup = variant_setup(variant, model, source, device)
-    if variant == DIRECT and isinstance(setup, tuple) and (mode != "infer" or batch not in DIRECT_BATCHES):
-        setup = "measured where the host sets the pace: inference at batch 1 and 8"
     if isinstance(setup, str):
         return {**row, "skipped": setup}
     compiled = setup[2]
@@ -163,7 +151,7 @@ def measure(
         torch._dynamo.reset()
     inputs = e2e._inputs(get_config(model_name), batch, device)
     try:
-        step, first_step_s = _first_step(setup, mode, inputs, device, dtype, direct=variant == DIRECT)
+        step, first_step_s = _first_step(setup, mode, inputs, device, dtype)
         timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
         if profile:
             row["profile"] = _profile(step, device)
@@ -171,7 +159,7 @@ def measure(
                 row["first_step_warm_s"] = first_step_in_a_new_process(
                     model_name, source, mode, batch, device, dtype
                 )
-        if batch == 1 and variant in ("eager", "vk", DIRECT):
+        if batch == 1 and variant in ("eager", "vk"):
             row["host_profile"] = _host_profile(step, device)
     except Exception as error:  # reported, not fatal: e.g. a compile failure
         return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
@@ -183,21 +171,11 @@ def measure(
     }
 
 
-def _first_step(
-    setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype, direct: bool = False
-):
-    """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``; with
-    ``direct``, each step launches its Triton kernels directly (``DirectLaunch``)."""
+def _first_step(setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype):
+    """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``."""
     module, backend, compiled, compile_mode = setup
     mode = "inference" if mode == "infer" else mode
     step = e2e._step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
-    if direct:
-        plain_step = step
-
-        def step(i):
-            with direct_launch(True):
-                return plain_step(i)
-
     return step, e2e._first_call_s(step, device)
 
 
@@ -265,14 +243,11 @@ def first_step_child() -> None:
 def tuned_in_a_new_process(
     model_name: str, source: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
 ) -> dict[str, float]:
-    """``vk`` after ``vk.tune`` in another Python process whose vit_kernels cache is an empty folder
-    of its own, so that the search starts from nothing and this process's decisions stay the tables'
-    (Triton's compile cache is shared): {"tune_s": the search's seconds, "signatures": the op
+    """``vk`` after ``vk.tune`` in another Python process, so that the search starts from nothing and
+    this process's decisions stay the tables' (Triton's compile cache is shared): {"tune_s": the search's seconds, "signatures": the op
     signatures it met, "first_step_s": the first step's after it, "median_ms": a step's}. Raises
     RuntimeError naming the child's last error line when it fails."""
-    with tempfile.TemporaryDirectory(prefix="vit_kernels-tuned-") as folder:
-        env = dict(os.environ, VIT_KERNELS_CACHE_DIR=folder)
-        line = _in_a_new_process("tuned", "tuned_child", model_name, source, mode, batch, device, dtype, env)
+    line = _in_a_new_process("tuned", "tuned_child", model_name, source, mode, batch, device, dtype, None)
     return json.loads(line)
 
 

@@ -6,10 +6,7 @@ so the time is the host's: argument checks, dispatch, autograd bookkeeping, laun
 requiring grad as in training. A measurement is ``calls`` back-to-back calls with the device
 synchronised only before and after the loop; the figure is the median over ``rounds`` of the loop
 time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directly), then
-``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop),
-``torch-pykey``: the torch backend with the per-call key read in Python (where the extension is
-built it is read in C++, ``csrc/fast_path_key.cpp``), and ``triton-direct``: the triton backend with plans
-launched directly (``vit_kernels._triton.DirectLaunch``).
+``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop).
 On the CPU, Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
@@ -53,13 +50,9 @@ import vit_kernels as vk
 from tools.op_specs import OPS, SPECS, Shape
 from vit_kernels import backend
 from vit_kernels._timer import time_runs
-from vit_kernels._triton import direct_launch
 
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
-COLUMNS = ("pytorch", "torch", "torch-pykey", "extension", "triton", "triton-direct", "auto")
-DIRECT = "triton-direct"  # the triton backend with plans launched directly (vit_kernels._triton.DirectLaunch)
-# the torch backend with the per-call key read in Python, not in C++ (csrc/fast_path_key.cpp)
-PYKEY = "torch-pykey"
+COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")
 # (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
@@ -73,11 +66,7 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
 
     def loop():
-        with (
-            contextlib.nullcontext() if name == "pytorch" else vk.use_backend(_backend_of(name), strict=True),
-            direct_launch(name == DIRECT),
-            _python_key(name == PYKEY),
-        ):
+        with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
             for _ in range(calls):
                 fn()
 
@@ -87,27 +76,9 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
 def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if name in ("pytorch", "auto"):
         return None
-    if name == PYKEY and backend._native_key is None:
-        return "the extension is not built: the torch column reads the key in Python already"
-    if name in ("triton", DIRECT) and device.type == "cpu":
+    if name == "triton" and device.type == "cpu":
         return "Triton runs only interpreted on the CPU"
-    return backend.unsupported_reason(op, _backend_of(name), device, dtype)
-
-
-def _backend_of(column: str) -> str:
-    return column.removesuffix("-direct").removesuffix("-pykey")
-
-
-@contextlib.contextmanager
-def _python_key(enabled: bool) -> Iterator[None]:
-    """Inside the block, the per-call key is read in Python (``enabled``), else as it is."""
-    native = backend._native_key
-    if enabled:
-        backend.use_native_call_key(None)
-    try:
-        yield
-    finally:
-        backend.use_native_call_key(native)
+    return backend.unsupported_reason(op, name, device, dtype)
 
 
 def _column(name: str, op: str, inputs: dict[str, torch.Tensor]) -> Callable[[], object]:
@@ -257,19 +228,19 @@ def pointer_tiles() -> Iterator[None]:
     """Inside the block, every GEMM launches the pointer kernel's tiles, as where TMA cannot read its
     operands. Every tile choice of the process is forgotten on entry and on exit: for the simulated
     device, whose tile cache lives in memory only, not for a real GPU's."""
-    from vit_kernels._tiles import TileChooser
+    from vit_kernels import _tiles
     from vit_kernels.ops import gemm
 
     def candidates(dtype, m, n, tma=False):
         return offered(dtype, m, n, False)
 
     offered = gemm.gemm_candidates
-    TileChooser.forget_all()
+    _tiles.forget()
     try:
         with mock.patch.object(gemm, "gemm_candidates", candidates):
             yield
     finally:
-        TileChooser.forget_all()
+        _tiles.forget()
 
 
 def measure_simulated(

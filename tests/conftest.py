@@ -4,14 +4,7 @@ deterministic and off the user's cache, each backend on each device."""
 import contextlib
 import os
 import sys
-import tempfile
 import zlib
-
-# The tests run what a user's first call runs: the tables, no search (tests of searching turn it
-# on for themselves: tests/test_dispatch.py, tests/test_tuning.py), whatever the developer's
-# environment says; decisions go to a folder of this run only. Subprocesses (CLI tests) inherit both.
-os.environ.pop("VIT_KERNELS_TUNE", None)
-os.environ["VIT_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="vit-kernels-test-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,9 +12,7 @@ import torch  # noqa: E402
 import vit_kernels as vk  # noqa: E402
 from tests.covering import mark_uncovered_slow  # noqa: E402
 from tests.helpers import FUZZ_SEED, device_backends, exact_float32, skip_unless_offered  # noqa: E402
-from vit_kernels import _proof, _tiles, _tune_cache, backend  # noqa: E402
-from tools.cuda_sim import replay_in_this_process  # noqa: E402
-from vit_kernels._tune_cache import Store  # noqa: E402
+from vit_kernels import _tiles, backend  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,17 +31,13 @@ def pytest_collectstart(collector):
 
 
 @pytest.fixture(autouse=True)
-def tile_choices_in_memory(monkeypatch):
-    """Each test's tuned decisions, tile choices, verdicts and candidate proofs stay its own: none
-    persists to the next test, in memory or through the disk (tests of the persistence set a folder
-    themselves), and no test leaves searching on for the next. Candidates are
-    proven by replaying their launches in the test's own process: a child per key would cost
-    seconds each (tests/test_proof.py starts real children)."""
-    monkeypatch.setattr(_tune_cache, "_store", Store(None))
-    monkeypatch.setitem(_tiles.SEARCH, "enabled", False)
-    monkeypatch.setattr(_proof, "run_child", replay_in_this_process)
-    monkeypatch.setitem(_proof._settings, "children", 1)
-    _tiles.TileChooser.forget_all()
+def tuned_decisions_stay_with_their_test(monkeypatch):
+    """Each test's tuned decisions and tiles stay its own, and no test leaves searching on."""
+    monkeypatch.setattr(backend, "TUNED", {})
+    monkeypatch.setattr(_tiles, "TUNED", {})
+    monkeypatch.setitem(_tiles._search, "enabled", False)
+    monkeypatch.setattr(backend, "searcher", None)
+    _tiles.forget()
 
 
 @pytest.fixture(autouse=True)
@@ -78,10 +65,8 @@ def cuda_faults_stay_with_their_test(request):
 @pytest.fixture(autouse=True)
 def restore_backend():
     previous = vk.get_backend()
-    settings = backend.autotune_settings()
     yield
     vk.set_backend(previous)
-    vk.set_autotune(settings["enabled"], margin=settings["margin"], prove_tiles=settings["prove_tiles"])
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -297,23 +297,10 @@ def check_against_formula(
 
 
 def fake_timer(time_of: Callable[[object], float] = lambda key: 1.0) -> Callable:
-    """A stand-in for ``vit_kernels._timer.time_runs`` where nothing can be timed: each run once,
-    its one sample ``time_of(key)`` milliseconds."""
+    """A stand-in for ``vit_kernels.tuning.time_runs`` where nothing can be timed: each run once,
+    its time ``time_of(key)`` milliseconds."""
 
-    def time_runs(runs, device, **kwargs):
-        return {key: [(run(), time_of(key))[1]] for key, run in runs.items()}
+    def time_runs(runs):
+        return {key: (run(), time_of(key))[1] for key, run in runs.items()}
 
     return time_runs
-
-
-def spy_direct_launches(monkeypatch) -> list:
-    """Whether each attempt of a plan's direct launch (``vit_kernels._triton.DirectLaunch``)
-    launched, appended as they happen."""
-    from vit_kernels._triton import DirectLaunch
-
-    attempts: list = []
-    call = DirectLaunch.__call__
-    monkeypatch.setattr(
-        DirectLaunch, "__call__", lambda self, args: attempts.append(call(self, args)) or attempts[-1]
-    )
-    return attempts

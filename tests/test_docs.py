@@ -5,7 +5,6 @@ names its language, so a python block cannot go untested by having none, and eve
 documentation links to or names under benchmarks/results/ is in the repository, and the README links
 every page of docs/."""
 
-import os
 import re
 import textwrap
 import traceback
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import vit_kernels as vk
 from vit_kernels import backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,14 +64,11 @@ PYTHON = [block for block in BLOCKS if block.language == "python"]
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
-    """The block's files go to a folder of its own, and so do the decisions of any measuring it asks
-    for; the backend and the measuring switch are restored by conftest."""
+    """The block's files go to a folder of its own; the backend is restored by conftest."""
     monkeypatch.chdir(tmp_path)
-    vk.set_autotune(cache_dir=tmp_path / "dispatch-cache")
     backend.clear_decisions()
     yield tmp_path
     backend.clear_decisions()
-    vk.set_autotune(cache_dir=os.environ["VIT_KERNELS_CACHE_DIR"])
 
 
 def run_block(block: Block) -> dict:

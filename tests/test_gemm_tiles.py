@@ -37,11 +37,9 @@ def gpu_path(measurable, monkeypatch):  # noqa: F811
     """The tile launchers treat CPU tensors as they treat CUDA ones (the interpreter still runs the
     kernels); ``times[tile]`` is what timing a candidate returns. The choices start and end empty."""
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
-    for chooser in (gemm.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
-        chooser.forget()
+    _tiles.forget()
     yield measurable
-    for chooser in (gemm.GEMM_CHOOSER, patch_embed.FWD_CHOOSER):
-        chooser.forget()
+    _tiles.forget()
 
 
 def spy_launches(monkeypatch, wrong=None) -> list:
@@ -121,7 +119,7 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
     gpu_path.update(
         {"separate": 2.0, "fused": 1.0}
     )  # fc2's bias gradient: the dW GEMM's row sums time faster
-    gemm.BIAS_GRAD_CHOOSER.forget()
+    _tiles.forget()
     spy_launches(monkeypatch)
     d, hidden = 24, 130
     inputs = [
@@ -257,7 +255,7 @@ def test_a_plans_later_tma_launches_copy_its_first_descriptors_over_their_own_op
             y = vk.linear(x, w)
         torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
         assert len(built) == 2, (call, built)
-    (plan,) = [plan for _, plan in gemm._PLANS.values()]
+    (plan,) = gemm._PLANS.values()
     assert [descriptor.base for descriptor in plan.tma.kept] == [None, None]
 
 
@@ -369,7 +367,7 @@ def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
     """Tracing, graph capture, no GPU: the decided tile, else the first candidate, unmeasured."""
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     launched = spy_launches(monkeypatch)
-    gemm.GEMM_CHOOSER.forget()
+    _tiles.forget()
     x, w = torch.randn(5, 16), torch.randn(8, 16)
     with vk.use_backend("triton", strict=True):
         y = vk.linear(x, w)

@@ -64,7 +64,7 @@ def on_meta(dtype, *shape):
 def recorded(call) -> list:
     """The launches ``call()`` makes searching on the simulated H100 (every candidate tile, the
     table's default first)."""
-    _tiles.TileChooser.forget_all()
+    _tiles.forget()
     with simulated_cuda(90) as device, _tiles.search():
         call()
     return device.launches

@@ -48,47 +48,6 @@ def test_a_batch_1_row_of_eager_or_vk_has_the_hosts_time_per_op(variant):
     assert line.startswith(f"- vit_digits infer B=1 {variant} (all ops "), line
 
 
-@pytest.mark.parametrize(
-    "mode,batch,measured", [("infer", 1, True), ("infer", 8, True), ("infer", 2, False), ("train", 1, False)]
-)
-def test_the_direct_launch_row_runs_vk_with_direct_launches_where_the_host_sets_the_pace(
-    mode, batch, measured, monkeypatch
-):
-    """On CUDA (here its set-up stood in for on the CPU), at inference batch 1 and 8 only: vk's
-    model on auto, every step inside ``direct_launch(True)``."""
-    model = ViT(get_config("vit_digits"))
-    monkeypatch.setattr(
-        headline, "variant_setup", lambda variant, model, source, device: (model, "auto", False, None)
-    )
-    direct = []
-    step = headline.e2e._step
-
-    def spied(*args, **kwargs):
-        run = step(*args, **kwargs)
-
-        def step_watched(i):
-            direct.append(_direct_enabled())
-            return run(i)
-
-        return step_watched
-
-    monkeypatch.setattr(headline.e2e, "_step", spied)
-    row = headline.measure("vit_digits", "vit", mode, batch, "vk-direct", CPU, torch.float32, model, False)
-    if not measured:
-        assert row["skipped"] == "measured where the host sets the pace: inference at batch 1 and 8"
-        assert not direct
-        return
-    assert row["images_per_second"] > 0 and direct and all(direct), row
-    assert ("host_profile" in row) == (batch == 1)
-    assert not _direct_enabled()  # only inside the steps
-
-
-def _direct_enabled() -> bool:
-    from vit_kernels import _triton
-
-    return _triton._direct["enabled"]
-
-
 def test_a_failed_first_step_in_a_new_process_names_its_error():
     with pytest.raises(RuntimeError, match="first step in a new process failed: .*no_such_model"):
         headline.first_step_in_a_new_process("no_such_model", "vit", "train", 2, CPU, torch.float32)
@@ -102,11 +61,10 @@ def _spy(step, used):
     return spied
 
 
-def test_variants_are_the_six_and_cuda_graphs_and_the_direct_launch_need_cuda():
+def test_variants_are_the_five_and_cuda_graphs_need_cuda():
     model = ViT(get_config("vit_digits"))
     setups = {v: headline.variant_setup(v, model, "vit", CPU) for v in headline.VARIANTS}
     assert setups["vk+compile-cudagraphs"] == "CUDA graphs need a CUDA device"
-    assert setups["vk-direct"] == "the direct launch runs compiled kernels: CUDA only"
     assert [(s[1], s[2], s[3]) for v, s in setups.items() if not isinstance(s, str)] == [
         ("torch", False, None),
         ("auto", False, None),
@@ -209,17 +167,16 @@ def test_bad_arguments_name_the_option(tmp_path):
 
 
 def test_the_tuned_row_runs_vk_after_vk_tune_in_a_new_process_that_leaves_this_ones_decisions_alone():
-    """``vk-tuned``: the search in a child with a vit_kernels cache of its own, then its steps; this
-    process's cache is not read or written by it. Elsewhere than the first model's training row it
-    says why it was not measured."""
-    from vit_kernels._tune_cache import store
+    """``vk-tuned``: the search in a child, then its steps; this process's decisions are not touched
+    by it. Elsewhere than the first model's training row it says why it was not measured."""
+    from vit_kernels import _tiles, backend
 
-    before = {kind: store().items(kind) for kind in store().FIELDS}
+    before = (dict(backend.TUNED), dict(_tiles.TUNED))
     model = ViT(get_config("vit_digits"))
     row = headline.measure("vit_digits", "vit", "train", 8, headline.TUNED, CPU, torch.float32, model, True)
     assert row["tune_s"] > 0 and row["signatures"] > 0 and row["first_step_s"] > 0, row
     assert row["images_per_second"] == pytest.approx(8 / (row["median_ms"] * 1e-3))
-    assert {kind: store().items(kind) for kind in store().FIELDS} == before
+    assert (backend.TUNED, _tiles.TUNED) == before
     elsewhere = headline.measure(
         "vit_digits", "vit", "infer", 8, headline.TUNED, CPU, torch.float32, model, False
     )
@@ -257,7 +214,7 @@ def test_the_tuned_variant_runs_only_when_asked_after_the_others_and_the_markdow
     ]
     rows[1]["tune_s"] = 95.0
     text = _markdown_of(rows)
-    assert " | vk-direct | vk-tuned |" in text and "tune: vk.tune's seconds" in text
+    assert " | vk+compile-cudagraphs | vk-tuned |" in text and "tune: vk.tune's seconds" in text
     assert "| 3,000 (2.0 s) |" in text and "| 3,150 (tune 95.0 s; 2.0 s) |" in text
     assert (
         "m train B=128: vk-tuned / vk = 1.050x (what searching gains over the tables), for a search of 95.0 s."

@@ -11,7 +11,7 @@ import torch
 import vit_kernels as vk
 from tests.helpers import device_reason, fake_timer
 from tools.cuda_sim import ARCHITECTURES, simulated_cuda
-from vit_kernels import _accuracy, _tiles, _timer
+from vit_kernels import _accuracy, _tiles, tuning
 from vit_kernels._triton import HAS_TRITON, triton
 from vit_kernels.ops import layer_norm
 
@@ -68,16 +68,14 @@ def choosing_on_the_cpu(monkeypatch):
     if reason is not None:
         pytest.skip(reason)
     times: dict = {}
-    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
+    monkeypatch.setitem(_tiles._search, "enabled", True)
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
     monkeypatch.setattr(layer_norm, "multiprocessors", lambda device: 2)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
-    monkeypatch.setattr(_timer, "time_runs", fake_timer(lambda tile: times.get(tile, 1.0)))
-    layer_norm.FWD_CHOOSER.forget()
-    layer_norm.BWD_CHOOSER.forget()
+    monkeypatch.setattr(tuning, "time_runs", fake_timer(lambda tile: times.get(tile, 1.0)))
+    _tiles.forget()
     yield times
-    layer_norm.FWD_CHOOSER.forget()
-    layer_norm.BWD_CHOOSER.forget()
+    _tiles.forget()
 
 
 def test_every_candidate_is_validated_and_the_fastest_kept(choosing_on_the_cpu):

@@ -1,6 +1,6 @@
 """The runtime's small branches that neither the ops' tests nor the simulated CUDA device reach:
 explanations, the extension's reasons, validation's mismatch messages, signatures of unusual
-arguments, cache folders, the fast path's limits, empty GEMMs with sums, patching's refusals."""
+arguments, the fast path's limits, empty GEMMs with sums, patching's refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import vit_kernels as vk
 from vit import cli as _cli
-from vit_kernels import _accuracy, _explain, _ext, _measure, _signature, _tiles, _triton, _tune_cache, backend
+from vit_kernels import _accuracy, _ext, _signature, _tiles, _triton, backend, tuning
 from vit_kernels.ops import gemm
 
 META = torch.device("meta")
@@ -31,25 +31,16 @@ def test_the_help_names_each_default_unless_its_text_does():
     assert "a switch (default" not in text and "where (default" not in text
 
 
-def test_an_explanation_counts_its_rows_and_says_when_nothing_ran():
-    empty = _explain.Explanation([])
+def test_an_explanation_says_when_nothing_ran_and_what_ran():
+    empty = backend.Explanation([])
     assert len(empty) == 0 and empty.ran() == set()
     assert str(empty) == "vit_kernels.explain(): no op has run yet"
-    journal = _explain.Journal()
-    first = journal.add(
-        ("k",),
-        _explain.Record(
-            "linear", "cpu", "torch.float32", "(x)", False, "auto", "torch", "static default", "a reason"
-        ),
-    )
-    first.calls = 5
-    newer = journal.add(
-        ("k",),
-        _explain.Record(
-            "linear", "cpu", "torch.float32", "(x)", False, "auto", "triton", "measured", "faster"
-        ),
-    )
-    assert newer is not first and newer.calls == 5  # a newer decision carries the calls over
+    record = backend.Record("linear", "cpu", "torch.float32", "(x)", False, "auto", "torch", "table", "why")
+    shown = backend.Explanation([record], [{"kernel": "k", "key": (1,), "tile": (2,), "how": "tuned"}])
+    assert shown.ran("linear") == {"torch"} and shown.as_dicts()[0]["reason"] == "why"
+    assert "linear cpu float32 (x) no grad: torch (table)" in str(
+        shown
+    ) and "tile k, (1,): (2,) (tuned)" in str(shown)
 
 
 def test_the_extension_says_why_it_cannot_run(monkeypatch):
@@ -63,24 +54,14 @@ def test_the_extension_says_why_it_cannot_run(monkeypatch):
 
 def test_validation_names_a_missing_or_misshapen_result():
     t = torch.ones(2, 3)
-    exact = ([t.double()], [t.double()])
+    exact = [t.double(), t.double()]
+    assert tuning._problem([t], [t], exact, torch.float32) == "1 outputs and gradients, the reference gives 2"
+    assert tuning._problem([t, None], [t, t], exact, torch.float32) == "result 1 is missing"
+    assert tuning._problem([t, None], [t, None], [t.double(), None], torch.float32) is None
     assert (
-        _measure._mismatch(([t, t], [t]), exact, exact, torch.float32) == "2 outputs, the reference gives 1"
+        tuning._problem([t.t(), t], [t, t], exact, torch.float32)
+        == "result 0 has shape (3, 2), the reference (2, 3)"
     )
-    assert _measure._mismatch(([t], [None]), ([t], [t]), exact, torch.float32) == "gradient 0 is missing"
-    assert _measure._mismatch(([t], [None]), ([t], [None]), ([t.double()], [None]), torch.float32) is None
-    assert (
-        _measure._mismatch(([t.t()], [t]), ([t], [t]), exact, torch.float32)
-        == "output 0 has shape (3, 2), the reference (2, 3)"
-    )
-
-
-def test_a_time_that_is_not_finite_excludes_the_candidate(monkeypatch):
-    monkeypatch.setattr(_measure, "_time", lambda runs, device: {name: (math.nan, math.nan) for name in runs})
-    x, fn = torch.randn(4, 8), backend._registry["layer_norm"]["torch"].fn
-    args = (x, torch.randn(8), torch.randn(8), 1e-5)
-    results = _measure.measure({"torch": fn}, args, args, x.device, torch.float32, False)
-    assert results["torch"].error == "its time is not finite"
 
 
 def test_signatures_of_unusual_arguments_and_devices(monkeypatch):
@@ -99,34 +80,6 @@ def test_signatures_of_unusual_arguments_and_devices(monkeypatch):
 
 def test_a_relative_error_with_nan_is_infinite():
     assert _accuracy.relative_error(torch.tensor([math.nan, 1.0]), torch.ones(2)) == math.inf
-
-
-def test_recorded_launches_nest():
-    with _triton.recorded_launches() as outer:
-        _triton.launch("outer kernel", (1,))
-        with _triton.recorded_launches() as inner:
-            _triton.launch("inner kernel", (1,))
-        _triton.launch("outer again", (1,))
-        assert _triton.recording()
-    assert not _triton.recording()
-    assert [k for k, *_ in outer] == ["outer kernel", "outer again"] and [k for k, *_ in inner] == [
-        "inner kernel"
-    ]
-
-
-def test_the_cache_folder_follows_xdg_then_home(monkeypatch, tmp_path):
-    monkeypatch.delenv("VIT_KERNELS_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert _tune_cache.default_folder() == tmp_path / "vit_kernels"
-    monkeypatch.setenv("XDG_CACHE_HOME", "")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _tune_cache.default_folder() == tmp_path / "home" / ".cache" / "vit_kernels"
-    cache = _tune_cache.Store(tmp_path)
-    cache.put("tiles", "k", {"tile": [1, 2]})
-    again = _tune_cache.Store(tmp_path)
-    assert again.items("tiles") == [("k", {"tile": [1, 2]})] and again.items("checks") == []
-    again.clear()
-    assert again.get("tiles", "k") == {"tile": [1, 2]}  # read lazily again
 
 
 def test_backend_reasons_and_the_fast_paths_limits(monkeypatch):
@@ -306,8 +259,7 @@ def test_a_launch_plan_of_symbolic_sizes_is_made_afresh_and_kept_nowhere():
         key = attention._plan_key(qkv, 12, 0.125, 0.0, None, None)
         assert _tiles.decided(plans, key) is None
         made = attention._launch_config(tile, True, qkv, 12, 0.0, None, None)
-        chooser_key = functools.partial(attention._chooser_key, qkv, 12)
-        return key, _tiles.keep(plans, key, made, attention_tiles.FWD_CHOOSER, qkv.device, chooser_key)
+        return key, _tiles.keep(plans, key, made)
 
     _, (grid, config) = plan_of(symbolic)
     assert plans == {}
@@ -331,15 +283,14 @@ def test_a_plan_made_while_tracing_is_kept_nowhere():
     scalars may be symbolic, and a SymFloat hashes: even a settled tile's plan is not kept there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    chooser = _tiles.TileChooser("a test's launches")
-    chooser.pin(("key",), "tile")
     plans: dict = {}
     with FakeTensorMode():
-        assert _tiles.keep(plans, ("call",), "plan", chooser, META, lambda: ("key",)) == "plan"
+        assert _tiles.keep(plans, ("call",), "plan") == "plan"
     assert plans == {}
-    assert _tiles.keep(plans, ("call",), "plan", chooser, META, lambda: ("key",)) == "plan"
+    assert _tiles.keep(plans, ("call",), "plan") == "plan"
     assert _tiles.decided(plans, ("call",)) == "plan"
-    chooser.forget()
+    _tiles.forget()
+    assert _tiles.decided(plans, ("call",)) is None
 
 
 @pytest.mark.skipif(

@@ -18,7 +18,7 @@ from tests.helpers import (
     cuda_param,
     device_reason,
 )
-from vit_kernels import backend
+from vit_kernels import _tiles, backend
 from vit_kernels.nn import SwiGLU
 from vit_kernels.ops import swiglu as swiglu_ops
 
@@ -395,7 +395,7 @@ def test_dual_gemm_tile_on_the_gpu(monkeypatch, dtype, tile):
 )
 def test_dual_gemm_tile_choice_on_the_gpu(dtype):
     """As a user's first call makes it: every candidate validated and timed, the fastest right one kept."""
-    swiglu_ops.SWIGLU_CHOOSER.forget()
+    _tiles.forget()
     x = torch.randn(24, 197, 768, device=CUDA, dtype=dtype)
     wg, wu = ((torch.randn(2048, 768, device=CUDA) / math.sqrt(768)).to(dtype) for _ in range(2))
     b = torch.randn(2048, device=CUDA, dtype=dtype)

@@ -1,7 +1,6 @@
 """Tile choice on the user's GPU (``vit_kernels._tiles``), its parts on the CPU. By default the table's
-first entry is checked once on the call's data, a wrong one warns and the next is checked, and the
-verdicts persist (per kernel source); searching (asked for) validates candidates before they are
-timed, excludes a wrong one with its reason and keeps the fastest right one; nothing runs where
+first entry runs, unchecked and untimed; searching (``vk.tune``) validates candidates before they
+are timed, excludes a wrong one with its reason and keeps the fastest right one; nothing runs where
 nothing may (tracing, capture, no GPU), and the attention's check catches a dK as wrong as the one
 an H100 computed."""
 
@@ -14,8 +13,7 @@ import torch
 
 from tests.helpers import fake_timer
 from tools.cuda_sim import simulated_cuda
-from vit_kernels import _accuracy, _tiles, _timer, _tune_cache
-from vit_kernels._tune_cache import Store
+from vit_kernels import _accuracy, _tiles, tuning
 from vit_kernels.ops import attention, attention_reference, attention_tiles
 
 
@@ -23,9 +21,9 @@ from vit_kernels.ops import attention, attention_reference, attention_tiles
 def measurable(monkeypatch):
     """Searching is on and candidates may run (as on a GPU); ``times[tile]`` is what timing one returns."""
     times: dict = {}
-    monkeypatch.setitem(_tiles.SEARCH, "enabled", True)
+    monkeypatch.setitem(_tiles._search, "enabled", True)
     monkeypatch.setattr(_tiles, "can_measure", lambda device: True)
-    monkeypatch.setattr(_timer, "time_runs", fake_timer(lambda tile: times[tile]))
+    monkeypatch.setattr(tuning, "time_runs", fake_timer(lambda tile: times[tile]))
     return times
 
 
@@ -42,17 +40,21 @@ def test_the_fastest_right_tile_is_chosen_and_kept(measurable):
         return None if outputs[0].item() == 1.0 else "off by one"
 
     device = torch.device("cpu")
-    assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], run, check) == "b"
+    assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], lambda: (run, check)) == "b"
     trials = chooser.report()[("k",)].trials
     assert trials["wrong"] == "invalid: off by one" and trials["b"] == 1.0
     runs.clear()
-    assert chooser.choose(("k",), device, ["a", "b", "c", "wrong"], run, check) == "b" and runs == []
+    assert (
+        chooser.choose(("k",), device, ["a", "b", "c", "wrong"], lambda: (run, check)) == "b" and runs == []
+    )
 
 
 def test_no_right_tile_is_an_error_not_a_wrong_answer(measurable):
     chooser = _tiles.TileChooser("test")
     with pytest.raises(RuntimeError, match="no test tile computes the right answer"):
-        chooser.choose(("k",), torch.device("cpu"), ["a"], lambda t: [torch.zeros(1)], lambda outs: "wrong")
+        chooser.choose(
+            ("k",), torch.device("cpu"), ["a"], lambda: (lambda t: [torch.zeros(1)], lambda outs: "wrong")
+        )
 
 
 def test_nothing_runs_where_nothing_may():
@@ -61,7 +63,10 @@ def test_nothing_runs_where_nothing_may():
     def run(tile):
         raise AssertionError("ran a candidate")
 
-    assert chooser.choose(("k",), torch.device("cpu"), ["first", "second"], run, lambda outs: None) == "first"
+    assert (
+        chooser.choose(("k",), torch.device("cpu"), ["first", "second"], lambda: (run, lambda outs: None))
+        == "first"
+    )
     assert chooser.chosen(("k",)) is None  # not kept: measured on first use where it may run
 
 
@@ -79,8 +84,8 @@ def test_a_search_on_a_gpu_launches_every_candidate(dtype, head_dim):
 
 @pytest.mark.parametrize("arch", [90, 80])
 def test_a_first_call_on_a_gpu_launches_the_tables_entry_only(arch):
-    """Without a search a first call checks the table's entry for its architecture (one launch on the
-    call's data) and launches it: nothing else is compiled or run."""
+    """Without a search a first call launches the table's entry for its architecture, unchecked:
+    nothing else is compiled or run."""
     with simulated_cuda(arch) as device:
         _attention_fwd_and_bwd(torch.bfloat16, 64)
     dq, dkdv = attention_tiles.bwd_candidates(torch.bfloat16, 64, 197, arch=arch)[0]
@@ -89,7 +94,7 @@ def test_a_first_call_on_a_gpu_launches_the_tables_entry_only(arch):
     }
     assert _launched_tiles(device.launches, "_attention_bwd_dq_kernel") == {dq}
     assert _launched_tiles(device.launches, "_attention_bwd_dkdv_kernel") == {dkdv}
-    assert len(device.launches) == 2 * 3  # checked, then run: the forward, dQ and dK/dV kernels
+    assert len(device.launches) == 3  # the forward, dQ and dK/dV kernels, once each
 
 
 def _attention_fwd_and_bwd(dtype, head_dim):
@@ -138,14 +143,13 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
     from benchmarks import gpu_report_markdown
 
     measurable.update({(64, 64, 4, 3): 0.2, (128, 64, 8, 3): 0.1})
-    attention_tiles.FWD_CHOOSER.forget()
+    _tiles.forget()
     try:
         attention_tiles.FWD_CHOOSER.choose(
             ("torch.bfloat16", 64, 197, 256),
             torch.device("cpu"),
             [(64, 64, 4, 3), (128, 64, 8, 3)],
-            lambda tile: [torch.zeros(1)],
-            lambda outputs: None,
+            lambda: (lambda tile: [torch.zeros(1)], lambda outputs: None),
         )
         rows = attention_tiles.tile_report()
         assert rows == [
@@ -160,7 +164,7 @@ def test_the_gpu_report_lists_the_tiles_chosen(measurable):
         text = "\n".join(gpu_report_markdown._tiles({"attention_tiles": rows}))
         assert "| forward | torch.bfloat16, 64, 197, 256 | (128, 64, 8, 3) |" in text
     finally:
-        attention_tiles.FWD_CHOOSER.forget()
+        _tiles.forget()
 
 
 def test_keys_and_tiles_are_concrete_under_dynamic_shapes():
@@ -190,8 +194,7 @@ def test_a_decided_call_only_looks_its_tile_up(measurable):
         attention._chooser_key(qkv, 2),
         torch.device("cpu"),
         ["a"],
-        lambda t: [torch.zeros(1)],
-        lambda outputs: None,
+        lambda: (lambda t: [torch.zeros(1)], lambda outputs: None),
     )
 
     def trial():
@@ -289,7 +292,9 @@ def test_an_empty_problem_decides_nothing(measurable):
 
     device = torch.device("cpu")
     assert (
-        chooser.choose(("k",), device, ["a", "b"], lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check)
+        chooser.choose(
+            ("k",), device, ["a", "b"], lambda: (lambda t: [torch.zeros(0, 5), torch.zeros(5, 0)], check)
+        )
         == "a"
     )
     assert chooser.chosen(("k",)) is None and checked == []
@@ -313,39 +318,9 @@ def test_tile_validation_runs_without_autocast():
 
     with (
         torch.autocast("cpu", dtype=torch.bfloat16),
+        _tiles.search(),
         mock.patch.object(_tiles, "can_measure", lambda device: True),
-        mock.patch.object(_timer, "time_runs", fake_timer()),
+        mock.patch.object(tuning, "time_runs", fake_timer()),
     ):
-        chooser.choose(("key",), torch.device("cpu"), [(1,)], run, lambda outputs: None)
+        chooser.choose(("key",), torch.device("cpu"), [(1,)], lambda: (run, lambda outputs: None))
     assert seen and not any(seen)
-
-
-def test_tile_choices_persist_on_disk(tmp_path, monkeypatch):
-    """A second process (a fresh chooser, the same cache folder) takes the stored choice without
-    running a candidate; a stored tile that is no longer a candidate is measured afresh."""
-    calls = []
-
-    def run(tile):
-        calls.append(tile)
-        return []
-
-    patches = (
-        mock.patch.object(_tiles, "can_measure", lambda device: True),
-        mock.patch.object(_timer, "time_runs", fake_timer(lambda tile: float(tile[0]))),
-    )
-    monkeypatch.setattr(_tune_cache, "_store", Store(tmp_path))
-    with patches[0], patches[1], _tiles.search():
-        first = _tiles.TileChooser("persisted").choose(
-            ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
-        )
-        assert first == (2, (1, 2))
-        calls.clear()
-        _tune_cache._store = Store(tmp_path)  # a new process reads the file
-        again = _tiles.TileChooser("persisted").choose(
-            ("k",), torch.device("cpu"), [(3, (1, 2)), (2, (1, 2))], run, lambda outputs: None
-        )
-        assert again == (2, (1, 2)) and calls == []
-        changed = _tiles.TileChooser("persisted").choose(
-            ("k",), torch.device("cpu"), [(5, (1, 2))], run, lambda outputs: None
-        )
-        assert changed == (5, (1, 2)) and calls

@@ -7,7 +7,7 @@ autograd engine, with no memory and no driver) that report device ``cuda:0`` to 
 Inside PyTorch's own ops (its Python meta kernels allocate outputs on their inputs' device) the tensors
 report ``meta``.
 
-What a GPU would do is intercepted at six points only:
+What a GPU would do is intercepted at five points only:
 
 * the driver's answers: ``torch.cuda`` says one device with the properties of ``ARCHITECTURES[arch]``
   (an H100's 132 SMs, or an A100's 108), no graph capture, and synchronises instantly; the
@@ -18,12 +18,8 @@ What a GPU would do is intercepted at six points only:
   gate (``tools.gpu_check``) compiles the recorded variants for the architecture;
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
-* timing: CUDA events report 1 ms, and ``auto`` and the tile choosers time 2 rounds instead of 25
-  (the project's one timer, ``vit_kernels._timer``, runs unchanged); what is measured on the
-  simulated device stays in memory (the on-disk caches of decisions, tiles and proofs are
-  off);
-* proving tile candidates: the child process that would replay each candidate's recorded launches
-  (``vit_kernels._proof``) is this process, replaying the same pickled launches (recorded again);
+* timing: CUDA events report 1 ms, and ``vk.tune`` times 2 rounds instead of 25 (the project's one
+  timer, ``vit_kernels._timer``, runs unchanged); what ``vk.tune`` decides in the block stays there;
 * the autograd engine's entry points (``torch.autograd.grad``/``backward``) run the engine directly
   (clocked as PyTorch's from their first line), and a custom Function's backward gets its saved
   tensors and gradients as simulated tensors: PyTorch would otherwise run backward with tensor
@@ -55,8 +51,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import io
-import pickle
 import sys
 import threading
 import time
@@ -70,9 +64,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _proof, _signature, _tiles, _timer, _triton, _tune_cache, backend
-from vit_kernels._triton import HAS_TRITON, triton
-from vit_kernels._tune_cache import Store
+from vit_kernels import _ext, _signature, _tiles, _timer, backend
 from vit_kernels.ops import attention
 
 ARCHITECTURES = {
@@ -269,14 +261,6 @@ _MOVES = (
 )
 
 
-def replay_in_this_process(spec: bytes) -> tuple[str, str]:
-    """``_proof.run_child``'s stand-in where no child can run the device (the simulated CUDA device,
-    and the tests on the CPU): the same pickled spec, replayed in this process."""
-    out = io.StringIO()
-    status = _proof.replay(pickle.loads(spec), out)
-    return out.getvalue(), _proof._ending(status)
-
-
 def _cuda0() -> torch.device:
     return torch.device("cuda", 0)
 
@@ -388,39 +372,6 @@ class Launch:
     kwargs: dict
 
 
-class _SimulatedCompiledKernel(triton.compiler.CompiledKernel if HAS_TRITON else object):
-    """What a simulated ``kernel[grid](*args, **kwargs)`` returns in place of the compiled kernel.
-    Launched directly (``CompiledKernel[grid](*values)``, as ``vit_kernels._triton.DirectLaunch``
-    does), it checks what Triton's launcher would take: a grid of three dimensions, the launch's
-    own padded with 1s, and one value per kernel parameter in order, the positional arguments' and
-    then the keywords' or defaults'; and records the same launch as ``kernel[grid]``."""
-
-    module = None  # nothing loaded: CompiledKernel.__del__ reads it
-
-    def __init__(self, recorder: "Recorder", launched: Launch):
-        self.recorder, self.launched = recorder, launched
-
-    def __getitem__(self, grid):
-        launched = self.launched
-        kernel, own_grid, args, kwargs = launched.kernel, launched.grid, launched.args, launched.kwargs
-        if tuple(grid) != (*own_grid, *(1,) * (3 - len(own_grid))):
-            raise IndexError(f"CompiledKernel[grid] takes the three dimensions of {own_grid}, got {grid}")
-        tail = [kwargs.get(p.name, p.default) for p in _triton._parameters(kernel.fn)[len(args) :]]
-
-        def run(*values):
-            if len(values) != len(args) + len(tail) or any(
-                v is not t and v != t for v, t in zip(values[len(args) :], tail)
-            ):
-                raise TypeError(f"{kernel}: the launcher's values are not kernel[grid]'s")
-
-            def launch():
-                self.recorder.launches.append(Launch(kernel, own_grid, values[: len(args)], kwargs))
-
-            _clocked(launch, "launch", kernel[own_grid], values[: len(args)], kwargs)
-
-        return run
-
-
 class Recorder:
     """The launches made inside one ``simulated_cuda`` block, and the host seconds spent in PyTorch's
     calls and in launches there (``not_ours``)."""
@@ -431,7 +382,6 @@ class Recorder:
         self.not_ours = 0.0
         self.calls = {kind: 0 for kind in CALL_KINDS}  # clocked calls by how they were entered
         self.captured: Optional[list[Callable[[], object]]] = None  # inside ``capture``
-        self.store = Store(None)  # what auto and the tile choosers decide in the block (memory only)
 
     def mark(self) -> tuple[float, dict[str, int]]:
         """Where the clocks stand: give it to ``our_seconds`` at the end of what is timed."""
@@ -491,15 +441,14 @@ class Recorder:
         return {launch.kernel.fn.__name__ for launch in self.launches}
 
 
-def exceptions_caught(recorder: "Recorder") -> list[str]:
-    """Every candidate that auto (in ``recorder``'s block: its ``store``) or a tile chooser
-    excluded because it raised: on the simulated device every value reads 0 and every candidate
-    validates, so any exclusion is an exception."""
+def exceptions_caught() -> list[str]:
+    """Every candidate ``vk.tune`` excluded because it raised: on the simulated device every value
+    reads 0 and every candidate validates, so any exclusion is an exception."""
     found = [
         f"auto, {signature}, {name}: {outcome}"
-        for signature, entry in recorder.store.items("dispatch")
+        for signature, entry in backend.TUNED.items()
         for name, outcome in entry["candidates"].items()
-        if isinstance(outcome, str) and "raised" in outcome
+        if "raised" in outcome
     ]
     found += [
         f"{chooser.name}, {key}, {tile}: {trial}"
@@ -531,7 +480,7 @@ def _clear_device_caches() -> None:
             for value in list(vars(module).values()):
                 if callable(getattr(value, "cache_clear", None)) and hasattr(value, "__wrapped__"):
                     value.cache_clear()
-    _tiles.TileChooser.generation += 1  # the launch plans made for another device are stale
+    _tiles.forget_plans()  # the launch plans made for another device are stale
 
 
 _untimeable = _signature.untimeable
@@ -606,7 +555,6 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         def launch():  # and return the compiled kernel, as Triton's: not our time
             launched = Launch(self, tuple(grid(kwargs) if callable(grid) else grid), args, kwargs)
             recorder.launches.append(launched)
-            return _SimulatedCompiledKernel(recorder, launched)
 
         return _clocked(launch, "launch", self[grid], args, kwargs)
 
@@ -645,9 +593,8 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         mock.patch.object(InterpretedFunction, "run", record),
         mock.patch.dict(_timer.SEARCH_ROUNDS, cuda=(2, 0.3)),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
-        mock.patch.object(_tune_cache, "_store", recorder.store),
-        mock.patch.object(_proof, "run_child", replay_in_this_process),
-        mock.patch.dict(_proof._settings, children=1),
+        mock.patch.dict(backend.TUNED, clear=True),  # what vk.tune decides in the block stays there
+        mock.patch.dict(_tiles.TUNED, clear=True),
         mock.patch.dict(attention._UNUSED_SEEDS, clear=True),  # a simulated tensor must not outlive it
         # a simulated tensor stands for a plain CUDA tensor: it takes dispatch's per-call fast path
         # and is timed (dispatch never times other tensor subclasses)

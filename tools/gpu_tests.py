@@ -43,10 +43,9 @@ def _environment() -> dict[str, str]:
 
 
 # Run first (here and by `make test-gpu`), so that a run stopped by its time budget
-# has covered them: the direct launch's, the tiles that run by default, every tile of every table,
-# then the ops whose kernels the GPU runs found wrong.
+# has covered them: the tiles that run by default, every tile of every table, then the ops whose
+# kernels the GPU runs found wrong.
 FIRST = (
-    "test_direct_launch.py",  # eight tests: whether the direct launch may be turned on by default
     "test_table_defaults.py",  # the bfloat16 attention backward at ViT-B/16's shape first
     "test_tiles.py",
     "test_attention.py",
@@ -57,11 +56,10 @@ FIRST = (
 )
 
 
-# `make test-gpu` runs these on their own before the rest: a GPU window's first questions (the direct
-# launch, the tiles that run by default), 16 tests that pytest-xdist would otherwise hand out in
-# chunks with the tile tests behind them, so that a window stopped after a few minutes had them
-# still running.
-HEADLINE = FIRST[:2]
+# `make test-gpu` runs these on their own before the rest: a GPU window's first question (the tiles
+# that run by default), tests that pytest-xdist would otherwise hand out in chunks with the tile
+# tests behind them, so that a window stopped after a few minutes had them still running.
+HEADLINE = FIRST[:1]
 
 
 def ordered_test_files(part: str = "all") -> list[str]:

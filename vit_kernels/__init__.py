@@ -7,67 +7,58 @@ with vk.use_backend("triton", strict=True): ...  # this thread / task only; rais
 vk.tune(model, (images,), autocast=torch.bfloat16)  # search backends and tiles (asked for only)
 vk.save_tuning("tuning.json"); vk.load_tuning("tuning.json")  # ship what was searched
 print(vk.explain())                              # what ran for each signature, and why
-vk.set_verbosity("info")                         # a log line per kernel compiled, tile checked or tuned
+vk.selftest()                                    # every backend on this GPU against float64
 """
 
-import os as _os
-
-from vit_kernels._env import PROOF_CHILD as _PROOF_CHILD
+from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
+from vit_kernels import backend as _backend
+from vit_kernels.backend import available_backends, explain, get_backend, set_backend, use_backend
+from vit_kernels.functional import (
+    attention,
+    layer_norm,
+    linear,
+    linear_gelu,
+    mlp,
+    patch_embed,
+    swiglu,
+    swiglu_mlp,
+)
 
 __version__ = "0.1.0"
 
-# A proof child (vit_kernels._proof) replays kernel launches and needs none of the API below, whose
-# op registrations import torch._dynamo and torch._inductor: about a second that every child a first
-# call starts would pay again.
-if _os.environ.get(_PROOF_CHILD) != "1":
-    from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
-    from vit_kernels import backend as _backend
-    from vit_kernels.backend import (
-        autotune_settings,
-        available_backends,
-        explain,
-        get_backend,
-        set_autotune,
-        set_backend,
-        use_backend,
-    )
-    from vit_kernels.functional import (
-        attention,
-        layer_norm,
-        linear,
-        linear_gelu,
-        mlp,
-        patch_embed,
-        swiglu,
-        swiglu_mlp,
-    )
+_backend.apply_environment()
 
-    _backend.apply_environment()
+from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
+from vit_kernels.tuning import load_tuning, save_tuning, tune  # noqa: E402
 
-    from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
-    from vit_kernels.tuning import load_tuning, save_tuning, tune  # noqa: E402
-    from vit_kernels._logging import set_verbosity  # noqa: E402
 
-    __all__ = [
-        "attention",
-        "autotune_settings",
-        "available_backends",
-        "explain",
-        "get_backend",
-        "layer_norm",
-        "linear",
-        "load_tuning",
-        "linear_gelu",
-        "mlp",
-        "patch_embed",
-        "patch_model",
-        "PatchReport",
-        "save_tuning",
-        "set_autotune",
-        "set_backend",
-        "set_verbosity",
-        "swiglu",
-        "swiglu_mlp",
-        "tune",
-        "use_backend",
-    ]
+def __getattr__(name: str):
+    # vk.selftest: imported on first use (the module is callable: vk.selftest() runs it)
+    if name == "selftest":
+        import importlib
+
+        return importlib.import_module("vit_kernels.selftest")
+    raise AttributeError(f"module 'vit_kernels' has no attribute {name!r}")
+
+
+__all__ = [
+    "attention",
+    "available_backends",
+    "explain",
+    "get_backend",
+    "layer_norm",
+    "linear",
+    "linear_gelu",
+    "load_tuning",
+    "mlp",
+    "patch_embed",
+    "patch_model",
+    "PatchReport",
+    "save_tuning",
+    "selftest",
+    "set_backend",
+    "swiglu",
+    "swiglu_mlp",
+    "tune",
+    "use_backend",
+]

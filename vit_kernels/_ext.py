@@ -83,9 +83,6 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
 _C, _load_error = _load()
 
 LOADED = _C is not None
-# The dispatch's per-call key read in C++ (csrc/fast_path_key.cpp; absent from an extension built
-# before it, which then leaves the key to Python).
-backend.use_native_call_key(getattr(_C, "fast_path_key", None))
 
 # The CUDA kernels exist only when the extension was compiled with nvcc.
 HAS_CUDA_KERNELS = _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(

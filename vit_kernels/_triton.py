@@ -7,20 +7,13 @@ Kernel modules write ``from vit_kernels._triton import triton, tl`` and decorate
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
-import logging
-import threading
-import time
 import types
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import torch
 
-from vit_kernels import _env
 from vit_kernels._autograd import tracing
-from vit_kernels._logging import LOGGER
 
 try:
     import triton
@@ -122,30 +115,6 @@ def capability(device: torch.device) -> int:
     return 10 * major + minor
 
 
-_recorders: dict[int, list] = {}  # thread id -> the launches recorded there instead of run
-
-
-@contextlib.contextmanager
-def recorded_launches() -> Iterator[list]:
-    """Inside the block, this thread's launches are appended to the yielded list as (kernel, grid,
-    args, kwargs) instead of being run (``vit_kernels._proof`` replays them in a child process)."""
-    thread = threading.get_ident()
-    outer = _recorders.get(thread)
-    launches = _recorders[thread] = []
-    try:
-        yield launches
-    finally:
-        if outer is None:
-            del _recorders[thread]
-        else:
-            _recorders[thread] = outer
-
-
-def recording() -> bool:
-    """Whether this thread's launches are being recorded (``recorded_launches``)."""
-    return bool(_recorders) and threading.get_ident() in _recorders
-
-
 class LaunchPlan(NamedTuple):
     """One kernel launch of a decided call, besides its tensors (``_tiles.decided``): the launchers'
     ``plan`` for ops with one kernel and one output dtype."""
@@ -164,173 +133,10 @@ class LaunchPlan(NamedTuple):
 FP_FUSION = True
 
 
-def launch(kernel, grid: tuple, *args, plan=None, eager: bool = False, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
-    (so that torch.compile and fake tensors see it), directly in eager mode; recorded instead inside
-    ``recorded_launches``. ``plan``: the launch plan the grid, the arguments that are not tensors and
-    the keywords come from (a plan table's value, which stays the same object while it is current):
-    a call of the same plan with tensors of the same dtypes and 16-byte alignment launches the kernel
-    its first call compiled directly (``DirectLaunch``). ``eager``: the caller found that nothing
-    traces the call (not asked again). With the package's log at INFO, an eager launch of a new
-    variant is a log line (``_run_logged``)."""
-    recorded = _recorders.get(threading.get_ident()) if _recorders else None  # an empty dict: one test
-    if recorded is not None:
-        recorded.append((kernel, grid, args, {**kwargs, "enable_fp_fusion": FP_FUSION}))
-    elif not eager and tracing():
+    (so that torch.compile and fake tensors see it), directly in eager mode."""
+    if tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-    elif plan is None or not _direct["enabled"]:  # eager: no tracing wrapper to build and consult
-        if LOGGER.isEnabledFor(logging.INFO):
-            _run_logged(kernel, grid, args, kwargs)
-        else:
-            kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
     else:
-        direct = _direct_launches.get((kernel, id(plan)))
-        if direct is None or direct.plan is not plan or not direct(args):
-            if LOGGER.isEnabledFor(logging.INFO):
-                compiled = _run_logged(kernel, grid, args, kwargs)
-            else:
-                compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
-            if len(_direct_launches) >= LAUNCH_CONFIGS:
-                _direct_launches.clear()
-            _direct_launches[(kernel, id(plan))] = DirectLaunch.of(kernel, plan, grid, compiled, args, kwargs)
-
-
-def _run_logged(kernel, grid: tuple, args: tuple, kwargs: dict):
-    """``kernel[grid](*args, **kwargs)`` in eager mode with the package's log at INFO
-    (``vk.set_verbosity("info")``), returning what it returns (the compiled kernel on a GPU): each
-    new variant of a kernel (a first call of its launch configuration, dtypes and specialisation) is
-    a log line with the seconds its first launch took: its compile, or its load from Triton's
-    on-disk cache."""
-    before = _variants(kernel)
-    started = time.perf_counter()
-    compiled = kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)
-    seconds = time.perf_counter() - started
-    if before is not None and _variants(kernel) <= before:  # a variant Triton had: nothing to say
-        return compiled
-    config = " ".join(f"{k}={v}" for k, v in kwargs.items())
-    dtypes = ",".join(dict.fromkeys(str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)))
-    if before is not None:
-        how = "compiled, or loaded from Triton's cache"
-    else:  # the interpreter, or a Triton that keeps its variants elsewhere: the first launch
-        if (kernel, config, dtypes) in _first_launches:
-            return compiled
-        _first_launches.add((kernel, config, dtypes))
-        interpreted = type(kernel).__name__ == "InterpretedFunction"
-        how = (
-            "interpreted"
-            if interpreted
-            else "its variants not counted: the first launch of its configuration"
-        )
-    name = getattr(kernel, "fn", kernel).__name__
-    LOGGER.info("kernel %s %s for %s: first launch in %.2f s (%s)", name, config, dtypes, seconds, how)
-    return compiled
-
-
-_first_launches: set = set()  # (kernel, config, dtypes) launched, where Triton's variants are not counted
-
-
-def _variants(kernel) -> Optional[int]:
-    """How many variants of ``kernel`` Triton has compiled or loaded in this process, on every device
-    (its per-device caches, whose first member maps a specialisation to its compiled kernel); None
-    where it keeps none (the interpreter)."""
-    caches = getattr(kernel, "device_caches", None)
-    return None if caches is None else sum(len(cache[0]) for cache in caches.values())
-
-
-class DirectLaunch:
-    """A compiled kernel launched without Triton's per-call work, for the calls of one launch plan.
-
-    ``kernel[grid](*args)`` binds every argument, works out its specialisation (each tensor's dtype
-    and 16-byte alignment, each integer's divisibility by 16 and equality to 1), builds a text key
-    from it and the options and looks the compiled kernel up, on every call. Within one plan
-    everything but the tensors' data is fixed (the plan was made from the call's shapes, strides,
-    dtypes and device), so a later call of the plan that passes tensors of the same dtype and
-    alignment at the same places and the same other arguments is the same specialisation: its
-    compiled kernel is launched by ``CompiledKernel[grid]``, the launcher ``kernel[grid]`` ends in,
-    with the argument list ``kernel[grid]`` gives it (every parameter in order: the positional
-    arguments, then the keywords' and defaults' values), on the current stream as ``kernel[grid]``.
-    Any other call (or one on another current device) takes ``kernel[grid]``, which compiles or finds
-    its kernel and becomes the plan's direct launch. What Triton reads per call besides the
-    arguments (its ``knobs``' debug and instrumentation options, a kernel's pre-run hooks, changed
-    globals) is read at the plan's first call only."""
-
-    __slots__ = ("plan", "device", "checks", "split", "scalars", "tail", "run")
-
-    def __init__(self, plan, device: int, checks: tuple, split: int, scalars: tuple, tail: tuple, run):
-        self.plan = plan
-        self.device = device  # the current device its kernel was loaded on
-        self.checks = checks  # (index, (dtype, 16-byte aligned) of a tensor, else the value) up to split
-        self.split = split  # the arguments from here on are neither tensors nor None
-        self.scalars = scalars
-        self.tail = tail
-        self.run = run
-
-    @staticmethod
-    def of(kernel, plan, grid: tuple, compiled, args: tuple, kwargs: dict):
-        """The direct launch of ``plan`` after ``compiled = kernel[grid](*args, **kwargs)``, or None
-        where ``compiled`` is no compiled kernel (the interpreter) or the arguments cannot be laid
-        out as ``kernel[grid]`` lays them out."""
-        if not isinstance(compiled, triton.compiler.CompiledKernel):
-            return None
-        parameters = _parameters(kernel.fn)
-        if len(args) > len(parameters):
-            return None
-        tail = []
-        for parameter in parameters[len(args) :]:
-            if parameter.name not in kwargs and parameter.default is parameter.empty:
-                return None
-            tail.append(kwargs.get(parameter.name, parameter.default))
-        split = max(
-            (i + 1 for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)), default=0
-        )
-        checks = tuple(
-            (i, (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a)
-            for i, a in enumerate(args[:split])
-        )
-        # CompiledKernel[grid] reads three dimensions where kernel[grid] fills the missing ones with 1
-        grid = (*grid, *(1,) * (3 - len(grid)))
-        return DirectLaunch(
-            plan, torch.cuda.current_device(), checks, split, args[split:], tuple(tail), compiled[grid]
-        )
-
-    def __call__(self, args: tuple) -> bool:
-        """Launch on ``args`` if they are the same specialisation; whether it launched."""
-        if args[self.split :] != self.scalars:
-            return False
-        for i, expected in self.checks:
-            a = args[i]
-            if isinstance(a, torch.Tensor):
-                if expected != (a.dtype, a.data_ptr() % 16 == 0):
-                    return False
-            elif a is not expected and a != expected:
-                return False
-        if torch.cuda.current_device() != self.device:
-            return False
-        self.run(*args, *self.tail)
-        return True
-
-
-@functools.lru_cache(maxsize=None)
-def _parameters(fn: Callable) -> tuple:
-    """A kernel's Python function's parameters, in order."""
-    return tuple(inspect.signature(fn).parameters.values())
-
-
-# Off unless VIT_KERNELS_DIRECT_LAUNCH=1: on an H200 it gave kernel[grid]'s bits for the five ops whose
-# warm calls launch planned kernels and saved 9-44 us per call (benchmarks/results/h200-2026-11-28.md);
-# the GEMM ops' case (the pointer kernel) has not run on a GPU yet (make test-gpu's
-# tests/test_direct_launch.py), nor a whole model (the end-to-end table's vk-direct).
-_direct = {"enabled": _env.flag("VIT_KERNELS_DIRECT_LAUNCH", default=False)}
-_direct_launches: dict = {}  # (kernel, id(plan)) -> DirectLaunch of that plan, or None
-
-
-@contextlib.contextmanager
-def direct_launch(enabled: bool) -> Iterator[None]:
-    """Inside the block, whether a plan's later calls launch its compiled kernel directly
-    (``DirectLaunch``) or every launch goes through ``kernel[grid]`` (for the whole process, every
-    thread: the benchmarks' and tests' switch; ``VIT_KERNELS_DIRECT_LAUNCH`` sets it at import)."""
-    before, _direct["enabled"] = _direct["enabled"], enabled
-    try:
-        yield
-    finally:
-        _direct["enabled"] = before
+        kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)

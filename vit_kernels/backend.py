@@ -2,23 +2,17 @@
 
 Every op declares its implementations in one table at the end of ``vit_kernels/ops/<op>.py``
 (``implementations(op, torch=Impl(...), triton=Impl(...), ...)``): per backend the function, a
-support check by device and dtype, limits by shape, and where it is the table's default (eager,
-and inside a torch.compile graph), each default citing the measurement it rests on. ``torch`` is
-the pure-PyTorch reference and the fallback; ``triton`` runs CUDA tensors, or CPU tensors under
+support check by device and dtype, limits by shape, and where it is the table's default (eager, and
+inside a torch.compile graph), each default citing the measurement it rests on. ``torch`` is the
+pure-PyTorch reference and the fallback; ``triton`` runs CUDA tensors, or CPU tensors under
 ``TRITON_INTERPRET=1`` (a test tool ``auto`` never picks); ``extension`` is ``vit_kernels._C``.
 
-``auto`` runs the table's choice: a first call compiles what it runs and checks each kernel's tile
-once (``_tiles``); nothing is timed and no child process starts. Searching happens only when asked
-(``vk.tune``, ``VIT_KERNELS_TUNE=1`` / ``set_autotune(True)``): then a new signature (``_signature``)
-has every capable implementation validated and timed on clones of its inputs (``_measure``), and
-the fastest valid one that beats the reference by the margin is kept, in memory and on disk
-(``_tune_cache``), where later processes find it. While tracing, the tuned decision or the table
-decides; nothing is timed.
-
+``auto`` runs the decision ``vk.tune`` searched (or ``vk.load_tuning`` loaded) for the call's
+signature, else the table's choice. Nothing is timed, checked or written on an ordinary call.
 ``use_backend`` (context-local, a ``ContextVar``) and ``set_backend`` (process-wide, initially
 ``VIT_KERNELS_BACKEND``) choose a backend; a call it cannot take falls back to ``auto`` with one
-warning and a record in ``explain()``, or raises under ``strict=True``. ``resolve`` is the only
-place that chooses or falls back; ``call`` is the public ops' entry, with its per-call fast path.
+warning and a record in ``explain()``, or raises under ``strict=True``. ``_decide`` is the only place
+that chooses or falls back; ``call`` is the public ops' entry, with its per-call fast path.
 """
 
 from __future__ import annotations
@@ -27,20 +21,15 @@ import contextlib
 import contextvars
 import os
 import threading
-import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from vit_kernels import _measure, _proof, _signature, _tiles, _tune_cache
-from vit_kernels._triton import HAS_TRITON
+from vit_kernels import _signature, _tiles
 from vit_kernels._checks import autocast_dtype_of
-from vit_kernels._explain import Explanation, Journal, Record
-from vit_kernels._logging import LOGGER
-from vit_kernels._tune_cache import store
+from vit_kernels._triton import HAS_TRITON
 
 BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed and tried in
 CHOICES = ("auto",) + BACKENDS
@@ -48,14 +37,10 @@ OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm",
 
 # Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# ``supports(device, dtype)`` returns None when the implementation can run there, else the reason.
+# ``supports(device, dtype)`` / ``limits(*args)``: None when the implementation can take it, else why
+# not. ``preferred(device, dtype, grad)``: whether it is the table's default there.
 SupportCheck = Callable[[torch.device, torch.dtype], Optional[str]]
-# ``limits(*args)`` (the op's call arguments) returns None when the shapes are within the
-# implementation's limits, else which limit they exceed.
 LimitCheck = Callable[..., Optional[str]]
-# ``preferred(device, dtype, grad)``: whether the implementation is the table's default there (for a
-# call that will need gradients, or not).
 Preference = Callable[[torch.device, torch.dtype, bool], bool]
 
 
@@ -66,23 +51,26 @@ class CannotRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class Impl:
-    """One row of an op's table: ``fn`` and its support check, shape limits and static preference;
-    registered, it also names its ``op`` and ``backend``."""
+    """One row of an op's table: ``fn``, its support check, shape limits and the table's defaults."""
 
     fn: Callable
     supports: SupportCheck = lambda device, dtype: None
     limits: LimitCheck = lambda *args: None
     preferred: Preference = lambda device, dtype, grad: False
-    # the table's default inside a torch.compile graph, where Inductor fuses the reference's ops with
-    # their neighbours: only where the implementation was measured ahead of torch.compile
+    # the default inside a torch.compile graph, where Inductor fuses the reference's ops with their
+    # neighbours: only where the implementation was measured ahead of torch.compile
     compiled: Preference = lambda device, dtype, grad: False
     op: str = ""
     backend: str = ""
 
 
 _registry: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
-_validation_args: dict[str, Callable[[tuple], tuple]] = {}
+validation_args: dict[str, Callable[[tuple], tuple]] = {}  # a call made deterministic (dropout off)
 _backend_checks: dict[str, Callable[[], Optional[str]]] = {}
+# The backends ``vk.tune`` searched per signature (``_Call.signature``): what ``vk.save_tuning`` writes.
+TUNED: dict[str, dict] = {}
+# Set by ``vk.tune`` while it runs: ``search(call, capable) -> entry`` validates and times the capable.
+searcher: Optional[Callable[["_Call", list[str]], dict]] = None
 
 
 def register(op: str, backend: str, fn: Callable, **checks: Callable) -> None:
@@ -93,37 +81,26 @@ def register(op: str, backend: str, fn: Callable, **checks: Callable) -> None:
     if not isinstance(backend, str) or not backend.isidentifier() or backend == "auto":
         raise ValueError(f"backend must be one of {BACKENDS} or another identifier, got {backend!r}")
     _registry[op][backend] = Impl(fn, **checks, op=op, backend=backend)
-    _forget_choices()
+    _fast.clear()
 
 
 def unregister(op: str, backend: str) -> None:
     """Remove the ``backend`` implementation of ``op`` (for test-only implementations)."""
     _registry[op].pop(backend, None)
-    _forget_choices()
+    _fast.clear()
 
 
-def implementations(
-    op: str, *, validation_args: Optional[Callable[[tuple], tuple]] = None, **table: Impl
-) -> None:
-    """Declare the table of ``op``: ``implementations("layer_norm", torch=Impl(...), triton=Impl(...))``.
-
-    ``validation_args(args) -> args`` makes a call deterministic for validation (e.g. dropout off)."""
+def implementations(op: str, *, validation: Optional[Callable[[tuple], tuple]] = None, **table: Impl) -> None:
+    """Declare the table of ``op``: ``implementations("layer_norm", torch=Impl(...), triton=Impl(...))``."""
     if "torch" not in table:
         raise ValueError(f"the table of {op} must name its torch reference")
     for name, impl in table.items():
         if not isinstance(impl, Impl):
             raise TypeError(f"implementations({op!r}, {name}=...) must be an Impl, got {type(impl).__name__}")
-        register(
-            op,
-            name,
-            impl.fn,
-            supports=impl.supports,
-            preferred=impl.preferred,
-            compiled=impl.compiled,
-            limits=impl.limits,
-        )
-    if validation_args is not None:
-        _validation_args[op] = validation_args
+        checks = {k: getattr(impl, k) for k in ("supports", "limits", "preferred", "compiled")}
+        register(op, name, impl.fn, **checks)
+    if validation is not None:
+        validation_args[op] = validation
 
 
 def register_backend_check(backend: str, check: Callable[[], Optional[str]]) -> None:
@@ -153,7 +130,7 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
 
 
 def triton_supports_elementwise(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Support check for Triton kernels without tl.dot: float32, float16, bfloat16 on CUDA or the interpreter."""
+    """Support check for Triton kernels without tl.dot: float32, float16, bfloat16."""
     reason = triton_device_reason(device)
     if reason is None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         reason = f"the Triton kernels take float32, float16 or bfloat16, not {dtype}"
@@ -183,12 +160,8 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
 
 
 def available_backends() -> dict[str, dict[str, object]]:
-    """For each backend and op: ``True`` when it can run here, else the reason why not.
-
-    Example: ``{"triton": {"attention": "triton is not installed ...", ...}, "torch": {...}}``.
-    A backend's per-op entry only says whether it can run on this machine at all; whether it
-    supports a given device, dtype and shape is decided per call (see ``explain``).
-    """
+    """For each backend and op: ``True`` when it can run on this machine, else the reason why not.
+    Whether it takes a given device, dtype and shape is decided per call (see ``explain``)."""
     report: dict[str, dict[str, object]] = {}
     for b in BACKENDS:
         machine = backend_unavailable_reason(b) or True
@@ -215,8 +188,7 @@ def unsupported_reason(
 
 @dataclass(frozen=True, eq=False)
 class _Choice:
-    """One (backend name, strict) pair; interned (``_choice``), so identity is equality and hashing
-    one in a per-call key costs nothing."""
+    """One (backend name, strict) pair, interned (``_choice``): identity is equality, cheap to hash."""
 
     name: str
     strict: bool
@@ -241,33 +213,14 @@ def _active() -> _Choice:
 
 
 class _TraceGuard:
-    """What a torch.compile'd graph was traced under, in plain attributes that Dynamo guards on
-    (it cannot read a ContextVar): the choice in force when it last changed (``use_backend`` entered
-    or left, ``set_backend``) and the generation of the decisions, counting their every change (a
-    measurement, the cache cleared, an implementation registered, the settings). A compiled graph
-    is reused only while both are what they were at its trace; otherwise it is traced again, and
-    decides again. The per-call fast path (``call``) keeps no entry decided under an older
-    generation.
-    Being one object, it follows the most recent change in any thread: compiled code run in threads
-    with different ``use_backend`` choices at once recompiles (or, if it is already cached for the
-    other choice, runs it): give each thread its own compiled module, or use ``set_backend``."""
+    """The choice in force when it last changed, in an attribute Dynamo guards on (it cannot read a
+    ContextVar): a compiled graph is traced again when the choice changes. One object for the
+    process: threads running compiled code under different ``use_backend`` choices retrace."""
 
-    def __init__(self):
-        self.choice: _Choice = _process_choice
-        self.generation = 0
+    choice: _Choice = _process_choice
 
 
 _trace_guard = _TraceGuard()
-
-
-def _choice_changed() -> None:
-    _trace_guard.choice = _active()
-
-
-def _decisions_changed() -> None:
-    """Decisions may have changed: graphs traced before retrace, fast-path entries decided before
-    are not kept."""
-    _trace_guard.generation += 1
 
 
 def _check_choice(name: str, strict: bool) -> _Choice:
@@ -290,32 +243,27 @@ def get_backend() -> str:
 def set_backend(name: str, *, strict: bool = False) -> None:
     """Prefer ``name`` for every op it implements, process-wide (``"auto"`` restores the automatic
     choice); a ``use_backend`` block in force in this context takes the new choice too, until it ends.
-
-    Raises ValueError for an unknown name and RuntimeError, with the reason, for a backend that is
-    not installed or cannot run on this machine. ``strict``: see ``use_backend``.
-    """
+    Raises ValueError for an unknown name, RuntimeError (with the reason) for one that cannot run here."""
     global _process_choice
     _process_choice = _check_choice(name, strict)
     if _context_choice.get() is not None:
         _context_choice.set(_process_choice)
-    _choice_changed()
+    _trace_guard.choice = _active()
 
 
 @contextlib.contextmanager
 def use_backend(name: str, *, strict: bool = False) -> Iterator[None]:
     """``with use_backend("torch"): ...``: the choice for this thread / task only, restored on exit.
-
     With ``strict=True`` a call that ``name`` cannot take (device, dtype or a shape limit) raises
-    RuntimeError naming the op and the limit; without it, the call falls back to ``auto``'s choice,
-    which ``explain()`` records and one warning reports.
-    """
+    CannotRunError naming the op and the limit; without it, the call falls back to ``auto``'s choice,
+    which ``explain()`` records and one warning reports."""
     token = _context_choice.set(_check_choice(name, strict))
-    _choice_changed()
+    _trace_guard.choice = _active()
     try:
         yield
     finally:
         _context_choice.reset(token)
-        _choice_changed()
+        _trace_guard.choice = _active()
 
 
 def apply_environment() -> None:
@@ -326,280 +274,172 @@ def apply_environment() -> None:
     set_backend(name)
 
 
-# ---- autotune settings and state -------------------------------------------------------------------
+# ---- explain ---------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Settings:
-    margin: float = 0.05  # a candidate must be at least 5% faster than the reference to be chosen
+class Record:
+    """One signature as ``explain`` shows it; ``candidates`` maps backend -> "0.123 ms",
+    "invalid: <why>" or "excluded: <capability or limit>"."""
+
+    op: str
+    device: str
+    dtype: str
+    shapes: str
+    grad: bool
+    requested: str
+    backend: str
+    source: str  # "table", "tuned", "requested", "fallback", "only candidate"; "(traced)" appended
+    reason: str
+    candidates: dict[str, str] = field(default_factory=dict)
+    calls: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, candidates=dict(self.candidates))
 
 
-_settings = _Settings()
-_memo: dict[tuple, tuple[Impl, Record]] = {}  # per-call fast path
-_fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}  # see ``call``
-FAST_PATH_ENTRIES = 4096  # the fast path's memory: cleared when full (many shapes), refilled as calls come
-_journal = Journal()
+class Explanation(list):
+    """``vk.explain()``: the records (a list), printable; ``tiles`` lists the tuned or loaded tiles."""
+
+    def __init__(self, rows: Sequence[Record], tiles: Optional[list[dict]] = None):
+        super().__init__(rows)
+        self.tiles = tiles or []
+
+    @property
+    def rows(self) -> list[Record]:
+        return list(self)
+
+    def as_dicts(self) -> list[dict]:
+        return [r.as_dict() for r in self]
+
+    def ran(self, op: Optional[str] = None) -> set[str]:
+        """The backends that ran (for ``op``, or for any op)."""
+        return {r.backend for r in self if op is None or r.op == op}
+
+    def __str__(self) -> str:
+        lines = [] if self else ["vit_kernels.explain(): no op has run yet"]
+        for r in self:
+            candidates = "; ".join(f"{b}: {v}" for b, v in r.candidates.items())
+            grad = "grad" if r.grad else "no grad"
+            lines.append(f"{r.op} {r.device} {r.dtype[6:]} {r.shapes} {grad}: {r.backend} ({r.source})")
+            lines.append(f"    why: {r.reason} ({r.calls} calls, asked: {r.requested}); {candidates}")
+        lines += [f"tile {t['kernel']}, {t['key']}: {t['tile']!r} ({t['how']})" for t in self.tiles]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_journal: dict[tuple, Record] = {}
 _warned: set[tuple] = set()
 _lock = threading.RLock()
-_measuring = threading.local()
-
-
-def _forget_choices() -> None:
-    with _lock:
-        _memo.clear()
-        _fast.clear()
-        _decisions_changed()
-
-
-def set_autotune(
-    enabled: Optional[bool] = None,
-    *,
-    margin: Optional[float] = None,
-    cache_dir: Union[str, os.PathLike, bool, None] = None,
-    prove_tiles: Optional[bool] = None,
-) -> None:
-    """Configure searching (each argument left None is unchanged).
-
-    enabled: search every new signature's backends and every new key's tiles on ordinary calls
-    (False, the default: the tables decide, and tuned decisions where there are; the initial value
-    is ``VIT_KERNELS_TUNE``, read at import; ``vk.tune`` searches either way). margin: how much faster than the reference
-    (0.05 = 5%) a kernel must be to be chosen. cache_dir: the folder of the on-disk cache, or False
-    to keep decisions in memory only. prove_tiles: run each new tile candidate in a child process
-    first, so that one that faults cannot take this process down (``vit_kernels._proof``; the
-    initial value is ``VIT_KERNELS_PROVE_TILES``, default on).
-    """
-    if enabled is not None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        _tiles.SEARCH["enabled"] = enabled
-    if margin is not None:
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10:
-            raise ValueError(f"margin must be a number in [0, 10), got {margin!r}")
-        _settings.margin = float(margin)
-    if cache_dir is not None:
-        if cache_dir is True or not isinstance(cache_dir, (str, os.PathLike, bool)):
-            raise TypeError(f"cache_dir must be a path or False, got {cache_dir!r}")
-        _tune_cache.set_folder(None if cache_dir is False else Path(cache_dir).expanduser())
-    if prove_tiles is not None:
-        if not isinstance(prove_tiles, bool):
-            raise TypeError(f"prove_tiles must be a bool, got {type(prove_tiles).__name__}")
-        _proof._settings["enabled"] = prove_tiles
-    _forget_choices()
-
-
-def autotune_settings() -> dict[str, object]:
-    """The measuring settings in force: ``{"enabled", "margin", "cache_file", "prove_tiles"}``."""
-    return {
-        "enabled": _tiles.searching(),
-        "margin": _settings.margin,
-        "cache_file": None if store().path is None else str(store().path),
-        "prove_tiles": _proof.enabled(),
-    }
-
-
-def clear_decisions() -> None:
-    """Forget the decisions measured in this process (and, by default, what ``explain`` shows);
-    the on-disk cache is read again on next use."""
-    with _lock:
-        _forget_choices()
-        _warned.clear()
-        store().clear()
-        _journal.clear()
 
 
 def explain() -> Explanation:
-    """Every op signature run in this process: what ran, why (the table, tuned, measured, a
-    fallback), the measured times; then each Triton kernel's tiles, checked, tuned or unchecked."""
-    return _journal.snapshot(_tiles.decisions())
+    """Every op signature run in this process: what ran and why (the table, tuned, a fallback), then
+    the tiles ``vk.tune`` searched or ``vk.load_tuning`` loaded."""
+    with _lock:
+        return Explanation([Record(**r.as_dict()) for r in _journal.values()], _tiles.decisions())
 
 
-# ---- resolve ---------------------------------------------------------------------------------------
+def clear_decisions() -> None:
+    """Forget what ``explain`` shows, the warnings given and the per-call fast path's entries."""
+    with _lock:
+        _fast.clear()
+        _journal.clear()
+        _warned.clear()
 
 
-def _warn_once(key: tuple, message: str, stacklevel: int) -> None:
-    """Warn once per ``key``; ``stacklevel`` counts from here to the caller of the public op."""
+def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(message, RuntimeWarning, stacklevel=6)
 
 
-def _candidate_order(op: str) -> list[str]:
-    impls = _registry[op]
-    return (
-        [b for b in BACKENDS if b in impls and b != "torch"]
-        + [b for b in impls if b not in BACKENDS]
-        + ["torch"]
-    )
+# ---- the decision ----------------------------------------------------------------------------------
 
 
 @dataclass
 class _Call:
-    """What a decision is made from: the op, where it runs, its arguments' key, and (outside
-    tracing) the arguments themselves."""
+    """What a decision is made from: the op, where it runs, its arguments' key and (outside tracing)
+    the arguments themselves."""
 
     op: str
     device: torch.device
     dtype: torch.dtype
     arg_key: tuple
     grad: bool
-    limit_reasons: dict[str, str]
-    args: Optional[Sequence[Any]] = None
-    traced: bool = False  # inside a torch.compile graph
-
-    def signature(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        return f"{self.op}|{_signature.device_name(self.device)}|{dtype}|grad={self.grad}|{self.arg_key!r}"
+    args: Optional[Sequence[Any]] = None  # None while tracing
+    traced: bool = False
 
     def prefix(self) -> str:
-        """The signature up to the arguments: op, device, dtype and grad mode."""
-        return self.signature()[: -len(repr(self.arg_key))]
+        return f"{self.op}|{_signature.device_name(self.device)}|{str(self.dtype)[6:]}|grad={self.grad}|"
+
+    def signature(self) -> str:
+        return self.prefix() + repr(self.arg_key)
+
+    def limit(self, backend: str) -> Optional[str]:
+        impl = _registry[self.op][backend]
+        return None if self.args is None or not self.args else impl.limits(*self.args)
 
     def record(self, requested: str, backend: str, source: str, reason: str, candidates: dict) -> Record:
+        shapes = _signature.describe_arguments(self.arg_key)
+        device, dtype = _signature.device_name(self.device), str(self.dtype)
         return Record(
-            self.op,
-            _signature.device_name(self.device),
-            str(self.dtype),
-            _signature.describe_arguments(self.arg_key),
-            self.grad,
-            requested,
-            backend,
-            source,
-            reason,
-            candidates,
+            self.op, device, dtype, shapes, self.grad, requested, backend, source, reason, candidates
         )
 
 
 def _capability(call: _Call, backend: str) -> Optional[str]:
-    return unsupported_reason(call.op, backend, call.device, call.dtype) or call.limit_reasons.get(backend)
+    return unsupported_reason(call.op, backend, call.device, call.dtype) or call.limit(backend)
 
 
-def _describe(entry: dict) -> dict[str, str]:
-    return {b: v if isinstance(v, str) else f"{v:.3f} ms" for b, v in entry["candidates"].items()}
+def _tuned(call: _Call) -> Optional[dict]:
+    """The decision ``vk.tune`` made for the call; while tracing (sizes unread), the one every tuned
+    signature of the op, device, dtype and grad mode agrees on."""
+    if call.args is not None:
+        return TUNED.get(call.signature())
+    entries = [e for k, e in TUNED.items() if k.startswith(call.prefix())]
+    return entries[0] if entries and len({e["backend"] for e in entries}) == 1 else None
 
 
 def _auto(call: _Call, requested: str, exclude: Optional[str]) -> tuple[Impl, Record]:
     impls = _registry[call.op]
-    capable: list[str] = []
-    excluded: dict[str, str] = {}
-    for b in _candidate_order(call.op):
+    capable, excluded = [], {}
+    for b in [b for b in impls if b != "torch"] + ["torch"]:
         reason = "asked for, but cannot take this call" if b == exclude else _capability(call, b)
         if reason is None and b == "triton" and call.device.type == "cpu":
-            reason = "interpreted Triton (TRITON_INTERPRET=1) is a test tool, never a candidate for auto on the CPU"
+            reason = "interpreted Triton (TRITON_INTERPRET=1) is a test tool, never auto's choice"
         if reason is None:
             capable.append(b)
         else:
             excluded[b] = f"excluded: {reason}"
     if capable == ["torch"]:
-        return impls["torch"], call.record(
-            requested, "torch", "only candidate", "no other implementation can take this call", excluded
-        )
-    key = call.signature()
-    entry = store().get("dispatch", key)
-    if entry is None and call.args is None:
-        entry = _unanimous(call.prefix())
+        reason = "no other implementation can take this call"
+        return impls["torch"], call.record(requested, "torch", "only candidate", reason, excluded)
+    entry = _tuned(call)
+    if (
+        entry is None
+        and searcher is not None
+        and call.args is not None
+        and not _signature.untimeable(call.args)
+    ):
+        entry = TUNED[call.signature()] = searcher(call, capable)
     if entry is not None and entry["backend"] in capable:
+        candidates = {**entry["candidates"], **excluded}
         return impls[entry["backend"]], call.record(
-            requested, entry["backend"], "tuned", entry["reason"], {**_describe(entry), **excluded}
+            requested, entry["backend"], "tuned", entry["reason"], candidates
         )
-    measurable = call.args is not None and not _signature.untimeable(call.args)
-    if not (_tiles.searching() and measurable) or getattr(_measuring, "active", False):
-        chosen = next(
-            (
-                b
-                for b in capable
-                if b != "torch"
-                and (impls[b].compiled if call.traced else impls[b].preferred)(
-                    call.device, call.dtype, call.grad
-                )
-            ),
-            "torch",
-        )
-        if call.traced:
-            why = "the op's table under torch.compile (elsewhere Inductor fuses the reference's ops)"
-        elif not _tiles.searching():
-            why = "the op's table (vk.tune, or VIT_KERNELS_TUNE=1, searches)"
-        else:
-            why = "nothing is timed for fake, meta or captured tensors: the op's table"
-        candidates = {b: "not measured" for b in capable}
-        return impls[chosen], call.record(requested, chosen, "table", why, {**candidates, **excluded})
-    entry = _measure_call(call, capable)
-    LOGGER.info("%s: %s (%s)", key, entry["backend"], entry["reason"])
-    store().put("dispatch", key, entry)
-    _decisions_changed()
-    return impls[entry["backend"]], call.record(
-        requested, entry["backend"], "measured", entry["reason"], {**_describe(entry), **excluded}
+    chosen = next(
+        (
+            b
+            for b in capable
+            if b != "torch"
+            and (impls[b].compiled if call.traced else impls[b].preferred)(call.device, call.dtype, call.grad)
+        ),
+        "torch",
     )
-
-
-def _unanimous(prefix: str) -> Optional[dict]:
-    """Under tracing, where sizes are not read: the measured decision for the op, device, dtype and
-    grad mode when every cached signature of them chose the same backend (as after ``vk.tune`` at the
-    shapes being compiled), else None (the table decides)."""
-    entries = [e for k, e in store().items("dispatch") if k.startswith(prefix)]
-    if entries and len({e["backend"] for e in entries}) == 1:
-        entry = dict(entries[0])
-        entry["reason"] = (
-            f"the {len(entries)} measured signature(s) of this op, device, dtype agree: {entry['reason']}"
-        )
-        return entry
-    return None
-
-
-def _measure_call(call: _Call, capable: list[str]) -> dict:
-    impls = _registry[call.op]
-    validation = _validation_args.get(call.op, lambda args: args)(tuple(call.args))
-    _measuring.active = True
-    started = time.perf_counter()
-    try:
-        results = _measure.measure(
-            {b: impls[b].fn for b in capable}, call.args, validation, call.device, call.dtype, call.grad
-        )
-    finally:
-        _measuring.active = False
-    cost_ms = (time.perf_counter() - started) * 1e3
-    for b, result in results.items():
-        if not result.valid and b != "torch":
-            _warn_once(
-                (call.op, b, call.signature()),
-                f"vit_kernels: the {b} implementation of {call.op} failed validation on "
-                f"{_signature.device_name(call.device)} {call.dtype} "
-                f"{_signature.describe_arguments(call.arg_key)}: {result.error}; auto does not use it there",
-                8,
-            )
-    reference = results["torch"].time_ms
-    valid = {b: r.time_ms for b, r in results.items() if r.valid and r.time_ms is not None}
-    margin = _settings.margin
-    # A candidate must beat the reference by the margin on the ranking statistic and on the median,
-    # so that a burst of load during some rounds cannot make the choice.
-    ref_median = results["torch"].median_ms
-    winners = {
-        b: t
-        for b, t in valid.items()
-        if b != "torch"
-        and (
-            reference is None
-            or (t * (1 + margin) <= reference and results[b].median_ms * (1 + margin) <= ref_median)
-        )
-    }
-    chosen = min(winners, key=winners.get) if winners else "torch"
-    if chosen == "torch":
-        reason = f"no valid candidate beat the reference by the {margin:.0%} margin"
-    else:
-        reason = (
-            f"fastest valid, {reference / valid[chosen]:.2f}x the reference (margin {margin:.0%})"
-            if reference
-            else "fastest valid"
-        )
-    candidates: dict[str, object] = {
-        b: (r.time_ms if r.valid else f"invalid: {r.error}") for b, r in results.items()
-    }
-    return {
-        "backend": chosen,
-        "reason": f"measured in {cost_ms:.0f} ms: {reason}",
-        "candidates": candidates,
-        "margin": margin,
-        "cost_ms": cost_ms,
-    }
+    why = "the op's table under torch.compile" if call.traced else "the op's table"
+    return impls[chosen], call.record(requested, chosen, "table", why, excluded)
 
 
 def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
@@ -614,130 +454,97 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
         return impl, record
     reason = _capability(call, choice.name)
     if reason is None:
-        return impls[choice.name], call.record(
-            choice.name, choice.name, "requested", f"use_backend / set_backend asked for {choice.name}", {}
-        )
+        why = f"use_backend / set_backend asked for {choice.name}"
+        return impls[choice.name], call.record(choice.name, choice.name, "requested", why, {})
+    where = f"{call.op} on {call.device.type} {call.dtype}"
     if choice.strict:
-        raise CannotRunError(
-            f"backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype} "
-            f"{_signature.describe_arguments(call.arg_key)}: {reason} (strict=True)"
-        )
+        shapes = _signature.describe_arguments(call.arg_key)
+        raise CannotRunError(f"backend {choice.name!r} cannot run {where} {shapes}: {reason} (strict=True)")
     impl, record = _auto(call, choice.name, choice.name)
     _warn_once(
         (call.op, choice.name, reason),
-        f"vit_kernels: backend {choice.name!r} cannot run {call.op} on {call.device.type} {call.dtype}: "
-        f"{reason}; {impl.backend} runs it instead (use_backend(..., strict=True) raises instead)",
-        6,
+        f"vit_kernels: backend {choice.name!r} cannot run {where}: {reason}; {impl.backend} runs it "
+        "instead (use_backend(..., strict=True) raises instead)",
     )
-    record.source = "fallback"
-    record.reason = f"{choice.name} cannot take this call: {reason}; {record.reason}"
+    record.source, record.reason = (
+        "fallback",
+        f"{choice.name} cannot take this call: {reason}; {record.reason}",
+    )
     return impl, record
 
 
-def _limit_reasons(op: str, args: Sequence[Any]) -> dict[str, str]:
-    if not args:  # resolve(op, device, dtype) without the call: device and dtype decide alone
-        return {}
-    return {b: reason for b, impl in _registry[op].items() if (reason := impl.limits(*args)) is not None}
-
-
 @torch.compiler.assume_constant_result
-def _traced_backend(
-    op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict, generation
-):
-    """The decision while torch.compile traces (called once per trace, outside the graph, without
-    reading sizes so that none is specialised): the tuned decision or the table's, never a
-    measurement. ``choice_*`` and ``generation`` come from ``_trace_guard``: passed in, they make
-    Dynamo guard the compiled graph on them."""
+def _traced_backend(op, device_type, device_index, dtype, arg_key, grad, choice_name, choice_strict):
+    """The decision while torch.compile traces (once per trace, outside the graph, reading no size so
+    that none is specialised): the tuned decision or the table's. ``choice_*`` come from
+    ``_trace_guard``: passed in, they make Dynamo guard the graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    call = _Call(op, device, dtype, arg_key, grad, dict(limits), traced=True)
+    call = _Call(op, device, dtype, arg_key, grad, traced=True)
     with _lock:
         impl, record = _decide(call, _choice(choice_name, choice_strict))
         record.source += " (traced)"
-        _journal.add((record.requested, op, str(device), dtype, arg_key, grad, "traced"), record).calls += 1
+        _journal.setdefault(
+            (record.requested, op, str(device), dtype, arg_key, grad, "traced"), record
+        ).calls += 1
     return impl.backend
 
 
 def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None) -> Impl:
     """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``; ``args``
-    (the call's arguments, as the implementation takes them) let shape limits and measuring apply.
-
-    This is the only place that chooses or falls back; every decision is recorded for ``explain``."""
-    return _resolve(op, device, dtype, args)[0]
-
-
-def _resolve(
-    op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]]
-) -> tuple[Impl, Optional[Record]]:
-    """``resolve``, and the decision's record when the decision may be reused for the same
-    signature (None while tracing, or for the table's choice taken for untimeable tensors)."""
+    (the call's arguments, as the implementation takes them) let shape limits apply. Every decision
+    is recorded for ``explain``."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     args = () if args is None else args
+    grad = _signature.needs_grad(args)
     if torch.compiler.is_compiling():
         index = -1 if device.index is None else device.index
-        key, grad = _signature.traced_key(args), _signature.needs_grad(args)
-        limits = tuple(sorted(_limit_reasons(op, args).items()))
-        guard = (_trace_guard.choice.name, _trace_guard.choice.strict, _trace_guard.generation)
-        name = _traced_backend(op, device.type, index, dtype, key, grad, limits, *guard)
-        return _registry[op][name], None
+        choice = _trace_guard.choice
+        name = _traced_backend(
+            op, device.type, index, dtype, _signature.traced_key(args), grad, choice.name, choice.strict
+        )
+        return _registry[op][name]
+    return _resolve(op, device, dtype, args, grad)[0]
+
+
+def _resolve(op, device, dtype, args, grad) -> tuple[Impl, Record]:
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
-    grad = _signature.needs_grad(args)
-    memo_key = (choice, op, device, dtype, arg_key, grad)
-    hit = _memo.get(memo_key)
-    if hit is not None:
-        hit[1].calls += 1
-        return hit
     with _lock:
-        call = _Call(op, device, dtype, arg_key, grad, _limit_reasons(op, args), args or None)
-        impl, record = _decide(call, choice)
-        record = _journal.add((choice.name, op, str(device), dtype, arg_key, grad), record)
+        impl, record = _decide(_Call(op, device, dtype, arg_key, grad, args), choice)
+        key = (choice.name, op, str(device), dtype, arg_key, grad)
+        old = _journal.get(key)
+        if old is not None and (old.backend, old.source, old.reason) == (
+            record.backend,
+            record.source,
+            record.reason,
+        ):
+            record = old
+        elif old is not None:
+            record.calls = old.calls
+        _journal[key] = record
         record.calls += 1
-        if record.source != "table" or not _signature.untimeable(args):
-            _memo[memo_key] = (impl, record)
-            return impl, record
-    return impl, None
+    return impl, record
 
 
 # ---- the per-call fast path ------------------------------------------------------------------------
 
-_PARAMETER = torch.nn.Parameter
-_TENSOR_TYPES = (torch.Tensor, _PARAMETER)
-# Whether autocast is on for any device: one C call, where reading the main input's device and its
-# autocast state costs about a microsecond (asked per device only when some autocast is on).
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Whether autocast is on for any device: one C call (the main input's device is asked only then).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _PLAIN = _signature._PLAIN
-
-
-# The key read in C++ (csrc/fast_path_key.cpp), set when the extension loads (``use_native_call_key``):
-# the same facts as the Python loop below, packed, in a fraction of its time: the loop's five
-# attribute reads per tensor, and the three calls that read the choice, grad mode and autocast, are
-# most of a warm call's cost.
-_native_key: Optional[Callable[..., Any]] = None
-
-
-def use_native_call_key(native: Optional[Callable[..., Any]]) -> None:
-    """Read the fast path's key with ``native`` (the extension's ``fast_path_key``; None: in Python). The
-    entries stored under the other kind of key stay valid: the two kinds never meet."""
-    global _native_key
-    _native_key = native
+_fast: dict[tuple, tuple[Impl, Record, Optional[tuple]]] = {}
+FAST_PATH_ENTRIES = 4096  # cleared when full (many shapes), refilled as calls come
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
-    """Everything a public op's validation, autocast casts and backend decision depend on, read
-    cheaply: the op, the choice in force, grad mode, autocast for the main input's device, and each
-    argument (a plain tensor or parameter: its shape, dtype, device, requires_grad and contiguity
-    (part of a decision's signature); another tensor type: the same and its type; None, bool, int,
-    float or str: its type and value). None when the main input is not a plain tensor or another
-    argument is of any other type (validation will say what was expected). ``_native_key`` reads it
-    where it can (plain tensors and parameters only): its keys end in a bytes object, which no key of
-    the Python loop holds, so the two never meet."""
-    if _native_key is not None:
-        key = _native_key(args, _PARAMETER, op, _context_choice, _process_choice)
-        if key is not NotImplemented:
-            return key
+    """Everything a public op's validation, autocast casts and decision depend on, read cheaply: the
+    op, the choice in force, grad mode, autocast for the main input's device, and each argument (a
+    tensor: shape, dtype, device, requires_grad, contiguity and, for a subclass, its type; None,
+    bool, int, float or str: its type and value). None when the main input is not a plain tensor or
+    another argument is of any other type (validation will say what was expected)."""
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
@@ -753,15 +560,15 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
             append(a)
         elif isinstance(a, torch.Tensor):
             append((a.shape, a.dtype, a.device, a.requires_grad, a.is_contiguous(), kind))
-        else:  # a list, an array, ...: validation will say what was expected
+        else:
             return None
     return tuple(parts)
 
 
 def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
     """How ``prepare`` turned ``raw`` into ``prepared``, replayable without validating again: None
-    (unchanged), a tuple of per-argument dtypes to cast to (None: unchanged), or ``False`` when it
-    did anything else (a value normalised, a tensor replaced), which the fast path cannot replay."""
+    (unchanged), per-argument dtypes to cast to (None: unchanged), or ``False`` when it did anything
+    else (a value normalised, a tensor replaced), which the fast path cannot replay."""
     plan, changed = [], False
     for r, p in zip(raw, prepared):
         if p is r:
@@ -783,11 +590,9 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
     """Run public op ``op`` on ``args`` (its arguments in order, keywords included).
 
     ``prepare(*args) -> args`` validates the arguments (raising a clear error) and applies autocast's
-    casts; the first of them is the main input, whose device and dtype the decision is made for. The first call of a signature prepares, resolves and runs; later calls
-    with the same ``_call_key`` skip straight to the decided implementation, replaying autocast's
-    casts: a dictionary lookup and a few attribute reads per call instead of validation and the
-    signature of ``resolve`` (what was valid for those shapes, dtypes, devices and values stays
-    valid). While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
+    casts; the first is the main input, whose device and dtype the decision is for. A later call
+    with the same ``_call_key`` goes straight to the decided implementation, replaying the casts.
+    While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
     if _is_compiling():
         prepared = prepare(*args)
         return resolve(op, prepared[0].device, prepared[0].dtype, prepared).fn(*prepared)
@@ -799,14 +604,12 @@ def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
         if plan is not None:
             args = tuple(a if dtype is None else a.to(dtype) for a, dtype in zip(args, plan))
         return impl.fn(*args)
-    generation = _trace_guard.generation
     prepared = prepare(*args)
-    impl, record = _resolve(op, prepared[0].device, prepared[0].dtype, prepared)
-    if record is not None and key is not None:
-        plan = _cast_plan(args, prepared)
-        with _lock:
-            if plan is not False and generation == _trace_guard.generation:
-                if len(_fast) >= FAST_PATH_ENTRIES:
-                    _fast.clear()
-                _fast[key] = (impl, record, plan)
+    main = prepared[0]
+    impl, record = _resolve(op, main.device, main.dtype, prepared, _signature.needs_grad(prepared))
+    plan = _cast_plan(args, prepared) if key is not None else False
+    if plan is not False:
+        if len(_fast) >= FAST_PATH_ENTRIES:
+            _fast.clear()
+        _fast[key] = (impl, record, plan)
     return impl.fn(*prepared)

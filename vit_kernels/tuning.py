@@ -1,27 +1,38 @@
 """Searching, when a user asks for it: ``vk.tune(model, example_inputs)``, and the file it leaves.
 
 By default the tables decide (``vit_kernels.backend``, ``vit_kernels._tiles``). ``tune`` runs the
-model once with searching on: ``auto`` times every capable implementation of each signature it has
-not met, and each Triton launcher proves, checks and times its tiles. The decisions go to the
-on-disk cache, where later processes find them (searching or not), and ``save_tuning(path)`` writes
-them to one file to ship beside a model; ``load_tuning(path)`` makes them run in another process.
-Under ``torch.distributed`` rank 0 searches and every rank runs its decisions.
+model once with searching on: ``auto`` validates and times every capable implementation of each
+signature (``search_backends``), and each Triton launcher validates and times its tiles. Every
+candidate is compared with the reference (``_accuracy``'s rule) before it is timed (``_timer``).
+The decisions stay in this process; ``save_tuning(path)`` writes them to a file stamped with the
+device, driver and versions, which ``load_tuning(path)`` reads on every rank of a job (and refuses,
+in one line, where the stamp differs). Under ``torch.distributed`` rank 0 searches and every rank
+runs its decisions. Tune before ``torch.compile``: a graph compiled earlier keeps what it traced.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
 import json
+import math
 import os
-from typing import Any, Optional, Sequence, Union
+import statistics
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _tiles, backend
-from vit_kernels._explain import Explanation
+from vit_kernels import _accuracy, _signature, _tiles, _timer, backend
 from vit_kernels._files import write_atomically
-from vit_kernels._tune_cache import environment, store
 
-FORMAT = 1
+FORMAT = 2
+
+
+def time_runs(runs: dict) -> dict:
+    """Median milliseconds of each of ``runs`` (name -> callable, validated: run once already),
+    interleaved rounds from an idle device, the one timer (``_timer``)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {name: statistics.median(t) for name, t in _timer.search_times(runs, device, warmup=1).items()}
 
 
 def tune(
@@ -30,18 +41,16 @@ def tune(
     *,
     grad: Optional[bool] = None,
     autocast: Optional[torch.dtype] = None,
-) -> Explanation:
-    """Run ``model(*example_inputs)`` once, searching every signature and tile it has not met.
+) -> backend.Explanation:
+    """Run ``model(*example_inputs)`` once, searching every signature and tile it meets.
 
     model: a module built from vit_kernels ops (vit models, vit_kernels.nn layers, patched models).
     example_inputs: a tuple of the model's positional inputs, e.g. ``(images,)`` with images
     (N, C, H, W), of the shapes training or serving will see. grad: tune the training signatures
-    (forward + backward), default: when the model is in training mode and has parameters that
-    require grad. autocast: the dtype training runs autocast in (e.g. ``torch.bfloat16``), so that
-    the signatures searched are the ones the step meets (an autocast already in force counts too).
-    Under ``torch.distributed`` every rank calls it: rank 0 searches, the others run its decisions.
-    Returns ``explain()`` restricted to the signatures this run met.
-    """
+    (forward + backward), default: when the model is in training mode with parameters that require
+    grad. autocast: the dtype training runs autocast in (e.g. ``torch.bfloat16``). Under
+    ``torch.distributed`` every rank calls it: rank 0 searches, the others run its decisions.
+    Returns ``explain()`` of this run."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
@@ -54,55 +63,179 @@ def tune(
         raise ValueError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
     device_type = next((a.device.type for a in example_inputs if isinstance(a, torch.Tensor)), "cpu")
     rank, shared = _rank()
-
-    def identity(r):
-        return (r.op, r.device, r.dtype, r.shapes, r.grad, r.requested, r.source)
-
-    calls_before = {identity(r): r.calls for r in backend.explain()}
-    _forget_decided()  # what earlier calls took from the tables is decided again, by a search
-    with (
-        _tiles.search(rank == 0),
-        backend.use_backend("auto"),
-        torch.set_grad_enabled(grad),
-        torch.autocast(device_type, dtype=autocast, enabled=autocast is not None),
-    ):
-        model(*example_inputs)
+    _forget()  # what earlier calls took from the tables is decided again, by a search
+    backend.searcher = search_backends if rank == 0 else None
+    try:
+        with (
+            _tiles.search(rank == 0),
+            backend.use_backend("auto"),
+            torch.set_grad_enabled(grad),
+            torch.autocast(device_type, dtype=autocast, enabled=autocast is not None),
+        ):
+            output = model(*example_inputs)
+            outputs = output if isinstance(output, (tuple, list)) else [output]
+            roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            weights = [p for p in model.parameters() if p.requires_grad]
+            if roots and weights:  # the backward's kernels too; no parameter's .grad is touched
+                torch.autograd.grad(roots, weights, [torch.randn_like(o) for o in roots], allow_unused=True)
+    finally:
+        backend.searcher = None
     if shared:
         decisions = [tuning() if rank == 0 else None]
         torch.distributed.broadcast_object_list(decisions, src=0)
         if rank != 0:
-            _hold(decisions[0])  # its calls from now on run them (the explanation shows its own run)
-    return Explanation([r for r in backend.explain() if r.calls > calls_before.get(identity(r), 0)])
+            _hold(decisions[0])
+    return backend.explain()
 
 
 def _rank() -> tuple[int, bool]:
     """(this process's rank, whether decisions are shared among several ranks)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_world_size() == 1:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0, False
+    if torch.distributed.get_world_size() == 1:
         return 0, False
     return torch.distributed.get_rank(), True
 
 
-def tuning() -> dict:
-    """Every tuned decision and tile this process knows (searched here, read from the cache or
-    loaded), as the JSON-able dict ``save_tuning`` writes."""
+def _forget() -> None:
+    backend.clear_decisions()
+    _tiles.forget()
+
+
+# ---- the backend search ----------------------------------------------------------------------------
+
+
+def _clone(a: Any, dtype: Optional[torch.dtype], grad: bool) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    c = a.detach().clone()
+    if dtype is not None and c.is_floating_point() and c.dtype != torch.float64:
+        c = c.to(dtype)
+    return c.requires_grad_(grad and a.requires_grad and c.is_floating_point())
+
+
+def _runner(fn: Callable, args: Sequence[Any], grad: bool, upstream: list, dtype=None) -> Callable:
+    """A run of ``fn`` on its own clones of ``args`` -> [outputs..., input gradients...] (the
+    gradients for ``upstream``, a fixed random cotangent per output, made on the first run)."""
+    args = [_clone(a, dtype, grad) for a in args]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def run() -> list:
+        with torch.set_grad_enabled(grad):
+            result = fn(*args)
+            outs = list(result) if isinstance(result, (tuple, list)) else [result]
+            if not grad or not leaves:
+                return [o.detach() for o in outs]
+            if not upstream:
+                generator = torch.Generator().manual_seed(0)
+                upstream.extend(torch.randn(o.shape, generator=generator).to(o.device) for o in outs)
+            pairs = [(o, u.to(o.dtype)) for o, u in zip(outs, upstream) if o.requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], leaves, [u for _, u in pairs], allow_unused=True
+            )
+            return [o.detach() for o in outs] + list(grads)
+
+    return run
+
+
+def _problem(actual: list, own: list, exact: list, dtype: torch.dtype) -> Optional[str]:
+    if len(actual) != len(exact):
+        return f"{len(actual)} outputs and gradients, the reference gives {len(exact)}"
+    parts = []
+    for i, (a, p, r) in enumerate(zip(actual, own, exact)):
+        if a is None or r is None:
+            if (r is None) != (a is None) and (r if a is None else a).abs().max() > 0:
+                return f"result {i} is missing"
+        elif a.shape != r.shape:
+            return f"result {i} has shape {tuple(a.shape)}, the reference {tuple(r.shape)}"
+        else:
+            parts.append((f"result {i}", a, p, r))
+    return _accuracy.first_problem(parts, _accuracy.FLOORS.get(dtype, _accuracy.FLOORS[torch.float32]))
+
+
+@_accuracy.without_autocast()
+def search_backends(call: "backend._Call", capable: list[str]) -> dict:
+    """``vk.tune``'s decision for one signature: each capable implementation run on clones of the
+    call's arguments (the caller's graph untouched, the RNG state restored), validated against the
+    reference (dropout off), and the valid ones timed; the fastest is kept if it beats the reference."""
+    impls = backend._registry[call.op]
+    args = tuple(call.args)
+    checked = backend.validation_args.get(call.op, lambda a: a)(args)
+    upstream: list = []
+    cuda = [call.device.index or 0] if call.device.type == "cuda" else []
+    candidates: dict[str, object] = {}
+    with torch.random.fork_rng(devices=cuda):
+        exact = _runner(
+            impls["torch"].fn, checked, call.grad, upstream, _accuracy.reference_dtype(call.dtype)
+        )()
+        own = _runner(impls["torch"].fn, checked, call.grad, upstream)()
+        runs = {}
+        for name in capable:
+            try:
+                got = own if name == "torch" else _runner(impls[name].fn, checked, call.grad, upstream)()
+                problem = _problem(got, own, exact, call.dtype)
+            except Exception as error:  # an implementation that raises is excluded, not fatal
+                problem = f"raised {type(error).__name__}: {error}"
+            if problem is None:
+                runs[name] = _runner(impls[name].fn, args, call.grad, upstream)
+            else:
+                candidates[name] = f"invalid: {problem}"
+        times = time_runs(runs)
+    candidates.update({name: f"{ms:.3f} ms" for name, ms in times.items()})
+    reference = times.get("torch", math.inf)
+    fastest = min((t, n) for n, t in times.items() if n != "torch") if len(times) > 1 else (math.inf, "torch")
+    chosen = fastest[1] if fastest[0] * 1.05 <= reference else "torch"
+    reason = "no valid candidate beat the reference by 5%" if chosen == "torch" else "fastest valid"
+    return {"backend": chosen, "reason": f"vk.tune: {reason}", "candidates": candidates}
+
+
+# ---- the tuning file -------------------------------------------------------------------------------
+
+
+def _driver_version() -> str:
+    try:
+        library = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if library.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return str(version.value)
+    except (OSError, AttributeError):
+        pass
+    return "none"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def stamp() -> dict[str, str]:
+    """What the decisions depend on: the device, the driver and the software versions."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return {
-        "format": FORMAT,
-        "environment": environment(),
-        "dispatch": dict(store().items("dispatch")),
-        "tiles": dict(store().items("tiles")),
+        "device": _signature.device_name(device),
+        "driver": _driver_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "triton": _version("triton"),
+        "vit_kernels": _version("vit-kernels"),
     }
 
 
+def tuning() -> dict:
+    """Every decision this process tuned or loaded, as the JSON-able dict ``save_tuning`` writes."""
+    return {"format": FORMAT, "stamp": stamp(), "dispatch": dict(backend.TUNED), "tiles": dict(_tiles.TUNED)}
+
+
 def save_tuning(path: Union[str, os.PathLike]) -> None:
-    """Write ``tuning()`` to ``path`` (JSON, atomically): ``load_tuning(path)`` in another process
-    runs these decisions without searching. Each entry names the device it was measured on."""
+    """Write ``tuning()`` to ``path`` (JSON, atomically): ``load_tuning(path)`` runs it elsewhere."""
     write_atomically(os.fspath(path), json.dumps(tuning(), indent=1, sort_keys=True))
 
 
 def load_tuning(path: Union[str, os.PathLike]) -> None:
-    """Run the decisions of a ``save_tuning`` file from now on in this process (ahead of the cache's;
-    searching nothing). Raises ValueError for a file that is not one."""
+    """Run the decisions of a ``save_tuning`` file from now on in this process. Raises ValueError,
+    in one line, for a file that is not one or whose stamp (device, driver, versions) differs."""
     with open(path, encoding="utf-8") as source:
         try:
             data = json.load(source)
@@ -111,20 +244,19 @@ def load_tuning(path: Union[str, os.PathLike]) -> None:
     if (
         not isinstance(data, dict)
         or data.get("format") != FORMAT
-        or not all(isinstance(data.get(kind), dict) for kind in ("dispatch", "tiles"))
+        or not all(isinstance(data.get(kind), dict) for kind in ("stamp", "dispatch", "tiles"))
     ):
         raise ValueError(f"{path} is not a vit_kernels tuning file of format {FORMAT}")
+    here = stamp()
+    differ = [
+        f"{k} {data['stamp'].get(k)!r} (here {v!r})" for k, v in here.items() if data["stamp"].get(k) != v
+    ]
+    if differ:
+        raise ValueError(f"{path} was tuned elsewhere, refused: {'; '.join(differ)}")
     _hold(data)
 
 
 def _hold(data: dict) -> None:
-    store().hold("dispatch", data["dispatch"])
-    store().hold("tiles", data["tiles"])
-    _forget_decided()
-
-
-def _forget_decided() -> None:
-    """Forget the choices kept per call signature and per tile key in memory: the next calls decide
-    again, tuned decisions coming back from the caches."""
-    backend._forget_choices()
-    _tiles.TileChooser.forget_all()
+    _forget()
+    backend.TUNED.update(data["dispatch"])
+    _tiles.TUNED.update(data["tiles"])

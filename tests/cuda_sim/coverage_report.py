@@ -49,11 +49,6 @@ FUNCTION_RULES = (  # (text in a decorator of an enclosing function, reason)
 NAME_RULES = {  # enclosing function name -> reason
     "tile_report": "the tile tables of make gpu-report (a GPU's measured choices)",
     "pin": "tooling: the compile gate pins each candidate (make check-gpu)",
-    "_spawn": "starts the child process that proves tile candidates: run by tests/test_proof.py (make test); the "
-    "simulated device replays in its own process",
-    "_read_lines": "reads the proving child's output: run by tests/test_proof.py (make test)",
-    "child_main": "the proving child's entry point: run in the children of tests/test_proof.py (make test)",
-    "_ending": "how a proving child ended (killed by a signal): run by tests/test_proof.py (make test)",
     "traced_key": "runs while torch.compile traces (Dynamo evaluates it, coverage.py does not see it): "
     "tests/test_compile.py",
 }

@@ -53,7 +53,7 @@ def test_tune_under_autocast_searches_the_steps_signatures_and_the_step_then_sea
     assert vk.tuning.tuning()["tiles"], "auto's measurement of the triton candidates searched no tile"
     vk.save_tuning(tmp_path / "tuning.json")
     backend.clear_decisions()
-    _tiles.TileChooser.forget_all()
+    _tiles.forget()
     vk.set_autotune(cache_dir=False)  # a process with an empty cache
 
     def searched(*args, **kwargs):

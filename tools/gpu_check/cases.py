@@ -427,7 +427,7 @@ def cases(sweep: Sweep) -> Iterator[Case]:
 def record(case: Case) -> list[Launch]:
     """The launches ``case`` issues on the simulated H100, recorded instead of run: every candidate
     tile of each launcher's first call (the choosers start afresh for each case, as in a new process)."""
-    _tiles.TileChooser.forget_all()
+    _tiles.forget()
     with simulated_cuda(90) as device:
         case.run()
     return device.launches

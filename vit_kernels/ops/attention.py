@@ -12,7 +12,6 @@ log-sum-exp per row; backward recomputes P from it (FlashAttention-2).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -139,8 +138,8 @@ def _plan_key(
     return key if mask is None else key + (mask.dtype, mask.shape, mask.stride())
 
 
-_FWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> (generation, _fwd_plan)
-_BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key + dO's strides -> (generation, _bwd_plan)
+_FWD_PLANS: dict[tuple, tuple] = {}  # _plan_key -> _fwd_plan
+_BWD_PLANS: dict[tuple, tuple] = {}  # _plan_key + dO's strides -> _bwd_plan
 
 
 ROPE_CODES = {"interleaved": 1, "half": 2}  # the kernels' ROPE (0: no rotation)
@@ -221,7 +220,7 @@ def _launch_fwd(plan, qkv, seed, rope=None, mask=None) -> tuple[torch.Tensor, to
     stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=device)
     cos, sin, mask = _launch_tensors(qkv, plan.args[1], rope, mask)
     tensors = (qkv, out, stats[0], stats[1], seed, cos, sin, mask)
-    launch(_attention_fwd_kernel, plan.grid, *tensors, *plan.args, plan=plan, **plan.config)
+    launch(_attention_fwd_kernel, plan.grid, *tensors, *plan.args, **plan.config)
     return out, stats
 
 
@@ -272,8 +271,7 @@ def _attention_fwd(
     if plan is None:
         tile = fwd_tile(qkv, num_heads, scale, seed, rope, mask)
         made = _fwd_plan(tile, qkv, num_heads, scale, dropout_p, rope, mask)
-        chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
-        plan = keep(_FWD_PLANS, key, made, FWD_CHOOSER, qkv.device, chooser_key)
+        plan = keep(_FWD_PLANS, key, made)
     return _launch_fwd(plan, qkv, seed, rope, mask)
 
 
@@ -310,8 +308,8 @@ def _launch_bwd(plan, grad_out, qkv, stats, seed, rope=None, mask=None) -> torch
     dqkv = torch.empty(plan.dqkv_shape, dtype=qkv.dtype, device=qkv.device)
     cos, sin, mask = _launch_tensors(qkv, plan.args[1], rope, mask)
     tensors = (qkv, grad_out, row_max, inv_sum, delta, seed, dqkv, cos, sin, mask)
-    launch(_attention_bwd_dq_kernel, plan.dq_grid, *tensors, *plan.args, plan=plan, **plan.dq_config)
-    launch(_attention_bwd_dkdv_kernel, plan.dkdv_grid, *tensors, *plan.args, plan=plan, **plan.dkdv_config)
+    launch(_attention_bwd_dq_kernel, plan.dq_grid, *tensors, *plan.args, **plan.dq_config)
+    launch(_attention_bwd_dkdv_kernel, plan.dkdv_grid, *tensors, *plan.args, **plan.dkdv_config)
     return dqkv
 
 
@@ -373,8 +371,7 @@ def _attention_bwd(
     if plan is None:
         tiles = bwd_tiles(grad_out, qkv, stats, seed, num_heads, scale, rope, mask)
         made = _bwd_plan(tiles, grad_out, qkv, num_heads, scale, dropout_p, rope, mask)
-        chooser_key = functools.partial(_chooser_key, qkv, num_heads, rope, mask)
-        plan = keep(_BWD_PLANS, key, made, BWD_CHOOSER, qkv.device, chooser_key)
+        plan = keep(_BWD_PLANS, key, made)
     return _launch_bwd(plan, grad_out, qkv, stats, seed, rope, mask)
 
 
@@ -563,7 +560,7 @@ def _triton_default(device: torch.device, dtype: torch.dtype, grad: bool) -> boo
 
 backend.implementations(
     "attention",
-    validation_args=_without_dropout,
+    validation=_without_dropout,
     torch=backend.Impl(attention_ref),
     triton=backend.Impl(
         attention_triton,

@@ -314,7 +314,7 @@ def _matmul_and_sums(
         k_per_split = cdiv(cdiv(k, slices), MAX_BLOCK_K) * MAX_BLOCK_K
         slices = cdiv(k, k_per_split) if k > 0 else 1
         gemm = _Gemm(a, b, out_dtype, bias, epilogue, gelu_form, aux, residual, sums, slices, k_per_split)
-        plan = keep(_PLANS, plan_key, gemm.plan(_matmul_tile(gemm)), GEMM_CHOOSER, a.device, gemm.key)
+        plan = keep(_PLANS, plan_key, gemm.plan(_matmul_tile(gemm)))
     c, partial = _launch(plan, a, b, out_dtype, bias, aux, residual)
     return c.sum(0).to(out_dtype) if plan.slices > 1 else c, None if partial is None else partial.sum(0)
 
@@ -349,9 +349,9 @@ def _launch(
     tma = plan.tma
     if tma is not None and not (tracing() or a.data_ptr() % 16 or b.data_ptr() % 16):
         descriptors = tma.descriptors(a, b)
-        launch(_linear_tma_kernel, tma.grid, *descriptors, *outputs, *tma.args, eager=True, **tma.config)
+        launch(_linear_tma_kernel, tma.grid, *descriptors, *outputs, *tma.args, **tma.config)
     else:
-        launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, plan=plan, **plan.config)
+        launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, **plan.config)
     return c, partial
 
 
@@ -661,5 +661,5 @@ def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dty
             lambda: BIAS_GRAD_WAYS,
             lambda: _bias_grad_trial(dy2, x2, dtype),
         )
-        keep(_BIAS_GRAD_PLANS, plan_key, way, BIAS_GRAD_CHOOSER, dy2.device, key)
+        keep(_BIAS_GRAD_PLANS, plan_key, way)
     return _weight_and_bias_grads_by(way, dy2, x2, dtype)

@@ -207,7 +207,6 @@ def _launch_fwd(plan: LaunchPlan, x2, r2, weight, bias) -> tuple[torch.Tensor, .
         mean,
         rstd,
         *plan.args,
-        plan=plan,
         **plan.config,
     )
     return y, summed, mean, rstd
@@ -263,7 +262,7 @@ def _layer_norm_fwd(
         )
         tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
         made = _fwd_plan(tile, x2, r2, weight, bias, eps)
-        plan = keep(_FWD_PLANS, plan_key, made, FWD_CHOOSER, x.device, lambda: key)
+        plan = keep(_FWD_PLANS, plan_key, made)
     y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
     return y.view(x.shape), summed.view(x.shape) if residual is not None else summed, mean, rstd
 
@@ -314,7 +313,7 @@ def _launch_bwd(plan: BackwardPlan, s2, dy2, dsum2, weight, mean, rstd) -> tuple
     partial_w = torch.empty(plan.partials, dtype=torch.float32, device=device)
     partial_b = torch.empty_like(partial_w)
     inputs = (s2, dy2, dy2 if dsum2 is None else dsum2, s2 if weight is None else weight, mean, rstd)
-    launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, plan=plan, **config)
+    launch(_layer_norm_bwd_kernel, grid, *inputs, ds, partial_w, partial_b, *args, **config)
     return ds, partial_w, partial_b
 
 
@@ -392,7 +391,7 @@ def _layer_norm_bwd(
         )
         tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
         made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
-        plan = keep(_BWD_PLANS, plan_key, made, BWD_CHOOSER, summed.device, lambda: key)
+        plan = keep(_BWD_PLANS, plan_key, made)
     ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)
     return ds.view(summed.shape), partial_w.sum(0), partial_b.sum(0)
 

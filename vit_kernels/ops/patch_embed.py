@@ -168,7 +168,7 @@ def _launch_fwd(plan: ForwardPlan, images, weight, bias, cls_token, pos_embed) -
     cls = cls_token.reshape(dim).contiguous() if cls_token is not None else out
     w2 = weight.reshape(dim, k_dim)
     bias = bias if bias is not None else out
-    launch(_patch_embed_fwd_kernel, grid, images, w2, bias, cls, pos, out, *args, plan=plan, **constants)
+    launch(_patch_embed_fwd_kernel, grid, images, w2, bias, cls, pos, out, *args, **constants)
     return out
 
 
@@ -264,9 +264,6 @@ def _patch_embed_fwd(
             _FWD_PLANS,
             plan_key,
             _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
-            FWD_CHOOSER,
-            images.device,
-            lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
         )
     return _launch_fwd(plan, images, weight, bias, cls_token, pos_embed)
 

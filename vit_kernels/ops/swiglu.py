@@ -213,7 +213,7 @@ def _gate_and_up(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact: bo
     plan = decided(_PLANS, plan_key)
     if plan is None:
         gemm = _DualGemm(x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
-        plan = keep(_PLANS, plan_key, gemm.plan(_dual_tile(gemm)), SWIGLU_CHOOSER, x2.device, gemm.key)
+        plan = keep(_PLANS, plan_key, gemm.plan(_dual_tile(gemm)))
     return _launch(plan, x2, gate_weight, gate_bias, up_weight, up_bias, save_preact)
 
 
@@ -234,9 +234,7 @@ def _launch(plan: LaunchPlan, x2, gate_weight, gate_bias, up_weight, up_bias, sa
     h, g, u = _outputs(args[0], args[1], dtype, device, save_preact)
     biases = (h if gate_bias is None else gate_bias, h if up_bias is None else up_bias)
     preacts = (g, u) if save_preact else (h, h)
-    launch(
-        _swiglu_fwd_kernel, grid, x2, gate_weight, up_weight, *biases, h, *preacts, *args, plan=plan, **config
-    )
+    launch(_swiglu_fwd_kernel, grid, x2, gate_weight, up_weight, *biases, h, *preacts, *args, **config)
     return h, g, u
 
 
