@@ -49,7 +49,7 @@ import torch
 import vit_kernels as vk
 from tools.op_specs import OPS, SPECS, Shape
 from vit_kernels import backend
-from vit_kernels._timer import time_runs
+from benchmarks._timer import time_runs
 
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
 COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")

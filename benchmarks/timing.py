@@ -1,4 +1,4 @@
-"""Benchmark timing on the project's one timer (``vit_kernels._timer``): median and 20th/80th
+"""Benchmark timing on the benchmarks' timer (``benchmarks._timer``): median and 20th/80th
 percentiles in milliseconds, after warm-up, and every sample (so that two runs can be compared with
 confidence intervals).
 
@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vit_kernels._timer import time_runs
+from benchmarks._timer import time_runs
 
 
 @dataclass(frozen=True)

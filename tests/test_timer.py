@@ -1,4 +1,4 @@
-"""The one timer (``vit_kernels._timer.time_runs``): interleaved rounds, warm-up, the round and
+"""The one timer (``benchmarks._timer.time_runs``): interleaved rounds, warm-up, the round and
 budget limits, and on CUDA events around each run with the device synchronised before each run (the
 runtime) or once at the end (back to back, the benchmarks)."""
 
@@ -9,7 +9,7 @@ from unittest import mock
 
 import torch
 
-from vit_kernels import _timer
+from benchmarks import _timer
 
 CPU = torch.device("cpu")
 

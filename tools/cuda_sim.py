@@ -18,8 +18,8 @@ What a GPU would do is intercepted at five points only:
   gate (``tools.gpu_check``) compiles the recorded variants for the architecture;
 * reading a value: ``.item()``, ``bool()``, ``float()``, ``tolist()`` of a simulated tensor give 0
   (there is no data), so validation code runs each comparison and finds every candidate right;
-* timing: CUDA events report 1 ms, and ``vk.tune`` times 2 rounds instead of 25 (the project's one
-  timer, ``vit_kernels._timer``, runs unchanged); what ``vk.tune`` decides in the block stays there;
+* timing: CUDA events report 1 ms (``vk.tune``'s timer measures the host's time); what ``vk.tune``
+  decides in the block stays there;
 * the autograd engine's entry points (``torch.autograd.grad``/``backward``) run the engine directly
   (clocked as PyTorch's from their first line), and a custom Function's backward gets its saved
   tensors and gradients as simulated tensors: PyTorch would otherwise run backward with tensor
@@ -64,7 +64,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from vit_kernels import _ext, _signature, _tiles, _timer, backend
+from vit_kernels import _ext, _signature, _tiles, backend
 from vit_kernels.ops import attention
 
 ARCHITECTURES = {
@@ -591,7 +591,6 @@ def simulated_cuda(arch: int = 90, measuring: bool = True) -> Iterator[Recorder]
         ),
         mock.patch.object(JITFunction, "run", record),
         mock.patch.object(InterpretedFunction, "run", record),
-        mock.patch.dict(_timer.SEARCH_ROUNDS, cuda=(2, 0.3)),
         mock.patch.object(_ext, "HAS_CUDA_KERNELS", _ext.LOADED),
         mock.patch.dict(backend.TUNED, clear=True),  # what vk.tune decides in the block stays there
         mock.patch.dict(_tiles.TUNED, clear=True),

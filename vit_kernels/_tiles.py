@@ -69,12 +69,12 @@ def _as_tile(value):
 
 
 class TileChooser:
-    """The tiles of one launcher's kernels (``kernels()``) chosen by ``vk.tune`` or loaded, per key."""
+    """The tiles of one launcher's kernels chosen by ``vk.tune`` or loaded, per key."""
 
     instances: list["TileChooser"] = []
 
-    def __init__(self, name: str, kernels: Callable[[], Sequence] = tuple):
-        self.name, self.kernels = name, kernels
+    def __init__(self, name: str):
+        self.name = name
         self._chosen: dict[tuple, Choice] = {}
         TileChooser.instances.append(self)
 

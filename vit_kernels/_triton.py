@@ -133,10 +133,11 @@ class LaunchPlan(NamedTuple):
 FP_FUSION = True
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, eager: bool = False, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``: through ``torch.library.wrap_triton`` while tracing
-    (so that torch.compile and fake tensors see it), directly in eager mode."""
-    if tracing():
+    (so that torch.compile and fake tensors see it), directly in eager mode (``eager``: the caller
+    found that nothing traces the call, not asked again)."""
+    if not eager and tracing():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, enable_fp_fusion=FP_FUSION, **kwargs)

@@ -1,18 +1,12 @@
 """Which implementation of each op runs: ``auto | triton | extension | torch`` (docs/dispatch.md).
 
-Every op declares its implementations in one table at the end of ``vit_kernels/ops/<op>.py``
-(``implementations(op, torch=Impl(...), triton=Impl(...), ...)``): per backend the function, a
-support check by device and dtype, limits by shape, and where it is the table's default (eager, and
-inside a torch.compile graph), each default citing the measurement it rests on. ``torch`` is the
-pure-PyTorch reference and the fallback; ``triton`` runs CUDA tensors, or CPU tensors under
-``TRITON_INTERPRET=1`` (a test tool ``auto`` never picks); ``extension`` is ``vit_kernels._C``.
-
-``auto`` runs the decision ``vk.tune`` searched (or ``vk.load_tuning`` loaded) for the call's
-signature, else the table's choice. Nothing is timed, checked or written on an ordinary call.
-``use_backend`` (context-local, a ``ContextVar``) and ``set_backend`` (process-wide, initially
-``VIT_KERNELS_BACKEND``) choose a backend; a call it cannot take falls back to ``auto`` with one
-warning and a record in ``explain()``, or raises under ``strict=True``. ``_decide`` is the only place
-that chooses or falls back; ``call`` is the public ops' entry, with its per-call fast path.
+Each op declares its table at the end of ``vit_kernels/ops/<op>.py`` (``implementations(...)``): per
+backend the function, its support by device and dtype, its shape limits and where it is the default
+(eager, and inside a torch.compile graph). ``auto`` runs what ``vk.tune`` decided for the call's
+signature (``TUNED``), else the table's choice: an ordinary call times, checks and writes nothing.
+``use_backend`` (context-local) and ``set_backend`` (process-wide, initially ``VIT_KERNELS_BACKEND``)
+ask for a backend; a call it cannot take falls back to ``auto`` with one warning, or raises under
+``strict=True``. ``_decide`` is the only place that chooses or falls back; ``call`` is the ops' entry.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ BACKENDS = ("triton", "extension", "torch")  # the order candidates are listed a
 CHOICES = ("auto",) + BACKENDS
 OPS = ("patch_embed", "attention", "linear_gelu", "linear", "mlp", "layer_norm", "swiglu", "swiglu_mlp")
 
-# Read once, at import: the interpreter flag decides whether Triton kernels may run on CPU tensors.
+# Read once: whether Triton kernels may run on CPU tensors (a test tool auto never picks).
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # ``supports(device, dtype)`` / ``limits(*args)``: None when the implementation can take it, else why
 # not. ``preferred(device, dtype, grad)``: whether it is the table's default there.
@@ -45,8 +39,7 @@ Preference = Callable[[torch.device, torch.dtype, bool], bool]
 
 
 class CannotRunError(RuntimeError):
-    """Raised under ``strict=True`` when the backend asked for cannot take a call (the message names
-    the op, the shapes and the capability or limit)."""
+    """Raised under ``strict=True`` when the backend asked for cannot take a call (naming why)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +67,7 @@ searcher: Optional[Callable[["_Call", list[str]], dict]] = None
 
 
 def register(op: str, backend: str, fn: Callable, **checks: Callable) -> None:
-    """Register ``fn`` as the ``backend`` implementation of ``op`` (a name outside BACKENDS registers
-    an extra candidate, e.g. a test-only implementation)."""
+    """Register ``fn`` as the ``backend`` implementation of ``op`` (another name: an extra candidate)."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if not isinstance(backend, str) or not backend.isidentifier() or backend == "auto":
@@ -112,7 +104,6 @@ def register_backend_check(backend: str, check: Callable[[], Optional[str]]) -> 
 
 
 def triton_unavailable_reason() -> Optional[str]:
-    """Why the Triton backend cannot run on this machine, or None when it can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
     if not torch.cuda.is_available() and not TRITON_INTERPRET:
@@ -121,7 +112,6 @@ def triton_unavailable_reason() -> Optional[str]:
 
 
 def triton_device_reason(device: torch.device) -> Optional[str]:
-    """Why Triton kernels cannot run on tensors of ``device``, or None when they can."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
     if device.type == "cpu" and not TRITON_INTERPRET:
@@ -130,7 +120,6 @@ def triton_device_reason(device: torch.device) -> Optional[str]:
 
 
 def triton_supports_elementwise(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Support check for Triton kernels without tl.dot: float32, float16, bfloat16."""
     reason = triton_device_reason(device)
     if reason is None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         reason = f"the Triton kernels take float32, float16 or bfloat16, not {dtype}"
@@ -138,7 +127,6 @@ def triton_supports_elementwise(device: torch.device, dtype: torch.dtype) -> Opt
 
 
 def triton_supports_dot(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Support check for Triton kernels built on tl.dot, which the interpreter gets wrong in bfloat16."""
     reason = triton_supports_elementwise(device, dtype)
     if reason is None and dtype == torch.bfloat16 and device.type == "cpu":
         reason = "the Triton interpreter computes bfloat16 tl.dot wrongly; bfloat16 runs on CUDA only"
@@ -160,8 +148,7 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
 
 
 def available_backends() -> dict[str, dict[str, object]]:
-    """For each backend and op: ``True`` when it can run on this machine, else the reason why not.
-    Whether it takes a given device, dtype and shape is decided per call (see ``explain``)."""
+    """For each backend and op: ``True`` when it can run on this machine, else the reason why not."""
     report: dict[str, dict[str, object]] = {}
     for b in BACKENDS:
         machine = backend_unavailable_reason(b) or True
@@ -172,8 +159,7 @@ def available_backends() -> dict[str, dict[str, object]]:
 def unsupported_reason(
     op: str, backend: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None
 ) -> Optional[str]:
-    """None when ``backend`` implements ``op`` and can run it on ``device`` in ``dtype`` (and, given
-    the call's ``args``, within its shape limits), else why not."""
+    """None when ``backend`` can run ``op`` on ``device`` in ``dtype`` (and ``args``' shapes), else why not."""
     impl = _registry[op].get(backend)
     if impl is None:
         return f"{backend} does not implement {op}"
@@ -213,9 +199,8 @@ def _active() -> _Choice:
 
 
 class _TraceGuard:
-    """The choice in force when it last changed, in an attribute Dynamo guards on (it cannot read a
-    ContextVar): a compiled graph is traced again when the choice changes. One object for the
-    process: threads running compiled code under different ``use_backend`` choices retrace."""
+    """The choice in force when it last changed, where Dynamo guards on it (it cannot read a
+    ContextVar): a compiled graph is traced again when the choice changes."""
 
     choice: _Choice = _process_choice
 
@@ -241,9 +226,8 @@ def get_backend() -> str:
 
 
 def set_backend(name: str, *, strict: bool = False) -> None:
-    """Prefer ``name`` for every op it implements, process-wide (``"auto"`` restores the automatic
-    choice); a ``use_backend`` block in force in this context takes the new choice too, until it ends.
-    Raises ValueError for an unknown name, RuntimeError (with the reason) for one that cannot run here."""
+    """Prefer ``name`` for every op it implements, process-wide (``"auto"``: the tables). Raises for an
+    unknown name, or (with the reason) one that cannot run here."""
     global _process_choice
     _process_choice = _check_choice(name, strict)
     if _context_choice.get() is not None:
@@ -253,10 +237,8 @@ def set_backend(name: str, *, strict: bool = False) -> None:
 
 @contextlib.contextmanager
 def use_backend(name: str, *, strict: bool = False) -> Iterator[None]:
-    """``with use_backend("torch"): ...``: the choice for this thread / task only, restored on exit.
-    With ``strict=True`` a call that ``name`` cannot take (device, dtype or a shape limit) raises
-    CannotRunError naming the op and the limit; without it, the call falls back to ``auto``'s choice,
-    which ``explain()`` records and one warning reports."""
+    """``with use_backend("torch"): ...``: the choice for this thread / task only. A call ``name``
+    cannot take falls back to ``auto`` with one warning, or raises CannotRunError with ``strict``."""
     token = _context_choice.set(_check_choice(name, strict))
     _trace_guard.choice = _active()
     try:
@@ -267,7 +249,6 @@ def use_backend(name: str, *, strict: bool = False) -> Iterator[None]:
 
 
 def apply_environment() -> None:
-    """Take the initial preference from ``VIT_KERNELS_BACKEND`` (called once, after registration)."""
     name = os.environ.get("VIT_KERNELS_BACKEND", "auto").strip() or "auto"
     if name not in CHOICES:
         raise ValueError(f"VIT_KERNELS_BACKEND must be one of {CHOICES}, got {name!r}")
@@ -279,8 +260,7 @@ def apply_environment() -> None:
 
 @dataclass
 class Record:
-    """One signature as ``explain`` shows it; ``candidates`` maps backend -> "0.123 ms",
-    "invalid: <why>" or "excluded: <capability or limit>"."""
+    """One signature as ``explain`` shows it; ``candidates``: backend -> its time, or why not."""
 
     op: str
     device: str
@@ -335,14 +315,13 @@ _lock = threading.RLock()
 
 
 def explain() -> Explanation:
-    """Every op signature run in this process: what ran and why (the table, tuned, a fallback), then
-    the tiles ``vk.tune`` searched or ``vk.load_tuning`` loaded."""
+    """Every op signature run in this process: what ran and why; the tiles tuned or loaded."""
     with _lock:
         return Explanation([Record(**r.as_dict()) for r in _journal.values()], _tiles.decisions())
 
 
 def clear_decisions() -> None:
-    """Forget what ``explain`` shows, the warnings given and the per-call fast path's entries."""
+    """Forget what ``explain`` shows, the warnings given and the fast path's entries."""
     with _lock:
         _fast.clear()
         _journal.clear()
@@ -360,14 +339,14 @@ def _warn_once(key: tuple, message: str) -> None:
 
 @dataclass
 class _Call:
-    """What a decision is made from: the op, where it runs, its arguments' key and (outside tracing)
-    the arguments themselves."""
+    """What a decision is made from (the arguments themselves outside tracing)."""
 
     op: str
     device: torch.device
     dtype: torch.dtype
     arg_key: tuple
     grad: bool
+    limits: dict  # backend -> the shape limit the call exceeds
     args: Optional[Sequence[Any]] = None  # None while tracing
     traced: bool = False
 
@@ -376,10 +355,6 @@ class _Call:
 
     def signature(self) -> str:
         return self.prefix() + repr(self.arg_key)
-
-    def limit(self, backend: str) -> Optional[str]:
-        impl = _registry[self.op][backend]
-        return None if self.args is None or not self.args else impl.limits(*self.args)
 
     def record(self, requested: str, backend: str, source: str, reason: str, candidates: dict) -> Record:
         shapes = _signature.describe_arguments(self.arg_key)
@@ -390,12 +365,17 @@ class _Call:
 
 
 def _capability(call: _Call, backend: str) -> Optional[str]:
-    return unsupported_reason(call.op, backend, call.device, call.dtype) or call.limit(backend)
+    return unsupported_reason(call.op, backend, call.device, call.dtype) or call.limits.get(backend)
+
+
+def _limits(op: str, args: Sequence[Any]) -> dict[str, str]:
+    if not args:  # resolve(op, device, dtype) without the call: device and dtype decide alone
+        return {}
+    return {b: reason for b, impl in _registry[op].items() if (reason := impl.limits(*args)) is not None}
 
 
 def _tuned(call: _Call) -> Optional[dict]:
-    """The decision ``vk.tune`` made for the call; while tracing (sizes unread), the one every tuned
-    signature of the op, device, dtype and grad mode agrees on."""
+    """``vk.tune``'s decision; while tracing (no sizes), the one its signatures of the op agree on."""
     if call.args is not None:
         return TUNED.get(call.signature())
     entries = [e for k, e in TUNED.items() if k.startswith(call.prefix())]
@@ -474,12 +454,11 @@ def _decide(call: _Call, choice: _Choice) -> tuple[Impl, Record]:
 
 
 @torch.compiler.assume_constant_result
-def _traced_backend(op, device_type, device_index, dtype, arg_key, grad, choice_name, choice_strict):
-    """The decision while torch.compile traces (once per trace, outside the graph, reading no size so
-    that none is specialised): the tuned decision or the table's. ``choice_*`` come from
-    ``_trace_guard``: passed in, they make Dynamo guard the graph on them."""
+def _traced_backend(op, device_type, device_index, dtype, arg_key, grad, limits, choice_name, choice_strict):
+    """The decision while torch.compile traces, once, outside the graph, reading no size (none is
+    specialised). ``choice_*`` from ``_trace_guard``: passed in, Dynamo guards the graph on them."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    call = _Call(op, device, dtype, arg_key, grad, traced=True)
+    call = _Call(op, device, dtype, arg_key, grad, dict(limits), traced=True)
     with _lock:
         impl, record = _decide(call, _choice(choice_name, choice_strict))
         record.source += " (traced)"
@@ -490,9 +469,8 @@ def _traced_backend(op, device_type, device_index, dtype, arg_key, grad, choice_
 
 
 def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Sequence[Any]] = None) -> Impl:
-    """The implementation of ``op`` that runs for a main input on ``device`` with ``dtype``; ``args``
-    (the call's arguments, as the implementation takes them) let shape limits apply. Every decision
-    is recorded for ``explain``."""
+    """The implementation of ``op`` for a main input on ``device`` in ``dtype``; ``args`` (as the
+    implementation takes them) let shape limits apply. Recorded for ``explain``."""
     if op not in _registry:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     args = () if args is None else args
@@ -500,9 +478,8 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, args: Optional[Se
     if torch.compiler.is_compiling():
         index = -1 if device.index is None else device.index
         choice = _trace_guard.choice
-        name = _traced_backend(
-            op, device.type, index, dtype, _signature.traced_key(args), grad, choice.name, choice.strict
-        )
+        key, limits = _signature.traced_key(args), tuple(sorted(_limits(op, args).items()))
+        name = _traced_backend(op, device.type, index, dtype, key, grad, limits, choice.name, choice.strict)
         return _registry[op][name]
     return _resolve(op, device, dtype, args, grad)[0]
 
@@ -511,7 +488,9 @@ def _resolve(op, device, dtype, args, grad) -> tuple[Impl, Record]:
     choice = _active()
     arg_key = _signature.argument_key(args, dtype)
     with _lock:
-        impl, record = _decide(_Call(op, device, dtype, arg_key, grad, args), choice)
+        impl, record = _decide(
+            _Call(op, device, dtype, arg_key, grad, _limits(op, args), args or None), choice
+        )
         key = (choice.name, op, str(device), dtype, arg_key, grad)
         old = _journal.get(key)
         if old is not None and (old.backend, old.source, old.reason) == (
@@ -540,11 +519,9 @@ FAST_PATH_ENTRIES = 4096  # cleared when full (many shapes), refilled as calls c
 
 
 def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
-    """Everything a public op's validation, autocast casts and decision depend on, read cheaply: the
-    op, the choice in force, grad mode, autocast for the main input's device, and each argument (a
-    tensor: shape, dtype, device, requires_grad, contiguity and, for a subclass, its type; None,
-    bool, int, float or str: its type and value). None when the main input is not a plain tensor or
-    another argument is of any other type (validation will say what was expected)."""
+    """What validation, autocast's casts and the decision depend on, read cheaply: the op, the choice,
+    grad mode, autocast, each tensor's shape, dtype, device, requires_grad and contiguity (and type,
+    for a subclass), plain values by type and value; None for any other argument type."""
     first = args[0]
     if type(first) not in _TENSOR_TYPES:
         return None
@@ -566,9 +543,8 @@ def _call_key(op: str, args: Sequence[Any]) -> Optional[tuple]:
 
 
 def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
-    """How ``prepare`` turned ``raw`` into ``prepared``, replayable without validating again: None
-    (unchanged), per-argument dtypes to cast to (None: unchanged), or ``False`` when it did anything
-    else (a value normalised, a tensor replaced), which the fast path cannot replay."""
+    """How ``prepare`` turned ``raw`` into ``prepared``: None (unchanged), per-argument dtypes to cast
+    to, or ``False`` for anything else (a value normalised), which the fast path cannot replay."""
     plan, changed = [], False
     for r, p in zip(raw, prepared):
         if p is r:
@@ -587,12 +563,9 @@ def _cast_plan(raw: Sequence[Any], prepared: Sequence[Any]) -> Optional[tuple]:
 
 
 def call(op: str, args: tuple, prepare: Callable[..., tuple]) -> Any:
-    """Run public op ``op`` on ``args`` (its arguments in order, keywords included).
-
-    ``prepare(*args) -> args`` validates the arguments (raising a clear error) and applies autocast's
-    casts; the first is the main input, whose device and dtype the decision is for. A later call
-    with the same ``_call_key`` goes straight to the decided implementation, replaying the casts.
-    While torch.compile traces, every call takes the full path (Dynamo guards what it reads)."""
+    """Run public op ``op`` on ``args``. ``prepare(*args) -> args`` validates them and applies
+    autocast's casts (the first is the main input). A later call with the same ``_call_key`` goes
+    straight to the decided implementation; while torch.compile traces, every call is prepared."""
     if _is_compiling():
         prepared = prepare(*args)
         return resolve(op, prepared[0].device, prepared[0].dtype, prepared).fn(*prepared)

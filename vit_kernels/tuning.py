@@ -3,7 +3,7 @@
 By default the tables decide (``vit_kernels.backend``, ``vit_kernels._tiles``). ``tune`` runs the
 model once with searching on: ``auto`` validates and times every capable implementation of each
 signature (``search_backends``), and each Triton launcher validates and times its tiles. Every
-candidate is compared with the reference (``_accuracy``'s rule) before it is timed (``_timer``).
+candidate is compared with the reference (``_accuracy``'s rule) before it is timed.
 The decisions stay in this process; ``save_tuning(path)`` writes them to a file stamped with the
 device, driver and versions, which ``load_tuning(path)`` reads on every rank of a job (and refuses,
 in one line, where the stamp differs). Under ``torch.distributed`` rank 0 searches and every rank
@@ -17,22 +17,26 @@ import importlib.metadata
 import json
 import math
 import os
-import statistics
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from vit_kernels import _accuracy, _signature, _tiles, _timer, backend
+from vit_kernels import _accuracy, _signature, _tiles, backend
 from vit_kernels._files import write_atomically
 
 FORMAT = 2
 
 
+MIN_RUN_S = 0.05  # each candidate's timing: blocks of runs for at least this long
+
+
 def time_runs(runs: dict) -> dict:
-    """Median milliseconds of each of ``runs`` (name -> callable, validated: run once already),
-    interleaved rounds from an idle device, the one timer (``_timer``)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return {name: statistics.median(t) for name, t in _timer.search_times(runs, device, warmup=1).items()}
+    """Median milliseconds of each of ``runs`` (name -> callable, run once already), by
+    ``torch.utils.benchmark`` (which synchronises CUDA around its blocks)."""
+    from torch.utils.benchmark import Timer
+
+    timers = {name: Timer("run()", globals={"run": run}) for name, run in runs.items()}
+    return {name: t.blocked_autorange(min_run_time=MIN_RUN_S).median * 1e3 for name, t in timers.items()}
 
 
 def tune(

@@ -16,7 +16,7 @@ import vit
 import vit_kernels as vk
 from tools.cuda_sim import simulated_cuda
 from tools.gpu_check.compile import bind, expand
-from vit_kernels import _files, _timer, _tiles, backend, tuning
+from vit_kernels import _files, _tiles, backend, tuning
 
 
 def _variants(launches) -> set:
@@ -46,7 +46,6 @@ def test_a_first_step_launches_what_a_warm_step_launches_and_nothing_else(choice
     backend.clear_decisions()
     _tiles.forget()
     for module, name in (
-        (_timer, "time_runs"),
         (tuning, "time_runs"),
         (tuning, "search_backends"),
         (_files, "write_atomically"),

@@ -10,11 +10,6 @@ import torch
 
 from vit_kernels._tiles import TileChooser, plain_repr, report_rows
 from vit_kernels._triton import next_power_of_2
-from vit_kernels.kernels.attention import (
-    _attention_bwd_dkdv_kernel,
-    _attention_bwd_dq_kernel,
-    _attention_fwd_kernel,
-)
 
 
 class AttentionTile(NamedTuple):
@@ -100,10 +95,8 @@ ATTENTION_BWD_DEFAULTS = {90: {(False, 64): _pairs(((64, 64, 4, 3), (32, 64, 4, 
 EXTRA_LOADS_MAX_STAGES = 2
 MASK_MAX_TILE = 64 * 128
 INTERPRETER_TILE = 32  # fixed and small: the interpreter's cost is per tile op, not per flop
-FWD_CHOOSER = TileChooser("attention forward", lambda: (_attention_fwd_kernel,))
-BWD_CHOOSER = TileChooser(
-    "attention backward", lambda: (_attention_bwd_dq_kernel, _attention_bwd_dkdv_kernel)
-)
+FWD_CHOOSER = TileChooser("attention forward")
+BWD_CHOOSER = TileChooser("attention backward")
 
 
 def tile_report() -> list[dict]:

@@ -110,7 +110,7 @@ MAX_BLOCK_K = max(
     tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32
 )  # split-K slices are multiples of it
 VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
-GEMM_CHOOSER = TileChooser("GEMM", lambda: (_linear_kernel, _linear_tma_kernel))
+GEMM_CHOOSER = TileChooser("GEMM")
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,7 +349,7 @@ def _launch(
     tma = plan.tma
     if tma is not None and not (tracing() or a.data_ptr() % 16 or b.data_ptr() % 16):
         descriptors = tma.descriptors(a, b)
-        launch(_linear_tma_kernel, tma.grid, *descriptors, *outputs, *tma.args, **tma.config)
+        launch(_linear_tma_kernel, tma.grid, *descriptors, *outputs, *tma.args, eager=True, **tma.config)
     else:
         launch(_linear_kernel, plan.grid, a, b, *outputs, *plan.args, **plan.config)
     return c, partial
@@ -610,7 +610,7 @@ def _gelu_backward(grad: torch.Tensor, preact: torch.Tensor, gelu_form: int, bia
 # it; the extra read it saves is 2 bytes per element of dY, against the dW GEMM's K-fold reuse of
 # the same bytes.
 BIAS_GRAD_WAYS = ("separate", "fused")
-BIAS_GRAD_CHOOSER = TileChooser("bias gradient", lambda: (_linear_kernel, _linear_tma_kernel))
+BIAS_GRAD_CHOOSER = TileChooser("bias gradient")
 _BIAS_GRAD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: the way
 
 

@@ -109,8 +109,8 @@ def bwd_candidates(block_d: int) -> tuple[BackwardTile, ...]:
     return tuple(tiles)
 
 
-FWD_CHOOSER = TileChooser("layer_norm forward", lambda: (_layer_norm_fwd_kernel,))
-BWD_CHOOSER = TileChooser("layer_norm backward", lambda: (_layer_norm_bwd_kernel,))
+FWD_CHOOSER = TileChooser("layer_norm forward")
+BWD_CHOOSER = TileChooser("layer_norm backward")
 # Per call signature (rows x D, row strides, dtype, device, the optional inputs, eps), for
 # ``_tiles.decided``: the forward's ``_fwd_plan``, the backward's ``_bwd_plan``.
 _FWD_PLANS: dict[tuple, tuple] = {}

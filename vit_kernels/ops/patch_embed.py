@@ -67,7 +67,7 @@ def fwd_candidates(dtype: torch.dtype, rows: int, dim: int, arch: int) -> tuple:
 
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
 VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
-FWD_CHOOSER = TileChooser("patch_embed forward", lambda: (_patch_embed_fwd_kernel,))
+FWD_CHOOSER = TileChooser("patch_embed forward")
 _FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: ``_fwd_plan``
 
 

@@ -67,7 +67,7 @@ SWIGLU_TILES_16BIT = tuple(
 )
 SWIGLU_TILES_FP32 = (GemmTile(32, 64, 32, 4, 3), GemmTile(32, 32, 32, 4, 3))
 SWIGLU_INTERPRETER_TILE = GemmTile(32, 32, 32, 1, 1)  # fixed and small: the interpreter's cost is per tile op
-SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM", lambda: (_swiglu_fwd_kernel, _swiglu_bwd_kernel))
+SWIGLU_CHOOSER = TileChooser("SwiGLU dual GEMM")
 
 
 def swiglu_candidates(dtype: torch.dtype, m: int, n: int) -> tuple:

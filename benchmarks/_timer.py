@@ -1,7 +1,4 @@
-"""The one timer: milliseconds per run of one or more callables, in interleaved rounds.
-
-Every time the project takes (``auto``'s backend decisions, the tile choosers, the selftest and the
-benchmarks) comes from ``time_runs``. Runs are interleaved (A B C, A B C, ...) so that a burst of
+"""The benchmarks' timer: milliseconds per run of one or more callables, in interleaved rounds. Runs are interleaved (A B C, A B C, ...) so that a burst of
 load from another process, or a clock change, hits every candidate alike.
 
 On CUDA a run is bracketed by two CUDA events on the current stream, so the device's time between
@@ -28,20 +25,6 @@ import torch
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# A search's rounds (auto's candidates, the tile choosers'), per device type: interleaved rounds, each
-# run from an idle device, until this many rounds or this many seconds. Fewer on the CPU, where a
-# search times the C++ kernels against the reference on a machine shared with other processes.
-SEARCH_ROUNDS = {"cuda": (25, 0.3), "cpu": (10, 0.15)}
-
-
-def search_times(
-    runs: Mapping[Hashable, Callable[[], object]], device: torch.device, *, warmup: int = 0
-) -> dict[Hashable, list[float]]:
-    """``time_runs`` with a search's rounds (``SEARCH_ROUNDS``)."""
-    rounds, budget_s = SEARCH_ROUNDS["cuda" if device.type == "cuda" else "cpu"]
-    return time_runs(runs, device, rounds=rounds, budget_s=budget_s, warmup=warmup)
 
 
 def time_runs(
