@@ -8,10 +8,13 @@
 #include <Python.h>
 #include <torch/library.h>
 
+extern PyMethodDef vit_kernels_methods[];  // fast_path_key.cpp
+
 extern "C" {
-// Importing vit_kernels._C loads this library, which runs the registrations below (no Python functions).
+// Importing vit_kernels._C loads this library, which runs the registrations below; its one Python
+// function is the dispatch's per-call key (fast_path_key.cpp).
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, vit_kernels_methods};
   return PyModule_Create(&module_def);
 }
 }

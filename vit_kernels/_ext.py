@@ -83,6 +83,8 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
 _C, _load_error = _load()
 
 LOADED = _C is not None
+# The warm call's key read in C++ (csrc/fast_path_key.cpp; absent from an older build: Python's then).
+backend.use_native_call_key(getattr(_C, "fast_path_key", None))
 
 # The CUDA kernels exist only when the extension was compiled with nvcc.
 HAS_CUDA_KERNELS = _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
