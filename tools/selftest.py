@@ -38,7 +38,7 @@ from tools.op_specs import SPECS, Shape
 from vit_kernels import backend
 from vit.cli import OneLineErrors, positive_int, set_threads, usable_cores
 from vit_kernels._accuracy import ERROR_RATIO, FLOORS, relative_error, sibling_scale
-from vit_kernels._timer import time_runs
+from benchmarks._timer import time_runs
 
 # A backend passes when each of its relative errors against float64 is at most ERROR_RATIO x
 # PyTorch's own in the same dtype, or at most the dtype's floor: the tile choosers' rule and table.

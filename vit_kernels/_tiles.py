@@ -99,8 +99,9 @@ class TileChooser:
         table's default (``candidates[0]``)."""
         text = f"{self.name} | {_signature.device_name(device)} | {key!r}"
         stored = TUNED.get(text)
-        tile = None if stored is None else _as_tile(stored["tile"])
-        if tile in candidates:  # a stored tile the table no longer lists is not launched
+        wanted = None if stored is None else _as_tile(stored["tile"])
+        tile = next((c for c in candidates if c == wanted), None)  # the table's own (NamedTuple) tile
+        if tile is not None:  # a stored tile the table no longer lists is not launched
             return self._keep(key, Choice(tile, "loaded", stored.get("trials") or {}))
         if not (searching() and can_measure(device)):
             return candidates[0]

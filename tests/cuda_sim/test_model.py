@@ -10,7 +10,7 @@ import torch
 
 import vit
 import vit_kernels as vk
-from vit_kernels import _measure, _tiles, backend
+from vit_kernels import _tiles, backend, tuning
 
 
 def _small_vit():
@@ -47,21 +47,19 @@ def test_tune_under_autocast_searches_the_steps_signatures_and_the_step_then_sea
     explanation = vk.tune(model, (images,), autocast=torch.bfloat16)
     sources = {r.op: r.source for r in explanation}
     assert set(sources) >= {"patch_embed", "attention", "layer_norm", "mlp", "linear"}, sources
-    assert set(sources.values()) <= {"measured", "tuned", "only candidate"}, explanation
+    assert set(sources.values()) <= {"tuned", "only candidate"}, explanation
     assert {r.dtype for r in explanation if r.op == "attention"} == {"torch.bfloat16"}, explanation
     tuned = {(r.op, r.shapes, r.grad): r.backend for r in explanation}
     assert vk.tuning.tuning()["tiles"], "auto's measurement of the triton candidates searched no tile"
     vk.save_tuning(tmp_path / "tuning.json")
     backend.clear_decisions()
     _tiles.forget()
-    vk.set_autotune(cache_dir=False)  # a process with an empty cache
 
     def searched(*args, **kwargs):
         raise AssertionError("searched after loading the tuning")
 
-    monkeypatch.setattr(_measure, "measure", searched)
+    monkeypatch.setattr(tuning, "search_backends", searched)
     monkeypatch.setattr(_tiles.TileChooser, "_search", searched)
-    monkeypatch.setattr(_tiles.TileChooser, "_check", searched)
     vk.load_tuning(tmp_path / "tuning.json")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(images).float().sum().backward()
@@ -70,7 +68,7 @@ def test_tune_under_autocast_searches_the_steps_signatures_and_the_step_then_sea
     assert {(r.op, r.shapes, r.grad): r.backend for r in rows}.items() <= tuned.items()
     with vk.use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
         model(images).float().sum().backward()  # every kernel's tile as tuned, none checked or searched
-    assert {t["how"] for t in vk.explain().tiles} == {"tuned (cache)"}, vk.explain().tiles
+    assert {t["how"] for t in vk.explain().tiles} == {"loaded"}, vk.explain().tiles
 
 
 def test_patched_torch_encoder_layer(sim):
