@@ -6,7 +6,9 @@ so the time is the host's: argument checks, dispatch, autograd bookkeeping, laun
 requiring grad as in training. A measurement is ``calls`` back-to-back calls with the device
 synchronised only before and after the loop; the figure is the median over ``rounds`` of the loop
 time / ``calls``. Columns: ``pytorch`` (the op's eager reference, called directly), then
-``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop).
+``vk.<op>`` under each backend (``use_backend(name, strict=True)`` around the loop), and
+``torch-pykey``: the torch backend with the per-call key read in Python instead of by the extension's
+C++ (``backend.use_native_call_key(None)``): what the C++ key saves, side by side.
 On the CPU, Triton only runs interpreted, which measures the interpreter, not a host cost: n/a.
 
 ``--simulated-gpu`` measures instead, on the simulated sm_90 device (``tools.cuda_sim``: the code a
@@ -52,7 +54,7 @@ from vit_kernels import backend
 from benchmarks._timer import time_runs
 
 TINY = Shape("tiny", batch=2, tokens=5, dim=16, heads=2, hidden=32, channels=3, image=8, patch=4)
-COLUMNS = ("pytorch", "torch", "extension", "triton", "auto")
+COLUMNS = ("pytorch", "torch", "torch-pykey", "extension", "triton", "auto")
 # (calls per loop, loops) by device type: on the CPU a tiny op's own work is tens of microseconds.
 DEFAULT_LOOPS = {"cuda": (300, 7), "cpu": (100, 5)}
 
@@ -66,16 +68,35 @@ def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
 
     def loop():
-        with contextlib.nullcontext() if name == "pytorch" else vk.use_backend(name, strict=True):
-            for _ in range(calls):
-                fn()
+        native = backend._native_key
+        if name == "torch-pykey":
+            backend.use_native_call_key(None)
+        try:
+            with (
+                contextlib.nullcontext()
+                if name == "pytorch"
+                else vk.use_backend(_BACKEND.get(name, name), strict=True)
+            ):
+                for _ in range(calls):
+                    fn()
+        finally:
+            backend.use_native_call_key(native)
 
     return loop
+
+
+_BACKEND = {"torch-pykey": "torch"}  # a column that is a backend under another condition
 
 
 def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if name in ("pytorch", "auto"):
         return None
+    if name == "torch-pykey":
+        return (
+            None
+            if backend._native_key is not None
+            else "the extension is not built: torch reads the key in Python"
+        )
     if name == "triton" and device.type == "cpu":
         return "Triton runs only interpreted on the CPU"
     return backend.unsupported_reason(op, name, device, dtype)

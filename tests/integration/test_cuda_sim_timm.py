@@ -34,7 +34,7 @@ def test_patched_timm_vit_trains_on_the_simulated_gpu(arch, backend_name):
             assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
         if backend_name == "triton":
             assert device.launches
-            caught = exceptions_caught()
+        caught = exceptions_caught()
         assert not caught, caught
     finally:
         backend.clear_decisions()
