@@ -64,28 +64,35 @@ def inputs_requiring_grad(op: str, shape: Shape, device, dtype: torch.dtype) -> 
     return {name: t.requires_grad_() for name, t in SPECS[op].make_inputs(shape, device, dtype).items()}
 
 
+@contextlib.contextmanager
+def _torch_with_python_key() -> Iterator[None]:
+    """The torch backend (strict), its per-call key read in Python instead of by the extension."""
+    native = backend._native_key
+    backend.use_native_call_key(None)
+    try:
+        with vk.use_backend("torch", strict=True):
+            yield
+    finally:
+        backend.use_native_call_key(native)
+
+
+def _column_context(name: str) -> contextlib.AbstractContextManager:
+    if name == "pytorch":
+        return contextlib.nullcontext()
+    if name == "torch-pykey":
+        return _torch_with_python_key()
+    return vk.use_backend(name, strict=True)
+
+
 def _loop(name: str, fn: Callable[[], object], calls: int) -> Callable[[], None]:
     """``calls`` back-to-back calls of ``fn`` under column ``name``'s backend."""
 
     def loop():
-        native = backend._native_key
-        if name == "torch-pykey":
-            backend.use_native_call_key(None)
-        try:
-            with (
-                contextlib.nullcontext()
-                if name == "pytorch"
-                else vk.use_backend(_BACKEND.get(name, name), strict=True)
-            ):
-                for _ in range(calls):
-                    fn()
-        finally:
-            backend.use_native_call_key(native)
+        with _column_context(name):
+            for _ in range(calls):
+                fn()
 
     return loop
-
-
-_BACKEND = {"torch-pykey": "torch"}  # a column that is a backend under another condition
 
 
 def _reason(op: str, name: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:

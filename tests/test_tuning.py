@@ -11,7 +11,7 @@ import torch
 
 import vit_kernels as vk
 from tests.helpers import fake_timer
-from vit_kernels import backend, tuning
+from vit_kernels import _tiles, backend, tuning
 
 TIMES_MS = {"torch": 1.0, "fast": 0.5, "wrong": 0.1}
 
@@ -28,6 +28,13 @@ class Norm(torch.nn.Module):
         return vk.layer_norm(x, self.weight, self.bias)
 
 
+def _forget_tuning():
+    """No decision, tuned or loaded, is left in the process."""
+    tuning._forget()
+    backend.TUNED.clear()
+    _tiles.TUNED.clear()
+
+
 def _no_timing(runs):
     raise AssertionError(f"timed {sorted(runs)} outside vk.tune's search")
 
@@ -40,13 +47,11 @@ def candidates(monkeypatch):
     backend.register("layer_norm", "fast", lambda *args: reference(*args))
     backend.register("layer_norm", "wrong", lambda *args: reference(*args) * 1.5)
     monkeypatch.setattr(tuning, "time_runs", fake_timer(lambda name: TIMES_MS.get(name, 2.0)))
-    tuning._forget()
-    backend.TUNED.clear()
+    _forget_tuning()
     yield
     for name in ("fast", "wrong"):
         backend.unregister("layer_norm", name)
-    tuning._forget()
-    backend.TUNED.clear()
+    _forget_tuning()
 
 
 def _layer_norm_rows():
@@ -94,8 +99,7 @@ def test_saved_decisions_load_and_run_and_a_file_from_elsewhere_is_refused(candi
     vk.save_tuning(path)
     saved = json.loads(path.read_text())
     assert saved["format"] == tuning.FORMAT and saved["stamp"] == tuning.stamp()
-    tuning._forget()
-    backend.TUNED.clear()
+    _forget_tuning()
     monkeypatch.setattr(tuning, "time_runs", _no_timing)
     vk.load_tuning(path)
     with vk.use_backend("auto"):

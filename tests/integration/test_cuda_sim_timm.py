@@ -1,6 +1,6 @@
 """A patch_model'd timm ViT's forward and backward on the simulated CUDA device (tools/cuda_sim.py):
-the host code of a GPU user's training step, on sm_90 and sm_80, with auto choosing by the table, every backend
-and bf16 autocast, failing on any exception auto or a tile chooser caught."""
+the host code of a GPU user's training step, on sm_90 and sm_80, with auto choosing by the table,
+every backend and bf16 autocast, failing on any exception auto or a tile chooser caught."""
 
 import sys
 from pathlib import Path
