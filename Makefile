@@ -242,7 +242,7 @@ check-triton-oldest: $(STAMP)
 # What a user with a GPU runs first: the CUDA tests and a short benchmark on their device, one
 # results file to attach to a report. Without a GPU: the CPU checks, and a clear note.
 selftest: $(STAMP)
-	$(PY) -m tools.selftest
+	$(PY) -m vit_kernels.selftest
 
 # Everything measured on one GPU in one command (at most ~8 minutes on an H100, each section
 # time-boxed): the GPU tests, the selftest, per-op and end-to-end timings against PyTorch, SDPA,

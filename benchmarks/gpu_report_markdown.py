@@ -129,16 +129,15 @@ def _selftest(result: dict) -> list[str]:
         "",
         f"{result['passed']} passed, {result['failed']} failed. Rule: {result['rule']}.",
         "",
-        "| op | backend | dtype | device | result | error | PyTorch's error | ratio | worst tensor | vs reference |",
-        "|---|---|---|---|---|---:|---:|---:|---|---:|",
+        "| op | backend | dtype | device | result | error | PyTorch's error | ratio | worst tensor |",
+        "|---|---|---|---|---|---:|---:|---:|---|",
     ]
     for r in result["checks"]:
         verdict = "skipped" if "skipped" in r else ("pass" if r["passed"] else "**FAIL**")
-        speed = f"{r['speedup_vs_reference']:.2f}x" if "speedup_vs_reference" in r else ""
         lines.append(
             f"| {r['op']} | {r['backend']} | {r['dtype']} | {r['device']} | {verdict} | {_g(r.get('max_error'), 2)} | "
             f"{_g(r.get('pytorch_error'), 2)} | {_g(r.get('error_ratio'), 3)} | "
-            f"{r.get('worst_tensor') or _cell(r.get('error') or r.get('skipped', ''))} | {speed} |"
+            f"{r.get('worst_tensor') or _cell(r.get('error') or r.get('skipped', ''))} |"
         )
     return lines + [""]
 

@@ -13,7 +13,8 @@ import torch
 from benchmarks import block_traffic, cases, cuda_graphs, e2e, environment, host_overhead, ops_bench, peaks
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
-from tools import gpu_tests, selftest
+from tools import gpu_tests
+from vit_kernels import selftest
 from vit_kernels.ops import attention_tiles, gemm, layer_norm, patch_embed
 
 VK_BACKENDS = ("torch", "triton", "extension", "auto")
@@ -69,10 +70,10 @@ def gpu_tests_section(ctx: Context, budget: Budget) -> dict:
 
 
 def selftest_section(ctx: Context, budget: Budget) -> dict:
-    """``tools.selftest``'s checks (every op, backend and dtype against PyTorch's own error;
-    each backend but torch timed against the reference, unless ``quick``)."""
+    """``vk.selftest``'s checks: every op, backend and dtype against float64, judged by PyTorch's own
+    error."""
     rows = [
-        selftest.check_op(op, name, dtype, device, timed=name != "torch" and not ctx.quick)
+        selftest.check_op(op, name, dtype, device)
         for op, name, dtype, device in budget.take(selftest.cases(ctx.ops), lambda c: f"{c[0]} {c[1]} {c[2]}")
     ]
     header = selftest.header()

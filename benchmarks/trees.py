@@ -122,7 +122,8 @@ def materialise(repo: Path, revision: str, into: Path) -> Tree:
 
 def copy_harness(into: Path) -> Path:
     """A copy of this ``benchmarks`` package (code only) and of the op specs it times
-    (``tools/op_specs.py``) under ``into``; returns the folder to put first on the workers' sys.path."""
+    (``vit_kernels/ops/specs.py``, as ``tools/op_specs.py``, the name the benchmarks import) under
+    ``into``; returns the folder to put first on the workers' sys.path."""
     source = Path(__file__).resolve().parent
     target = into / "harness"
     shutil.copytree(
@@ -132,6 +133,6 @@ def copy_harness(into: Path) -> Path:
         ignore=shutil.ignore_patterns("__pycache__", "results", "*.json", "*.md"),
     )
     (target / "tools").mkdir(exist_ok=True)
-    for name in ("__init__.py", "op_specs.py"):
-        shutil.copy(source.parent / "tools" / name, target / "tools" / name)
+    shutil.copy(source.parent / "tools" / "__init__.py", target / "tools" / "__init__.py")
+    shutil.copy(source.parent / "vit_kernels" / "ops" / "specs.py", target / "tools" / "op_specs.py")
     return target

@@ -1,4 +1,4 @@
-"""``python -m benchmarks`` and ``python -m tools.selftest`` run torch on as many intra-op
+"""``python -m benchmarks`` and ``python -m vit_kernels.selftest`` run torch on as many intra-op
 threads as this process has cores (its affinity mask), or ``--threads N``, and record the count."""
 
 from __future__ import annotations
@@ -64,7 +64,17 @@ def test_the_suite_sets_and_records_its_threads(tmp_path, monkeypatch, restore_t
 def test_the_selftest_sets_and_records_its_threads(tmp_path):
     out = tmp_path / "selftest.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tools.selftest", "--ops", "layer_norm", "--threads", "1", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "vit_kernels.selftest",
+            "--ops",
+            "layer_norm",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ import torch
 import vit
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, requires_cuda
-from tools.op_specs import OPS, SPECS, Shape
+from vit_kernels.ops.specs import OPS, SPECS, Shape
 from vit_kernels import _signature, backend
 
 SMALL = Shape("small", batch=2, tokens=5, dim=12, heads=3, hidden=24, channels=3, image=8, patch=4)

@@ -1,5 +1,5 @@
 """Every ordinary mistake with ``python -m benchmarks`` (the suite, ``--compare``, ``ab``) and
-``python -m tools.selftest`` ends with exit code 2 and exactly one line on stderr naming what
+``python -m vit_kernels.selftest`` ends with exit code 2 and exactly one line on stderr naming what
 was wrong and what was expected: never a traceback, never a run started first. And every ``--help``
 names the defaults."""
 
@@ -17,11 +17,11 @@ import pytest
 
 from benchmarks import cli
 from benchmarks.__main__ import main as bench_main
-from tools import selftest
+from vit_kernels import selftest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "benchmarks"
-SELFTEST = "tools.selftest"
+SELFTEST = "vit_kernels.selftest"
 TIMEOUT = 120  # a mistake is found before any work: seconds, however loaded the machine
 
 
@@ -137,8 +137,12 @@ BAD_INPUTS = [
     ),
     (SELFTEST, ["--ops", "convolution"], "argument --ops: expected a comma-separated subset of patch_embed"),
     (SELFTEST, ["--threads", "0"], "argument --threads: must be 1 or more, got '0'"),
-    (SELFTEST, ["--out", "{root}"], "argument --out: '{root}' is a folder, expected a file name"),
-    (SELFTEST, ["--out", "{root}/notes.txt/r.json"], "{root}/notes.txt is a file, not a folder"),
+    (SELFTEST, ["--out", "{root}"], "cannot write {root}: Is a directory"),
+    (
+        SELFTEST,
+        ["--out", "{root}/notes.txt/r.json"],
+        "cannot write {root}/notes.txt/r.json: {root}/notes.txt: File exists",
+    ),
     (SELFTEST, ["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
@@ -174,7 +178,7 @@ def test_bad_input_is_one_line_and_exit_2(root, capsys, index):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert len(lines) == 1, done.stderr
-    prog = "python -m tools.selftest" if command == SELFTEST else "python -m benchmarks"
+    prog = "python -m vit_kernels.selftest" if command == SELFTEST else "python -m benchmarks"
     assert lines[0].startswith(prog) and ": error: " in lines[0], lines[0]
     assert expected.replace("{root}", str(root)) in lines[0], lines[0]
     assert done.stdout.strip() == "", done.stdout  # refused before any work or output
@@ -209,7 +213,7 @@ def _options_with_values(help_text: str) -> list[str]:
             ],
         ),
         (BENCH, ["ab", "--help"], ["(default: 4)", "(default: 300.0)", "(default: 10)", "(default: 400)"]),
-        (SELFTEST, ["--help"], ["(default: build/selftest.json)", "the cores this process may use"]),
+        (SELFTEST, ["--help"], ["(default: build/selftest.json)", "(default: all)", "(default: torch's)"]),
     ],
     ids=["benchmarks", "benchmarks ab", "selftest"],
 )
@@ -224,7 +228,7 @@ def test_help_names_every_default(command, args, expected, capsys):
         assert "default" in entry or "(required)" in entry, entry
 
 
-@pytest.mark.parametrize("module", ["benchmarks", "tools.selftest"])
+@pytest.mark.parametrize("module", ["benchmarks", "vit_kernels.selftest"])
 def test_the_module_entry_points_print_one_line(module):
     """``python -m`` itself, in a child process: a bad input is one line on stderr and exit code 2."""
     # Warnings off: one that importing torch or the package may print on some machine (an extension

@@ -14,6 +14,7 @@ import torch
 from benchmarks import gpu_report, host_overhead, targets
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import Context
+from tools import gpu_tests
 from vit_kernels import backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,3 +223,17 @@ def test_the_gpu_tests_run_the_first_files_first_and_every_file_once():
     assert [Path(f).name for f in gpu_tests.ordered_test_files("headline")] == list(gpu_tests.HEADLINE)
     with pytest.raises(ValueError, match="part must be"):
         gpu_tests.ordered_test_files("first")
+
+
+def test_pytest_exit_5_is_a_failure():
+    """``pytest -m gpu`` collecting nothing on a GPU (exit 5) fails the report's GPU-test section."""
+    assert (
+        gpu_tests.passed(0) and not gpu_tests.passed(gpu_tests.NO_TESTS_COLLECTED) and not gpu_tests.passed(1)
+    )
+    assert gpu_tests.counts("3 failed, 40 passed, 2 skipped, 1 error in 9.1s") == {
+        "passed": 40,
+        "failed": 3,
+        "skipped": 2,
+        "errors": 1,
+        "deselected": 0,
+    }

@@ -1,4 +1,4 @@
-"""The op specs the benchmarks time (``tools.op_specs``) are the tests' too: for every op, its
+"""The op specs the benchmarks time (``vit_kernels.ops.specs``) are the tests' too: for every op, its
 inputs, run on every backend, match its float64 formula, output and every input gradient; its eager
 reference matches the formula as well."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import TOLERANCES, check_against_formula
-from tools.op_specs import KERNELS, OPS, SPECS, Shape
+from vit_kernels.ops.specs import KERNELS, OPS, SPECS, Shape
 from vit_kernels import _ext, backend
 
 # A small ViT: 8x8 images in 4x4 patches (4 patches + the class token), D = 12 in 3 heads of 4.

@@ -7,6 +7,7 @@ with vk.use_backend("triton", strict=True): ...  # this thread / task only; rais
 vk.tune(model, (images,), autocast=torch.bfloat16)  # search backends and tiles (asked for only)
 vk.save_tuning("tuning.json"); vk.load_tuning("tuning.json")  # ship what was searched
 print(vk.explain())                              # what ran for each signature, and why
+vk.selftest()                                    # once on a new GPU: every backend against float64
 """
 
 from vit_kernels import _ext  # noqa: F401  (registers the extension backend check)
@@ -31,6 +32,16 @@ from vit_kernels.patching import PatchReport, patch_model  # noqa: E402
 from vit_kernels.tuning import load_tuning, save_tuning, tune  # noqa: E402
 
 
+def __getattr__(name: str):
+    """``vk.selftest``, imported when first asked for (its module, callable as ``vk.selftest()``):
+    not at import, so that ``python -m vit_kernels.selftest`` runs a module imported once."""
+    if name == "selftest":
+        import importlib
+
+        return importlib.import_module("vit_kernels.selftest")
+    raise AttributeError(f"module 'vit_kernels' has no attribute {name!r}")
+
+
 __all__ = [
     "attention",
     "available_backends",
@@ -45,6 +56,7 @@ __all__ = [
     "patch_model",
     "PatchReport",
     "save_tuning",
+    "selftest",
     "set_backend",
     "swiglu",
     "swiglu_mlp",

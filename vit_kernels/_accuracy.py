@@ -41,17 +41,48 @@ def sibling_scale(references: Sequence[Optional[torch.Tensor]]) -> float:
     return SIBLING_SCALE * largest if math.isfinite(largest) else 0.0
 
 
+def errors(results: Sequence[Optional[torch.Tensor]], exact: Sequence[torch.Tensor]) -> list[float]:
+    """Each result's ``relative_error`` against its exact value, all on the siblings' scale (a
+    missing result, such as a gradient not computed, reads as zeros)."""
+    scale = sibling_scale(exact)
+    return [
+        relative_error(torch.zeros_like(e) if r is None else r.to(e.device), e, scale)
+        for r, e in zip(results, exact, strict=True)
+    ]
+
+
+def judge(
+    names: Sequence[str], errors: Sequence[float], pytorch_errors: Sequence[float], floor: float
+) -> dict:
+    """The rule per named tensor; the verdict's fields: ``passed``, the worst tensor (largest error /
+    bound), its error, PyTorch's, their ratio, the bound, the floor, and every tensor."""
+    tensors = []
+    for name, error, own in zip(names, errors, pytorch_errors, strict=True):
+        bound = max(ERROR_RATIO * own, floor)
+        ratio = error / own if own > 0 else (math.inf if error > 0 else 0.0)
+        tensors.append(dict(tensor=name, error=error, pytorch_error=own, bound=bound, ratio=ratio))
+        tensors[-1]["passed"] = error <= bound
+    w = max(tensors, key=lambda t: t["error"] / t["bound"])
+    summary = dict(worst_tensor=w["tensor"], max_error=w["error"], pytorch_error=w["pytorch_error"])
+    summary.update(error_ratio=w["ratio"], bound=w["bound"], error_floor=floor, tensors=tensors)
+    return dict(passed=all(t["passed"] for t in tensors), **summary)
+
+
 def first_problem(
     parts: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], floor: float
 ) -> Optional[str]:
     """None when every ``(name, actual, pytorch, reference)`` part is right, else the first failure."""
-    parts = list(parts)
-    scale = sibling_scale([reference for *_, reference in parts])
-    for name, actual, pytorch, reference in parts:
-        error, own = relative_error(actual, reference, scale), relative_error(pytorch, reference, scale)
-        if error > max(ERROR_RATIO * own, floor):
-            return f"{name}: relative error {error:.2e} > {ERROR_RATIO:g} x PyTorch's {own:.2e} (floor {floor:.0e})"
-    return None
+    if not parts:
+        return None
+    names, actual, own, exact = zip(*parts)
+    verdict = judge(names, errors(actual, exact), errors(own, exact), floor)
+    failed = next((t for t in verdict["tensors"] if not t["passed"]), None)
+    if failed is None:
+        return None
+    return (
+        f"{failed['tensor']}: relative error {failed['error']:.2e} > {ERROR_RATIO:g} x PyTorch's "
+        f"{failed['pytorch_error']:.2e} (floor {floor:.0e})"
+    )
 
 
 def check_against(

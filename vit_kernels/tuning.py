@@ -55,17 +55,7 @@ def tune(
     grad. autocast: the dtype training runs autocast in (e.g. ``torch.bfloat16``). Under
     ``torch.distributed`` every rank calls it: rank 0 searches, the others run its decisions.
     Returns ``explain()`` of this run."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
-        raise TypeError("example_inputs must be a tuple of the model's positional inputs, e.g. (images,)")
-    if grad is None:
-        grad = model.training and any(p.requires_grad for p in model.parameters())
-    if not isinstance(grad, bool):
-        raise TypeError(f"grad must be a bool or None, got {type(grad).__name__}")
-    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
-    device_type = next((a.device.type for a in example_inputs if isinstance(a, torch.Tensor)), "cpu")
+    grad, device_type = run_options(model, example_inputs, grad, autocast)
     rank, shared = _rank()
     _forget()  # what earlier calls took from the tables is decided again, by a search
     backend.searcher = search_backends if rank == 0 else None
@@ -90,6 +80,26 @@ def tune(
         if rank != 0:
             _hold(decisions[0])
     return backend.explain()
+
+
+def run_options(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    grad: Optional[bool],
+    autocast: Optional[torch.dtype],
+) -> tuple[bool, str]:
+    """(grad, the inputs' device type) of a run of ``model(*example_inputs)``, each argument checked."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, e.g. (images,)")
+    if grad is None:
+        grad = model.training and any(p.requires_grad for p in model.parameters())
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be a bool or None, got {type(grad).__name__}")
+    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
+    return grad, next((a.device.type for a in example_inputs if isinstance(a, torch.Tensor)), "cpu")
 
 
 def _rank() -> tuple[int, bool]:

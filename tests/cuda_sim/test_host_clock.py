@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 import vit_kernels as vk
 from benchmarks import host_overhead
 from tools.cuda_sim import simulated_cuda
-from tools.op_specs import SPECS
+from vit_kernels.ops.specs import SPECS
 
 
 def _busy(seconds: float) -> None:
