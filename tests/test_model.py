@@ -213,7 +213,9 @@ def test_model_on_triton_backend_matches_torch(name, overrides):
         )
 
 
-def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
+def _loss_curve(choice: str, steps: int, batch_size: int, fixed_batch: bool) -> list[float]:
+    """The training loss per AdamW step of a small digits ViT on backend ``choice``: a new random batch
+    each step, or (``fixed_batch``) the same one, which the model then learns fast and surely."""
     import vit_kernels as vk
     from vit.data import load_digits
 
@@ -222,10 +224,12 @@ def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
     model = vit.create_model("vit_digits", embed_dim=32, depth=2, num_heads=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(len(train), (batch_size,), generator=generator)
     losses = []
     with vk.use_backend(choice):
         for _ in range(steps):
-            batch = torch.randint(len(train), (batch_size,), generator=generator)
+            if not fixed_batch:
+                batch = torch.randint(len(train), (batch_size,), generator=generator)
             loss = torch.nn.functional.cross_entropy(model(train.images[batch]), train.labels[batch])
             optimizer.zero_grad()
             loss.backward()
@@ -234,12 +238,13 @@ def _loss_curve(choice: str, steps: int, batch_size: int = 16) -> list[float]:
     return losses
 
 
-def _compare_loss_curves(steps: int, learned: float) -> None:
+def _compare_loss_curves(steps: int, learned: float, batch_size: int, fixed_batch: bool) -> None:
     from vit_kernels import backend
 
     if backend.triton_device_reason(torch.device("cpu")) is not None:
         pytest.skip("the Triton backend does not run here")
-    reference, kernels = _loss_curve("torch", steps), _loss_curve("triton", steps)
+    reference = _loss_curve("torch", steps, batch_size, fixed_batch)
+    kernels = _loss_curve("triton", steps, batch_size, fixed_batch)
     assert reference[-1] < learned * reference[0], (
         "the run must actually learn for the comparison to mean anything"
     )
@@ -248,15 +253,15 @@ def _compare_loss_curves(steps: int, learned: float) -> None:
 
 
 def test_training_follows_the_same_loss_curve_on_triton():
-    """6 AdamW steps on the digits (the interpreter takes about 7 s a step): the kernels track the
-    reference step for step while the loss falls."""
-    _compare_loss_curves(6, learned=0.9)
+    """4 AdamW steps on one batch of 8 digits (the interpreter takes a few seconds a step): the
+    kernels track the reference step for step while the loss falls to under 0.6x (0.44x here)."""
+    _compare_loss_curves(4, learned=0.6, batch_size=8, fixed_batch=True)
 
 
 @pytest.mark.slow
 def test_training_follows_the_same_loss_curve_on_triton_long():
     """300 AdamW steps on the digits, the same comparison over a whole short run."""
-    _compare_loss_curves(300, learned=0.5)
+    _compare_loss_curves(300, learned=0.5, batch_size=16, fixed_batch=False)
 
 
 @requires_cuda
