@@ -1,6 +1,6 @@
 """``make lint``'s check of the kernels' shape (``tools.kernel_calls``): a call of a ``@triton.jit``
 function with more than 8 positional arguments is reported, keywords past the eighth pass; a
-``@triton.jit`` function over 130 lines is reported, one of 130 passes."""
+``@triton.jit`` function over 100 lines is reported, one of 100 passes."""
 
 from tools.kernel_calls import violations
 
@@ -33,11 +33,11 @@ def _kernel_of(lines: int) -> str:
     return f"import triton\n\n\n@triton.jit\ndef kernel_{lines}(x):\n{body}    return x\n"
 
 
-def test_a_jit_function_over_130_lines_is_reported(tmp_path):
-    (tmp_path / "long.py").write_text(_kernel_of(131))
-    (tmp_path / "short.py").write_text(_kernel_of(130))
+def test_a_jit_function_over_100_lines_is_reported(tmp_path):
+    (tmp_path / "long.py").write_text(_kernel_of(101))
+    (tmp_path / "short.py").write_text(_kernel_of(100))
     found = violations(tmp_path)
-    assert len(found) == 1 and "long.py:5: kernel_131 is 131 lines, at most 130" in found[0], found
+    assert len(found) == 1 and "long.py:5: kernel_101 is 101 lines, at most 100" in found[0], found
 
 
 def test_the_kernels_pass():

@@ -1,6 +1,6 @@
 """Attention's Triton kernels: the flash forward, the dK/dV and dQ backward kernels, the
-probabilities kernel, and their per-block helpers (RoPE, masks, dropout) (launched by
-``vit_kernels.ops.attention``).
+probabilities kernel, and their per-block helpers (masks, dropout; RoPE's are
+``vit_kernels.kernels.rope``'s) (launched by ``vit_kernels.ops.attention``).
 
 Each kernel takes its arguments flat (the launchers' order), grouped by line in its signature, and
 gathers those that travel together into Triton tuples, built once per program:
@@ -20,6 +20,7 @@ power of two, at least 16: 16 keys rather than 64 at L = 197), the only one mask
 from __future__ import annotations
 
 from vit_kernels._triton import as_float32, tl, triton
+from vit_kernels.kernels.rope import load_rotated, rope_cols, rope_grad, rope_of, rope_tables, rotated_pair
 
 
 # Every attention kernel runs one program per (block of rows, batch * head), flattened onto grid
@@ -87,104 +88,6 @@ def _store_tile(ptrs, tile, rows, seq_len, mask_d, EVEN_D: tl.constexpr):
         tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=(rows < seq_len)[:, None] & mask_d[None, :])
 
 
-# Rotary position embedding (ROPE = 1: layout "interleaved", 2: "half"; 0: none, the kernels as
-# without it), applied to q and k as their tiles are loaded (vit_kernels/ops/rope.py):
-#   x' = x cos + rot(x) sin,  rot(x) = (-x1, x0, -x3, x2, ...) on the pairs of the layout,
-#   computed in float32; rows before rope_start = L - L_r (class, register tokens) are not rotated
-#   (cos = 1, sin = 0), row i >= rope_start takes table row i - rope_start.
-# Scores are invariant to one permutation of the head-dim columns of both q and k, so a rotated
-# tile's column c holds the qkv column _rope_cols(c): c for "interleaved", and for "half" the
-# pairs (i, i + Dh/2) made adjacent (columns 0, Dh/2, 1, Dh/2 + 1, ...): both layouts are then the
-# pairs (2i, 2i + 1) of the tile. The tables are read in that same column order, dq and dk are
-# stored back through it; v, dO, out and dv keep their plain order.
-# The partner of tile column c is c ^ 1, read by a second load (the same cache lines), so that a
-# rotated tile is computed from loads alone, in either orientation: k' enters q' k'^T loaded as a
-# (Dh, keys) tile (q' in the dK/dV kernel's k' q'^T as (Dh, queries)), and no computed tile is
-# transposed into a dot (triton-lang/triton#6124, see the dK/dV kernel's query block).
-# Derivative: rot is a signed swap, rot^T = -rot, so the gradient g of x' gives
-# dx = g cos - rot(g sin), the swap of a register tile done by reshape / split / join (into a
-# store, never into a dot).
-@triton.jit
-def _rope_cols(tcols, head_dim, ROPE: tl.constexpr):
-    """The qkv column (within a head) that tile column ``tcols`` holds (see above)."""
-    if ROPE == 2:
-        return tl.where(tcols < head_dim, tcols // 2 + (tcols % 2) * (head_dim // 2), tcols)
-    else:
-        return tcols
-
-
-@triton.jit
-def _rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE: tl.constexpr):
-    """The ``rope`` tuple of (batch, head), from the tables' (b, h, l, d) strides (0 without ROPE)."""
-    if ROPE == 0:
-        rope = 0
-    else:
-        stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d = cos_strides
-        stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d = sin_strides
-        cos_base = Cos + batch.to(tl.int64) * stride_cos_b + head.to(tl.int64) * stride_cos_h
-        sin_base = Sin + batch.to(tl.int64) * stride_sin_b + head.to(tl.int64) * stride_sin_h
-        rope = (cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d)
-    return rope
-
-
-@triton.jit
-def _rope_tables(rope, rows, tcols, seq_len, head_dim, ROPE: tl.constexpr):
-    """float32 cos and sin of sequence rows ``rows`` and tile columns ``tcols``, index tensors that
-    broadcast to the tile ((R, 1) and (1, D) for a row-major tile, (1, R) and (D, 1) for a
-    transposed one); 1 and 0 (no rotation) for prefix rows and outside the sequence or head dim."""
-    cos_base, sin_base, rope_start, stride_cos_l, stride_cos_d, stride_sin_l, stride_sin_d = rope
-    cols = _rope_cols(tcols, head_dim, ROPE)
-    on = (rows >= rope_start) & (rows < seq_len) & (tcols < head_dim)
-    table_rows = rows - rope_start
-    cos = tl.load(cos_base + table_rows * stride_cos_l + cols * stride_cos_d, mask=on, other=1.0)
-    sin = tl.load(sin_base + table_rows * stride_sin_l + cols * stride_sin_d, mask=on, other=0.0)
-    return cos.to(tl.float32), sin.to(tl.float32)
-
-
-@triton.jit
-def _load_rotated(base, rows, tcols, layout, rope, ROPE: tl.constexpr, VOLATILE: tl.constexpr):
-    """x' = x cos + rot(x) sin of the q or k tile at ``base`` (one head of one image), in tile column
-    order, for index tensors ``rows``, ``tcols`` as in ``_rope_tables``; 0 outside the sequence and
-    head dim. Returned in the dtype of qkv (a dot operand)."""
-    seq_len, head_dim, stride_l, stride_c = layout
-    mask = (rows < seq_len) & (tcols < head_dim)
-    row_offsets = rows * stride_l
-    x = tl.load(
-        base + row_offsets + _rope_cols(tcols, head_dim, ROPE) * stride_c,
-        mask=mask,
-        other=0.0,
-        volatile=VOLATILE,
-    )
-    partner = tl.load(
-        base + row_offsets + _rope_cols(tcols ^ 1, head_dim, ROPE) * stride_c,
-        mask=mask,
-        other=0.0,
-        volatile=VOLATILE,
-    )
-    cos, sin = _rope_tables(rope, rows, tcols, seq_len, head_dim, ROPE)
-    sign = tl.where(tcols % 2 == 0, -1.0, 1.0)
-    return (x.to(tl.float32) * cos + partner.to(tl.float32) * sign * sin).to(x.dtype)
-
-
-@triton.jit
-def _rotated_pair(base, rows, offs_d, layout, rope, ROPE: tl.constexpr):
-    """The rotated tile of sequence rows ``rows`` as (rows, Dh) and as (Dh, rows), both from loads
-    ((0, 0) without ROPE)."""
-    if ROPE == 0:
-        return 0, 0
-    else:
-        x = _load_rotated(base, rows[:, None], offs_d[None, :], layout, rope, ROPE, False)
-        xt = _load_rotated(base, rows[None, :], offs_d[:, None], layout, rope, ROPE, False)
-        return x, xt
-
-
-@triton.jit
-def _rope_grad(g, cos, sin, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dx = g cos - rot(g sin) of a float32 (ROWS, BLOCK_D) gradient tile in tile column order."""
-    even, odd = tl.split(tl.reshape(g * sin, (ROWS, BLOCK_D // 2, 2)))
-    return g * cos - tl.reshape(tl.join(-odd, even), (ROWS, BLOCK_D))
-
-
 @triton.jit
 def _store_qk_grad(
     base,
@@ -202,14 +105,14 @@ def _store_qk_grad(
     ROPE: tl.constexpr,
 ):
     """Stores the float32 gradient ``g`` (ROWS, BLOCK_D) of q or k (of the rotated q' or k' with
-    ROPE, in tile column order: taken back through the rotation, ``_rope_grad``) at
+    ROPE, in tile column order: taken back through the rotation, ``rope_grad``) at
     ``base + row_tile`` + its qkv columns."""
     if ROPE == 0:
         ptrs = base + (row_tile + offs_d[None, :])
     else:
-        cos, sin = _rope_tables(rope, rows[:, None], offs_d[None, :], seq_len, head_dim, ROPE)
-        g = _rope_grad(g, cos, sin, ROWS, BLOCK_D)
-        ptrs = base + (row_tile + _rope_cols(offs_d, head_dim, ROPE)[None, :])
+        cos, sin = rope_tables(rope, rows[:, None], offs_d[None, :], seq_len, head_dim, ROPE)
+        g = rope_grad(g, cos, sin, ROWS, BLOCK_D)
+        ptrs = base + (row_tile + rope_cols(offs_d, head_dim, ROPE)[None, :])
     _store_tile(ptrs, g, rows, seq_len, mask_d, EVEN_D)
 
 
@@ -295,7 +198,7 @@ def _attention_fwd_key_block(
         v = _load_tile(v_base + row_offset + kv_tile, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:
-        kt = _load_rotated(k_base, rows_n[None, :], offs_d[:, None], layout, rope, ROPE, False)
+        kt = load_rotated(k_base, rows_n[None, :], offs_d[:, None], layout, rope, ROPE, False)
         v = _load_tile(v_base + row_offset + kv_tile, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
         s = tl.dot(q, kt, input_precision=PRECISION)
     if MASK_N:
@@ -354,57 +257,20 @@ def _attention_fwd_keys(
     full_end = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc=acc,
-            l_i=l_i,
-            m_i=m_i,
-            q=q,
-            k_base=k_base,
-            v_base=v_base,
-            kv_tile=kv_tile,
-            start_n=start_n,
-            offs_n=offs_n,
-            offs_m=offs_m,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            MASK_N=False,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
-            MASK=MASK,
-        )
+            acc=acc, l_i=l_i, m_i=m_i, q=q, k_base=k_base, v_base=v_base, kv_tile=kv_tile, start_n=start_n,
+            offs_n=offs_n, offs_m=offs_m, offs_d=offs_d, mask_d=mask_d, layout=layout, scale_log2=scale_log2,
+            dropout=dropout, mask=mask, rope=rope, MASK_N=False, EVEN_D=EVEN_D, DROPOUT=DROPOUT,
+            PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+        )  # fmt: skip
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         acc, l_i, m_i = _attention_fwd_key_block(
-            acc=acc,
-            l_i=l_i,
-            m_i=m_i,
-            q=q,
-            k_base=k_base,
-            v_base=v_base,
-            kv_tile=offs_t[:, None] * stride_l + cols,
-            start_n=full_end,
-            offs_n=offs_t,
-            offs_m=offs_m,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            MASK_N=True,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
+            acc=acc, l_i=l_i, m_i=m_i, q=q, k_base=k_base, v_base=v_base,
+            kv_tile=offs_t[:, None] * stride_l + cols, start_n=full_end, offs_n=offs_t, offs_m=offs_m,
+            offs_d=offs_d, mask_d=mask_d, layout=layout, scale_log2=scale_log2, dropout=dropout, mask=mask,
+            rope=rope, MASK_N=True, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE,
             MASK=MASK,
-        )
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -420,7 +286,7 @@ def _attention_fwd_keys(
 # every exponent, and s_ij c, or a log-sum-exp m_i + log2(l_i) / c, would round at the magnitude of
 # s_ij and scale every probability of the row by that rounding.
 # q is loaded once; rows past the sequence are masked on their loads and stores only (their q reads
-# 0). With ROPE, q and each k block are rotated as loaded (see _rope_cols), k as a (Dh, keys) tile.
+# 0). With ROPE, q and each k block are rotated as loaded (see rope_cols), k as a (Dh, keys) tile.
 # Shapes: qkv (B, L, 3D), out (B, L, D), row statistics (B*H, L); with ROPE the tables Cos, Sin
 # (B, H, L_r, Dh) by strides (0 where broadcast), rope_start = L - L_r.
 @triton.jit
@@ -446,7 +312,7 @@ def _attention_fwd_kernel(
     )
     cos_strides = (stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d)
     sin_strides = (stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d)
-    rope = _rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE)
+    rope = rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE)
     dropout = _dropout_of(Seed, pid_bh, dropout_p, DROPOUT)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -462,30 +328,13 @@ def _attention_fwd_kernel(
             q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D
         )
     else:
-        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], layout, rope, ROPE, False)
+        q = load_rotated(q_base, offs_m[:, None], offs_d[None, :], layout, rope, ROPE, False)
     acc, l_i, m_i = _attention_fwd_keys(
-        q=q,
-        k_base=k_base,
-        v_base=v_base,
-        cols=cols,
-        offs_m=offs_m,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        layout=layout,
-        scale_log2=scale_log2,
-        dropout=dropout,
-        mask=mask,
-        rope=rope,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_TAIL=BLOCK_TAIL,
-        BLOCK_D=BLOCK_D,
-        EVEN_D=EVEN_D,
-        DROPOUT=DROPOUT,
-        PRECISION=PRECISION,
-        ROPE=ROPE,
-        MASK=MASK,
-    )
+        q=q, k_base=k_base, v_base=v_base, cols=cols, offs_m=offs_m, offs_d=offs_d, mask_d=mask_d,
+        layout=layout, scale_log2=scale_log2, dropout=dropout, mask=mask, rope=rope, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_TAIL=BLOCK_TAIL, BLOCK_D=BLOCK_D, EVEN_D=EVEN_D, DROPOUT=DROPOUT,
+        PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+    )  # fmt: skip
     if MASK == 0:
         inv_sum = 1.0 / l_i
     else:  # a row with every key masked: P = 0 (l = 0, m = -inf saved as 0)
@@ -537,7 +386,7 @@ def _attention_bwd_p_dp(
 ):
     if ROPE == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    else:  # q and k rotated, k' as the (Dh, keys) tile kt (see _rope_cols)
+    else:  # q and k rotated, k' as the (Dh, keys) tile kt (see rope_cols)
         s = tl.dot(q, kt, input_precision=PRECISION)
     if MASK != 0:
         s = s + _mask_term(mask, rows_m[:, None], rows_n[None, :], seq_len, MASK)
@@ -597,7 +446,7 @@ def _attention_bwd_dkdv_query_block(
     seq_len, _, stride_l, _ = layout
     RowMax, RowInvSum, Delta, row_stats = stats
     rows_m = start_m + offs_m
-    q_rot, qt_rot = _rotated_pair(q_base, rows_m, offs_d, layout, rope, ROPE)
+    q_rot, qt_rot = rotated_pair(q_base, rows_m, offs_d, layout, rope, ROPE)
     if ROPE == 0:
         q = _load_tile(
             q_base + tl.cast(start_m, tl.int64) * stride_l + q_tile, rows_m, seq_len, mask_d, MASK_M, EVEN_D
@@ -685,33 +534,12 @@ def _attention_bwd_dkdv_queries(
     full_end = (seq_len // BLOCK_M) * BLOCK_M
     for start_m in range(0, full_end, BLOCK_M):
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk=dk,
-            dv=dv,
-            k=k,
-            v=v,
-            q_base=q_base,
-            do_base=do_base,
-            q_tile=q_tile,
-            do_tile=do_tile,
-            stats=stats,
-            start_m=start_m,
-            offs_m=offs_m,
-            offs_n=offs_n,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            stride_do_l=stride_do_l,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            MASK_M=False,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
+            dk=dk, dv=dv, k=k, v=v, q_base=q_base, do_base=do_base, q_tile=q_tile, do_tile=do_tile,
+            stats=stats, start_m=start_m, offs_m=offs_m, offs_n=offs_n, offs_d=offs_d, mask_d=mask_d,
+            layout=layout, stride_do_l=stride_do_l, scale_log2=scale_log2, dropout=dropout, mask=mask,
+            rope=rope, MASK_M=False, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE,
             MASK=MASK,
-        )
+        )  # fmt: skip
     if BLOCK_TAIL > 0:
         # K and V loaded again for the tail, volatile so that the compiler cannot merge the loads
         # with the first: given the same k and v, Triton makes the tail's dot-operand copies of them
@@ -720,38 +548,39 @@ def _attention_bwd_dkdv_queries(
         if ROPE == 0:
             k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, volatile=True)
         else:
-            k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], layout, rope, ROPE, True)
+            k = load_rotated(k_base, offs_n[:, None], offs_d[None, :], layout, rope, ROPE, True)
         v = tl.load(kv_ptrs + tl.cast(model_dim, tl.int64) * stride_c, mask=kv_mask, other=0.0, volatile=True)
         offs_t = tl.arange(0, BLOCK_TAIL)
         dk, dv = _attention_bwd_dkdv_query_block(
-            dk=dk,
-            dv=dv,
-            k=k,
-            v=v,
-            q_base=q_base,
-            do_base=do_base,
-            q_tile=offs_t[:, None] * stride_l + cols,
-            do_tile=offs_t[:, None] * stride_do_l + do_cols,
-            stats=stats,
-            start_m=full_end,
-            offs_m=offs_t,
-            offs_n=offs_n,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            stride_do_l=stride_do_l,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            MASK_M=True,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
-            MASK=MASK,
-        )
+            dk=dk, dv=dv, k=k, v=v, q_base=q_base, do_base=do_base, q_tile=offs_t[:, None] * stride_l + cols,
+            do_tile=offs_t[:, None] * stride_do_l + do_cols, stats=stats, start_m=full_end, offs_m=offs_t,
+            offs_n=offs_n, offs_d=offs_d, mask_d=mask_d, layout=layout, stride_do_l=stride_do_l,
+            scale_log2=scale_log2, dropout=dropout, mask=mask, rope=rope, MASK_M=True, EVEN_D=EVEN_D,
+            DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+        )  # fmt: skip
     return dk, dv
+
+
+# The backward kernels' common start, each program's: its block of BLOCK rows (``start``, its first)
+# and (batch, head), the mask, RoPE tables and dropout of that head, and the head's q, k and dO bases
+# (v follows k at model_dim columns). ``floats``: (dropout_p, inv_scale, mask_limit), taken as float32.
+@triton.jit
+def _attention_bwd_program(
+    QKV, DOut, Seed, Cos, Sin, Mask, seq_len, num_heads, head_dim, model_dim, rope_start,
+    qkv_strides, do_strides, cos_strides, sin_strides, mask_strides, floats,
+    BLOCK: tl.constexpr, DROPOUT: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    stride_qkv_b, stride_qkv_c = qkv_strides
+    stride_do_b, stride_do_c = do_strides
+    dropout_p, inv_scale, mask_limit = as_float32(floats[0]), as_float32(floats[1]), as_float32(floats[2])
+    pid, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK)
+    mask = _mask_of(Mask, batch, head, mask_strides, inv_scale, mask_limit)
+    rope = rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE)
+    dropout = _dropout_of(Seed, pid_bh, dropout_p, DROPOUT)
+    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
+    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
+    do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
+    return pid * BLOCK, pid_bh, batch, head, mask, rope, dropout, q_base, k_base, do_base
 
 
 # dK and dV, one program per (block of BLOCK_N key rows, batch * head), looping over query blocks
@@ -764,7 +593,7 @@ def _attention_bwd_dkdv_queries(
 # dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik), with respect to K: dK = scale dS^T Q). Key-major, no
 # computed tile is transposed (see the query block). K and V are loaded once (and again for the
 # tail); the key rows past the sequence are masked on those loads and the stores only. With ROPE
-# (see _rope_cols) K is rotated as loaded, and dK, the gradient of the rotated k', is taken back
+# (see rope_cols) K is rotated as loaded, and dK, the gradient of the rotated k', is taken back
 # through the rotation: dk = dK' cos - rot(dK' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D),
 # row statistics and delta (B*H, L), rope tables as in the forward.
 @triton.jit
@@ -782,24 +611,20 @@ def _attention_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr,
 ):  # fmt: skip
-    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
-    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
-    pid_n, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_N)
+    scale, scale_log2 = as_float32(scale), as_float32(scale_log2)
+    start_n, pid_bh, batch, head, mask, rope, dropout, q_base, k_base, do_base = _attention_bwd_program(
+        QKV, DOut, Seed, Cos, Sin, Mask, seq_len, num_heads, head_dim=head_dim, model_dim=model_dim,
+        rope_start=rope_start, qkv_strides=(stride_qkv_b, stride_qkv_c), do_strides=(stride_do_b, stride_do_c),
+        cos_strides=(stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d),
+        sin_strides=(stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d),
+        mask_strides=(stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n),
+        floats=(dropout_p, inv_scale, mask_limit), BLOCK=BLOCK_N, DROPOUT=DROPOUT, ROPE=ROPE,
+    )  # fmt: skip
     layout = (seq_len, head_dim, stride_qkv_l, stride_qkv_c)
-    mask = _mask_of(
-        Mask, batch, head, (stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n), inv_scale, mask_limit
-    )
-    cos_strides = (stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d)
-    sin_strides = (stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d)
-    rope = _rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE)
-    dropout = _dropout_of(Seed, pid_bh, dropout_p, DROPOUT)
-    start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     cols = offs_d[None, :] * stride_qkv_c
-    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
-    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     kv_ptrs = (
         k_base
         + tl.cast(start_n, tl.int64) * stride_qkv_l
@@ -808,7 +633,7 @@ def _attention_bwd_dkdv_kernel(
     if ROPE == 0:
         k = _load_tile(kv_ptrs, offs_n, seq_len, mask_d, True, EVEN_D)
     else:
-        k = _load_rotated(k_base, offs_n[:, None], offs_d[None, :], layout, rope, ROPE, False)
+        k = load_rotated(k_base, offs_n[:, None], offs_d[None, :], layout, rope, ROPE, False)
     v = _load_tile(
         kv_ptrs + tl.cast(model_dim, tl.int64) * stride_qkv_c, offs_n, seq_len, mask_d, True, EVEN_D
     )
@@ -817,36 +642,12 @@ def _attention_bwd_dkdv_kernel(
     else:
         kv_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
     dk, dv = _attention_bwd_dkdv_queries(
-        k=k,
-        v=v,
-        k_base=k_base,
-        kv_ptrs=kv_ptrs,
-        kv_mask=kv_mask,
-        q_base=q_base,
-        do_base=DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c,
-        cols=cols,
-        do_cols=offs_d[None, :] * stride_do_c,
-        stats=(RowMax, RowInvSum, Delta, pid_bh.to(tl.int64) * seq_len),
-        offs_n=offs_n,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        layout=layout,
-        model_dim=model_dim,
-        stride_do_l=stride_do_l,
-        scale_log2=scale_log2,
-        dropout=dropout,
-        mask=mask,
-        rope=rope,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_TAIL=BLOCK_TAIL,
-        BLOCK_D=BLOCK_D,
-        EVEN_D=EVEN_D,
-        DROPOUT=DROPOUT,
-        PRECISION=PRECISION,
-        ROPE=ROPE,
-        MASK=MASK,
-    )
+        k=k, v=v, k_base=k_base, kv_ptrs=kv_ptrs, kv_mask=kv_mask, q_base=q_base, do_base=do_base, cols=cols, do_cols=offs_d[None, :] * stride_do_c,
+        stats=(RowMax, RowInvSum, Delta, pid_bh.to(tl.int64) * seq_len), offs_n=offs_n, offs_d=offs_d,
+        mask_d=mask_d, layout=layout, model_dim=model_dim, stride_do_l=stride_do_l, scale_log2=scale_log2,
+        dropout=dropout, mask=mask, rope=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_TAIL=BLOCK_TAIL,
+        BLOCK_D=BLOCK_D, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+    )  # fmt: skip
     out_base = (
         DQKV
         + batch.to(tl.int64) * stride_dqkv_b
@@ -855,20 +656,10 @@ def _attention_bwd_dkdv_kernel(
     )
     row_tile = tl.arange(0, BLOCK_N)[:, None] * stride_dqkv_l
     _store_qk_grad(
-        base=out_base + model_dim,
-        row_tile=row_tile,
-        g=dk * scale,
-        rows=offs_n,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        seq_len=seq_len,
-        head_dim=head_dim,
-        rope=rope,
-        ROWS=BLOCK_N,
-        BLOCK_D=BLOCK_D,
-        EVEN_D=EVEN_D,
-        ROPE=ROPE,
-    )
+        base=out_base + model_dim, row_tile=row_tile, g=dk * scale, rows=offs_n, offs_d=offs_d,
+        mask_d=mask_d, seq_len=seq_len, head_dim=head_dim, rope=rope, ROWS=BLOCK_N, BLOCK_D=BLOCK_D,
+        EVEN_D=EVEN_D, ROPE=ROPE,
+    )  # fmt: skip
     _store_tile(out_base + 2 * model_dim + (row_tile + offs_d[None, :]), dv, offs_n, seq_len, mask_d, EVEN_D)
 
 
@@ -910,31 +701,16 @@ def _attention_bwd_dq_key_block(
         k = _load_tile(k_base + row_offset + kv_tile, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
         kt = 0
     elif FOR_DQ:
-        k, kt = _rotated_pair(k_base, rows_n, offs_d, layout, rope, ROPE)
+        k, kt = rotated_pair(k_base, rows_n, offs_d, layout, rope, ROPE)
     else:
         k = 0
-        kt = _load_rotated(k_base, rows_n[None, :], offs_d[:, None], layout, rope, ROPE, False)
+        kt = load_rotated(k_base, rows_n[None, :], offs_d[:, None], layout, rope, ROPE, False)
     v = _load_tile(v_base + row_offset + kv_tile, rows_n, seq_len, mask_d, MASK_N, EVEN_D)
     p, dp = _attention_bwd_p_dp(
-        q=q,
-        k=k,
-        kt=kt,
-        v=v,
-        do=do,
-        row_max=row_max,
-        inv_sum=inv_sum,
-        rows_m=offs_m,
-        rows_n=rows_n,
-        seq_len=seq_len,
-        scale_log2=scale_log2,
-        dropout=dropout,
-        mask=mask,
-        MASK_N=MASK_N,
-        DROPOUT=DROPOUT,
-        PRECISION=PRECISION,
-        ROPE=ROPE,
-        MASK=MASK,
-    )
+        q=q, k=k, kt=kt, v=v, do=do, row_max=row_max, inv_sum=inv_sum, rows_m=offs_m, rows_n=rows_n,
+        seq_len=seq_len, scale_log2=scale_log2, dropout=dropout, mask=mask, MASK_N=MASK_N, DROPOUT=DROPOUT,
+        PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+    )  # fmt: skip
     return k, p, dp
 
 
@@ -981,31 +757,11 @@ def _attention_bwd_dq_keys(
     full_end = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         k, p, dp = _attention_bwd_dq_key_block(
-            q=q,
-            do=do,
-            row_max=row_max,
-            inv_sum=inv_sum,
-            k_base=k_base,
-            v_base=v_base,
-            kv_tile=kv_tile,
-            start_n=start_n,
-            offs_m=offs_m,
-            offs_n=offs_n,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            FOR_DQ=FOR_DQ,
-            MASK_N=False,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
-            MASK=MASK,
-        )
+            q=q, do=do, row_max=row_max, inv_sum=inv_sum, k_base=k_base, v_base=v_base, kv_tile=kv_tile,
+            start_n=start_n, offs_m=offs_m, offs_n=offs_n, offs_d=offs_d, mask_d=mask_d, layout=layout,
+            scale_log2=scale_log2, dropout=dropout, mask=mask, rope=rope, FOR_DQ=FOR_DQ, MASK_N=False,
+            EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+        )  # fmt: skip
         if FOR_DQ:
             dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
         else:
@@ -1014,31 +770,12 @@ def _attention_bwd_dq_keys(
     if BLOCK_TAIL > 0:
         offs_t = tl.arange(0, BLOCK_TAIL)
         k, p, dp = _attention_bwd_dq_key_block(
-            q=q,
-            do=do,
-            row_max=row_max,
-            inv_sum=inv_sum,
-            k_base=k_base,
-            v_base=v_base,
-            kv_tile=offs_t[:, None] * stride_l + cols,
-            start_n=full_end,
-            offs_m=offs_m,
-            offs_n=offs_t,
-            offs_d=offs_d,
-            mask_d=mask_d,
-            layout=layout,
-            scale_log2=scale_log2,
-            dropout=dropout,
-            mask=mask,
-            rope=rope,
-            FOR_DQ=FOR_DQ,
-            MASK_N=True,
-            EVEN_D=EVEN_D,
-            DROPOUT=DROPOUT,
-            PRECISION=PRECISION,
-            ROPE=ROPE,
-            MASK=MASK,
-        )
+            q=q, do=do, row_max=row_max, inv_sum=inv_sum, k_base=k_base, v_base=v_base,
+            kv_tile=offs_t[:, None] * stride_l + cols, start_n=full_end, offs_m=offs_m, offs_n=offs_t,
+            offs_d=offs_d, mask_d=mask_d, layout=layout, scale_log2=scale_log2, dropout=dropout, mask=mask,
+            rope=rope, FOR_DQ=FOR_DQ, MASK_N=True, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION,
+            ROPE=ROPE, MASK=MASK,
+        )  # fmt: skip
         if FOR_DQ:
             dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PRECISION)
         else:
@@ -1054,7 +791,7 @@ def _attention_bwd_dq_keys(
 #                                                      relative error of dS instead of an absolute one)
 #   dQ = scale * sum_j dS_ij k_j,  dS = P (dP - delta)
 # (the derivative of S = scale Q K^T through the softmax with respect to Q). dS is recomputed in both
-# kernels rather than shared through atomics: a deterministic result. With ROPE (see _rope_cols), q
+# kernels rather than shared through atomics: a deterministic result. With ROPE (see rope_cols), q
 # is rotated as loaded, each key block's K as (Dh, keys) for S (both passes) and as (keys, Dh) for dQ
 # (the second), and dQ, the gradient of the rotated q', is taken back through the rotation:
 # dq = dQ' cos - rot(dQ' sin). Shapes: qkv and dqkv (B, L, 3D), dO (B, L, D), row statistics and
@@ -1074,25 +811,21 @@ def _attention_bwd_dq_kernel(
     EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr,
 ):  # fmt: skip
-    scale, scale_log2, dropout_p = as_float32(scale), as_float32(scale_log2), as_float32(dropout_p)
-    inv_scale, mask_limit = as_float32(inv_scale), as_float32(mask_limit)
-    pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
+    scale, scale_log2 = as_float32(scale), as_float32(scale_log2)
+    start_m, pid_bh, batch, head, mask, rope, dropout, q_base, k_base, do_base = _attention_bwd_program(
+        QKV, DOut, Seed, Cos, Sin, Mask, seq_len, num_heads, head_dim=head_dim, model_dim=model_dim,
+        rope_start=rope_start, qkv_strides=(stride_qkv_b, stride_qkv_c), do_strides=(stride_do_b, stride_do_c),
+        cos_strides=(stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d),
+        sin_strides=(stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d),
+        mask_strides=(stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n),
+        floats=(dropout_p, inv_scale, mask_limit), BLOCK=BLOCK_M, DROPOUT=DROPOUT, ROPE=ROPE,
+    )  # fmt: skip
     layout = (seq_len, head_dim, stride_qkv_l, stride_qkv_c)
-    mask = _mask_of(
-        Mask, batch, head, (stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n), inv_scale, mask_limit
-    )
-    cos_strides = (stride_cos_b, stride_cos_h, stride_cos_l, stride_cos_d)
-    sin_strides = (stride_sin_b, stride_sin_h, stride_sin_l, stride_sin_d)
-    rope = _rope_of(Cos, Sin, batch, head, rope_start, cos_strides, sin_strides, ROPE)
-    dropout = _dropout_of(Seed, pid_bh, dropout_p, DROPOUT)
-    start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < seq_len
     mask_d = offs_d < head_dim
     cols = offs_d[None, :] * stride_qkv_c
-    q_base = QKV + batch.to(tl.int64) * stride_qkv_b + (head * head_dim).to(tl.int64) * stride_qkv_c
-    k_base = q_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     v_base = k_base + tl.cast(model_dim, tl.int64) * stride_qkv_c
     if ROPE == 0:
         q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qkv_l + cols
@@ -1100,8 +833,7 @@ def _attention_bwd_dq_kernel(
             q_base + tl.cast(start_m, tl.int64) * stride_qkv_l + q_tile, offs_m, seq_len, mask_d, True, EVEN_D
         )
     else:
-        q = _load_rotated(q_base, offs_m[:, None], offs_d[None, :], layout, rope, ROPE, False)
-    do_base = DOut + batch.to(tl.int64) * stride_do_b + (head * head_dim).to(tl.int64) * stride_do_c
+        q = load_rotated(q_base, offs_m[:, None], offs_d[None, :], layout, rope, ROPE, False)
     do_tile = tl.arange(0, BLOCK_M)[:, None] * stride_do_l + offs_d[None, :] * stride_do_c
     do = _load_tile(
         do_base + tl.cast(start_m, tl.int64) * stride_do_l + do_tile, offs_m, seq_len, mask_d, True, EVEN_D
@@ -1110,81 +842,25 @@ def _attention_bwd_dq_kernel(
     row_max = tl.load(RowMax + row_stats + offs_m, mask=mask_m, other=0.0)
     inv_sum = tl.load(RowInvSum + row_stats + offs_m, mask=mask_m, other=0.0)
     weighted, row_sum, _ = _attention_bwd_dq_keys(
-        q=q,
-        do=do,
-        row_max=row_max,
-        inv_sum=inv_sum,
-        delta=0.0,
-        k_base=k_base,
-        v_base=v_base,
-        cols=cols,
-        offs_m=offs_m,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        layout=layout,
-        scale_log2=scale_log2,
-        dropout=dropout,
-        mask=mask,
-        rope=rope,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_TAIL=BLOCK_TAIL,
-        BLOCK_D=BLOCK_D,
-        FOR_DQ=False,
-        EVEN_D=EVEN_D,
-        DROPOUT=DROPOUT,
-        PRECISION=PRECISION,
-        ROPE=ROPE,
-        MASK=MASK,
-    )
+        q=q, do=do, row_max=row_max, inv_sum=inv_sum, delta=0.0, k_base=k_base, v_base=v_base, cols=cols,
+        offs_m=offs_m, offs_d=offs_d, mask_d=mask_d, layout=layout, scale_log2=scale_log2, dropout=dropout,
+        mask=mask, rope=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_TAIL=BLOCK_TAIL, BLOCK_D=BLOCK_D,
+        FOR_DQ=False, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+    )  # fmt: skip
     delta = weighted / tl.where(mask_m & (row_sum != 0.0), row_sum, 1.0)  # 0 / 1 where every key is masked
     tl.store(Delta + row_stats + offs_m, delta, mask=mask_m)
     _, _, dq = _attention_bwd_dq_keys(
-        q=q,
-        do=do,
-        row_max=row_max,
-        inv_sum=inv_sum,
-        delta=delta,
-        k_base=k_base,
-        v_base=v_base,
-        cols=cols,
-        offs_m=offs_m,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        layout=layout,
-        scale_log2=scale_log2,
-        dropout=dropout,
-        mask=mask,
-        rope=rope,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_TAIL=BLOCK_TAIL,
-        BLOCK_D=BLOCK_D,
-        FOR_DQ=True,
-        EVEN_D=EVEN_D,
-        DROPOUT=DROPOUT,
-        PRECISION=PRECISION,
-        ROPE=ROPE,
-        MASK=MASK,
-    )
+        q=q, do=do, row_max=row_max, inv_sum=inv_sum, delta=delta, k_base=k_base, v_base=v_base, cols=cols,
+        offs_m=offs_m, offs_d=offs_d, mask_d=mask_d, layout=layout, scale_log2=scale_log2, dropout=dropout,
+        mask=mask, rope=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_TAIL=BLOCK_TAIL, BLOCK_D=BLOCK_D,
+        FOR_DQ=True, EVEN_D=EVEN_D, DROPOUT=DROPOUT, PRECISION=PRECISION, ROPE=ROPE, MASK=MASK,
+    )  # fmt: skip
     _store_qk_grad(
-        base=DQKV
-        + batch.to(tl.int64) * stride_dqkv_b
-        + tl.cast(start_m, tl.int64) * stride_dqkv_l
-        + head * head_dim,
-        row_tile=tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l,
-        g=dq * scale,
-        rows=offs_m,
-        offs_d=offs_d,
-        mask_d=mask_d,
-        seq_len=seq_len,
-        head_dim=head_dim,
-        rope=rope,
-        ROWS=BLOCK_M,
-        BLOCK_D=BLOCK_D,
-        EVEN_D=EVEN_D,
-        ROPE=ROPE,
-    )
+        base=DQKV + batch.to(tl.int64) * stride_dqkv_b + tl.cast(start_m, tl.int64) * stride_dqkv_l + head * head_dim,
+        row_tile=tl.arange(0, BLOCK_M)[:, None] * stride_dqkv_l, g=dq * scale, rows=offs_m, offs_d=offs_d,
+        mask_d=mask_d, seq_len=seq_len, head_dim=head_dim, rope=rope, ROWS=BLOCK_M, BLOCK_D=BLOCK_D,
+        EVEN_D=EVEN_D, ROPE=ROPE,
+    )  # fmt: skip
 
 
 # Probabilities for return_probs: P_ij = 2^((s_ij - m_i) c) / l_i, recomputed from the saved row statistics,

@@ -183,31 +183,12 @@ def _linear_kernel(
         if pid_n == 0:
             tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=mask_m)
     _gemm_epilogue(
-        acc=acc,
-        offs_m=offs_m,
-        offs_n=offs_n,
-        pid_m=pid_m,
-        pid_k=pid_k,
-        M=M,
-        N=N,
-        C=C,
-        Bias=Bias,
-        Aux=Aux,
-        Residual=Residual,
-        Sums=Sums,
-        stride_c_split=stride_c_split,
-        stride_cm=stride_cm,
-        stride_bias=stride_bias,
-        stride_aux_m=stride_aux_m,
-        stride_res_m=stride_res_m,
-        stride_res_n=stride_res_n,
-        HAS_BIAS=HAS_BIAS,
-        EPILOGUE=EPILOGUE,
-        GELU_FORM=GELU_FORM,
-        SAVE_PREACT=SAVE_PREACT,
-        HAS_RESIDUAL=HAS_RESIDUAL,
-        SUMS=SUMS,
-    )
+        acc=acc, offs_m=offs_m, offs_n=offs_n, pid_m=pid_m, pid_k=pid_k, M=M, N=N, C=C, Bias=Bias, Aux=Aux,
+        Residual=Residual, Sums=Sums, stride_c_split=stride_c_split, stride_cm=stride_cm,
+        stride_bias=stride_bias, stride_aux_m=stride_aux_m, stride_res_m=stride_res_m,
+        stride_res_n=stride_res_n, HAS_BIAS=HAS_BIAS, EPILOGUE=EPILOGUE, GELU_FORM=GELU_FORM,
+        SAVE_PREACT=SAVE_PREACT, HAS_RESIDUAL=HAS_RESIDUAL, SUMS=SUMS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -339,31 +320,12 @@ def _linear_tma_kernel(
             if pid_n == 0:
                 tl.store(Sums + pid_k.to(tl.int64) * M + offs_m, a_sums, mask=offs_m < M)
         _gemm_epilogue(
-            acc=acc,
-            offs_m=offs_m,
-            offs_n=offs_n,
-            pid_m=pid_m,
-            pid_k=pid_k,
-            M=M,
-            N=N,
-            C=C,
-            Bias=Bias,
-            Aux=Aux,
-            Residual=Residual,
-            Sums=Sums,
-            stride_c_split=stride_c_split,
-            stride_cm=stride_cm,
-            stride_bias=stride_bias,
-            stride_aux_m=stride_aux_m,
-            stride_res_m=stride_res_m,
-            stride_res_n=stride_res_n,
-            HAS_BIAS=HAS_BIAS,
-            EPILOGUE=EPILOGUE,
-            GELU_FORM=GELU_FORM,
-            SAVE_PREACT=SAVE_PREACT,
-            HAS_RESIDUAL=HAS_RESIDUAL,
-            SUMS=SUMS,
-        )
+            acc=acc, offs_m=offs_m, offs_n=offs_n, pid_m=pid_m, pid_k=pid_k, M=M, N=N, C=C, Bias=Bias,
+            Aux=Aux, Residual=Residual, Sums=Sums, stride_c_split=stride_c_split, stride_cm=stride_cm,
+            stride_bias=stride_bias, stride_aux_m=stride_aux_m, stride_res_m=stride_res_m,
+            stride_res_n=stride_res_n, HAS_BIAS=HAS_BIAS, EPILOGUE=EPILOGUE, GELU_FORM=GELU_FORM,
+            SAVE_PREACT=SAVE_PREACT, HAS_RESIDUAL=HAS_RESIDUAL, SUMS=SUMS,
+        )  # fmt: skip
 
 
 _linear_tma_kernel.min_capability = (

@@ -244,14 +244,7 @@ def _patch_embed_bwd_input_kernel(
         )
         acc = accumulate_dot(acc, dout, w.to(dout.dtype), zero, PRECISION)
     offsets = _pixel_offsets(
-        image=image,
-        patch_row=patch // grid_w,
-        patch_col=patch % grid_w,
-        offs_k=offs_k,
-        P=P,
-        stride_n=stride_n,
-        stride_c=stride_c,
-        stride_h=stride_h,
-        stride_w=stride_w,
-    )
+        image=image, patch_row=patch // grid_w, patch_col=patch % grid_w, offs_k=offs_k, P=P,
+        stride_n=stride_n, stride_c=stride_c, stride_h=stride_h, stride_w=stride_w,
+    )  # fmt: skip
     tl.store(DImages + offsets, acc.to(DImages.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
