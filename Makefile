@@ -17,6 +17,11 @@ INT_PY := $(INT_VENV)/bin/python
 INT_STAMP := $(INT_VENV)/.installed
 INT_SOURCES := $(shell find vit_kernels vit -name '*.py') $(wildcard csrc/*.cpp csrc/*.h)
 PYTEST_ARGS ?=
+# One Inductor cache per CPU capability: Inductor's cache keys leave out ATEN_CPU_CAPABILITY, on which
+# the C++ it generates depends, so a run under ATEN_CPU_CAPABILITY=avx2 sharing the default folder
+# (/tmp/torchinductor_$USER) with runs without it crashes them (SIGABRT in the first compiled graph
+# that meets the other's entries; make test showed it on an AVX-512 machine). A folder set is kept.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor/$(or $(ATEN_CPU_CAPABILITY),default)
 # every pytest stage ends with its slowest tests, so a stage that grows says where
 DURATIONS := --durations=15
 
