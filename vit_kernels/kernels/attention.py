@@ -90,20 +90,9 @@ def _store_tile(ptrs, tile, rows, seq_len, mask_d, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _store_qk_grad(
-    base,
-    row_tile,
-    g,
-    rows,
-    offs_d,
-    mask_d,
-    seq_len,
-    head_dim,
-    rope,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    ROPE: tl.constexpr,
-):
+    base, row_tile, g, rows, offs_d, mask_d, seq_len, head_dim, rope,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
     """Stores the float32 gradient ``g`` (ROWS, BLOCK_D) of q or k (of the rotated q' or k' with
     ROPE, in tile column order: taken back through the rotation, ``rope_grad``) at
     ``base + row_tile`` + its qkv columns."""
@@ -166,30 +155,11 @@ def _mask_term(mask, rows_m, rows_n, seq_len, MASK: tl.constexpr):
 # ``kv_tile``: the int32 offsets of the block's (keys, Dh) tile from its first key's row.
 @triton.jit
 def _attention_fwd_key_block(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    kv_tile,
-    start_n,
-    offs_n,
-    offs_m,
-    offs_d,
-    mask_d,
-    layout,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    MASK_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
-    MASK: tl.constexpr,
-):
+    acc, l_i, m_i, q, k_base, v_base, kv_tile, start_n, offs_n, offs_m, offs_d, mask_d, layout, scale_log2,
+    dropout, mask, rope,
+    MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
     seq_len, _, stride_l, _ = layout
     rows_n = start_n + offs_n
     row_offset = tl.cast(start_n, tl.int64) * stride_l
@@ -226,28 +196,11 @@ def _attention_fwd_key_block(
 # sequence, then the tail block, each by _attention_fwd_key_block -> (acc, l, m) of the online softmax.
 @triton.jit
 def _attention_fwd_keys(
-    q,
-    k_base,
-    v_base,
-    cols,
-    offs_m,
-    offs_d,
-    mask_d,
-    layout,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
+    q, k_base, v_base, cols, offs_m, offs_d, mask_d, layout, scale_log2, dropout, mask, rope,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr,
-):
+):  # fmt: skip
     seq_len, _, stride_l, _ = layout
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -365,25 +318,10 @@ def _attention_fwd_kernel(
 # the rounding difference between two ways of computing dO . v_j.
 @triton.jit
 def _attention_bwd_p_dp(
-    q,
-    k,
-    kt,
-    v,
-    do,
-    row_max,
-    inv_sum,
-    rows_m,
-    rows_n,
-    seq_len,
-    scale_log2,
-    dropout,
-    mask,
-    MASK_N: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
+    q, k, kt, v, do, row_max, inv_sum, rows_m, rows_n, seq_len, scale_log2, dropout, mask,
+    MASK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr,
-):
+):  # fmt: skip
     if ROPE == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:  # q and k rotated, k' as the (Dh, keys) tile kt (see rope_cols)
@@ -416,33 +354,11 @@ def _attention_bwd_p_dp(
 # ``q_tile``, ``do_tile``: the int32 offsets of the block's q and dO tiles from its first row.
 @triton.jit
 def _attention_bwd_dkdv_query_block(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    q_tile,
-    do_tile,
-    stats,
-    start_m,
-    offs_m,
-    offs_n,
-    offs_d,
-    mask_d,
-    layout,
-    stride_do_l,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    MASK_M: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
-    MASK: tl.constexpr,
-):
+    dk, dv, k, v, q_base, do_base, q_tile, do_tile, stats, start_m, offs_m, offs_n, offs_d, mask_d, layout,
+    stride_do_l, scale_log2, dropout, mask, rope,
+    MASK_M: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
     seq_len, _, stride_l, _ = layout
     RowMax, RowInvSum, Delta, row_stats = stats
     rows_m = start_m + offs_m
@@ -495,36 +411,12 @@ def _attention_bwd_dkdv_query_block(
 # ``k_base``: its head's k (row 0).
 @triton.jit
 def _attention_bwd_dkdv_queries(
-    k,
-    v,
-    k_base,
-    kv_ptrs,
-    kv_mask,
-    q_base,
-    do_base,
-    cols,
-    do_cols,
-    stats,
-    offs_n,
-    offs_d,
-    mask_d,
-    layout,
-    model_dim,
-    stride_do_l,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
+    k, v, k_base, kv_ptrs, kv_mask, q_base, do_base, cols, do_cols, stats, offs_n, offs_d, mask_d, layout,
+    model_dim, stride_do_l, scale_log2, dropout, mask, rope,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     MASK: tl.constexpr,
-):
+):  # fmt: skip
     seq_len, _, stride_l, stride_c = layout
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -669,31 +561,11 @@ def _attention_bwd_dkdv_kernel(
 # ``kv_tile``: the int32 offsets of the block's (keys, Dh) tile from its first key's row.
 @triton.jit
 def _attention_bwd_dq_key_block(
-    q,
-    do,
-    row_max,
-    inv_sum,
-    k_base,
-    v_base,
-    kv_tile,
-    start_n,
-    offs_m,
-    offs_n,
-    offs_d,
-    mask_d,
-    layout,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    FOR_DQ: tl.constexpr,
-    MASK_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
-    MASK: tl.constexpr,
-):
+    q, do, row_max, inv_sum, k_base, v_base, kv_tile, start_n, offs_m, offs_n, offs_d, mask_d, layout,
+    scale_log2, dropout, mask, rope,
+    FOR_DQ: tl.constexpr, MASK_N: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr, ROPE: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
     seq_len, _, stride_l, _ = layout
     rows_n = start_n + offs_n
     row_offset = tl.cast(start_n, tl.int64) * stride_l
@@ -721,33 +593,12 @@ def _attention_bwd_dq_key_block(
 # (rows, Dh) tile of qkv.
 @triton.jit
 def _attention_bwd_dq_keys(
-    q,
-    do,
-    row_max,
-    inv_sum,
-    delta,
-    k_base,
-    v_base,
-    cols,
-    offs_m,
-    offs_d,
-    mask_d,
-    layout,
-    scale_log2,
-    dropout,
-    mask,
-    rope,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FOR_DQ: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,
-    MASK: tl.constexpr,
-):
+    q, do, row_max, inv_sum, delta, k_base, v_base, cols, offs_m, offs_d, mask_d, layout, scale_log2, dropout,
+    mask, rope,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    FOR_DQ: tl.constexpr, EVEN_D: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
     seq_len, _, stride_l, _ = layout
     weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -867,23 +718,10 @@ def _attention_bwd_dq_kernel(
 # one program per (block of query rows, batch * head), written to (B, H, L, L).
 @triton.jit
 def _attention_probs_kernel(
-    QKV,
-    RowMax,
-    RowInvSum,
-    Probs,
-    seq_len,
-    num_heads,
-    head_dim,
-    model_dim,
-    stride_qkv_b,
-    stride_qkv_l,
-    stride_qkv_c,
-    scale_log2,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    QKV, RowMax, RowInvSum, Probs, seq_len, num_heads, head_dim, model_dim, stride_qkv_b, stride_qkv_l,
+    stride_qkv_c, scale_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     scale_log2 = as_float32(scale_log2)
     pid_m, pid_bh, batch, head = _block_and_head(seq_len, num_heads, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -119,39 +119,12 @@ def accumulate_dot(acc, a, b, zero, PRECISION: tl.constexpr):
 # need no copies.
 @triton.jit
 def _linear_kernel(
-    A,
-    B,
-    C,
-    Bias,
-    Aux,
-    Residual,
-    Sums,
-    M,
-    N,
-    K,
-    k_per_split,
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_c_split,
-    stride_cm,
-    stride_bias,
-    stride_aux_m,
-    stride_res_m,
-    stride_res_n,
-    HAS_BIAS: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    GELU_FORM: tl.constexpr,
-    SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SUMS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    A, B, C, Bias, Aux, Residual, Sums, M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn,
+    stride_c_split, stride_cm, stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
 
@@ -193,31 +166,11 @@ def _linear_kernel(
 
 @triton.jit
 def _gemm_epilogue(
-    acc,
-    offs_m,
-    offs_n,
-    pid_m,
-    pid_k,
-    M,
-    N,
-    C,
-    Bias,
-    Aux,
-    Residual,
-    Sums,
-    stride_c_split,
-    stride_cm,
-    stride_bias,
-    stride_aux_m,
-    stride_res_m,
-    stride_res_n,
-    HAS_BIAS: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    GELU_FORM: tl.constexpr,
-    SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SUMS: tl.constexpr,
-):
+    acc, offs_m, offs_n, pid_m, pid_k, M, N, C, Bias, Aux, Residual, Sums, stride_c_split, stride_cm,
+    stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr,
+):  # fmt: skip
     """The GEMM kernels' epilogue on one (BLOCK_M x BLOCK_N) fp32 tile ``acc`` of C (see
     ``_linear_kernel``): bias, GELU or GELU', residual, the column sums, the one store of C."""
     mask_m = offs_m < M
@@ -258,38 +211,13 @@ def _gemm_epilogue(
 # matrix whose transpose B is (B_T: W^T of a forward). K slices start at multiples of BLOCK_K.
 @triton.jit
 def _linear_tma_kernel(
-    A_desc,
-    B_desc,
-    C,
-    Bias,
-    Aux,
-    Residual,
-    Sums,
-    M,
-    N,
-    K,
-    k_per_split,
-    slices,
-    stride_c_split,
-    stride_cm,
-    stride_bias,
-    stride_aux_m,
-    stride_res_m,
-    stride_res_n,
-    HAS_BIAS: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    GELU_FORM: tl.constexpr,
-    SAVE_PREACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SUMS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    A_T: tl.constexpr,
-    B_T: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    A_desc, B_desc, C, Bias, Aux, Residual, Sums, M, N, K, k_per_split, slices, stride_c_split, stride_cm,
+    stride_bias, stride_aux_m, stride_res_m, stride_res_n,
+    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, GELU_FORM: tl.constexpr, SAVE_PREACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr,
+    B_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-):
+):  # fmt: skip
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     zero = block_zero(BLOCK_M, BLOCK_N)
     for item in range(tl.program_id(0), tiles * slices, tl.num_programs(0)):
@@ -340,18 +268,9 @@ _linear_tma_kernel.min_capability = (
 #              host sums the slices): the bias gradient without a second read of dZ
 @triton.jit
 def _gelu_bwd_kernel(
-    DY,
-    Z,
-    DZ,
-    Partial,
-    rows,
-    cols,
-    rows_per_slice,
-    GELU_FORM: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    DY, Z, DZ, Partial, rows, cols, rows_per_slice,
+    GELU_FORM: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < cols
     row_begin = tl.program_id(1) * rows_per_slice

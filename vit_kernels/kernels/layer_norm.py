@@ -11,29 +11,11 @@ from vit_kernels._triton import as_float32, tl, triton
 #   rstd = 1 / sqrt(var + eps), y = (s - mean) * rstd * w + b; mean and rstd saved for backward.
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X,
-    Residual,
-    Weight,
-    Bias,
-    Y,
-    Sum,
-    Mean,
-    Rstd,
-    num_rows,
-    num_cols,
-    stride_x,
-    stride_r,
-    stride_y,
-    stride_s,
-    stride_w,
-    stride_b,
-    eps,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    X, Residual, Weight, Bias, Y, Sum, Mean, Rstd, num_rows, num_cols, stride_x, stride_r, stride_y, stride_s,
+    stride_w, stride_b, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-):
+):  # fmt: skip
     eps = as_float32(eps)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -75,29 +57,11 @@ def _layer_norm_fwd_kernel(
 #   specialised on (one compiled variant whatever its value).
 @triton.jit(do_not_specialize=["tiles"])
 def _layer_norm_bwd_kernel(
-    S,
-    DY,
-    DSum,
-    Weight,
-    Mean,
-    Rstd,
-    DS,
-    PartialW,
-    PartialB,
-    num_rows,
-    num_cols,
-    tiles,
-    stride_s,
-    stride_dy,
-    stride_dsum,
-    stride_ds,
-    stride_w,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_DSUM: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    S, DY, DSum, Weight, Mean, Rstd, DS, PartialW, PartialB, num_rows, num_cols, tiles, stride_s, stride_dy,
+    stride_dsum, stride_ds, stride_w,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEEDS_WB: tl.constexpr,
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask_cols = cols < num_cols

@@ -32,34 +32,11 @@ def _pixel_offsets(image, patch_row, patch_col, offs_k, P, stride_n, stride_c, s
 # where eager PyTorch runs conv, flatten, transpose, cat and add.
 @triton.jit
 def _patch_embed_fwd_kernel(
-    Images,
-    W,
-    Bias,
-    Cls,
-    Pos,
-    Out,
-    total_rows,
-    dim,
-    k_dim,
-    tokens,
-    grid_w,
-    P,
-    stride_n,
-    stride_c,
-    stride_h,
-    stride_w,
-    stride_wd,
-    stride_wk,
-    stride_bias,
-    HAS_BIAS: tl.constexpr,
-    HAS_CLS: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    Images, W, Bias, Cls, Pos, Out, total_rows, dim, k_dim, tokens, grid_w, P, stride_n, stride_c, stride_h,
+    stride_w, stride_wd, stride_wk, stride_bias,
+    HAS_BIAS: tl.constexpr, HAS_CLS: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     pid_m, pid_n = grouped_tile(total_rows, dim, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -123,27 +100,11 @@ def _patch_embed_fwd_kernel(
 # rows_per_split rows (grid axis 2) whose float32 partial sums the host adds up when there are several.
 @triton.jit
 def _patch_embed_bwd_weight_kernel(
-    Images,
-    DOut,
-    DW,
-    num_patches,
-    dim,
-    k_dim,
-    tokens,
-    grid_w,
-    P,
-    rows_per_split,
-    stride_n,
-    stride_c,
-    stride_h,
-    stride_w,
-    stride_dw_split,
-    HAS_CLS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    Images, DOut, DW, num_patches, dim, k_dim, tokens, grid_w, P, rows_per_split, stride_n, stride_c,
+    stride_h, stride_w, stride_dw_split,
+    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
-):
+):  # fmt: skip
     pid_d = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -197,27 +158,11 @@ def _patch_embed_bwd_weight_kernel(
 # is a GEMM whose result is scattered back through the same pixel offsets (col2im without overlap).
 @triton.jit
 def _patch_embed_bwd_input_kernel(
-    DOut,
-    W,
-    DImages,
-    num_patches,
-    dim,
-    k_dim,
-    tokens,
-    grid_w,
-    P,
-    stride_n,
-    stride_c,
-    stride_h,
-    stride_w,
-    stride_wd,
-    stride_wk,
-    HAS_CLS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DOut, W, DImages, num_patches, dim, k_dim, tokens, grid_w, P, stride_n, stride_c, stride_h, stride_w,
+    stride_wd, stride_wk,
+    HAS_CLS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -15,34 +15,11 @@ from vit_kernels.kernels.gemm import accumulate_dot, block_zero, grouped_tile
 #   H = G / (1 + exp(-G)) * U               (cast once on store)
 @triton.jit
 def _swiglu_fwd_kernel(
-    A,
-    BG,
-    BU,
-    BiasG,
-    BiasU,
-    H,
-    G,
-    U,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bg_k,
-    stride_bg_n,
-    stride_bu_k,
-    stride_bu_n,
-    stride_bias_g,
-    stride_bias_u,
-    HAS_BIAS_G: tl.constexpr,
-    HAS_BIAS_U: tl.constexpr,
-    SAVE_PREACT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+    A, BG, BU, BiasG, BiasU, H, G, U, M, N, K, stride_am, stride_ak, stride_bg_k, stride_bg_n, stride_bu_k,
+    stride_bu_n, stride_bias_g, stride_bias_u,
+    HAS_BIAS_G: tl.constexpr, HAS_BIAS_U: tl.constexpr, SAVE_PREACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,20 +69,9 @@ def _swiglu_fwd_kernel(
 #              before the rounding; the host sums the slices): both bias gradients with no second read
 @triton.jit
 def _swiglu_bwd_kernel(
-    DH,
-    G,
-    U,
-    DG,
-    DU,
-    PartialG,
-    PartialU,
-    rows,
-    cols,
-    rows_per_slice,
-    BIAS_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    DH, G, U, DG, DU, PartialG, PartialU, rows, cols, rows_per_slice,
+    BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < cols
     row_begin = tl.program_id(1) * rows_per_slice
