@@ -22,25 +22,21 @@ from vit_kernels._ext import ExtensionOps
 from vit_kernels._tiles import decided, keep, tile_to_launch
 from vit_kernels._triton import (
     capability,
-    cdiv,
     dot_precision,
-    interpreted,
     launch,
     next_power_of_2,
 )
 from vit_kernels.kernels.attention import (
+    LOG2E,
     _attention_bwd_dkdv_kernel,
     _attention_bwd_dq_kernel,
     _attention_fwd_kernel,
-    _attention_probs_kernel,
 )
 from vit_kernels.ops.attention_reference import (
     attention_ref,
     check_against_pytorch,
     finite_cast,
-    merge_heads,
     probs_by_torch,
-    split_qkv,
     validation_images,
 )
 from vit_kernels.ops.attention_tiles import (
@@ -51,10 +47,11 @@ from vit_kernels.ops.attention_tiles import (
     fwd_candidates,
     interpreter_tile,
     padded_head_dim,
+    row_blocks,
 )
+from vit_kernels.ops.attention_probs import attention_probs
 from vit_kernels.ops.rope import Rope, tables_4d
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
@@ -64,11 +61,6 @@ def _tail_block(block: int, seq_len: int) -> int:
     smallest tl.dot operand, and at most ``block``), or 0 where ``block`` divides L (no tail)."""
     rest = int(seq_len) % block
     return 0 if rest == 0 else max(16, next_power_of_2(rest))
-
-
-def _row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:
-    """The flattened grid of ``_block_and_head``: (row blocks x batch * heads,)."""
-    return (cdiv(seq_len, block) * batch_heads,)
 
 
 def _shape(qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int, int]:
@@ -112,7 +104,7 @@ def _launch_config(
     bm, bn, warps, stages = tile
     rows, looped = (bn, bm) if over_keys else (bm, bn)
     block_d = padded_head_dim(head_dim)
-    return _row_blocks(rows, seq_len, batch * num_heads), dict(
+    return row_blocks(rows, seq_len, batch * num_heads), dict(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_TAIL=_tail_block(looped, seq_len),
@@ -378,29 +370,6 @@ def _attention_bwd(
 attention_bwd = direct(_attention_bwd)
 
 
-def _attention_probs(qkv: torch.Tensor, stats: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
-    """The softmax probabilities (B, H, L, L) from qkv and the forward's row statistics."""
-    batch, seq_len, model_dim, head_dim = _shape(qkv, num_heads)
-    if interpreted(qkv.device):
-        bm, bn, warps, stages = interpreter_tile(seq_len)
-    else:  # one q tile against k tiles, as in dQ: the default pair's dQ tile
-        bm, bn, warps, stages = bwd_candidates(qkv.dtype, head_dim, seq_len)[0][0]
-    probs = torch.empty((batch, num_heads, seq_len, seq_len), dtype=qkv.dtype, device=qkv.device)
-    grid = _row_blocks(bm, seq_len, batch * num_heads)
-    tensors = (qkv, stats[0], stats[1], probs)
-    sizes = (seq_len, num_heads, head_dim, model_dim, *qkv.stride(), scale * LOG2E)
-    config = dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_D=padded_head_dim(head_dim),
-        PRECISION=dot_precision(qkv.dtype),
-        num_warps=warps,
-        num_stages=stages,
-    )
-    launch(_attention_probs_kernel, grid, *tensors, *sizes, **config)
-    return probs
-
-
 def _fwd_setup_context(ctx, inputs, output):
     qkv, num_heads, scale, dropout_p, seed, *extra = inputs
     cos, sin, rope_layout, mask = (*extra, *(None, None, "interleaved", None)[len(extra) :])
@@ -419,34 +388,6 @@ def _fwd_backward(ctx, grad_out, grad_stats):
 
 
 attention_fwd = differentiable(_attention_fwd, _fwd_backward, _fwd_setup_context)
-
-
-def _probs_setup_context(ctx, inputs, output):
-    qkv, stats, num_heads, scale = inputs
-    ctx.save_for_backward(qkv, output)
-    ctx.num_heads, ctx.scale = num_heads, scale
-
-
-def _probs_backward(ctx, grad_probs):
-    # d(softmax): dS = P * (dP - rowsum(dP * P)); dq = scale dS k, dk = scale dS^T q. The
-    # probabilities are materialised anyway, so this runs as plain tensor ops. stats get no
-    # gradient: the formula above is the full derivative of softmax with respect to S.
-    qkv, probs = ctx.saved_tensors
-    q, k, _ = split_qkv(qkv, ctx.num_heads)
-    p = probs.float()
-    g = grad_probs.float()
-    ds = p * (g - (g * p).sum(-1, keepdim=True)) * ctx.scale
-    dq = merge_heads((ds @ k.float()).to(qkv.dtype))
-    dk = merge_heads((ds.transpose(-2, -1) @ q.float()).to(qkv.dtype))
-    return torch.cat([dq, dk, torch.zeros_like(dq)], dim=-1), None, None, None
-
-
-attention_probs = differentiable(
-    _attention_probs,
-    _probs_backward,
-    _probs_setup_context,
-    double_backward=True,
-)
 
 
 def attention_triton(qkv, num_heads, scale, dropout_p, return_probs, cos, sin, rope_layout, attn_mask):

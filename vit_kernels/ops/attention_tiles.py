@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from vit_kernels._tiles import TileChooser, plain_repr, report_rows
-from vit_kernels._triton import next_power_of_2
+from vit_kernels._triton import cdiv, next_power_of_2
 
 
 class AttentionTile(NamedTuple):
@@ -103,6 +103,11 @@ def tile_report() -> list[dict]:
     """Every attention tile choice made in this process: kernel, key (dtype, head dim, length,
     batch x heads bucket), the tile chosen and each candidate's time in ms or why it was excluded."""
     return report_rows("forward", FWD_CHOOSER) + report_rows("backward", BWD_CHOOSER)
+
+
+def row_blocks(block: int, seq_len: int, batch_heads: int) -> tuple[int]:
+    """The flattened grid of the kernels' ``_block_and_head``: (row blocks x batch * heads,)."""
+    return (cdiv(seq_len, block) * batch_heads,)
 
 
 def padded_head_dim(head_dim: int) -> int:
