@@ -57,12 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="small shapes and models, for a CPU / CI smoke run"
     )
-    parser.add_argument(
-        "--device",
-        type=cli.device_name,
-        default=None,
-        help="cpu, cuda or cuda:N (default: cuda when available)",
-    )
+    cli.add_device_option(parser)
     parser.add_argument(
         "--ops",
         default=",".join(cases.OPS + cases.KERNELS),

@@ -69,12 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repo", type=Path, default=None, help="the git repository (default: the one holding the cwd)"
     )
-    parser.add_argument(
-        "--device",
-        type=cli.device_name,
-        default=None,
-        help="cpu, cuda or cuda:N (default: cuda when available)",
-    )
+    cli.add_device_option(parser)
     parser.add_argument(
         "--ops", default=",".join(cases.OPS + cases.KERNELS), help="comma-separated ops, or 'none'"
     )

@@ -54,6 +54,17 @@ def device_name(text: str) -> str:
     return text
 
 
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """``--device``: cpu, cuda or cuda:N (``device_name``); None by default, which ``check_device``
+    takes for cuda when available."""
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available)",
+    )
+
+
 def check_device(option: str, text: Optional[str]):
     """The torch device ``text`` names (None: cuda when available, else cpu), or a one-line
     SystemExit naming ``option`` when this machine has no such device."""

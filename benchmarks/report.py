@@ -58,6 +58,26 @@ def _speedups(row: dict[str, object]) -> str:
     return ", ".join(parts)
 
 
+OP_COLUMNS = ("op", "shape", "dtype", "mode", "implementation", "median ms (q20-q80)")
+OP_COLUMNS += ("throughput", "of peak", "speedup over")
+MODEL_COLUMNS = ("model", "batch", "dtype", "step", "variant", "images/s", "median ms (q20-q80)")
+MODEL_COLUMNS += ("first step s", "model TFLOP/s (of peak)", "peak memory MiB", "speedup over")
+
+
+def _median_and_quantiles(row: dict[str, object]) -> str:
+    """``median (q20-q80)`` of a timed row, in milliseconds."""
+    return f"{_fmt(row['median_ms'])} ({_fmt(row['q20_ms'])}-{_fmt(row['q80_ms'])})"
+
+
+def _table(columns: tuple[str, ...], cells: list[list[object]]) -> list[str]:
+    """The lines of a markdown table: the header of ``columns``, one line per row of ``cells`` (one
+    per column), then a blank line; none where there are no rows."""
+    if not cells:
+        return []
+    header = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    return header + ["| " + " | ".join(map(str, row)) + " |" for row in cells] + [""]
+
+
 def markdown(
     rows: list[dict[str, object]],
     peaks: dict[str, float],
@@ -77,32 +97,35 @@ def markdown(
         lines.append(quiet)
     lines += ["Peaks measured in this run: " + ", ".join(f"{k} {v:.4g}" for k, v in peaks.items()) + ".", ""]
     ops = [r for r in rows if r["kind"] == "op" and "median_ms" in r]
-    if ops:
-        lines += [
-            "| op | shape | dtype | mode | implementation | median ms (q20-q80) | throughput | of peak | speedup over |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in ops:
-            lines.append(
-                f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | "
-                f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | {_fmt(r['throughput'])} {r['unit']} | "
-                f"{_percent(r['fraction_of_peak'])} | {_speedups(r)} |"
-            )
-        lines.append("")
+    lines += _table(
+        OP_COLUMNS,
+        [
+            [
+                *(r[field] for field in ("op", "shape", "dtype", "mode", "backend")),
+                _median_and_quantiles(r),
+                f"{_fmt(r['throughput'])} {r['unit']}",
+                _percent(r["fraction_of_peak"]),
+                _speedups(r),
+            ]
+            for r in ops
+        ],
+    )
     models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
-    if models:
-        lines += [
-            "| model | batch | dtype | step | variant | images/s | median ms (q20-q80) | first step s | model TFLOP/s (of peak) | peak memory MiB | speedup over |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in models:
-            lines.append(
-                f"| {r['model']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['backend']} | {_fmt(r['throughput'], 4)} | "
-                f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])}-{_fmt(r['q80_ms'])}) | {_fmt(r.get('first_step_s'))} | "
-                f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])}) | "
-                f"{_fmt(r['peak_memory_mb'], 5)} | {_speedups(r)} |"
-            )
-        lines.append("")
+    lines += _table(
+        MODEL_COLUMNS,
+        [
+            [
+                *(r[field] for field in ("model", "shape", "dtype", "mode", "backend")),
+                _fmt(r["throughput"], 4),
+                _median_and_quantiles(r),
+                _fmt(r.get("first_step_s")),
+                f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])})",
+                _fmt(r["peak_memory_mb"], 5),
+                _speedups(r),
+            ]
+            for r in models
+        ],
+    )
     other = [r for r in rows if "median_ms" not in r]
     if other:
         lines += ["Not timed:", ""]

@@ -133,6 +133,26 @@ def test_injected_slowdown_is_reported_in_that_op_only(repo, capsys):
     )
 
 
+def ab_args(*argv: str):
+    """``python -m benchmarks ab``'s options parsed from ``argv``."""
+    parser = ab.argparse.ArgumentParser()
+    ab.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def linear_forward_spec() -> dict:
+    """One op case: linear's forward at vit_digits' shape, batch 1, float32, on the torch backend."""
+    return {
+        "kind": "op",
+        "op": "linear",
+        "model": "vit_digits",
+        "batch": 1,
+        "dtype": "float32",
+        "backend": "torch",
+        "mode": "forward",
+    }
+
+
 class _NoisyWorker:
     """Stands in for a worker process: 5 ms per request, times with 30% noise around the same value."""
 
@@ -145,22 +165,8 @@ class _NoisyWorker:
 
 
 def test_noise_adds_rounds_up_to_the_budget_then_is_inconclusive():
-    parser = ab.argparse.ArgumentParser()
-    ab.add_arguments(parser)
-    args = parser.parse_args(
-        ["--baseline", "HEAD", "--budget", "0.5", "--min-rounds", "5", "--threshold", "0.02"]
-    )
-    specs = [
-        {
-            "kind": "op",
-            "op": "linear",
-            "model": "vit_digits",
-            "batch": 1,
-            "dtype": "float32",
-            "backend": "torch",
-            "mode": "forward",
-        }
-    ]
+    args = ab_args("--baseline", "HEAD", "--budget", "0.5", "--min-rounds", "5", "--threshold", "0.02")
+    specs = [linear_forward_spec()]
     samples, verdicts, rounds, seconds = ab.run_rounds([_NoisyWorker(1), _NoisyWorker(2)], specs, [0], args)
     assert args.min_rounds < rounds < args.max_rounds and rounds == len(samples[0][0]) == len(samples[0][1])
     assert seconds <= args.budget + 0.1
@@ -208,20 +214,8 @@ def test_a_regression_counts_only_when_every_fresh_pair_of_processes_confirms_it
 
     monkeypatch.setattr(ab, "Worker", worker)
     monkeypatch.setattr(ab, "set_up", lambda workers, specs, device, threads: None)
-    parser = ab.argparse.ArgumentParser()
-    ab.add_arguments(parser)
-    args = parser.parse_args(["--baseline", "HEAD", "--budget", "5", "--min-rounds", "5"])
-    specs = [
-        {
-            "kind": "op",
-            "op": "linear",
-            "model": "vit_digits",
-            "batch": 1,
-            "dtype": "float32",
-            "backend": "torch",
-            "mode": "forward",
-        }
-    ] * 3
+    args = ab_args("--baseline", "HEAD", "--budget", "5", "--min-rounds", "5")
+    specs = [linear_forward_spec()] * 3
     verdicts, samples = ab.confirm([0], specs, ["base", "cand"], None, None, "cpu", 1, args)
     assert spawned == [
         f"{side}-confirm{k}" for k in range(1, pairs + 1) for side in ("baseline", "candidate")

@@ -47,6 +47,21 @@ def formula_out(qkv, num_heads, scale=None):
     return attention_formula(qkv, num_heads, scale)[0]
 
 
+QKV_PARTS = {"qkv": ("q", "k", "v")}  # dqkv compared as dq, dk and dv, each on its own
+
+
+def check_attention_against_formula(
+    qkv, dtype, device, num_heads, formula=formula_out, check=check_against_formula, **kwargs
+):
+    """vk.attention(qkv (B, L, 3D), num_heads, **kwargs) in ``dtype`` on ``device`` against
+    ``formula`` (qkv, num_heads, **kwargs) -> (B, L, D) in float64: the output and dq, dk and dv,
+    each on its own. ``check`` is the comparison, ``check_against_formula`` unless a caller passes
+    its own."""
+    check(
+        out_only, formula, [qkv], dtype, ["qkv"], device, grad_parts=QKV_PARTS, num_heads=num_heads, **kwargs
+    )
+
+
 # float16 on the torch backend is PyTorch's own error: test_error_within_twice_pytorch measures it.
 OP = "attention"  # the on_backend fixture skips a backend that does not offer it on the device
 CPU_PAIRS = [("torch", torch.float32)] + [
@@ -85,16 +100,7 @@ def test_tail_blocks_match_formula(device, backend_name, dtype, length, head_dim
     heads = 2
     qkv = torch.randn(2, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            device,
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=heads,
-        )
+        check_attention_against_formula(qkv, dtype, device, heads)
 
 
 # The backward at the ViT head dims, 64 (ViT-B and -L), 80 and 96 (padded to 128: masked columns)
@@ -108,16 +114,7 @@ def test_backward_at_vit_head_dims_matches_formula(device, backend_name, dtype, 
     heads = 2
     qkv = torch.randn(2 if length < 100 else 1, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            device,
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=heads,
-        )
+        check_attention_against_formula(qkv, dtype, device, heads)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, check_against_formula
-from tests.test_attention import _dropout_mask
+from tests.helpers import CPU_BACKENDS
+from tests.test_attention import _dropout_mask, check_attention_against_formula
 from tests.test_attention_rope import assert_out_probs_and_grad, frequency_tables, rope_formula
 from vit_kernels import backend
 from vit_kernels.ops import attention, attention_reference, attention_tiles
@@ -85,10 +85,6 @@ def make_mask(kind: str, batch: int, heads: int, length: int) -> torch.Tensor:
     raise AssertionError(kind)
 
 
-def out_only(qkv, num_heads, **kwargs):
-    return vk.attention(qkv, num_heads, **kwargs)
-
-
 def formula_out(qkv, num_heads, **kwargs):
     return masked_formula(qkv, num_heads, **kwargs)[0]
 
@@ -120,17 +116,7 @@ def test_mask_matches_formula(backend_name, dtype, kind, shape):
     mask = make_mask(kind, batch, heads, length)
     qkv = torch.randn(batch, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            "cpu",
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=heads,
-            attn_mask=mask,
-        )
+        check_attention_against_formula(qkv, dtype, "cpu", heads, formula_out, attn_mask=mask)
 
 
 @pytest.mark.parametrize("backend_name", MASK_BACKENDS)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, assert_close, check_against_formula
-from tests.test_attention import _dropout_mask
+from tests.helpers import CPU_BACKENDS, assert_close
+from tests.test_attention import _dropout_mask, check_attention_against_formula
 from vit_kernels import backend
 from vit_kernels import nn as vkn
 from vit_kernels.ops import attention, attention_reference
@@ -112,10 +112,6 @@ def make_tables(kind: str, batch: int, heads: int, rows: int, head_dim: int, lay
     raise AssertionError(kind)
 
 
-def out_only(qkv, num_heads, **kwargs):
-    return vk.attention(qkv, num_heads, **kwargs)
-
-
 def formula_out(qkv, num_heads, **kwargs):
     return rope_formula(qkv, num_heads, **kwargs)[0]
 
@@ -155,17 +151,8 @@ def test_rope_matches_formula(backend_name, dtype, case):
     cos, sin = make_tables(kind, batch, heads, length - prefix, head_dim, layout)
     qkv = torch.randn(batch, length, 3 * heads * head_dim)
     with vk.use_backend(backend_name, strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            "cpu",
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=heads,
-            rope=(cos, sin),
-            rope_layout=layout,
+        check_attention_against_formula(
+            qkv, dtype, "cpu", heads, formula_out, rope=(cos, sin), rope_layout=layout
         )
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import vit_kernels as vk
 from tests.helpers import CPU_BACKENDS, check_against_formula
-from tests.test_linear import mlp_formula
+from tests.test_linear import check_mlp_against_formula, mlp_inputs
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
@@ -121,27 +121,8 @@ def test_every_epilogue_and_gradient_through_the_choice(gpu_path, monkeypatch, d
     )  # fc2's bias gradient: the dW GEMM's row sums time faster
     _tiles.forget()
     spy_launches(monkeypatch)
-    d, hidden = 24, 130
-    inputs = [
-        torch.randn(4, 33, d),
-        torch.randn(hidden, d) / math.sqrt(d),
-        torch.randn(hidden),
-        torch.randn(d, hidden) / math.sqrt(hidden),
-        torch.randn(d),
-        torch.randn(4, 33, d),
-    ]
-
-    def run(x, w1, b1, w2, b2, r):
-        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
-
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            run,
-            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
-            inputs,
-            dtype,
-            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-        )
+        check_mlp_against_formula(mlp_inputs((4, 33), 24, 130), dtype, approximate=approximate)
     rows = gemm.tile_report()
     # (bias, epilogue, tanh, aux, residual, sums, K slices) of each GEMM key
     kinds = {(*r["key"][3:9], r["key"][12] > 1) for r in rows}
@@ -193,26 +174,8 @@ def test_the_tma_kernel_runs_every_gemm_of_an_mlp_against_float64(monkeypatch, a
     kernels = spy_kernels(monkeypatch)
     d, hidden, rows = 24, 40, (4, 33)
     assert gemm.split_k_slices(hidden, d, math.prod(rows), torch.device("cpu")) > 1
-    inputs = [
-        torch.randn(*rows, d),
-        torch.randn(hidden, d) / math.sqrt(d),
-        torch.randn(hidden),
-        torch.randn(d, hidden) / math.sqrt(hidden),
-        torch.randn(d),
-        torch.randn(*rows, d),
-    ]
-
-    def run(x, w1, b1, w2, b2, r):
-        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
-
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            run,
-            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, approximate),
-            inputs,
-            torch.float16,
-            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-        )
+        check_mlp_against_formula(mlp_inputs(rows, d, hidden), torch.float16, approximate=approximate)
     gemms = [name for name in kernels if "linear" in name]
     assert gemms == ["_linear_tma_kernel"] * 6, kernels
 

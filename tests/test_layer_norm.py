@@ -23,6 +23,23 @@ def run_layer_norm(x, weight, bias, residual, eps):
     return vk.layer_norm(x, weight, bias, eps, residual=residual)
 
 
+def check_layer_norm_against_formula(inputs, dtype, device=None, eps=1e-5, check=check_against_formula):
+    """vk.layer_norm on ``inputs`` = [x (..., D), weight (D,) or None, bias (D,) or None, residual
+    (..., D) or None] in ``dtype`` on ``device`` (by default the inputs' own) against
+    layer_norm_formula in float64: y (..., D), with a residual also x + residual (..., D), and every
+    input's gradient. ``check`` is the comparison, ``check_against_formula`` unless a caller passes
+    its own."""
+    check(
+        run_layer_norm,
+        layer_norm_formula,
+        inputs,
+        dtype,
+        ["x", "weight", "bias", "residual"],
+        device,
+        eps=eps,
+    )
+
+
 @pytest.mark.pairwise
 @pytest.mark.parametrize(
     "shape", [(4, 48), (2, 197, 192), (3, 5, 1023), (1, 1), (7, 13), (2, 17, 768), (37, 384)]
@@ -41,15 +58,7 @@ def test_layer_norm(device, backend_name, dtype, shape, with_residual):
         torch.randn(shape) if with_residual else None,
     ]
     with vk.use_backend(backend_name):
-        check_against_formula(
-            run_layer_norm,
-            layer_norm_formula,
-            inputs,
-            dtype,
-            ["x", "weight", "bias", "residual"],
-            device,
-            eps=1e-5,
-        )
+        check_layer_norm_against_formula(inputs, dtype, device, eps=1e-5)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -62,28 +71,14 @@ def test_layer_norm_partial_affine(on_backend, with_residual, affine):
         torch.randn(dim) if affine == "bias" else None,
         torch.randn(3, dim) if with_residual else None,
     ]
-    check_against_formula(
-        run_layer_norm,
-        layer_norm_formula,
-        inputs,
-        torch.float32,
-        ["x", "weight", "bias", "residual"],
-        eps=1e-6,
-    )
+    check_layer_norm_against_formula(inputs, torch.float32, eps=1e-6)
 
 
 def test_layer_norm_strided_rows(on_backend):
     """Rows of a wider buffer (outer stride > D) are read in place."""
     wide = torch.randn(6, 40)
     x = wide[:, 4:36]
-    check_against_formula(
-        run_layer_norm,
-        layer_norm_formula,
-        [x, torch.randn(32), torch.randn(32), None],
-        torch.float32,
-        ["x", "weight", "bias", "residual"],
-        eps=1e-5,
-    )
+    check_layer_norm_against_formula([x, torch.randn(32), torch.randn(32), None], torch.float32, eps=1e-5)
 
 
 def test_only_the_sum_is_used(on_backend):

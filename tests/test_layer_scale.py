@@ -46,33 +46,21 @@ def _swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual, gamma):
     return vk.swiglu_mlp(x, wg, bg, wu, bu, wd, bd, residual=residual, layer_scale=gamma)
 
 
+def _weight_and_bias(n_out: int, n_in: int) -> list:
+    """A random GEMM weight (n_out, n_in), scaled by 1 / sqrt(n_in), and bias (n_out,)."""
+    return [torch.randn(n_out, n_in) / n_in**0.5, torch.randn(n_out)]
+
+
 def _inputs(op: str, rows=(2, 9), dim=24, hidden=40, out=16):
     x = torch.randn(*rows, dim)
     residual = torch.randn(*rows, out)
     gamma = torch.randn(out)  # any sign and size, not only timm's 1e-5 start
     if op == "linear":
-        return [x, torch.randn(out, dim) / dim**0.5, torch.randn(out), residual, gamma]
+        return [x, *_weight_and_bias(out, dim), residual, gamma]
     if op == "mlp":
-        return [
-            x,
-            torch.randn(hidden, dim) / dim**0.5,
-            torch.randn(hidden),
-            torch.randn(out, hidden) / hidden**0.5,
-            torch.randn(out),
-            residual,
-            gamma,
-        ]
-    return [
-        x,
-        torch.randn(hidden, dim) / dim**0.5,
-        torch.randn(hidden),
-        torch.randn(hidden, dim) / dim**0.5,
-        torch.randn(hidden),
-        torch.randn(out, hidden) / hidden**0.5,
-        torch.randn(out),
-        residual,
-        gamma,
-    ]
+        return [x, *_weight_and_bias(hidden, dim), *_weight_and_bias(out, hidden), residual, gamma]
+    gate_and_up = _weight_and_bias(hidden, dim) + _weight_and_bias(hidden, dim)
+    return [x, *gate_and_up, *_weight_and_bias(out, hidden), residual, gamma]
 
 
 OPS = {

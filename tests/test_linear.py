@@ -34,6 +34,35 @@ def mlp_formula(x, w1, b1, w2, b2, residual, approximate):
     return linear_formula(linear_gelu_formula(x, w1, b1, approximate), w2, b2, residual)
 
 
+MLP_INPUT_NAMES = ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"]
+
+
+def mlp_inputs(rows, d, hidden, with_bias=True, with_residual=True) -> list:
+    """Random vk.mlp inputs in MLP_INPUT_NAMES' order: x (*rows, d), fc1 weight (hidden, d) and bias
+    (hidden,), fc2 weight (d, hidden) and bias (d,), residual (*rows, d); the weights scaled by
+    1 / sqrt(fan-in), the biases or the residual None where left out."""
+    return [
+        torch.randn(*rows, d),
+        torch.randn(hidden, d) / math.sqrt(d),
+        torch.randn(hidden) if with_bias else None,
+        torch.randn(d, hidden) / math.sqrt(hidden),
+        torch.randn(d) if with_bias else None,
+        torch.randn(*rows, d) if with_residual else None,
+    ]
+
+
+def run_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual, approximate):
+    return vk.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate=approximate, residual=residual)
+
+
+def check_mlp_against_formula(inputs, dtype, device=None, approximate="none", check=check_against_formula):
+    """vk.mlp on ``inputs`` (MLP_INPUT_NAMES' order, as ``mlp_inputs`` gives them) with the GELU
+    ``approximate`` in ``dtype`` on ``device`` (by default the inputs' own) against mlp_formula in
+    float64: the output (..., D) and every input's gradient. ``check`` is the comparison,
+    ``check_against_formula`` unless a caller passes its own."""
+    check(run_mlp, mlp_formula, inputs, dtype, MLP_INPUT_NAMES, device, approximate=approximate)
+
+
 SHAPES = [
     ((5, 48), 48, 192),
     ((2, 17, 64), 64, 1023),
@@ -115,28 +144,9 @@ def test_linear_gelu_without_gradients(device, backend_name, dtype, approximate)
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("device,backend_name,dtype", device_backend_dtypes("mlp", CPU_PAIRS))
 def test_mlp(device, backend_name, dtype, x_shape, d, hidden, approximate, with_residual, with_bias):
-    inputs = [
-        torch.randn(x_shape),
-        torch.randn(hidden, d) / math.sqrt(d),
-        torch.randn(hidden) if with_bias else None,
-        torch.randn(d, hidden) / math.sqrt(hidden),
-        torch.randn(d) if with_bias else None,
-        torch.randn(x_shape) if with_residual else None,
-    ]
-
-    def run(x, w1, b1, w2, b2, r, approximate):
-        return vk.mlp(x, w1, b1, w2, b2, approximate=approximate, residual=r)
-
+    inputs = mlp_inputs(x_shape[:-1], d, hidden, with_bias, with_residual)
     with vk.use_backend(backend_name):
-        check_against_formula(
-            run,
-            mlp_formula,
-            inputs,
-            dtype,
-            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-            device,
-            approximate=approximate,
-        )
+        check_mlp_against_formula(inputs, dtype, device, approximate)
 
 
 def test_strided_input_is_read_in_place(on_backend):
@@ -194,13 +204,7 @@ def test_strided_bias_and_residual_are_read_by_strides(on_backend, residual_layo
         torch.float32,
         ["x", "weight", "bias", "residual"],
     )
-    check_against_formula(
-        lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, residual=r),
-        lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
-        [x, w1, b1, w2, b2, residual],
-        torch.float32,
-        ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-    )
+    check_mlp_against_formula([x, w1, b1, w2, b2, residual], torch.float32)
 
 
 def test_deep_weight_gradient_is_split_over_k():

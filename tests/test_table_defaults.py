@@ -6,16 +6,14 @@ attention backward at L = 197, head dim 64 (`make gpu-session` runs this file fi
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import vit_kernels as vk
 from tests.helpers import CUDA, check_against_formula, cuda_param, device_reason
-from tests.test_attention import formula_out, out_only
-from tests.test_layer_norm import layer_norm_formula, run_layer_norm
-from tests.test_linear import mlp_formula
+from tests.test_attention import check_attention_against_formula
+from tests.test_layer_norm import check_layer_norm_against_formula
+from tests.test_linear import check_mlp_against_formula, mlp_inputs
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels import _tiles
@@ -55,16 +53,7 @@ def chosen(monkeypatch) -> dict:
 def test_the_default_attention_at_vit_b16(dtype, chosen):
     qkv = torch.randn(BATCH, LENGTH, 3 * DIM)
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            CUDA,
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=HEADS,
-        )
+        check_attention_against_formula(qkv, dtype, CUDA, HEADS)
     default = attention_tiles.bwd_candidates(dtype, DIM // HEADS, LENGTH, arch=capability(CUDA))[0]
     assert chosen[attention_tiles.BWD_CHOOSER.name] == {default}
 
@@ -82,24 +71,8 @@ def test_the_default_patch_embedding_at_vit_b16(dtype):
 def test_the_default_gemms_of_a_vit_b16_mlp(dtype):
     """fc1 + GELU saving the pre-activation, fc2 + residual, GELU' and the split-K weight gradients:
     by the TMA kernel on sm_90, else the pointer kernel's default."""
-    hidden = 4 * DIM
-    inputs = [
-        torch.randn(BATCH, LENGTH, DIM),
-        torch.randn(hidden, DIM) / math.sqrt(DIM),
-        torch.randn(hidden),
-        torch.randn(DIM, hidden) / math.sqrt(hidden),
-        torch.randn(DIM),
-        torch.randn(BATCH, LENGTH, DIM),
-    ]
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            lambda x, w1, b1, w2, b2, r: vk.mlp(x, w1, b1, w2, b2, residual=r),
-            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
-            inputs,
-            dtype,
-            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-            CUDA,
-        )
+        check_mlp_against_formula(mlp_inputs((BATCH, LENGTH), DIM, 4 * DIM), dtype, CUDA)
 
 
 @pytest.mark.parametrize("dtype", SIXTEEN_BITS)
@@ -111,12 +84,4 @@ def test_the_default_layer_norm_at_vit_b16(dtype):
         torch.randn(BATCH * LENGTH, DIM),
     ]
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            run_layer_norm,
-            layer_norm_formula,
-            inputs,
-            dtype,
-            ["x", "weight", "bias", "residual"],
-            CUDA,
-            eps=1e-6,
-        )
+        check_layer_norm_against_formula(inputs, dtype, CUDA, eps=1e-6)

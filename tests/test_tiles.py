@@ -28,9 +28,9 @@ import torch
 
 import vit_kernels as vk
 from tests.helpers import CUDA, DTYPE_NAMES, check_against_formula, cuda_param, device_reason
-from tests.test_attention import formula_out, out_only
-from tests.test_layer_norm import layer_norm_formula, run_layer_norm
-from tests.test_linear import linear_formula, linear_gelu_formula, mlp_formula
+from tests.test_attention import check_attention_against_formula
+from tests.test_layer_norm import check_layer_norm_against_formula
+from tests.test_linear import check_mlp_against_formula, linear_formula, linear_gelu_formula
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
 from vit_kernels import _tiles
@@ -102,16 +102,8 @@ def test_attention_tile(monkeypatch, dtype, head_dim, fwd, pair):
     heads = 2
     qkv = torch.randn(2, LENGTH, 3 * heads * head_dim)
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            out_only,
-            formula_out,
-            [qkv],
-            dtype,
-            ["qkv"],
-            CUDA,
-            grad_parts={"qkv": ("q", "k", "v")},
-            num_heads=heads,
-        )
+        # the comparison by its name here: tests/cuda_sim/test_tile_tests.py replaces it
+        check_attention_against_formula(qkv, dtype, CUDA, heads, check=check_against_formula)
     assert set(launched) == set(fitted), "the launchers did not run the pinned tiles"
 
 
@@ -184,19 +176,9 @@ def test_mlp_tile(monkeypatch, dtype, tile):
     launched = pin(monkeypatch, gemm, "_matmul_tile", tile)
     x, w1, b1 = linear_inputs()
     inputs = [x, w1, b1, torch.randn(K, N) / math.sqrt(N), torch.randn(K), torch.randn(*ROWS, K)]
-
-    def run(x, w1, b1, w2, b2, r):
-        return vk.mlp(x, w1, b1, w2, b2, residual=r)
-
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            run,
-            lambda x, w1, b1, w2, b2, r: mlp_formula(x, w1, b1, w2, b2, r, "none"),
-            inputs,
-            dtype,
-            ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "residual"],
-            CUDA,
-        )
+        # the comparison by its name here: tests/cuda_sim/test_tile_tests.py replaces it
+        check_mlp_against_formula(inputs, dtype, CUDA, check=check_against_formula)
     assert launched, "the GEMMs did not run the pinned tile"
 
 
@@ -285,13 +267,6 @@ def test_layer_norm_tile(monkeypatch, dtype, dim, fwd_tile, bwd_tile):
     rows = max(3, 2**16 // dim)  # several programs, and rows left over in the last one
     inputs = [torch.randn(rows, dim) * 3 + 1, torch.randn(dim), torch.randn(dim), torch.randn(rows, dim)]
     with vk.use_backend("triton", strict=True):
-        check_against_formula(
-            run_layer_norm,
-            layer_norm_formula,
-            inputs,
-            dtype,
-            ["x", "weight", "bias", "residual"],
-            CUDA,
-            eps=1e-5,
-        )
+        # the comparison by its name here: tests/cuda_sim/test_tile_tests.py replaces it
+        check_layer_norm_against_formula(inputs, dtype, CUDA, eps=1e-5, check=check_against_formula)
     assert set(launched) == {fwd_tile, bwd_tile}, "the launchers did not run the pinned tiles"

@@ -143,6 +143,18 @@ def checkpoint_path(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def checkpoint_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser for ``prog`` (one error line, exit code 2) that takes a checkpoint folder written by
+    ``python -m vit.train`` (or its run folder) as its first argument, resolved by checkpoint_path."""
+    parser = cli.OneLineErrors(prog=prog, description=description)
+    parser.add_argument(
+        "checkpoint",
+        type=checkpoint_path,
+        help="checkpoint folder written by python -m vit.train (or its run folder)",
+    )
+    return parser
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     parser = cli.OneLineErrors(prog="python -m vit.train", description=description)
     add = parser.add_argument

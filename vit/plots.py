@@ -58,12 +58,7 @@ def plot_attention(image: torch.Tensor, maps: torch.Tensor, out: str | Path, tit
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = cli.OneLineErrors(prog="python -m vit.plots", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "checkpoint",
-        type=options.checkpoint_path,
-        help="checkpoint folder written by python -m vit.train (or its run folder)",
-    )
+    parser = options.checkpoint_parser("python -m vit.plots", __doc__.split("\n\n")[0])
     parser.add_argument(
         "--image",
         type=options.existing_path,

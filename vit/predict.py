@@ -22,12 +22,7 @@ from vit.train import evaluate, pick_device
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = cli.OneLineErrors(prog="python -m vit.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "checkpoint",
-        type=options.checkpoint_path,
-        help="checkpoint folder written by python -m vit.train (or its run folder)",
-    )
+    parser = options.checkpoint_parser("python -m vit.predict", __doc__.split("\n\n")[0])
     parser.add_argument(
         "--dataset", default=None, choices=DATASETS, help="default: the one it was trained on"
     )
