@@ -206,10 +206,12 @@ bench-gate: $(STAMP)
 	$(PY) -m benchmarks ab --baseline $(BENCH_BASELINE) --out $(BENCH_OUT)/ab.json $(BENCH_GATE_ARGS); \
 	code=$$?; if [ $$code -eq 3 ]; then echo "bench-gate: inconclusive, not failing"; exit 0; fi; exit $$code
 
-# The GPU compile gate, without a GPU. check-gpu: every Triton kernel variant the launchers can
-# choose on CUDA (every candidate tile) compiled ahead of time for sm_80 and sm_90, failing on a
-# compile error, spills, shared memory over the limit, grids over CUDA's limits or int32 index
-# overflow; check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384). What each
+# The GPU compile gate, without a GPU. check-gpu: every Triton kernel variant a first call launches
+# on CUDA (the tables' tiles; with dropout, every attention candidate) compiled ahead of time for
+# sm_80 and sm_90, failing on a compile error, spills, shared memory over the limit, grids over
+# CUDA's limits or int32 index overflow; GPU_CHECK_ARGS=--every-tile adds every candidate of every
+# tile table, as vk.tune searches them (1,126 sm_90 variants where the tables' tiles are 398);
+# check-gpu-all: the full sweep (every precision and flag, batch 1 to 16,384, every tile). What each
 # variant's compile found is kept outside the clone, in ~/.cache/vit_kernels/compiled-triton<version>-
 # ptxas<version>/ (VIT_KERNELS_COMPILED_CACHE replaces ~/.cache/vit_kernels), by everything that
 # decides the compiled code: a second run, of this clone or another, compiles only the variants a
@@ -218,7 +220,7 @@ bench-gate: $(STAMP)
 GPU_CHECK_OUT ?= build/check-gpu
 GPU_CHECK_TARGETS ?= 80,90
 check-gpu: $(STAMP)
-	$(PY) -m tools.gpu_check --targets $(GPU_CHECK_TARGETS) --out $(GPU_CHECK_OUT)
+	$(PY) -m tools.gpu_check --targets $(GPU_CHECK_TARGETS) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 check-gpu-all: $(STAMP)
 	$(PY) -m tools.gpu_check --all --out $(GPU_CHECK_OUT)-all

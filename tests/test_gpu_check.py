@@ -329,6 +329,23 @@ ptxas info    : Used 255 registers, used 1 barriers, 372 bytes cmem[0]
     assert (second.target, second.registers, second.shared_bytes, second.spill_loads) == (90, 255, 0, 12)
 
 
+def test_every_tile_records_each_candidate_of_the_tables():
+    """The sweep's recording launches the tables' first tiles; with ``every_tile`` every candidate of
+    the GEMM table too (as vk.tune's search launches them), the first tile among them."""
+    case = next(c for c in cases.cases(cases.QUICK) if c.op == "linear_gelu" and c.precision == "bf16")
+
+    def tiles(launches):
+        return {
+            (l.kwargs["BLOCK_M"], l.kwargs["BLOCK_N"], l.kwargs["BLOCK_K"], l.kwargs["num_warps"])
+            for l in launches
+            if l.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel")
+        }
+
+    first, every = tiles(cases.record(case)), tiles(cases.record(case, every_tile=True))
+    tma = {(t.block_m, t.block_n, t.block_k, t.warps) for t in gemm.GEMM_TILES_TMA}
+    assert first < every and tma <= every, (first, every)
+
+
 def test_float_scalars_passed_as_fp64_stay_fp32_arithmetic():
     """torch.compile (Inductor) passes a kernel's float scalars (scale, dropout_p, eps) as fp64,
     where Triton's launcher passes fp32: every kernel taking one compiles that way for sm_90 (an fp64

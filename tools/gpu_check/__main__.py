@@ -84,16 +84,17 @@ def variant_failures(variant: Variant, capability: int, bound, resources: Resour
     return failures
 
 
-def collect(sweep: sweeps.Sweep, targets: list[int], ops=None):
+def collect(sweep: sweeps.Sweep, targets: list[int], ops=None, every_tile: bool = False):
     """-> unique compile jobs, per launch its labels, variant, bound key per target (only the cases
-    of ``ops`` where given), and how many variant bindings were duplicates of a job already held."""
+    of ``ops`` where given; with ``every_tile``, every candidate of every tile table), and how many
+    variant bindings were duplicates of a job already held."""
     jobs: dict[str, tuple[Variant, int, object]] = {}
     launches = []
     bindings = 0
     for case in sweeps.cases(sweep):
         if ops is not None and case.op not in ops:
             continue
-        for launch in sweeps.record(case):
+        for launch in sweeps.record(case, every_tile):
             for variant in expand(launch):
                 keys = {}
                 for capability in targets:
@@ -111,6 +112,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--all", action="store_true", help="the full sweep (every precision, flag, batch 1 to 16,384)"
+    )
+    parser.add_argument(
+        "--every-tile",
+        action="store_true",
+        help="every candidate of every tile table, as vk.tune searches them (default: the tiles a "
+        "first call launches; --all implies it)",
     )
     parser.add_argument(
         "--ops", default=None, help="only these ops' cases, comma-separated (default: every op)"
@@ -139,7 +146,8 @@ def main(argv=None) -> int:
         parser.error(f"--ops must be among {sorted(known_ops)}, got {sorted(ops - known_ops)}")
 
     start = time.time()
-    jobs, launches, duplicates = collect(sweeps.FULL if args.all else sweeps.QUICK, targets, ops)
+    sweep = sweeps.FULL if args.all else sweeps.QUICK
+    jobs, launches, duplicates = collect(sweep, targets, ops, every_tile=args.all or args.every_tile)
     keys = list(jobs)
     _JOBS[:] = [jobs[k] for k in keys]
     _COMPILED[0] = Compiled(Path(args.compiled)) if args.compiled else None

@@ -8,14 +8,16 @@ second list kept by hand.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 
 from tools.cuda_sim import Launch, simulated_cuda
-from vit_kernels import _tiles
+from vit_kernels import _tiles, tuning
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
 from vit_kernels.ops import attention, attention_tiles, layer_norm, linear, patch_embed, swiglu
 from vit_kernels.ops.rope import Rope
@@ -424,10 +426,14 @@ def cases(sweep: Sweep) -> Iterator[Case]:
     yield from _swiglu_cases(sweep)
 
 
-def record(case: Case) -> list[Launch]:
-    """The launches ``case`` issues on the simulated H100, recorded instead of run: every candidate
-    tile of each launcher's first call (the choosers start afresh for each case, as in a new process)."""
+def record(case: Case, every_tile: bool = False) -> list[Launch]:
+    """The launches ``case`` issues on the simulated H100, recorded instead of run: the tables'
+    tiles, as a first call launches them (the choosers start afresh for each case, as in a new
+    process); ``every_tile``: every candidate of every table too, as ``vk.tune``'s search launches
+    them (validated on the simulated device, where every value reads 0, and not timed)."""
     _tiles.forget()
-    with simulated_cuda(90) as device:
+    searching = _tiles.search(every_tile)
+    untimed = mock.patch.object(tuning, "time_runs", lambda runs: dict.fromkeys(runs, 1.0))
+    with simulated_cuda(90) as device, searching, untimed if every_tile else contextlib.nullcontext():
         case.run()
     return device.launches
