@@ -175,6 +175,29 @@ def describe_activation(act: object) -> str:
     return getattr(act, "__name__", None) or type(act).__name__
 
 
+def mlp_activation_problem(act: object) -> Optional[str]:
+    """Why ``vit_kernels.nn.Mlp`` does not compute an MLP's activation ``act`` (``activation_name``
+    names none), or None."""
+    if activation_name(act) is None:
+        return f"activation {describe_activation(act)} is not one of GELU, GELU(tanh), QuickGELU, ReLU"
+    return None
+
+
+def patch_projection_problem(proj: object, unpadded: tuple = ((0, 0),)) -> Optional[str]:
+    """Why a patch embedding's projection ``proj`` is not what ``vk.patch_embed`` computes, or None:
+    it must be a square ``nn.Conv2d`` with stride == kernel, without dilation or groups, whose
+    ``padding`` is one of ``unpadded`` (the settings that pad nothing, as the library spells them)."""
+    if (
+        type(proj) is not nn.Conv2d
+        or proj.kernel_size != proj.stride
+        or proj.kernel_size[0] != proj.kernel_size[1]
+    ):
+        return "projection is not a square Conv2d with stride == kernel"
+    if proj.padding not in unpadded or proj.dilation != (1, 1) or proj.groups != 1:
+        return "projection uses padding, dilation or groups"
+    return None
+
+
 _FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
 
 

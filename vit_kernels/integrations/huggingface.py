@@ -33,6 +33,8 @@ from vit_kernels.integrations._common import (
     describe_activation,
     fusable_mask,
     is_silu,
+    mlp_activation_problem,
+    patch_projection_problem,
     unfused_forward,
     unknown_forward_args,
     unknown_parts,
@@ -119,18 +121,16 @@ def attention_dispatch(module: nn.Module) -> Swap:
 
 def swap_mlp(module: nn.Module) -> Swap:
     """fc1 -> activation_fn -> fc2, as ViT's, CLIP's, SigLIP's and DINOv2's MLPs compute it."""
-    why = unknown_parts(module, ("fc1", "fc2", "activation_fn")) or unknown_forward_args(
-        module, ("hidden_states",)
+    why = (
+        unknown_parts(module, ("fc1", "fc2", "activation_fn"))
+        or unknown_forward_args(module, ("hidden_states",))
+        or mlp_activation_problem(module.activation_fn)
     )
     if why:
         return Swap.skip(why)
-    act = activation_name(module.activation_fn)
-    if act is None:
-        return Swap.skip(
-            f"activation {describe_activation(module.activation_fn)} is not one of GELU, GELU(tanh), QuickGELU, ReLU"
-        )
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
         return Swap.skip("fc1/fc2 are not nn.Linear")
+    act = activation_name(module.activation_fn)
     new = vkn.Mlp(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act)
     new.fc1, new.fc2 = module.fc1, module.fc2
     return Swap(new)
@@ -174,18 +174,13 @@ def patch_embeddings_forward(self, pixel_values, *args, **kwargs):
 
 
 def swap_patch_embeddings(module: nn.Module) -> Swap:
-    why = unknown_parts(module, ("projection",)) or unknown_forward_args(module, ("pixel_values",))
+    why = (
+        unknown_parts(module, ("projection",))
+        or unknown_forward_args(module, ("pixel_values",))
+        or patch_projection_problem(module.projection)
+    )
     if why:
         return Swap.skip(why)
-    proj = module.projection
-    if (
-        type(proj) is not nn.Conv2d
-        or proj.kernel_size != proj.stride
-        or proj.kernel_size[0] != proj.kernel_size[1]
-    ):
-        return Swap.skip("projection is not a square Conv2d with stride == kernel")
-    if proj.padding != (0, 0) or proj.dilation != (1, 1) or proj.groups != 1:
-        return Swap.skip("projection uses padding, dilation or groups")
     return Swap(with_fused_forward(module, patch_embeddings_forward), descend=False)
 
 

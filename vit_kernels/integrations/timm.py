@@ -39,6 +39,8 @@ from vit_kernels.integrations._common import (
     fusable_mask,
     is_identity,
     is_silu,
+    mlp_activation_problem,
+    patch_projection_problem,
     project,
     qualified_name,
     unfused_forward,
@@ -87,14 +89,13 @@ def swap_attention(module: nn.Module) -> Swap:
 
 
 def swap_mlp(module: nn.Module) -> Swap:
-    why = unknown_parts(module, MLP_CHILDREN) or unknown_forward_args(module, ("x",))
+    why = (
+        unknown_parts(module, MLP_CHILDREN)
+        or unknown_forward_args(module, ("x",))
+        or mlp_activation_problem(module.act)
+    )
     if why:
         return Swap.skip(why)
-    act = activation_name(module.act)
-    if act is None:
-        return Swap.skip(
-            f"activation {describe_activation(module.act)} is not one of GELU, GELU(tanh), QuickGELU, ReLU"
-        )
     if not is_identity(module.norm):
         return Swap.skip("normalizes inside the MLP")
     if type(module.fc1) is not nn.Linear or type(module.fc2) is not nn.Linear:
@@ -102,6 +103,7 @@ def swap_mlp(module: nn.Module) -> Swap:
     drop1, drop2 = dropout_p(module.drop1), dropout_p(module.drop2)
     if drop1 is None or drop2 is None or drop1 != drop2:
         return Swap.skip(f"uses two different dropout rates ({drop1}, {drop2})")
+    act = activation_name(module.act)
     new = vkn.Mlp(
         module.fc1.in_features, module.fc1.out_features, module.fc2.out_features, act=act, drop=drop1
     )
@@ -251,18 +253,13 @@ def patch_embed_forward(self, x):
 
 
 def swap_patch_embed(module: nn.Module) -> Swap:
-    why = unknown_parts(module, PATCH_EMBED_CHILDREN) or unknown_forward_args(module, ("x",))
+    why = (
+        unknown_parts(module, PATCH_EMBED_CHILDREN)
+        or unknown_forward_args(module, ("x",))
+        or patch_projection_problem(module.proj, unpadded=((0, 0), "valid"))
+    )
     if why:
         return Swap.skip(why)
-    proj = module.proj
-    if (
-        type(proj) is not nn.Conv2d
-        or proj.kernel_size != proj.stride
-        or proj.kernel_size[0] != proj.kernel_size[1]
-    ):
-        return Swap.skip("projection is not a square Conv2d with stride == kernel")
-    if proj.padding not in ((0, 0), "valid") or proj.dilation != (1, 1) or proj.groups != 1:
-        return Swap.skip("projection uses padding, dilation or groups")
     if getattr(module, "dynamic_img_pad", False):
         return Swap.skip("pads images to a multiple of the patch size (dynamic_img_pad)")
     if not is_identity(module.norm):

@@ -51,8 +51,9 @@ SUMS_NONE, SUMS_OF_C_COLUMNS, SUMS_OF_A_ROWS = 0, 1, 2
 # shared memory on sm_90, within its 227 KB, and 96-128 KB on sm_80, whose pipeline keeps one stage
 # fewer); the 64-wide ones serve small problems and sm_80. float32 stays exact (ieee FMA, no tf32),
 # where a 128 x 128 fp32 accumulator per CTA would spill, so its tiles are 64 wide at most. Every
-# entry is compiled for sm_80 and sm_90 by `make check-gpu`, which fails on spills and on shared
-# memory over the limit, and run against float64 by the GPU tests (tests/test_tiles.py).
+# entry is compiled for sm_80 and sm_90 by `make check-gpu GPU_CHECK_ARGS=--every-tile`, which fails
+# on spills and on shared memory over the limit, and run against float64 by the GPU tests
+# (tests/test_tiles.py).
 TMA = "tma"
 
 

@@ -125,16 +125,24 @@ def tile_report() -> list[dict]:
 
 def _tile(
     chooser: TileChooser,
-    key: tuple,
-    device: torch.device,
-    rows: int,
-    candidates: tuple,
+    rows2: torch.Tensor,
+    present: tuple[bool, ...],
+    candidates_for: Callable[[int], tuple],
     trial: Callable[[], tuple[Callable, Callable]],
 ) -> tuple:
-    """The tile to launch (``tile_to_launch``), the default for no rows (nothing to validate on)."""
+    """The tile to launch on rows2 (rows, D) (``tile_to_launch``), the default for no rows (nothing
+    to validate on). Keyed by rows2's device and dtype, D padded to a power of 2 (``block_d``),
+    ``present`` (which of the optional inputs the call has) and the rows bucket; the candidates are
+    ``candidates_for(block_d)``."""
+    rows, dim = (int(n) for n in rows2.shape)  # SymInts made concrete (traced with dynamic shapes)
+    block_d = next_power_of_2(dim)
+    candidates = candidates_for(block_d)
     if rows == 0:
         return candidates[0]
-    return tile_to_launch(chooser, device, lambda: key, lambda: candidates[0], lambda: candidates, trial)
+    key = (str(rows2.device), str(rows2.dtype), block_d, *present, _signature.bucket(rows))
+    return tile_to_launch(
+        chooser, rows2.device, lambda: key, lambda: candidates[0], lambda: candidates, trial
+    )
 
 
 def _pytorch_forward(x2, r2, weight, bias, eps, dtype):
@@ -235,8 +243,7 @@ def _layer_norm_fwd(
     )
     plan = decided(_FWD_PLANS, plan_key)
     if plan is None:
-        rows, dim = (int(n) for n in x2.shape)  # SymInts made concrete (traced with dynamic shapes)
-        block_d = next_power_of_2(dim)
+        present = (residual is not None, weight is not None, bias is not None)  # for the tile key
 
         def trial():
             def run(tile):
@@ -251,16 +258,7 @@ def _layer_norm_fwd(
 
             return run, check_against(("y",) if r2 is None else ("y", "s"), references, x2.dtype)
 
-        key = (
-            str(x.device),
-            str(x.dtype),
-            block_d,
-            residual is not None,
-            weight is not None,
-            bias is not None,
-            _signature.bucket(rows),
-        )
-        tile = _tile(FWD_CHOOSER, key, x.device, rows, fwd_candidates(block_d), trial)
+        tile = _tile(FWD_CHOOSER, x2, present, fwd_candidates, trial)
         made = _fwd_plan(tile, x2, r2, weight, bias, eps)
         plan = keep(_FWD_PLANS, plan_key, made)
     y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
@@ -362,8 +360,7 @@ def _layer_norm_bwd(
     )
     plan = decided(_BWD_PLANS, plan_key)
     if plan is None:
-        rows, dim = (int(n) for n in s2.shape)  # SymInts made concrete (traced with dynamic shapes)
-        block_d = next_power_of_2(dim)
+        present = (grad_sum is not None, weight is not None, needs_weight_bias)  # for the tile key
 
         def trial():
             def run(tile):
@@ -380,16 +377,7 @@ def _layer_norm_bwd(
             names = ("ds", "dweight", "dbias") if needs_weight_bias else ("ds",)
             return run, check_against(names, references, s2.dtype)
 
-        key = (
-            str(summed.device),
-            str(summed.dtype),
-            block_d,
-            grad_sum is not None,
-            weight is not None,
-            needs_weight_bias,
-            _signature.bucket(rows),
-        )
-        tile = _tile(BWD_CHOOSER, key, summed.device, rows, bwd_candidates(block_d), trial)
+        tile = _tile(BWD_CHOOSER, s2, present, bwd_candidates, trial)
         made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
         plan = keep(_BWD_PLANS, plan_key, made)
     ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)

@@ -84,6 +84,16 @@ def _randn(device, dtype, *shape, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
+def _linear_params(device, dtype, in_features: int, out_features: int, prefix: str = "") -> dict:
+    """The parameters of a ``Linear(in_features, out_features)`` as the op names them
+    (``<prefix>weight``, ``<prefix>bias``): weight (out_features, in_features) scaled by
+    in_features ** -0.5, bias (out_features,); drawn in that order."""
+    return {
+        f"{prefix}weight": _randn(device, dtype, out_features, in_features, scale=in_features**-0.5),
+        f"{prefix}bias": _randn(device, dtype, out_features),
+    }
+
+
 def _gelu(z: torch.Tensor) -> torch.Tensor:
     """gelu(z) = z * Phi(z) = 0.5 z (1 + erf(z / sqrt 2)) (the exact form, approximate="none")."""
     return 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0)))
@@ -217,8 +227,7 @@ SPECS: dict[str, OpSpec] = {
             "linear_gelu",
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.rows, s.dim),
-                "weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-                "bias": _randn(device, dtype, s.hidden),
+                **_linear_params(device, dtype, s.dim, s.hidden),
             },
             run=lambda s, **inputs: vk.linear_gelu(**inputs),
             reference=lambda s, **inputs: linear_gelu_ref(**inputs),
@@ -230,8 +239,7 @@ SPECS: dict[str, OpSpec] = {
             "linear",
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.rows, s.dim),
-                "weight": _randn(device, dtype, s.dim, s.dim, scale=s.dim**-0.5),
-                "bias": _randn(device, dtype, s.dim),
+                **_linear_params(device, dtype, s.dim, s.dim),
                 "residual": _randn(device, dtype, s.rows, s.dim),
             },
             run=lambda s, **inputs: vk.linear(**inputs),
@@ -244,10 +252,8 @@ SPECS: dict[str, OpSpec] = {
             "mlp",
             lambda s, device, dtype: {
                 "x": _randn(device, dtype, s.rows, s.dim),
-                "fc1_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-                "fc1_bias": _randn(device, dtype, s.hidden),
-                "fc2_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
-                "fc2_bias": _randn(device, dtype, s.dim),
+                **_linear_params(device, dtype, s.dim, s.hidden, "fc1_"),
+                **_linear_params(device, dtype, s.hidden, s.dim, "fc2_"),
                 "residual": _randn(device, dtype, s.rows, s.dim),
             },
             run=lambda s, **inputs: vk.mlp(**inputs),
@@ -301,18 +307,15 @@ def _silu(z: torch.Tensor) -> torch.Tensor:
 def _swiglu_inputs(s: Shape, device, dtype):
     return {
         "x": _randn(device, dtype, s.rows, s.dim),
-        "gate_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-        "gate_bias": _randn(device, dtype, s.hidden),
-        "up_weight": _randn(device, dtype, s.hidden, s.dim, scale=s.dim**-0.5),
-        "up_bias": _randn(device, dtype, s.hidden),
+        **_linear_params(device, dtype, s.dim, s.hidden, "gate_"),
+        **_linear_params(device, dtype, s.dim, s.hidden, "up_"),
     }
 
 
 def _swiglu_mlp_inputs(s: Shape, device, dtype):
     return {
         **_swiglu_inputs(s, device, dtype),
-        "down_weight": _randn(device, dtype, s.dim, s.hidden, scale=s.hidden**-0.5),
-        "down_bias": _randn(device, dtype, s.dim),
+        **_linear_params(device, dtype, s.hidden, s.dim, "down_"),
         "residual": _randn(device, dtype, s.rows, s.dim),
     }
 

@@ -60,7 +60,7 @@ from vit_kernels.ops.gemm import (
 # stage is the A tile and two B tiles, 24-40 KB, within sm_80's 164 KB at 3-4 stages. Exact float32
 # (ieee FMA) takes 32-wide tiles (64 x 32 used stack on sm_90). The default 128 x 64 x 64, 8 warps,
 # is the single GEMM's default tile with its columns halved; no GPU has timed these tiles yet. Every
-# entry is compiled for sm_80 and sm_90 by `make check-gpu`.
+# entry is compiled for sm_80 and sm_90 by `make check-gpu GPU_CHECK_ARGS=--every-tile`.
 SWIGLU_TILES_16BIT = tuple(
     GemmTile(*tile)
     for tile in ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (64, 64, 64, 4, 3))
