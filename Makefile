@@ -21,7 +21,10 @@ PYTEST_ARGS ?=
 # the C++ it generates depends, so a run under ATEN_CPU_CAPABILITY=avx2 sharing the default folder
 # (/tmp/torchinductor_$USER) with runs without it crashes them (SIGABRT in the first compiled graph
 # that meets the other's entries; make test showed it on an AVX-512 machine). A folder set is kept.
-export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor/$(or $(ATEN_CPU_CAPABILITY),default)
+# The folders stand beside the compile gate's, outside the clone (tools/gpu_check/compile.py), so a
+# fresh clone's make test reads the graphs an earlier clone compiled (Inductor's keys are its own).
+COMPILED_CACHE := $(or $(VIT_KERNELS_COMPILED_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/vit_kernels)
+export TORCHINDUCTOR_CACHE_DIR ?= $(COMPILED_CACHE)/inductor/$(or $(ATEN_CPU_CAPABILITY),default)
 # every pytest stage ends with its slowest tests, so a stage that grows says where
 DURATIONS := --durations=15
 
@@ -262,29 +265,31 @@ gpu-report: $(STAMP)
 	env -u TRITON_INTERPRET $(PY) -m benchmarks.gpu_report --out $(GPU_REPORT_OUT) $(GPU_REPORT_ARGS)
 
 # Compile every CUDA source for sm_80 and sm_90 against torch's headers with torch's own nvcc
-# flags and -Xptxas -v (object files only), then fail on spills or shared memory over the limit,
-# so a CUDA compile error or a spilling kernel fails CI on a machine without a GPU. A CPU-only
-# torch lacks one generated header, c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in is
-# searched after torch's own include dirs.
+# flags and -Xptxas -v, then fail on spills or shared memory over the limit, so a CUDA compile
+# error or a spilling kernel fails CI on a machine without a GPU. Each ptxas report is kept in the
+# compiled folder outside the clone, keyed by the source, csrc's headers, the flags and the nvcc and
+# torch versions (tools/gpu_check/nvcc_cached.py): a fresh clone reads what an earlier one
+# compiled. A CPU-only torch lacks one generated header, c10/cuda/impl/cuda_cmake_macros.h: a
+# one-line stand-in is searched after torch's own include dirs.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
 CUDA_CHECK_DIR := build/check-cuda
-CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(CUDA_SOURCES))
+CUDA_LOGS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.ptxas.log,$(CUDA_SOURCES))
 NVCC ?= nvcc
 NVCC_FLAGS := -std=c++20 -O2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
 	-DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -DVIT_KERNELS_WITH_CUDA=1
 
-check-cuda: $(CUDA_OBJECTS)
-	$(PY) -m tools.gpu_check.ptxas $(CUDA_OBJECTS:.o=.ptxas.log)
+check-cuda: $(CUDA_LOGS)
+	$(PY) -m tools.gpu_check.ptxas $(CUDA_LOGS)
 
 $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h:
 	mkdir -p $(dir $@)
 	echo '#define C10_CUDA_BUILD_SHARED_LIBS' > $@
 
-$(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h $(STAMP)
+$(CUDA_CHECK_DIR)/%.ptxas.log: csrc/cuda/%.cu $(wildcard csrc/cuda/*.cuh csrc/*.h) $(CUDA_CHECK_DIR)/include/c10/cuda/impl/cuda_cmake_macros.h $(STAMP)
 	@command -v $(NVCC) >/dev/null || { echo "check-cuda: $(NVCC) not found (install the CUDA toolkit)"; exit 1; }
-	$(NVCC) $(NVCC_FLAGS) $$($(PY) -c "import sysconfig, torch.utils.cpp_extension as e; \
+	$(PY) -m tools.gpu_check.nvcc_cached $@ -- $(NVCC) $(NVCC_FLAGS) $$($(PY) -c "import sysconfig, torch.utils.cpp_extension as e; \
 		print(' '.join(e.COMMON_NVCC_FLAGS + ['-I' + p for p in e.include_paths() + [sysconfig.get_paths()['include']]]))") \
-		-I$(CUDA_CHECK_DIR)/include -c $< -o $@ 2> $(@:.o=.ptxas.log) || { cat $(@:.o=.ptxas.log); exit 1; }
+		-I$(CUDA_CHECK_DIR)/include -c $< -o $(@:.ptxas.log=.o)
 
 # CI (.ci/run): every stage timed, a table of the stages' wall times at the end. ci-cold runs it with
 # empty compile caches (this project's and Triton's), as on a fresh machine: run it before resolving

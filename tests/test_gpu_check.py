@@ -30,6 +30,8 @@ from tools.gpu_check import cases  # noqa: E402
 from tools.gpu_check.compile import (  # noqa: E402
     Compiled,
     Variant,
+    _backend,
+    _key_options,
     bind,
     compile_cached,
     compile_variant,
@@ -294,6 +296,18 @@ def test_a_kernel_edit_changes_that_kernels_cache_keys_only(tmp_path):
     edited = keys(_kernel_copy(tmp_path, ("tl.maximum(var, 0.0)", "tl.maximum(var, 1e-30)")))
     assert edited["_layer_norm_fwd_kernel"] != original["_layer_norm_fwd_kernel"]
     assert edited["_layer_norm_bwd_kernel"] == original["_layer_norm_bwd_kernel"]
+
+
+def test_cache_keys_do_not_name_the_checkout(tmp_path):
+    """Triton's options name its libdevice by a path inside the checkout's environment: the key reads
+    the file name only, so that two clones (two environments) share the compiled folder."""
+    options = _backend(90).parse_options({})
+    (name, path), *rest = options.extern_libs
+    moved = dataclasses.replace(
+        options, extern_libs=((name, str(tmp_path / "clone" / ".venv" / os.path.basename(path))), *rest)
+    )
+    assert moved.extern_libs != options.extern_libs
+    assert _key_options(moved) == _key_options(options)
 
 
 def test_a_compile_error_is_reported_not_raised():

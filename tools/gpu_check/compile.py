@@ -178,11 +178,21 @@ def bind(variant: Variant, capability: int) -> Bound:
         kernel.cache_key,
         sorted(signature.items()),
         sorted(constexprs.items(), key=str),
-        sorted(options.__dict__.items(), key=str),
+        sorted(_key_options(options).items(), key=str),
         capability,
     )
     key, kind = (_digest(repr(parts + (sorted(attrs.items(), key=str),))), _digest(repr(parts)))
     return Bound(signature, constexprs, attrs, options, key, kind)
+
+
+def _key_options(options) -> dict:
+    """The compile options as a key reads them: each extern library by its file name, not its path,
+    which names the checkout's environment (the folder's name carries Triton's version, which
+    decides the library), so that clones of the repository share the compiled folder."""
+    fields = dict(options.__dict__)
+    if fields.get("extern_libs"):
+        fields["extern_libs"] = tuple((name, os.path.basename(path)) for name, path in fields["extern_libs"])
+    return fields
 
 
 def _digest(text: str) -> str:
