@@ -94,6 +94,38 @@ def _linear_params(device, dtype, in_features: int, out_features: int, prefix: s
     }
 
 
+def _gemm_spec(
+    name: str,
+    layers: Callable[[Shape], list[tuple[int, int, str]]],
+    reference: Callable[..., object],
+    *,
+    formula: Callable[..., object],
+    flops: Callable[[Shape], float],
+    residual: bool = False,
+) -> OpSpec:
+    """The spec of a GEMM op whose public call and reference take the inputs by name: x (rows, D),
+    the weight and bias of each of ``layers(s)`` ((in_features, out_features, prefix), as
+    ``_linear_params`` names them) and, with ``residual``, a residual (rows, D); drawn in that order."""
+
+    def make_inputs(s: Shape, device, dtype) -> dict:
+        inputs = {"x": _randn(device, dtype, s.rows, s.dim)}
+        for in_features, out_features, prefix in layers(s):
+            inputs.update(_linear_params(device, dtype, in_features, out_features, prefix))
+        if residual:
+            inputs["residual"] = _randn(device, dtype, s.rows, s.dim)
+        return inputs
+
+    return OpSpec(
+        name,
+        make_inputs,
+        run=lambda s, **inputs: getattr(vk, name)(**inputs),
+        reference=lambda s, **inputs: reference(**inputs),
+        formula=formula,
+        flops=flops,
+        bytes_per_element=lambda s: 0,
+    )
+
+
 def _gelu(z: torch.Tensor) -> torch.Tensor:
     """gelu(z) = z * Phi(z) = 0.5 z (1 + erf(z / sqrt 2)) (the exact form, approximate="none")."""
     return 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0)))
@@ -223,46 +255,30 @@ SPECS: dict[str, OpSpec] = {
             bytes_per_element=lambda s: 0,
             backward_factor=2.5,
         ),
-        OpSpec(
+        _gemm_spec(
             "linear_gelu",
-            lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.rows, s.dim),
-                **_linear_params(device, dtype, s.dim, s.hidden),
-            },
-            run=lambda s, **inputs: vk.linear_gelu(**inputs),
-            reference=lambda s, **inputs: linear_gelu_ref(**inputs),
+            lambda s: [(s.dim, s.hidden, "")],
+            linear_gelu_ref,
             formula=lambda s, x, weight, bias: _gelu(x @ weight.t() + bias),
             flops=lambda s: 2.0 * s.rows * s.dim * s.hidden,
-            bytes_per_element=lambda s: 0,
         ),
-        OpSpec(  # the attention output projection with its residual add
+        _gemm_spec(  # the attention output projection with its residual add
             "linear",
-            lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.rows, s.dim),
-                **_linear_params(device, dtype, s.dim, s.dim),
-                "residual": _randn(device, dtype, s.rows, s.dim),
-            },
-            run=lambda s, **inputs: vk.linear(**inputs),
-            reference=lambda s, **inputs: linear_ref(**inputs),
+            lambda s: [(s.dim, s.dim, "")],
+            linear_ref,
             formula=lambda s, x, weight, bias, residual: x @ weight.t() + bias + residual,
             flops=lambda s: 2.0 * s.rows * s.dim * s.dim,
-            bytes_per_element=lambda s: 0,
+            residual=True,
         ),
-        OpSpec(
+        _gemm_spec(
             "mlp",
-            lambda s, device, dtype: {
-                "x": _randn(device, dtype, s.rows, s.dim),
-                **_linear_params(device, dtype, s.dim, s.hidden, "fc1_"),
-                **_linear_params(device, dtype, s.hidden, s.dim, "fc2_"),
-                "residual": _randn(device, dtype, s.rows, s.dim),
-            },
-            run=lambda s, **inputs: vk.mlp(**inputs),
-            reference=lambda s, **inputs: mlp_ref(**inputs),
+            lambda s: [(s.dim, s.hidden, "fc1_"), (s.hidden, s.dim, "fc2_")],
+            mlp_ref,
             formula=lambda s, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, residual: (
                 _gelu(x @ fc1_weight.t() + fc1_bias) @ fc2_weight.t() + fc2_bias + residual
             ),
             flops=lambda s: 4.0 * s.rows * s.dim * s.hidden,
-            bytes_per_element=lambda s: 0,
+            residual=True,
         ),
         OpSpec(  # with the fused residual add: reads x, r; writes y, s
             "layer_norm",
@@ -304,48 +320,34 @@ def _silu(z: torch.Tensor) -> torch.Tensor:
     return z / (1.0 + torch.exp(-z))
 
 
-def _swiglu_inputs(s: Shape, device, dtype):
-    return {
-        "x": _randn(device, dtype, s.rows, s.dim),
-        **_linear_params(device, dtype, s.dim, s.hidden, "gate_"),
-        **_linear_params(device, dtype, s.dim, s.hidden, "up_"),
-    }
-
-
-def _swiglu_mlp_inputs(s: Shape, device, dtype):
-    return {
-        **_swiglu_inputs(s, device, dtype),
-        **_linear_params(device, dtype, s.hidden, s.dim, "down_"),
-        "residual": _randn(device, dtype, s.rows, s.dim),
-    }
-
-
 def _swiglu_formula(s: Shape, x, gate_weight, gate_bias, up_weight, up_bias):
     # h = silu(x W_g^T + b_g) * (x W_u^T + b_u)
     return _silu(x @ gate_weight.t() + gate_bias) * (x @ up_weight.t() + up_bias)
 
 
-SPECS["swiglu"] = OpSpec(
+def _swiglu_layers(s: Shape) -> list[tuple[int, int, str]]:
+    """The gate and up projections of a SwiGLU MLP, (in_features, out_features, prefix)."""
+    return [(s.dim, s.hidden, "gate_"), (s.dim, s.hidden, "up_")]
+
+
+SPECS["swiglu"] = _gemm_spec(
     "swiglu",
-    _swiglu_inputs,
-    run=lambda s, **inputs: vk.swiglu(**inputs),
-    reference=lambda s, **inputs: swiglu_ref(**inputs),
+    _swiglu_layers,
+    swiglu_ref,
     formula=_swiglu_formula,
     flops=lambda s: 4.0 * s.rows * s.dim * s.hidden,
-    bytes_per_element=lambda s: 0,
 )
-SPECS["swiglu_mlp"] = OpSpec(
+SPECS["swiglu_mlp"] = _gemm_spec(
     "swiglu_mlp",
-    _swiglu_mlp_inputs,
-    run=lambda s, **inputs: vk.swiglu_mlp(**inputs),
-    reference=lambda s, **inputs: swiglu_mlp_ref(**inputs),
+    lambda s: _swiglu_layers(s) + [(s.hidden, s.dim, "down_")],
+    swiglu_mlp_ref,
     formula=lambda s, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, residual: (
         _swiglu_formula(s, x, gate_weight, gate_bias, up_weight, up_bias) @ down_weight.t()
         + down_bias
         + residual
     ),
     flops=lambda s: 6.0 * s.rows * s.dim * s.hidden,
-    bytes_per_element=lambda s: 0,
+    residual=True,
 )
 SPECS = {name: SPECS[name] for name in OPS + KERNELS}  # in the order of backend.OPS, then the kernels
 assert tuple(SPECS) == OPS + KERNELS, "one spec per op of backend.OPS and per kernel of KERNELS"
