@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 REGRESSION, WITHIN, FASTER, INCONCLUSIVE = "REGRESSION", "within", "faster", "inconclusive"
+Times = Sequence[float]  # one side's samples of a metric: positive times
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Ratio:
         return INCONCLUSIVE
 
 
-def _positive(values: Sequence[float], name: str) -> np.ndarray:
+def _positive(values: Times, name: str) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 1 or array.size == 0 or not np.all(np.isfinite(array)) or not np.all(array > 0):
         raise ValueError(f"{name} must be a non-empty list of positive finite times, got {values!r}")
@@ -57,45 +58,43 @@ def _interval(draws: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _check_confidence(confidence: float) -> None:
+def _checked(
+    baseline: Times, candidate: Times, confidence: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
+    """Both sides as arrays (each a non-empty list of positive finite times), and the fixed-seed
+    generator of the bootstrap draws."""
     if not 0.5 <= confidence < 1.0:
         raise ValueError(f"confidence must be in [0.5, 1), got {confidence}")
+    base, cand = _positive(baseline, "baseline"), _positive(candidate, "candidate")
+    return base, cand, np.random.default_rng(seed)
+
+
+def _resampled_medians(values: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """The median of each of ``resamples`` bootstrap resamples of ``values``."""
+    return np.median(values[rng.integers(0, values.size, size=(resamples, values.size))], axis=1)
 
 
 def paired_ratio(
-    baseline: Sequence[float],
-    candidate: Sequence[float],
-    confidence: float = 0.95,
-    resamples: int = 4000,
-    seed: int = 0,
+    baseline: Times, candidate: Times, confidence: float = 0.95, resamples: int = 4000, seed: int = 0
 ) -> Ratio:
     """Median of candidate[i] / baseline[i] over rounds i, with a bootstrap interval over rounds."""
-    _check_confidence(confidence)
-    base, cand = _positive(baseline, "baseline"), _positive(candidate, "candidate")
+    base, cand, rng = _checked(baseline, candidate, confidence, seed)
     if base.shape != cand.shape:
         raise ValueError(
             f"paired samples need one baseline and one candidate time per round, got "
             f"{base.size} and {cand.size}"
         )
     logs = np.log(cand / base)
-    rng = np.random.default_rng(seed)
-    draws = np.median(logs[rng.integers(0, logs.size, size=(resamples, logs.size))], axis=1)
-    low, high = _interval(draws, confidence)
+    low, high = _interval(_resampled_medians(logs, rng, resamples), confidence)
     return Ratio(float(np.exp(np.median(logs))), float(np.exp(low)), float(np.exp(high)), int(logs.size))
 
 
 def unpaired_ratio(
-    baseline: Sequence[float],
-    candidate: Sequence[float],
-    confidence: float = 0.95,
-    resamples: int = 4000,
-    seed: int = 0,
+    baseline: Times, candidate: Times, confidence: float = 0.95, resamples: int = 4000, seed: int = 0
 ) -> Ratio:
     """median(candidate) / median(baseline), each side resampled independently."""
-    _check_confidence(confidence)
-    base, cand = _positive(baseline, "baseline"), _positive(candidate, "candidate")
-    rng = np.random.default_rng(seed)
-    base_draws = np.median(base[rng.integers(0, base.size, size=(resamples, base.size))], axis=1)
-    cand_draws = np.median(cand[rng.integers(0, cand.size, size=(resamples, cand.size))], axis=1)
+    base, cand, rng = _checked(baseline, candidate, confidence, seed)
+    base_draws = _resampled_medians(base, rng, resamples)
+    cand_draws = _resampled_medians(cand, rng, resamples)
     low, high = _interval(cand_draws / base_draws, confidence)
     return Ratio(float(np.median(cand) / np.median(base)), low, high, int(min(base.size, cand.size)))

@@ -16,6 +16,8 @@ import torch
 
 from benchmarks._timer import time_runs
 
+Call = Callable[[int], object]  # call(i) runs on input set i
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -31,13 +33,15 @@ def _summarise(samples_ms) -> Timing:
     return Timing(float(median), float(q20), float(q80), tuple(samples))
 
 
-def _rotating(call: Callable[[int], object], copies: int) -> Callable[[], object]:
+def _samples(call: Call, device: torch.device, copies: int, **options) -> list[float]:
+    """The timer's samples (ms) of ``call(i)``, i cycling over ``copies`` input sets, at least 3;
+    ``options``: ``time_runs``'s other keywords."""
     counter = iter(range(1 << 62))
-    return lambda: call(next(counter) % copies)
+    return time_runs({"call": lambda: call(next(counter) % copies)}, device, min_rounds=3, **options)["call"]
 
 
 def time_call(
-    call: Callable[[int], object],
+    call: Call,
     device: torch.device,
     copies: int = 1,
     *,
@@ -47,16 +51,10 @@ def time_call(
 ) -> Timing:
     """Time ``call(i)`` (i cycling over ``copies`` input sets) back to back: at least 3 and at most
     ``repeats`` samples, fewer when one run is long enough that ``repeats`` would exceed ``budget_s``."""
-    samples = time_runs(
-        {"call": _rotating(call, copies)},
-        device,
-        rounds=repeats,
-        budget_s=budget_s,
-        min_rounds=3,
-        warmup=warmup,
-        back_to_back=True,
+    samples = _samples(
+        call, device, copies, rounds=repeats, budget_s=budget_s, warmup=warmup, back_to_back=True
     )
-    return _summarise(samples["call"])
+    return _summarise(samples)
 
 
 def copies_to_rotate(bytes_per_set: int, device: torch.device) -> int:
@@ -69,22 +67,9 @@ def copies_to_rotate(bytes_per_set: int, device: torch.device) -> int:
 
 
 def slice_min_ms(
-    call: Callable[[int], object],
-    device: torch.device,
-    copies: int = 1,
-    *,
-    slice_ms: float = 20.0,
-    max_calls: int = 200,
+    call: Call, device: torch.device, copies: int = 1, *, slice_ms: float = 20.0, max_calls: int = 200
 ) -> float:
     """One sample for an A/B round: the fastest of the calls that fit in ``slice_ms`` (at least 3, at
     most ``max_calls``) after one warm-up call; each call from an idle device on CUDA. Load from other
     processes only ever adds time, so the fastest call is the one least disturbed by it."""
-    samples = time_runs(
-        {"call": _rotating(call, copies)},
-        device,
-        rounds=max_calls,
-        budget_s=slice_ms / 1e3,
-        min_rounds=3,
-        warmup=1,
-    )
-    return min(samples["call"])
+    return min(_samples(call, device, copies, rounds=max_calls, budget_s=slice_ms / 1e3, warmup=1))

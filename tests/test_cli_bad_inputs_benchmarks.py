@@ -54,6 +54,8 @@ def root(tmp_path_factory):
 
 
 GOOD = "{root}/good.json"
+COMPARE = ["--compare", GOOD, "--results", GOOD]  # a valid regression gate, to add one mistake to
+AB = ["ab", "--baseline", "HEAD"]  # a valid A/B run, likewise
 # (command, arguments with {root} for the fixture's folder, what the one line must say)
 BAD_INPUTS = [
     (
@@ -102,39 +104,19 @@ BAD_INPUTS = [
         ["--compare", GOOD, "--results", "{root}/bad-median.json"],
         "row 0 has median_ms -3, expected a positive",
     ),
-    (
-        BENCH,
-        ["--compare", GOOD, "--results", GOOD, "--threshold", "-1"],
-        "--threshold must be a fraction such as 0.05",
-    ),
-    (
-        BENCH,
-        ["--compare", GOOD, "--results", GOOD, "--confidence", "2"],
-        "--confidence must be in [0.5, 1), got 2.0",
-    ),
+    (BENCH, [*COMPARE, "--threshold", "-1"], "--threshold must be a fraction such as 0.05"),
+    (BENCH, [*COMPARE, "--confidence", "2"], "--confidence must be in [0.5, 1), got 2.0"),
     (BENCH, ["ab"], "the following arguments are required: --baseline"),
-    (BENCH, ["ab", "--baseline", "HEAD", "--ops", "nope"], "--ops: unknown ['nope']; choose from"),
-    (
-        BENCH,
-        ["ab", "--baseline", "HEAD", "--shapes", "vit_digits:x"],
-        "--shapes: expected MODEL:BATCH such as vit_digits:8",
-    ),
-    (
-        BENCH,
-        ["ab", "--baseline", "HEAD", "--confirmations", "0"],
-        "--confirmations must be at least 1, got 0",
-    ),
-    (BENCH, ["ab", "--baseline", "HEAD", "--budget", "-1"], "--budget must be a positive number, got -1.0"),
+    (BENCH, [*AB, "--ops", "nope"], "--ops: unknown ['nope']; choose from"),
+    (BENCH, [*AB, "--shapes", "vit_digits:x"], "--shapes: expected MODEL:BATCH such as vit_digits:8"),
+    (BENCH, [*AB, "--confirmations", "0"], "--confirmations must be at least 1, got 0"),
+    (BENCH, [*AB, "--budget", "-1"], "--budget must be a positive number, got -1.0"),
     (
         BENCH,
         ["ab", "--baseline", "no-such-revision", "--models", "none"],
         "'no-such-revision' is not a commit in",
     ),
-    (
-        BENCH,
-        ["ab", "--baseline", "HEAD", "--repo", "{root}/missing"],
-        "--repo {root}/missing: expected the folder of a",
-    ),
+    (BENCH, [*AB, "--repo", "{root}/missing"], "--repo {root}/missing: expected the folder of a"),
     (SELFTEST, ["--ops", "convolution"], "argument --ops: expected a comma-separated subset of patch_embed"),
     (SELFTEST, ["--threads", "0"], "argument --threads: must be 1 or more, got '0'"),
     (SELFTEST, ["--out", "{root}"], "cannot write {root}: Is a directory"),

@@ -139,98 +139,70 @@ def linear_residual_reference(x, w, b, r):
     return F.linear(x, w, b) + r
 
 
+def layer_norm(x, w, b):
+    return vk.layer_norm(x, w, b)
+
+
+def layer_norm_reference(x, w, b):
+    return F.layer_norm(x, (8,), w, b, 1e-6)
+
+
+def attention_probs(t):
+    return vk.attention(t, 2, return_probs=True)
+
+
+def attention_probs_reference(t):
+    return torch_attention(t, True)
+
+
+def patch_embed(x, w):
+    return vk.patch_embed(x, w, patch_size=4)
+
+
+def patch_embed_reference(x, w):
+    return F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2)
+
+
+def linear_gelu_and_reference(approximate="none"):
+    """(our op, PyTorch's composition) of linear_gelu with GELU ``approximate``."""
+    return (
+        lambda x, w, b: vk.linear_gelu(x, w, b, approximate=approximate),
+        lambda x, w, b: math_gelu(F.linear(x, w, b), approximate),
+    )
+
+
 NON_FINITE_CASES = [
-    (
-        "layer_norm nan",
-        lambda x, w, b: vk.layer_norm(x, w, b),
-        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
-        [poke(x8, (1, 2), NAN), ln_w, ln_b],
-    ),
-    (
-        "layer_norm inf",
-        lambda x, w, b: vk.layer_norm(x, w, b),
-        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
-        [poke(x8, (1, 2), INF), ln_w, ln_b],
-    ),
-    (
-        "layer_norm 1e30 (variance overflows)",
-        lambda x, w, b: vk.layer_norm(x, w, b),
-        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-6),
-        [x8 * 1e30, ln_w, ln_b],
-    ),
+    ("layer_norm nan", layer_norm, layer_norm_reference, [poke(x8, (1, 2), NAN), ln_w, ln_b]),
+    ("layer_norm inf", layer_norm, layer_norm_reference, [poke(x8, (1, 2), INF), ln_w, ln_b]),
+    ("layer_norm 1e30 (variance overflows)", layer_norm, layer_norm_reference, [x8 * 1e30, ln_w, ln_b]),
     # linear with a residual: the extension implements linear only fused with its residual add.
     ("linear nan", linear_residual, linear_residual_reference, [poke(x8, (0, 3), NAN), w5, b5, r5]),
     ("linear inf bias", linear_residual, linear_residual_reference, [x8, w5, poke(b5, (2,), -INF), r5]),
     ("linear inf residual", linear_residual, linear_residual_reference, [x8, w5, b5, poke(r5, (1, 4), INF)]),
-    (
-        "linear_gelu +inf",
-        lambda x, w, b: vk.linear_gelu(x, w, b),
-        lambda x, w, b: math_gelu(F.linear(x, w, b)),
-        [x8, w5, poke(b5, (1,), INF)],
-    ),
-    (
-        "linear_gelu -inf tanh",
-        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="tanh"),
-        lambda x, w, b: math_gelu(F.linear(x, w, b), "tanh"),
-        [x8, w5, poke(b5, (1,), -INF)],
-    ),
-    (
-        "linear_gelu +inf quick",
-        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
-        lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"),
-        [x8, w5, poke(b5, (1,), INF)],
-    ),
-    (
-        "linear_gelu -inf quick",
-        lambda x, w, b: vk.linear_gelu(x, w, b, approximate="quick"),
-        lambda x, w, b: math_gelu(F.linear(x, w, b), "quick"),
-        [x8, w5, poke(b5, (3,), -INF)],
-    ),
-    (
-        "linear_gelu nan",
-        lambda x, w, b: vk.linear_gelu(x, w, b),
-        lambda x, w, b: math_gelu(F.linear(x, w, b)),
-        [poke(x8, (2, 0), NAN), w5, b5],
-    ),
+    ("linear_gelu +inf", *linear_gelu_and_reference(), [x8, w5, poke(b5, (1,), INF)]),
+    ("linear_gelu -inf tanh", *linear_gelu_and_reference("tanh"), [x8, w5, poke(b5, (1,), -INF)]),
+    ("linear_gelu +inf quick", *linear_gelu_and_reference("quick"), [x8, w5, poke(b5, (1,), INF)]),
+    ("linear_gelu -inf quick", *linear_gelu_and_reference("quick"), [x8, w5, poke(b5, (3,), -INF)]),
+    ("linear_gelu nan", *linear_gelu_and_reference(), [poke(x8, (2, 0), NAN), w5, b5]),
     (
         "mlp nan",
         lambda x, w1, w2: vk.mlp(x, w1, None, w2, None),
         lambda x, w1, w2: F.linear(math_gelu(F.linear(x, w1)), w2),
         [poke(x8, (3, 7), NAN), w_hidden, w_out],
     ),
-    (
-        "attention nan (probs)",
-        lambda t: vk.attention(t, 2, return_probs=True),
-        lambda t: torch_attention(t, True),
-        [poke(qkv, (0, 1, 0), NAN)],
-    ),
-    (
-        "attention +inf key (probs)",
-        lambda t: vk.attention(t, 2, return_probs=True),
-        lambda t: torch_attention(t, True),
-        [poke(qkv, (1, 3, 9), INF)],
-    ),
+    ("attention nan (probs)", attention_probs, attention_probs_reference, [poke(qkv, (0, 1, 0), NAN)]),
+    ("attention +inf key (probs)", attention_probs, attention_probs_reference, [poke(qkv, (1, 3, 9), INF)]),
     (
         "attention +inf key, all scores -inf (probs)",
-        lambda t: vk.attention(t, 2, return_probs=True),
-        lambda t: torch_attention(t, True),
+        attention_probs,
+        attention_probs_reference,
         [qkv_inf_key],
     ),
     ("attention +inf key, all scores -inf", lambda t: vk.attention(t, 2), torch_attention, [qkv_inf_key]),
     ("attention nan", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (0, 1, 0), NAN)]),
     ("attention -inf value", lambda t: vk.attention(t, 2), torch_attention, [poke(qkv, (1, 2, 20), -INF)]),
-    (
-        "patch_embed nan",
-        lambda x, w: vk.patch_embed(x, w, patch_size=4),
-        lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2),
-        [poke(images, (1, 2, 5, 6), NAN), patch_w],
-    ),
-    (
-        "patch_embed inf",
-        lambda x, w: vk.patch_embed(x, w, patch_size=4),
-        lambda x, w: F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2),
-        [poke(images, (0, 0, 0, 0), INF), patch_w],
-    ),
+    ("patch_embed nan", patch_embed, patch_embed_reference, [poke(images, (1, 2, 5, 6), NAN), patch_w]),
+    ("patch_embed inf", patch_embed, patch_embed_reference, [poke(images, (0, 0, 0, 0), INF), patch_w]),
 ]
 
 
@@ -296,14 +268,9 @@ EMPTY_CASES = [
         [torch.randn(2, 8), torch.randn(0, 8), torch.randn(8, 0), ln_b],
         (2, 8),
     ),
-    ("layer_norm no rows", lambda x, w, b: vk.layer_norm(x, w, b), [torch.randn(0, 8), ln_w, ln_b], (0, 8)),
+    ("layer_norm no rows", layer_norm, [torch.randn(0, 8), ln_w, ln_b], (0, 8)),
     ("attention no images", lambda t: vk.attention(t, 2), [torch.randn(0, 5, 24)], (0, 5, 8)),
-    (
-        "patch_embed no images",
-        lambda x, w: vk.patch_embed(x, w, patch_size=4),
-        [torch.randn(0, 3, 8, 8), patch_w],
-        (0, 4, 8),
-    ),
+    ("patch_embed no images", patch_embed, [torch.randn(0, 3, 8, 8), patch_w], (0, 4, 8)),
 ]
 
 

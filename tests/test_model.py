@@ -102,36 +102,21 @@ def test_create_model_overrides_and_errors():
     }
 
 
+SMALL_PRESET_FIELDS = (
+    "img_size patch_size in_chans embed_dim depth num_heads mlp_hidden_dim act "
+    "norm_first final_norm qkv_bias drop_rate attn_drop_rate"
+).split()
+SMALL_PRESETS = {
+    "vit_mnist_postnorm": (28, 7, 1, 64, 3, 8, 2048, "relu", False, False, True, 0.1, 0.1),
+    "vit_cifar10_small": (32, 4, 3, 48, 4, 4, 192, "gelu_tanh", True, False, True, 0.0, 0.0),
+}
+
+
 def test_small_presets_configuration():
-    postnorm = vit.get_config("vit_mnist_postnorm")
-    assert (
-        postnorm.img_size,
-        postnorm.patch_size,
-        postnorm.in_chans,
-        postnorm.embed_dim,
-        postnorm.depth,
-        postnorm.num_heads,
-        postnorm.mlp_hidden_dim,
-        postnorm.act,
-    ) == (28, 7, 1, 64, 3, 8, 2048, "relu")
-    assert (
-        not postnorm.norm_first
-        and not postnorm.final_norm
-        and postnorm.drop_rate == postnorm.attn_drop_rate == 0.1
-    )
-    cifar = vit.get_config("vit_cifar10_small")
-    assert (
-        cifar.img_size,
-        cifar.patch_size,
-        cifar.embed_dim,
-        cifar.depth,
-        cifar.num_heads,
-        cifar.mlp_hidden_dim,
-        cifar.act,
-        cifar.norm_first,
-        cifar.final_norm,
-        cifar.qkv_bias,
-    ) == (32, 4, 48, 4, 4, 192, "gelu_tanh", True, False, True)
+    for name, values in SMALL_PRESETS.items():
+        config = vit.get_config(name)
+        found = {field: getattr(config, field) for field in SMALL_PRESET_FIELDS}
+        assert found == dict(zip(SMALL_PRESET_FIELDS, values, strict=True)), name
     for name in ("vit_mnist_postnorm", "vit_cifar10_small", "vit_mnist_sincos", "vit_digits"):
         assert vit.get_config(name).norm_eps == 1e-5
 

@@ -16,6 +16,9 @@ def cases(device: str = "cpu"):
     def _grad(*shape):
         return torch.randn(*shape, device=device, requires_grad=True)
 
+    def _plain(*shape):
+        return torch.randn(*shape, device=device)
+
     x = _grad(2, 5, 12)
     return {
         "layer_norm_fwd": (lambda: ops.layer_norm_fwd, (x, _grad(12), _grad(12), 1e-5, _grad(2, 5, 12))),
@@ -46,44 +49,25 @@ def cases(device: str = "cpu"):
         # without the pre-activations (no gradient will be asked for: inputs that do not require it)
         "linear_fwd_gelu_inference": (
             lambda: ops.linear_fwd,
-            (x.detach(), torch.randn(8, 12, device=device), None, None, "gelu", False),
+            (x.detach(), _plain(8, 12), None, None, "gelu", False),
         ),
         "mlp_fwd_inference": (
             lambda: ops.mlp_fwd,
-            (
-                x.detach(),
-                torch.randn(16, 12, device=device),
-                torch.randn(16, device=device),
-                torch.randn(12, 16, device=device),
-                None,
-                x.detach(),
-                "gelu_tanh",
-                False,
-            ),
+            (x.detach(), _plain(16, 12), _plain(16), _plain(12, 16), None, x.detach(), "gelu_tanh", False),
         ),
         "swiglu_fwd_inference": (
             lambda: ops.swiglu_fwd,
-            (
-                x.detach(),
-                torch.randn(16, 12, device=device),
-                None,
-                torch.randn(16, 12, device=device),
-                torch.randn(16, device=device),
-                None,
-                None,
-                None,
-                False,
-            ),
+            (x.detach(), _plain(16, 12), None, _plain(16, 12), _plain(16), None, None, None, False),
         ),
         "swiglu_fwd_down_inference": (
             lambda: ops.swiglu_fwd,
             (
                 x.detach(),
-                torch.randn(16, 12, device=device),
-                torch.randn(16, device=device),
-                torch.randn(16, 12, device=device),
+                _plain(16, 12),
+                _plain(16),
+                _plain(16, 12),
                 None,
-                torch.randn(12, 16, device=device),
+                _plain(12, 16),
                 None,
                 x.detach(),
                 False,

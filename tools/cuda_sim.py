@@ -67,31 +67,28 @@ from torch.utils._pytree import tree_map
 from vit_kernels import _ext, _signature, _tiles, backend
 from vit_kernels.ops import attention
 
+
+def _gpu(name: str, major: int, sms: int, l2_mib: int, smem_per_block: int) -> dict:
+    """What ``torch.cuda.get_device_properties`` says of a simulated 80 GB GPU of compute capability
+    ``major``.0: ``sms`` multiprocessors, ``l2_mib`` MiB of L2 cache and ``smem_per_block`` bytes of
+    shared memory that a block may opt in to."""
+    return dict(
+        name=f"{name} (simulated)",
+        major=major,
+        minor=0,
+        multi_processor_count=sms,
+        total_memory=80 * 2**30,
+        L2_cache_size=l2_mib * 2**20,
+        shared_memory_per_block_optin=smem_per_block,
+        regs_per_multiprocessor=65536,
+        max_threads_per_multi_processor=2048,
+        warp_size=32,
+    )
+
+
 ARCHITECTURES = {
-    90: dict(
-        name="NVIDIA H100 80GB HBM3 (simulated)",
-        major=9,
-        minor=0,
-        multi_processor_count=132,
-        total_memory=80 * 2**30,
-        L2_cache_size=50 * 2**20,
-        shared_memory_per_block_optin=232448,
-        regs_per_multiprocessor=65536,
-        max_threads_per_multi_processor=2048,
-        warp_size=32,
-    ),
-    80: dict(
-        name="NVIDIA A100-SXM4-80GB (simulated)",
-        major=8,
-        minor=0,
-        multi_processor_count=108,
-        total_memory=80 * 2**30,
-        L2_cache_size=40 * 2**20,
-        shared_memory_per_block_optin=166912,
-        regs_per_multiprocessor=65536,
-        max_threads_per_multi_processor=2048,
-        warp_size=32,
-    ),
+    90: _gpu("NVIDIA H100 80GB HBM3", major=9, sms=132, l2_mib=50, smem_per_block=232448),
+    80: _gpu("NVIDIA A100-SXM4-80GB", major=8, sms=108, l2_mib=40, smem_per_block=166912),
 }
 
 _inside_torch = threading.local()

@@ -103,13 +103,12 @@ def compare_in_float32(
     return worst["output"], worst["gradient"]
 
 
-def tiny_transformers_model(config_name: str, model_name: str, layers: int = 2, **extra) -> nn.Module:
-    """A freshly initialised transformers vision model ``model_name`` of config ``config_name`` at
-    the tests' tiny size (width 32, 4 heads, hidden 64, 32 x 32 images in 8 x 8 patches), on SDPA;
-    ``extra``: more config fields."""
+def tiny_transformers_config(config_name: str, layers: int = 2, **extra):
+    """The transformers config ``config_name`` at the tests' tiny size (width 32, 4 heads, hidden 64,
+    32 x 32 images in 8 x 8 patches); ``extra``: more config fields."""
     import transformers
 
-    config = getattr(transformers, config_name)(
+    return getattr(transformers, config_name)(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
@@ -118,4 +117,12 @@ def tiny_transformers_model(config_name: str, model_name: str, layers: int = 2, 
         patch_size=8,
         **extra,
     )
+
+
+def tiny_transformers_model(config_name: str, model_name: str, layers: int = 2, **extra) -> nn.Module:
+    """A freshly initialised transformers vision model ``model_name`` of the tiny config
+    ``config_name`` (``tiny_transformers_config``), on SDPA."""
+    import transformers
+
+    config = tiny_transformers_config(config_name, layers, **extra)
     return getattr(transformers, model_name)._from_config(config, attn_implementation="sdpa")

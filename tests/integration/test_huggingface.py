@@ -3,25 +3,15 @@
 
 import pytest
 import torch
-from exactness import compare, patched_copy, tiny_transformers_model
-from transformers import ViTConfig, ViTForImageClassification
+from exactness import compare, patched_copy, tiny_transformers_config, tiny_transformers_model
+from transformers import ViTForImageClassification
 
 from vit_kernels.integrations import huggingface
-
-CONFIG = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    image_size=32,
-    patch_size=8,
-    num_labels=5,
-)
 
 
 def _models(hidden_act="gelu", **extra):
     def config():  # one each: the attention implementation is kept on the config
-        return ViTConfig(**CONFIG, hidden_act=hidden_act, **extra)
+        return tiny_transformers_config("ViTConfig", num_labels=5, hidden_act=hidden_act, **extra)
 
     reference = ViTForImageClassification._from_config(
         config(), attn_implementation="sdpa"
@@ -194,18 +184,8 @@ def test_masks_run_fused_and_cross_attention_runs_transformers_own(monkeypatch):
 def test_siglip_vision_model_patches_and_stays_exact(record_difference):
     """SigLIP's pooling head is cross-attention (an nn.MultiheadAttention with a learned probe):
     patched, it runs as before; the encoder's norms are fused."""
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
     torch.manual_seed(0)
-    config = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    reference = SiglipVisionModel._from_config(config, attn_implementation="sdpa").double()
+    reference = tiny_transformers_model("SiglipVisionConfig", "SiglipVisionModel").double()
     fused, report = patched_copy(reference)
     assert any(name.endswith("head.attention") for name, _, _ in report.replaced), report
     images = torch.randn(2, 3, 32, 32, dtype=torch.float64)

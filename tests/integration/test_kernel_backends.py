@@ -6,9 +6,9 @@ swap is exact; these show the kernels behind it hold up inside real models."""
 import pytest
 import timm
 import torch
-from exactness import compare_in_float32, patched_copy
+from exactness import compare_in_float32, patched_copy, tiny_transformers_config
 from torchvision.models import VisionTransformer
-from transformers import ViTConfig, ViTForImageClassification
+from transformers import ViTForImageClassification
 
 import vit_kernels as vk
 from vit_kernels import backend
@@ -42,15 +42,7 @@ def timm_vit():
 
 def huggingface_vit():
     huggingface.register()
-    config = ViTConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        image_size=32,
-        patch_size=8,
-        num_labels=5,
-    )
+    config = tiny_transformers_config("ViTConfig", num_labels=5)
     return ViTForImageClassification._from_config(config, attn_implementation="vit_kernels")
 
 
