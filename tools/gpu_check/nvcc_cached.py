@@ -4,7 +4,7 @@ CUDA source, whose ptxas report (stderr) goes to LOG, read from the compiled fol
 
 The key is what decides the report: nvcc's version, torch's (its headers), the arguments with the
 include folders' paths left out (they name the checkout), and the text of the source and of every
-header under csrc/. A compile that fails is not kept. The object file is written only by a compile
+header under csrc/. A compile that fails is not kept, and leaves no LOG. The object file is written only by a compile
 that runs; the gate (``tools.gpu_check.ptxas``) reads the reports alone.
 """
 
@@ -47,10 +47,11 @@ def main(argv: list[str]) -> int:
         print(f"check-cuda: {log.name} read from {stored.parent}")
         return 0
     done = subprocess.run(command, stderr=subprocess.PIPE, text=True, check=False)
-    write_atomically(log, done.stderr)
-    if done.returncode != 0:
+    if done.returncode != 0:  # no report left at LOG: make compiles again next time, as for a lost .o
+        log.unlink(missing_ok=True)
         print(done.stderr, file=sys.stderr)
         return done.returncode
+    write_atomically(log, done.stderr)
     write_atomically(stored, done.stderr)
     return 0
 
