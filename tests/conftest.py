@@ -35,7 +35,6 @@ def tuned_decisions_stay_with_their_test(monkeypatch):
     """Each test's tuned decisions and tiles stay its own, and no test leaves searching on."""
     monkeypatch.setattr(backend, "TUNED", {})
     monkeypatch.setattr(_tiles, "TUNED", {})
-    monkeypatch.setitem(_tiles._search, "enabled", False)
     monkeypatch.setattr(backend, "searcher", None)
     _tiles.forget()
 

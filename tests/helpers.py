@@ -7,7 +7,7 @@ import contextlib
 import datetime
 import math
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import pytest
 import torch
@@ -304,3 +304,37 @@ def fake_timer(time_of: Callable[[object], float] = lambda key: 1.0) -> Callable
         return {key: (run(), time_of(key))[1] for key, run in runs.items()}
 
     return time_runs
+
+
+def search_tiles(op: str, implementation: Union[str, Callable], *args) -> None:
+    """``vk.tune``'s tile search for one call of ``op``'s ``implementation`` (a backend's name or its
+    function) on ``args`` (as the
+    implementation takes them): each candidate of every key its launches meet validated against the
+    op's reference (output and every gradient), the valid ones timed (``tuning.time_runs``), the
+    fastest kept. For the CPU, where ``auto`` never offers interpreted Triton to the search."""
+    from vit_kernels import _signature, tuning
+
+    device, dtype = args[0].device, args[0].dtype
+    call = backend._Call(op, device, dtype, (), _signature.needs_grad(args), {}, args)
+    upstream: list = []
+    exact, own = tuning.references(call, args, upstream)
+    fn = implementation if callable(implementation) else backend._registry[op][implementation].fn
+    tuning.search_tiles(call, fn, args, upstream, own, exact)
+
+
+def tiles_searched_first(monkeypatch, *ops: str) -> None:
+    """Each op's Triton implementation runs ``search_tiles`` on its first call's arguments before it
+    computes: a test calls the public op as a user does and gets vk.tune's tiles."""
+    import dataclasses
+
+    for op in ops:
+        impl = backend._registry[op]["triton"]
+
+        def first_searched(*args, op=op, fn=impl.fn, done=[]):  # noqa: B006 - once per op
+            if not done:
+                done.append(True)
+                search_tiles(op, fn, *args)
+            return fn(*args)
+
+        monkeypatch.setitem(backend._registry[op], "triton", dataclasses.replace(impl, fn=first_searched))
+    monkeypatch.setattr(backend, "_fast", {})

@@ -13,7 +13,7 @@ from tests.helpers import CPU_BACKENDS
 from tests.test_attention import _dropout_mask, check_attention_against_formula
 from tests.test_attention_rope import assert_out_probs_and_grad, frequency_tables, rope_formula
 from vit_kernels import backend
-from vit_kernels.ops import attention, attention_reference, attention_tiles
+from vit_kernels.ops import attention, attention_tiles
 
 MASK_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
 TRITON = "triton" in CPU_BACKENDS
@@ -281,17 +281,6 @@ def test_chooser_key_and_launches_tell_masked_calls_apart():
             if launch.kernel is attention._attention_fwd_kernel and launch.kwargs["MASK"]
         ]
         assert masked and all([launch.args[i] for i in strides] == [197, 0, 0, 1] for launch in masked)
-
-
-def test_tile_validation_checks_against_the_masked_reference():
-    """A tile candidate of a masked call is checked against SDPA with that mask: the masked result
-    passes, an unmasked one is refused."""
-    heads, head_dim, length = 2, 16, 21
-    mask = make_mask("pair_bool", 3, heads, length)
-    qkv = torch.randn(3, length, 3 * heads * head_dim)
-    check = attention_reference.check_against_pytorch(["out"], list, qkv, heads, 0.25, mask=mask)
-    assert check([attention_reference.attention_ref(qkv, heads, 0.25, attn_mask=mask)]) is None
-    assert check([attention_reference.attention_ref(qkv, heads, 0.25)]) is not None
 
 
 BAD = [

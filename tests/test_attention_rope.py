@@ -12,7 +12,7 @@ from tests.helpers import CPU_BACKENDS, assert_close
 from tests.test_attention import _dropout_mask, check_attention_against_formula
 from vit_kernels import backend
 from vit_kernels import nn as vkn
-from vit_kernels.ops import attention, attention_reference
+from vit_kernels.ops import attention
 from vit_kernels.ops.rope import Rope
 
 ROPE_BACKENDS = [name for name in CPU_BACKENDS if name != "extension"]
@@ -377,25 +377,3 @@ def test_bad_rope_arguments_raise(kwargs, error, message):
 def test_odd_head_dim_with_rope_raises():
     with pytest.raises(ValueError, match="rope needs an even head dim .* Dh = 5"):
         vk.attention(torch.randn(1, 4, 3 * 10), 2, rope=(torch.ones(4, 5), torch.ones(4, 5)))
-
-
-@pytest.mark.parametrize("layout", ["interleaved", "half"])
-def test_tile_validation_checks_against_the_rotated_reference(layout):
-    """A tile candidate of a rotating call is checked against SDPA on the rotated q and k: the
-    rotated result passes, an unrotated one (or one with the other layout) is refused."""
-    heads, head_dim, length = 2, 16, 21
-    cos, sin = frequency_tables(length - 1, head_dim, layout)
-    qkv = torch.randn(3, length, 3 * heads * head_dim)
-    other = "half" if layout == "interleaved" else "interleaved"
-    check = attention_reference.check_against_pytorch(
-        ["out"], list, qkv, heads, 0.25, rope=Rope(cos, sin, layout)
-    )
-    assert (
-        check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=layout)])
-        is None
-    )
-    assert check([attention_reference.attention_ref(qkv, heads, 0.25)]) is not None
-    assert (
-        check([attention_reference.attention_ref(qkv, heads, 0.25, cos=cos, sin=sin, rope_layout=other)])
-        is not None
-    )

@@ -1,9 +1,10 @@
 """The GEMM tile choice (linear's ``_matmul`` and patch_embed's forward), its parts on the CPU: the
-launchers take the GPU's path (candidates validated, then timed by a fake timer) while Triton's
-interpreter runs the candidate tiles, so the results are real. A wrong candidate is excluded with
-its reason, the fastest right one is kept and a decided key only looks it up; every epilogue and
-gradient gives the formula's answer through that path; the compile gate records every candidate;
-nothing runs where nothing may; keys are concrete under dynamic shapes."""
+launchers take the GPU's path (vk.tune's search: candidates validated through the whole op, then
+timed by a fake timer) while Triton's interpreter runs the candidate tiles, so the results are real.
+A wrong candidate is excluded with its reason, the fastest right one is kept and a decided key only
+looks it up; every epilogue and gradient gives the formula's answer through that path; the compile
+gate records every candidate; nothing runs where nothing may; keys are concrete under dynamic
+shapes."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import vit_kernels as vk
-from tests.helpers import CPU_BACKENDS, check_against_formula
+from tests.helpers import CPU_BACKENDS, check_against_formula, fake_timer, tiles_searched_first
 from tests.test_linear import check_mlp_against_formula, mlp_inputs
 from tests.test_patch_embed import NAMES as PATCH_EMBED_NAMES
 from tests.test_patch_embed import make_inputs, patch_embed_formula, run_patch_embed
-from tests.test_tile_chooser import measurable  # noqa: F401  (the fake timer fixture)
-from tools.cuda_sim import simulated_cuda
-from vit_kernels import _tiles
+from tools.cuda_sim import every_candidate, simulated_cuda
+from vit_kernels import _tiles, tuning
 from vit_kernels.activations import GELU
 from vit_kernels.ops import gemm, linear, patch_embed
 
@@ -33,12 +33,16 @@ FP32_FAST_TO_SLOW = tuple(
 
 
 @pytest.fixture
-def gpu_path(measurable, monkeypatch):  # noqa: F811
+def gpu_path(monkeypatch):
     """The tile launchers treat CPU tensors as they treat CUDA ones (the interpreter still runs the
-    kernels); ``times[tile]`` is what timing a candidate returns. The choices start and end empty."""
+    kernels), and each op's first Triton call searches its tiles as vk.tune does; ``times[tile]`` is
+    what timing a candidate returns. The choices start and end empty."""
+    times: dict = {}
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
+    monkeypatch.setattr(tuning, "time_runs", fake_timer(lambda tile: times[tile]))
+    tiles_searched_first(monkeypatch, "linear_gelu", "linear", "mlp", "patch_embed")
     _tiles.forget()
-    yield measurable
+    yield times
     _tiles.forget()
 
 
@@ -91,13 +95,13 @@ def test_the_fastest_right_gemm_tile_is_chosen_kept_and_only_looked_up(gpu_path,
     ]
     assert row["chosen"] == repr(fast)
     assert row["candidates"][repr(fast)] == 0.2 and row["candidates"][repr(middle)] == 0.3
-    assert row["candidates"][repr(wrong)].startswith("invalid: out: relative error")
+    assert row["candidates"][repr(wrong)].startswith("invalid: result 0: relative error")
     assert launched[-1] == fast  # the call itself runs the chosen tile, after every candidate's trial
 
-    def no_trial(self):
-        raise AssertionError("built the trial of a decided key")
+    def no_candidates(*args):
+        raise AssertionError("listed the candidates of a decided key")
 
-    monkeypatch.setattr(gemm._Gemm, "trial", no_trial)
+    monkeypatch.setattr(gemm, "gemm_candidates", no_candidates)
     launched.clear()
     with vk.use_backend("triton", strict=True):
         again = vk.linear_gelu(torch.randn(3, 19, 40), w, b)  # 57 rows: the same bucket
@@ -261,71 +265,6 @@ def test_no_tma_kernel_while_tracing():
         assert gemm.tma_layout(mode.from_tensor(a), mode.from_tensor(b)) is None
 
 
-@pytest.mark.parametrize("epilogue", ["bias+residual", "gelu", "gelu_grad", "split"])
-def test_the_gemm_check_names_a_wrong_output(epilogue):
-    """The trial's check passes a candidate's right outputs and names the wrong one (2% off): the
-    output, or the saved pre-activation."""
-    torch.manual_seed(0)
-    m, k, n = 40, 24, 36
-    a, b = torch.randn(m, k), torch.randn(n, k).t() / 5
-    bias, residual, aux = torch.randn(n), torch.randn(m, n), torch.empty(m, n)
-    kwargs = {
-        "bias+residual": dict(bias=bias, residual=residual),
-        "gelu": dict(bias=bias, epilogue=gemm.EPILOGUE_GELU, aux=aux, tanh=True),
-        "gelu_grad": dict(epilogue=gemm.EPILOGUE_GELU_GRAD, aux=torch.randn(m, n)),
-        "split": {},
-    }[epilogue]
-    slices, k_per_split = (3, 8) if epilogue == "split" else (1, k)  # K = 24 in three slices, or one
-    call = gemm._Gemm(
-        a,
-        b,
-        torch.float32,
-        kwargs.get("bias"),
-        kwargs.get("epilogue", gemm.EPILOGUE_NONE),
-        kwargs.get("tanh", False),
-        kwargs.get("aux"),
-        kwargs.get("residual"),
-        False,
-        slices,
-        k_per_split,
-    )
-    run, check = call.trial()
-    outputs = run(gemm.GEMM_INTERPRETER_TILE)
-    assert len(outputs) == (2 if epilogue == "gelu" else 1)
-    assert check(outputs) is None
-    for index, name in enumerate(["out", "preact"][: len(outputs)]):
-        wrong = [t * 1.02 if i == index else t for i, t in enumerate(outputs)]
-        problem = check(wrong)
-        assert problem is not None and problem.startswith(f"{name}: relative error"), problem
-
-
-def test_only_the_validation_rows_are_checked(monkeypatch):
-    """Past VALIDATION_ROWS rows a candidate is checked on the first and the last halves of them."""
-    assert gemm.validation_rows(4096, torch.device("cpu")) is None
-    rows = gemm.validation_rows(10_000, torch.device("cpu"))
-    assert rows.tolist() == list(range(2048)) + list(range(10_000 - 2048, 10_000))
-    monkeypatch.setattr(gemm, "VALIDATION_ROWS", 8)
-    call = gemm._Gemm(
-        torch.randn(40, 16),
-        torch.randn(16, 24),
-        torch.float32,
-        None,
-        gemm.EPILOGUE_NONE,
-        False,
-        None,
-        None,
-        False,
-        1,
-        16,
-    )
-    run, check = call.trial()
-    (out,) = run(gemm.GEMM_INTERPRETER_TILE)
-    assert check([out]) is None
-    last = out.clone()
-    last[-1] += 1.0
-    assert check([last]) is not None  # the masked last tile is checked
-
-
 def test_nothing_is_run_or_kept_where_nothing_may(monkeypatch):
     """Tracing, graph capture, no GPU: the decided tile, else the first candidate, unmeasured."""
     monkeypatch.setattr(_tiles, "interpreted", lambda device: False)
@@ -342,12 +281,16 @@ def test_a_search_on_a_gpu_launches_every_candidate():
     """On an H100 (simulated) an mlp forward and backward searching tries, for each of its GEMMs,
     every candidate tile; small outputs leave the tiles much larger than them out."""
     dt = torch.bfloat16
-    with simulated_cuda(90) as device, _tiles.search():
+
+    def run():
         x, w1, w2 = (
             torch.empty(s, dtype=dt, device="cuda") for s in ((64, 197, 768), (3072, 768), (768, 3072))
         )
         out, hidden, preact = linear.mlp_fwd(x, w1, None, w2, None, None, GELU, True)
         linear.mlp_bwd(torch.empty_like(out), x, w1, w2, hidden, preact, GELU, False, False)
+
+    with simulated_cuda(90) as device:
+        every_candidate(run)
     per_gemm: dict = {}  # the GEMM (its operand shapes and flags) -> the tiles it launched
     for launch in device.launches:
         if launch.kernel.fn.__name__ in ("_linear_kernel", "_linear_tma_kernel"):
@@ -394,7 +337,7 @@ def test_gemm_keys_are_concrete_under_dynamic_shapes():
 def test_patch_embed_forward_tile_is_chosen(gpu_path):
     fast, middle, slow = FP32_FAST_TO_SLOW
     gpu_path.update({fast: 0.1, middle: 0.2, slow: 0.3})
-    inputs = make_inputs(6, 3, 32, 32, 8, 20)  # more images than are validated: the first and last two
+    inputs = make_inputs(6, 3, 32, 32, 8, 20)
     with vk.use_backend("triton", strict=True):
         check_against_formula(
             run_patch_embed, patch_embed_formula, inputs, torch.float32, PATCH_EMBED_NAMES, patch_size=8

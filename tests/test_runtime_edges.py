@@ -55,11 +55,14 @@ def test_the_extension_says_why_it_cannot_run(monkeypatch):
 def test_validation_names_a_missing_or_misshapen_result():
     t = torch.ones(2, 3)
     exact = [t.double(), t.double()]
-    assert tuning._problem([t], [t], exact, torch.float32) == "1 outputs and gradients, the reference gives 2"
-    assert tuning._problem([t, None], [t, t], exact, torch.float32) == "result 1 is missing"
-    assert tuning._problem([t, None], [t, None], [t.double(), None], torch.float32) is None
     assert (
-        tuning._problem([t.t(), t], [t, t], exact, torch.float32)
+        tuning._problem("layer_norm", [t], [t], exact, torch.float32)
+        == "1 outputs and gradients, the reference gives 2"
+    )
+    assert tuning._problem("layer_norm", [t, None], [t, t], exact, torch.float32) == "result 1 is missing"
+    assert tuning._problem("layer_norm", [t, None], [t, None], [t.double(), None], torch.float32) is None
+    assert (
+        tuning._problem("layer_norm", [t.t(), t], [t, t], exact, torch.float32)
         == "result 0 has shape (3, 2), the reference (2, 3)"
     )
 

@@ -438,6 +438,22 @@ class Recorder:
         return {launch.kernel.fn.__name__ for launch in self.launches}
 
 
+def every_candidate(run: Callable[[], object]) -> None:
+    """``run()``, then ``run()`` again with each other candidate tile of every key it met, and of the
+    keys those runs met (the launches ``vk.tune``'s search makes, unvalidated and untimed): for
+    recording every variant."""
+    with _tiles.meeting() as queue:
+        run()
+    seen = {(met.chooser, met.key) for met in queue}
+    while queue:
+        met = queue.pop(0)
+        for tile in met.candidates[1:]:
+            with _tiles.trying(met, tile), _tiles.meeting() as more:
+                run()
+            queue += [m for m in more if (m.chooser, m.key) not in seen]
+            seen.update((m.chooser, m.key) for m in more)
+
+
 def exceptions_caught() -> list[str]:
     """Every candidate ``vk.tune`` excluded because it raised: on the simulated device every value
     reads 0 and every candidate validates, so any exclusion is an exception."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -83,25 +83,6 @@ def first_problem(
         f"{failed['tensor']}: relative error {failed['error']:.2e} > {ERROR_RATIO:g} x PyTorch's "
         f"{failed['pytorch_error']:.2e} (floor {floor:.0e})"
     )
-
-
-def check_against(
-    names: Sequence[str],
-    references: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
-    dtype: torch.dtype,
-    parts_of: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = list,
-) -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
-    """A tile search's check: the named parts of a candidate's outputs (``parts_of(outputs)``) against
-    ``references() -> (exact, PyTorch's own in the same dtype)``, made once, at the first check."""
-    made: list = []
-
-    def check(outputs: Sequence[torch.Tensor]) -> Optional[str]:
-        if not made:
-            made.extend(references())
-        exact, own = made
-        return first_problem(list(zip(names, parts_of(outputs), own, exact, strict=True)), FLOORS[dtype])
-
-    return check
 
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -6,9 +6,9 @@ its results file). A call launches the tile ``vk.tune`` searched or ``vk.load_tu
 key, else the default; CPU tensors (the interpreter) a fixed small tile. An ordinary call checks and
 times nothing: the GPU tests and ``vk.selftest()`` run every table entry against float64.
 
-Searching (inside ``vk.tune`` only, on CUDA, outside tracing and graph capture): each candidate runs
-on the call's own inputs and is compared with the reference (``_accuracy``); the right ones are
-timed together and the fastest is kept for the key.
+``vk.tune`` finds the keys a call meets (``meeting``) and launches each candidate of one key
+(``trying``) through the whole op, which it validates and times as it does the backends; keys first
+met in those runs (a GEMM that one way of a choice launches) are searched after it.
 
 A launcher keeps what it works out from a tile (grid, constants) per call signature in a plan table
 (``decided`` / ``keep``): a warm call is one lookup. ``forget`` empties them when tiles change.
@@ -17,14 +17,12 @@ A launcher keeps what it works out from a tile (grid, constants) per call signat
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from vit_kernels import _autograd, _signature
-from vit_kernels._accuracy import without_autocast
 from vit_kernels._triton import LAUNCH_CONFIGS, interpreted
 
 Tile = tuple  # a NamedTuple of one kernel's launch parameters, or a tuple of them (attention's pairs)
@@ -42,25 +40,21 @@ class Choice:
     trials: dict  # tile -> milliseconds, or why it was excluded
 
 
+@dataclass(frozen=True)
+class Met:
+    """A key a call's launches met with no tile chosen for it: what ``vk.tune`` searches."""
+
+    chooser: "TileChooser"
+    key: tuple
+    device: torch.device
+    candidates: tuple
+
+
 # The tiles searched or loaded, by "<kernel> | <device name> | <key>": what ``vk.save_tuning`` writes.
 TUNED: dict[str, dict] = {}
-_search = {"enabled": False}
+_met: list[Optional[list[Met]]] = [None]  # while ``meeting``: the keys met
+_trying: dict[tuple, Tile] = {}  # (chooser, key) -> the tile ``trying`` launches
 _plan_tables: list[dict] = []
-_lock = threading.RLock()  # a candidate run may choose the tile of a kernel it calls
-
-
-@contextlib.contextmanager
-def search(enabled: bool = True) -> Iterator[None]:
-    """Inside the block, whether keys met on CUDA are searched (``vk.tune``'s switch)."""
-    before, _search["enabled"] = _search["enabled"], enabled
-    try:
-        yield
-    finally:
-        _search["enabled"] = before
-
-
-def searching() -> bool:
-    return _search["enabled"]
 
 
 def _as_tile(value):
@@ -69,7 +63,7 @@ def _as_tile(value):
 
 
 class TileChooser:
-    """The tiles of one launcher's kernels chosen by ``vk.tune`` or loaded, per key."""
+    """The tiles of one launcher's kernels chosen by ``vk.tune``, loaded or pinned, per key."""
 
     instances: list["TileChooser"] = []
 
@@ -83,60 +77,31 @@ class TileChooser:
         return None if hit is None else hit.tile
 
     def pin(self, key: tuple, tile: Tile) -> None:
-        """Launch ``tile`` for ``key`` from now on in this process (the compile gate's candidates)."""
-        self._keep(key, Choice(tile, "pinned", {}))
+        """Launch ``tile`` for ``key`` from now on in this process."""
+        self.keep(key, Choice(tile, "pinned", {}))
+
+    def keep(self, key: tuple, choice: Choice, device: Optional[torch.device] = None) -> Tile:
+        """Launch ``choice.tile`` for ``key`` from now on; a tuned one (on ``device``) is saved too."""
+        self._chosen[key] = choice
+        if choice.how == "tuned":
+            trials = {repr(t): v for t, v in choice.trials.items()}
+            TUNED[self._text(key, device)] = {"tile": choice.tile, "trials": trials}
+        forget_plans()
+        return choice.tile
 
     def report(self) -> dict[tuple, Choice]:
         return dict(self._chosen)
 
-    def _keep(self, key: tuple, choice: Choice) -> Tile:
-        self._chosen[key] = choice
-        forget_plans()
-        return choice.tile
+    def _text(self, key: tuple, device: torch.device) -> str:
+        return f"{self.name} | {_signature.device_name(device)} | {key!r}"
 
-    def choose(self, key, device, candidates, trial) -> Tile:
-        """The tile for a key this chooser holds nothing for: a loaded or searched one, else the
-        table's default (``candidates[0]``)."""
-        text = f"{self.name} | {_signature.device_name(device)} | {key!r}"
-        stored = TUNED.get(text)
+    def _loaded(self, key: tuple, device: torch.device, candidates: Sequence[Tile]) -> Optional[Tile]:
+        stored = TUNED.get(self._text(key, device))
         wanted = None if stored is None else _as_tile(stored["tile"])
         tile = next((c for c in candidates if c == wanted), None)  # the table's own (NamedTuple) tile
-        if tile is not None:  # a stored tile the table no longer lists is not launched
-            return self._keep(key, Choice(tile, "loaded", stored.get("trials") or {}))
-        if not (searching() and can_measure(device)):
-            return candidates[0]
-        with _lock, without_autocast():
-            choice = self._search(key, candidates, *trial())
-        if choice is None:  # an empty problem: nothing to compare or time
-            return candidates[0]
-        TUNED[text] = {"tile": choice.tile, "trials": {repr(t): v for t, v in choice.trials.items()}}
-        return self._keep(key, choice)
-
-    def _search(self, key, candidates, run, check) -> Optional[Choice]:
-        from vit_kernels.tuning import time_runs  # the one timer, beside the backend search
-
-        trials: dict = {}
-        for tile in candidates:
-            try:
-                outputs = run(tile)
-                if all(o.numel() == 0 for o in outputs):
-                    return None
-                problem = check(outputs)
-            except Exception as error:  # a candidate that cannot run is excluded, not fatal
-                problem = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            trials[tile] = None if problem is None else f"invalid: {problem}"
-        valid = {tile: (lambda tile=tile: run(tile)) for tile, trial in trials.items() if trial is None}
-        if not valid:
-            raise RuntimeError(
-                f"vit_kernels: no {self.name} tile computes the right answer for {key}: {trials}"
-            )
-        trials.update(time_runs(valid))
-        return Choice(min(valid, key=trials.get), "tuned", trials)
-
-
-def can_measure(device: torch.device) -> bool:
-    """Whether candidates may run and be timed now: on CUDA, outside tracing and graph capture."""
-    return device.type == "cuda" and not _autograd.tracing() and not _signature.capturing_cuda_graph()
+        if tile is None:  # a stored tile the table no longer lists is not launched
+            return None
+        return self.keep(key, Choice(tile, "loaded", stored.get("trials") or {}))
 
 
 def tile_to_launch(
@@ -145,16 +110,49 @@ def tile_to_launch(
     key: Callable[[], tuple],
     interpreter_tile: Callable[[], Tile],
     candidates: Callable[[], Sequence[Tile]],
-    trial: Callable[[], tuple[Callable, Callable]],
 ) -> Tile:
     """The tile a launcher launches on tensors of ``device``: the interpreter's (CPU tensors), the
-    one ``chooser`` holds for ``key()``, else ``TileChooser.choose``'s. ``trial() -> (run, check)``
-    is built only where a search runs: ``run(tile)`` launches into fresh outputs and returns them,
-    ``check(outputs)`` returns None when they are right, else why not."""
+    one ``trying`` or ``chooser`` holds for ``key()``, a loaded one, else the table's default
+    (``candidates()[0]``)."""
     if interpreted(device):
         return interpreter_tile()
     chosen_key = key()
-    return chooser.chosen(chosen_key) or chooser.choose(chosen_key, device, candidates(), trial)
+    tile = _trying.get((chooser, chosen_key))
+    if tile is None:
+        tile = chooser.chosen(chosen_key)
+    if tile is not None:
+        return tile
+    listed = tuple(candidates())
+    loaded = chooser._loaded(chosen_key, device, listed)
+    if loaded is not None:
+        return loaded
+    met = _met[0]
+    if met is not None and len(listed) > 1 and all((m.chooser, m.key) != (chooser, chosen_key) for m in met):
+        met.append(Met(chooser, chosen_key, device, listed))
+    return listed[0]
+
+
+@contextlib.contextmanager
+def meeting() -> Iterator[list[Met]]:
+    """Inside the block, the yielded list gathers the keys launches meet that have a choice to make
+    and none made."""
+    before, _met[0] = _met[0], []
+    try:
+        yield _met[0]
+    finally:
+        _met[0] = before
+
+
+@contextlib.contextmanager
+def trying(met: Met, tile: Tile) -> Iterator[None]:
+    """Inside the block, launches of ``met``'s key launch ``tile``."""
+    _trying[(met.chooser, met.key)] = tile
+    forget_plans()
+    try:
+        yield
+    finally:
+        del _trying[(met.chooser, met.key)]
+        forget_plans()
 
 
 def decided(plans: dict, key: tuple):

@@ -59,6 +59,9 @@ class Impl:
 
 _registry: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
 validation_args: dict[str, Callable[[tuple], tuple]] = {}  # a call made deterministic (dropout off)
+# ``parts(i, actual, pytorch, exact) -> [(name, actual, pytorch, exact), ...]``: result ``i`` judged in
+# named parts (attention's dqkv as dq, dk and dv), each on its siblings' scale.
+validation_parts: dict[str, Callable[..., list]] = {}
 _backend_checks: dict[str, Callable[[], Optional[str]]] = {}
 # The backends ``vk.tune`` searched per signature (``_Call.signature``): what ``vk.save_tuning`` writes.
 TUNED: dict[str, dict] = {}
@@ -82,7 +85,13 @@ def unregister(op: str, backend: str) -> None:
     _fast.clear()
 
 
-def implementations(op: str, *, validation: Optional[Callable[[tuple], tuple]] = None, **table: Impl) -> None:
+def implementations(
+    op: str,
+    *,
+    validation: Optional[Callable[[tuple], tuple]] = None,
+    parts: Optional[Callable[..., list]] = None,
+    **table: Impl,
+) -> None:
     """Declare the table of ``op``: ``implementations("layer_norm", torch=Impl(...), triton=Impl(...))``."""
     if "torch" not in table:
         raise ValueError(f"the table of {op} must name its torch reference")
@@ -93,6 +102,8 @@ def implementations(op: str, *, validation: Optional[Callable[[tuple], tuple]] =
         register(op, name, impl.fn, **checks)
     if validation is not None:
         validation_args[op] = validation
+    if parts is not None:
+        validation_parts[op] = parts
 
 
 def register_backend_check(backend: str, check: Callable[[], Optional[str]]) -> None:

@@ -2,8 +2,9 @@
 
 By default the tables decide (``vit_kernels.backend``, ``vit_kernels._tiles``). ``tune`` runs the
 model once with searching on: ``auto`` validates and times every capable implementation of each
-signature (``search_backends``), and each Triton launcher validates and times its tiles. Every
-candidate is compared with the reference (``_accuracy``'s rule) before it is timed.
+signature (``search_backends``), first searching the tiles of each Triton launch it makes, through
+the whole op. Every candidate is compared with the reference (``_accuracy``'s rule, output and every
+gradient) before it is timed, and one timer times them all.
 The decisions stay in this process; ``save_tuning(path)`` writes them to a file stamped with the
 device, driver and versions, which ``load_tuning(path)`` reads on every rank of a job (and refuses,
 in one line, where the stamp differs). Under ``torch.distributed`` rank 0 searches and every rank
@@ -61,7 +62,6 @@ def tune(
     backend.searcher = search_backends if rank == 0 else None
     try:
         with (
-            _tiles.search(rank == 0),
             backend.use_backend("auto"),
             torch.set_grad_enabled(grad),
             torch.autocast(device_type, dtype=autocast, enabled=autocast is not None),
@@ -152,7 +152,7 @@ def _runner(fn: Callable, args: Sequence[Any], grad: bool, upstream: list, dtype
     return run
 
 
-def _problem(actual: list, own: list, exact: list, dtype: torch.dtype) -> Optional[str]:
+def _problem(op: str, actual: list, own: list, exact: list, dtype: torch.dtype) -> Optional[str]:
     if len(actual) != len(exact):
         return f"{len(actual)} outputs and gradients, the reference gives {len(exact)}"
     parts = []
@@ -163,15 +163,73 @@ def _problem(actual: list, own: list, exact: list, dtype: torch.dtype) -> Option
         elif a.shape != r.shape:
             return f"result {i} has shape {tuple(a.shape)}, the reference {tuple(r.shape)}"
         else:
-            parts.append((f"result {i}", a, p, r))
+            parts += backend.validation_parts.get(op, _whole)(i, a, p, r)
     return _accuracy.first_problem(parts, _accuracy.FLOORS.get(dtype, _accuracy.FLOORS[torch.float32]))
+
+
+def _whole(i: int, *tensors: torch.Tensor) -> list[tuple]:
+    return [(f"result {i}", *tensors)]
+
+
+def _outcome(check: Callable[..., Optional[str]], *args) -> Optional[str]:
+    """``check(*args)``'s problem, or the exception it raised as one: a candidate that cannot run is
+    excluded, not fatal."""
+    try:
+        return check(*args)
+    except Exception as error:
+        return f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def search_tiles(call: "backend._Call", fn: Callable, checked: tuple, upstream: list, own, exact) -> None:
+    """The tiles of the Triton launches ``fn`` makes on the call: for each key met, every candidate
+    launched through the whole op on ``checked`` and validated, the valid ones timed on the call's
+    own arguments, the fastest kept (a key with no valid candidate keeps its default, and the op is
+    then judged invalid as a whole). Keys first met while a candidate runs are searched next."""
+    with _tiles.meeting() as queue:
+        _runner(fn, checked, call.grad, upstream)()
+    seen = {(met.chooser, met.key) for met in queue}
+    while queue:
+        met = queue.pop(0)
+        trials: dict = {}
+        for tile in met.candidates:
+            with _tiles.trying(met, tile), _tiles.meeting() as more:
+                problem = _outcome(_run_and_judge, call, fn, checked, upstream, own, exact)
+            trials[tile] = None if problem is None else f"invalid: {problem}"
+            queue += [m for m in more if (m.chooser, m.key) not in seen]
+            seen.update((m.chooser, m.key) for m in more)
+        valid = [tile for tile, problem in trials.items() if problem is None]
+        for tile in valid:
+            with _tiles.trying(met, tile):
+                trials.update(time_runs({tile: _runner(fn, call.args, call.grad, upstream)}))
+        if valid:
+            best = min(valid, key=trials.get)
+            met.chooser.keep(met.key, _tiles.Choice(best, "tuned", trials), met.device)
+
+
+def references(call: "backend._Call", checked: tuple, upstream: list) -> tuple[list, list]:
+    """(exact, PyTorch's own): the op's reference on ``checked`` in the reference dtype, and in the
+    call's own dtype: outputs, then input gradients for ``upstream`` (made here when empty)."""
+    reference = backend._registry[call.op]["torch"].fn
+    exact = _runner(reference, checked, call.grad, upstream, _accuracy.reference_dtype(call.dtype))()
+    return exact, _runner(reference, checked, call.grad, upstream)()
+
+
+def _run_and_judge(call: "backend._Call", fn: Callable, checked: tuple, upstream: list, own, exact):
+    return _problem(call.op, _runner(fn, checked, call.grad, upstream)(), own, exact, call.dtype)
+
+
+def _validated(call: "backend._Call", fn: Callable, checked: tuple, upstream: list, own, exact):
+    """Why ``fn`` (its tiles searched first) is wrong on the call, or None."""
+    search_tiles(call, fn, checked, upstream, own, exact)
+    return _run_and_judge(call, fn, checked, upstream, own, exact)
 
 
 @_accuracy.without_autocast()
 def search_backends(call: "backend._Call", capable: list[str]) -> dict:
     """``vk.tune``'s decision for one signature: each capable implementation run on clones of the
-    call's arguments (the caller's graph untouched, the RNG state restored), validated against the
-    reference (dropout off), and the valid ones timed; the fastest is kept if it beats the reference."""
+    call's arguments (the caller's graph untouched, the RNG state restored), its tiles searched,
+    validated against the reference (dropout off), and the valid ones timed; the fastest is kept if
+    it beats the reference."""
     impls = backend._registry[call.op]
     args = tuple(call.args)
     checked = backend.validation_args.get(call.op, lambda a: a)(args)
@@ -179,19 +237,15 @@ def search_backends(call: "backend._Call", capable: list[str]) -> dict:
     cuda = [call.device.index or 0] if call.device.type == "cuda" else []
     candidates: dict[str, object] = {}
     with torch.random.fork_rng(devices=cuda):
-        exact = _runner(
-            impls["torch"].fn, checked, call.grad, upstream, _accuracy.reference_dtype(call.dtype)
-        )()
-        own = _runner(impls["torch"].fn, checked, call.grad, upstream)()
+        exact, own = references(call, checked, upstream)
         runs = {}
         for name in capable:
-            try:
-                got = own if name == "torch" else _runner(impls[name].fn, checked, call.grad, upstream)()
-                problem = _problem(got, own, exact, call.dtype)
-            except Exception as error:  # an implementation that raises is excluded, not fatal
-                problem = f"raised {type(error).__name__}: {error}"
+            fn = impls[name].fn
+            problem = (
+                None if name == "torch" else _outcome(_validated, call, fn, checked, upstream, own, exact)
+            )
             if problem is None:
-                runs[name] = _runner(impls[name].fn, args, call.grad, upstream)
+                runs[name] = _runner(fn, args, call.grad, upstream)
             else:
                 candidates[name] = f"invalid: {problem}"
         times = time_runs(runs)

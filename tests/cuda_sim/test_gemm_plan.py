@@ -25,10 +25,13 @@ def test_a_planned_gemm_launches_the_tile_its_key_holds_now(sim, monkeypatch):
     x = torch.randn(16, 197, 192, device="cuda", dtype=torch.float32)
     w = torch.randn(576, 192, device="cuda", dtype=torch.float32)
     gemm._PLANS.clear()
-    keys, choose = [], gemm.GEMM_CHOOSER.choose
-    monkeypatch.setattr(
-        gemm.GEMM_CHOOSER, "choose", lambda key, *args: keys.append(key) or choose(key, *args)
-    )
+    keys, tile_to_launch = [], gemm.tile_to_launch
+
+    def spied(chooser, device, key, *args):
+        keys.append(key())
+        return tile_to_launch(chooser, device, key, *args)
+
+    monkeypatch.setattr(gemm, "tile_to_launch", spied)
     with vk.use_backend("triton", strict=True):
         (chosen,) = _launched_blocks(sim, lambda: vk.linear(x, w))
         assert len(gemm._PLANS) == 1 and not gemm.GEMM_CHOOSER.report()  # the table's tile, not kept

@@ -59,7 +59,7 @@ def test_tune_under_autocast_searches_the_steps_signatures_and_the_step_then_sea
         raise AssertionError("searched after loading the tuning")
 
     monkeypatch.setattr(tuning, "search_backends", searched)
-    monkeypatch.setattr(_tiles.TileChooser, "_search", searched)
+    monkeypatch.setattr(tuning, "search_tiles", searched)
     vk.load_tuning(tmp_path / "tuning.json")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(images).float().sum().backward()

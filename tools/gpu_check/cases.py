@@ -8,19 +8,16 @@ second list kept by hand.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
-from unittest import mock
 
 import torch
 
-from tools.cuda_sim import Launch, simulated_cuda
-from vit_kernels import _tiles, tuning
+from tools.cuda_sim import Launch, every_candidate, simulated_cuda
+from vit_kernels import _tiles
 from vit_kernels.activations import GELU, GELU_TANH, NONE, QUICK_GELU
-from vit_kernels.ops import attention, attention_tiles, layer_norm, linear, patch_embed, swiglu
-from vit_kernels.ops.rope import Rope
+from vit_kernels.ops import attention, layer_norm, linear, patch_embed, swiglu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # name -> (GEMM and attention dtype, dtype of the residual stream, class token and position embedding)
@@ -309,24 +306,6 @@ def _attention_cases(sweep: Sweep) -> Iterator[Case]:
                 if return_probs:
                     attention.attention_probs(qkv, lse, heads, scale)
                 attention.attention_bwd(torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more)
-                if (
-                    dropout_p > 0
-                ):  # candidates are validated without dropout: each one may be chosen and run with it
-                    key = attention._chooser_key(
-                        qkv, heads, None if rope is None else Rope(*tables, rope), mask
-                    )
-                    for tile in attention_tiles.fwd_candidates(
-                        dt, head_dim, seq_len, rope is not None, mask is not None
-                    ):
-                        attention_tiles.FWD_CHOOSER.pin(key, tile)
-                        attention.attention_fwd(qkv, heads, scale, dropout_p, seed, *more)
-                    for tiles in attention_tiles.bwd_candidates(
-                        dt, head_dim, seq_len, rope is not None, mask is not None
-                    ):
-                        attention_tiles.BWD_CHOOSER.pin(key, tiles)
-                        attention.attention_bwd(
-                            torch.empty_like(out), qkv, lse, seed, heads, scale, dropout_p, *more
-                        )
 
             flags = (
                 f"L={seq_len} dropout={dropout_p} probs={return_probs}"
@@ -429,11 +408,9 @@ def cases(sweep: Sweep) -> Iterator[Case]:
 def record(case: Case, every_tile: bool = False) -> list[Launch]:
     """The launches ``case`` issues on the simulated H100, recorded instead of run: the tables'
     tiles, as a first call launches them (the choosers start afresh for each case, as in a new
-    process); ``every_tile``: every candidate of every table too, as ``vk.tune``'s search launches
-    them (validated on the simulated device, where every value reads 0, and not timed)."""
+    process); ``every_tile``: the case again with each other candidate of every key it met, as
+    ``vk.tune``'s search launches them."""
     _tiles.forget()
-    searching = _tiles.search(every_tile)
-    untimed = mock.patch.object(tuning, "time_runs", lambda runs: dict.fromkeys(runs, 1.0))
-    with simulated_cuda(90) as device, searching, untimed if every_tile else contextlib.nullcontext():
-        case.run()
+    with simulated_cuda(90) as device:
+        every_candidate(case.run) if every_tile else case.run()
     return device.launches

@@ -1,7 +1,6 @@
 """The PyTorch side of ``vk.attention``: the reference implementation (SDPA, or the softmax
 written out where the probabilities are asked for), attention masks in SDPA's conventions, the
-workarounds SDPA's fused CUDA kernels need (aligned layouts and biases), and the references a
-Triton tile is checked against (``check_against_pytorch``).
+workarounds SDPA's fused CUDA kernels need (aligned layouts and biases).
 
     q, k, v = split_qkv(qkv)                  each (B, H, L, Dh), D = H * Dh
     O = merge_heads(softmax(scale q k^T + mask) v)   (B, L, D)
@@ -9,16 +8,12 @@ Triton tile is checked against (``check_against_pytorch``).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from vit_kernels._accuracy import check_against, reference_dtype
-from vit_kernels.ops.rope import Rope, apply_rope, tables_4d
-
-VALIDATION_BATCH = 4  # images of the call that candidate tiles are checked on (all are timed)
-VALIDATION_BYTES = 1 << 30  # what the references' scores may take (long sequences check fewer images)
+from vit_kernels.ops.rope import apply_rope
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,68 +194,3 @@ def check_attention_mask(mask: object, qkv: torch.Tensor, num_heads: int) -> Non
         )
     if mask.device != qkv.device:
         raise ValueError(f"attn_mask is on {mask.device} but qkv is on {qkv.device}: move them to one device")
-
-
-def validation_images(qkv: torch.Tensor, num_heads: int) -> int:
-    """How many images of the call candidates are checked on: up to VALIDATION_BATCH, fewer where the
-    reference's materialised (H, L, L) scores would pass VALIDATION_BYTES (at least one)."""
-    batch, seq_len = int(qkv.shape[0]), int(qkv.shape[1])
-    per_image = 3 * num_heads * seq_len * seq_len * 8  # scores, probabilities and a gradient, float64
-    return max(1, min(VALIDATION_BATCH, batch, VALIDATION_BYTES // per_image))
-
-
-def reference_attention(
-    qkv: torch.Tensor,
-    num_heads: int,
-    scale: float,
-    grad_out: Optional[torch.Tensor],
-    dtype: torch.dtype,
-    rope: Optional[Rope] = None,
-    mask: Optional[torch.Tensor] = None,
-) -> list[torch.Tensor]:
-    """SDPA on the first ``validation_images`` images of qkv computed in ``dtype``: [out] or, given
-    grad_out, [dq, dk, dv] each (n, L, D); with ``rope``, of the rotated q and k. With
-    an attention mask, the masked softmax written out (``masked_softmax``): rows whose every key is
-    masked are 0 by that rule on every device, whatever SDPA's kernel for the device does with them."""
-    n = validation_images(qkv, num_heads)
-    leaf = qkv[:n].detach().to(dtype).requires_grad_(grad_out is not None)
-    q, k, v = split_qkv(leaf, num_heads)
-    if rope is not None:
-        cos, sin = (t[:n].detach() for t in tables_4d(qkv, num_heads, rope.cos, rope.sin))
-        q, k = apply_rope(q, cos, sin, rope.layout), apply_rope(k, cos, sin, rope.layout)
-    if mask is not None:
-        batch, seq_len = qkv.shape[0], qkv.shape[1]
-        mask = mask.expand(batch, num_heads, seq_len, seq_len)[:n].detach()
-        out = explicit_attention(q, k, v, scale, 0.0, lambda scores: masked_softmax(scores, mask))[0]
-    else:
-        q, k, v = sdpa_aligned(q), sdpa_aligned(k), sdpa_aligned(v)
-        out = merge_heads(F.scaled_dot_product_attention(q, k, v, scale=scale))
-    if grad_out is None:
-        return [out.detach()]
-    (grad,) = torch.autograd.grad(out, leaf, grad_out[:n].to(dtype))
-    return list(grad.chunk(3, dim=-1))
-
-
-def check_against_pytorch(
-    names: Sequence[str],
-    parts_of: Callable[[Sequence[torch.Tensor]], list],
-    qkv: torch.Tensor,
-    num_heads: int,
-    scale: float,
-    grad_out: Optional[torch.Tensor] = None,
-    rope: Optional[Rope] = None,
-    mask: Optional[torch.Tensor] = None,
-) -> Callable:
-    """A check for the TileChooser: each part of a candidate's outputs (on the validation images)
-    within twice the error of PyTorch's own SDPA in the same dtype, against SDPA in float64 (float32
-    inputs) or float32 (16-bit inputs), on q and k rotated by ``rope`` and with ``mask`` where given.
-    The references are computed once, on first use."""
-
-    def references():
-        with torch.enable_grad():
-            return tuple(
-                reference_attention(qkv, num_heads, scale, grad_out, dtype, rope, mask)
-                for dtype in (reference_dtype(qkv.dtype), qkv.dtype)
-            )
-
-    return check_against(names, references, qkv.dtype, parts_of)

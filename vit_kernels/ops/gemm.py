@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from vit_kernels._autograd import tracing
 from vit_kernels._signature import bucket
-from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
     decided,
@@ -33,7 +32,6 @@ from vit_kernels._triton import (
     launch,
     multiprocessors,
 )
-from vit_kernels.activations import GELU_APPROXIMATIONS, gelu, gelu_backward
 from vit_kernels.kernels.gemm import _gelu_bwd_kernel, _linear_kernel, _linear_tma_kernel
 
 # Epilogues of the GEMM kernel.
@@ -110,7 +108,6 @@ GEMM_GROUP_M = 8  # tile rows per group of the grouped launch order (B tiles sha
 MAX_BLOCK_K = max(
     tile.block_k for tile in GEMM_TILES_16BIT + GEMM_TILES_FP32
 )  # split-K slices are multiples of it
-VALIDATION_ROWS = 4096  # output rows a candidate is checked on (the first and last halves of them)
 GEMM_CHOOSER = TileChooser("GEMM")
 
 
@@ -233,15 +230,6 @@ def tile_report() -> list[dict]:
     EPILOGUE, GELU_FORM, SAVE_PREACT, HAS_RESIDUAL, M bucket, N, K bucket, K slices, unit strides of A's
     and B's two dimensions), the tile chosen and each candidate's time in ms or why it was excluded."""
     return report_rows("gemm", GEMM_CHOOSER)
-
-
-def validation_rows(m: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The rows of an m-row output a candidate is checked on: all (None) up to VALIDATION_ROWS, else
-    the first and the last VALIDATION_ROWS / 2 (the first tiles and the masked last ones)."""
-    if m <= VALIDATION_ROWS:
-        return None
-    half = VALIDATION_ROWS // 2
-    return torch.cat([torch.arange(half, device=device), torch.arange(m - half, m, device=device)])
 
 
 def split_k_slices(m: int, n: int, k: int, device: torch.device) -> int:
@@ -455,78 +443,6 @@ class _Gemm:
             bool(b_n == 1),
         )
 
-    def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
-        """The output rows ``rows`` (all when None) computed by PyTorch: [out] (+ [pre-activation]
-        under SAVE_PREACT). In ``dtype`` when given (the reference), else as PyTorch computes it
-        in the operands' own dtypes (its matmul in the operands' dtype, the residual added in its
-        dtype, as ``linear_ref`` does)."""
-
-        def pick(t):
-            t = t if rows is None else t.index_select(0, rows)
-            return t if dtype is None else t.to(dtype)
-
-        approximate = GELU_APPROXIMATIONS[self.gelu_form]
-        z = torch.matmul(pick(self.a), self.b if dtype is None else self.b.to(dtype))
-        if self.bias is not None:
-            z = z + (self.bias if dtype is None else self.bias.to(dtype))
-        outputs = []
-        y = z
-        if self.epilogue == EPILOGUE_GELU:
-            y = gelu(z, approximate)
-            if self.aux is not None:
-                outputs.append(z)
-        elif self.epilogue == EPILOGUE_GELU_GRAD:
-            y = gelu_backward(z, pick(self.aux), approximate)
-        if self.residual is not None:
-            y = y + pick(self.residual)
-        return [y.to(self.out_dtype) if dtype is None else y] + outputs
-
-    def trial(self) -> tuple[Callable, Callable]:
-        """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
-        every output the launch writes: [out] (+ [pre-activation] under SAVE_PREACT) (+ [the sums]:
-        C's column sums (N,) or A's row sums (M,), float32, reduced over tile rows or K slices);
-        ``check`` compares out and the pre-activation on ``validation_rows`` and the sums whole, with
-        PyTorch's own result against float64 (float32 operands) or float32 (16-bit ones)."""
-        save_preact = self.aux is not None and self.epilogue == EPILOGUE_GELU
-        per_row = ["out"] + (["preact"] if save_preact else [])  # checked on validation_rows; the sums whole
-        names = (
-            per_row
-            + {SUMS_NONE: [], SUMS_OF_C_COLUMNS: ["column sums of C"], SUMS_OF_A_ROWS: ["row sums of A"]}[
-                self.sums
-            ]
-        )
-
-        plans: dict = {}  # one per tile: its launches share the TMA descriptors (``TmaLaunch``)
-
-        def run(tile):
-            aux = torch.empty_like(self.aux) if save_preact else self.aux
-            plan = plans.get(tile) or plans.setdefault(tile, self.plan(tile))
-            c, partial = _launch(plan, self.a, self.b, self.out_dtype, self.bias, aux, self.residual)
-            outputs = [c.sum(0).to(self.out_dtype) if plan.slices > 1 else c] + ([aux] if save_preact else [])
-            return outputs + ([partial.sum(0)] if partial is not None else [])
-
-        wide = reference_dtype(self.a.dtype)
-        rows = validation_rows(int(self.a.shape[0]), self.a.device)
-
-        def parts_of(outputs):
-            return [
-                actual if rows is None or index >= len(per_row) else actual.index_select(0, rows)
-                for index, actual in enumerate(outputs)
-            ]
-
-        @torch.no_grad()
-        def references():
-            exact, own = self.reference(rows, wide), self.reference(rows, None)
-            if self.sums == SUMS_OF_C_COLUMNS:  # every row of C counts: the whole GEMM, once per key
-                exact.append(self.reference(None, wide)[0].sum(0))
-                own.append(self.reference(None, None)[0].float().sum(0))
-            elif self.sums == SUMS_OF_A_ROWS:
-                exact.append(self.a.to(wide).sum(1))
-                own.append(self.a.sum(1))
-            return exact, own
-
-        return run, check_against(names, references, self.a.dtype, parts_of)
-
 
 def _matmul_tile(gemm: _Gemm) -> tuple:
     """The tile ``_matmul`` launches: see ``vit_kernels._tiles.tile_to_launch``."""
@@ -538,7 +454,6 @@ def _matmul_tile(gemm: _Gemm) -> tuple:
         lambda: gemm_candidates(
             gemm.a.dtype, int(gemm.a.shape[0]), int(gemm.b.shape[1]), tma_layout(gemm.a, gemm.b) is not None
         ),
-        gemm.trial,
     )
 
 
@@ -622,20 +537,6 @@ def _weight_and_bias_grads_by(way: str, dy2: torch.Tensor, x2: torch.Tensor, dty
     return _matmul(dy2.t(), x2, dtype), dy2.sum(0, dtype=torch.float32)
 
 
-def _bias_grad_trial(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype):
-    """(run, check) for BIAS_GRAD_CHOOSER: dW and db against PyTorch's own, float64 / float32 exact."""
-
-    def run(way):
-        return list(_weight_and_bias_grads_by(way, dy2, x2, dtype))
-
-    @torch.no_grad()
-    def references():
-        wide = reference_dtype(dy2.dtype)
-        return (dy2.t().to(wide) @ x2.to(wide), dy2.to(wide).sum(0)), (dy2.t() @ x2, dy2.sum(0))
-
-    return run, check_against(("dW", "db"), references, dy2.dtype)
-
-
 def _input_and_weight_grads(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias_grad: bool):
     """For Y = X W^T + b: dX = dY W, dW = dY^T X and, when ``bias_grad``, db = sum_rows dY (float32;
     else None), db by the way BIAS_GRAD_CHOOSER keeps for the key."""
@@ -660,7 +561,6 @@ def _weight_and_bias_grads(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dty
             key,
             lambda: BIAS_GRAD_WAYS[0],
             lambda: BIAS_GRAD_WAYS,
-            lambda: _bias_grad_trial(dy2, x2, dtype),
         )
         keep(_BIAS_GRAD_PLANS, plan_key, way)
     return _weight_and_bias_grads_by(way, dy2, x2, dtype)

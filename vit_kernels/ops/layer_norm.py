@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from vit_kernels import _ext, _signature, backend
 from vit_kernels._autograd import differentiable, direct
-from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
     decided,
@@ -128,7 +127,6 @@ def _tile(
     rows2: torch.Tensor,
     present: tuple[bool, ...],
     candidates_for: Callable[[int], tuple],
-    trial: Callable[[], tuple[Callable, Callable]],
 ) -> tuple:
     """The tile to launch on rows2 (rows, D) (``tile_to_launch``), the default for no rows (nothing
     to validate on). Keyed by rows2's device and dtype, D padded to a power of 2 (``block_d``),
@@ -140,18 +138,7 @@ def _tile(
     if rows == 0:
         return candidates[0]
     key = (str(rows2.device), str(rows2.dtype), block_d, *present, _signature.bucket(rows))
-    return tile_to_launch(
-        chooser, rows2.device, lambda: key, lambda: candidates[0], lambda: candidates, trial
-    )
-
-
-def _pytorch_forward(x2, r2, weight, bias, eps, dtype):
-    """PyTorch's y (and s) for rows x2 (+ r2), computed in ``dtype``."""
-    s = x2.to(dtype) if r2 is None else x2.to(dtype) + r2.to(dtype)
-    w = weight.to(dtype) if weight is not None else None
-    b = bias.to(dtype) if bias is not None else None
-    y = F.layer_norm(s, (s.shape[-1],), w, b, eps)
-    return [y] if r2 is None else [y, s]
+    return tile_to_launch(chooser, rows2.device, lambda: key, lambda: candidates[0], lambda: candidates)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -245,20 +232,7 @@ def _layer_norm_fwd(
     if plan is None:
         present = (residual is not None, weight is not None, bias is not None)  # for the tile key
 
-        def trial():
-            def run(tile):
-                outputs = _launch_fwd(_fwd_plan(tile, x2, r2, weight, bias, eps), x2, r2, weight, bias)
-                return [outputs[0]] if r2 is None else [outputs[0], outputs[1]]
-
-            def references():
-                return (
-                    _pytorch_forward(x2, r2, weight, bias, eps, reference_dtype(x2.dtype)),
-                    _pytorch_forward(x2, r2, weight, bias, eps, x2.dtype),
-                )
-
-            return run, check_against(("y",) if r2 is None else ("y", "s"), references, x2.dtype)
-
-        tile = _tile(FWD_CHOOSER, x2, present, fwd_candidates, trial)
+        tile = _tile(FWD_CHOOSER, x2, present, fwd_candidates)
         made = _fwd_plan(tile, x2, r2, weight, bias, eps)
         plan = keep(_FWD_PLANS, plan_key, made)
     y, summed, mean, rstd = _launch_fwd(plan, x2, r2, weight, bias)
@@ -315,27 +289,6 @@ def _launch_bwd(plan: BackwardPlan, s2, dy2, dsum2, weight, mean, rstd) -> tuple
     return ds, partial_w, partial_b
 
 
-def _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype) -> list[torch.Tensor]:
-    """PyTorch's ds (+ dS), and d(weight), d(bias) when asked, from the forward's mean and rstd,
-    computed in ``dtype`` (statistics in the dtype PyTorch's own forward gives them)."""
-    dim = s2.shape[1]
-    s, dy = s2.to(dtype), dy2.to(dtype)
-    stat = torch.ops.aten.native_layer_norm(s[:1], [dim], None, None, 1e-5)[1].dtype
-    w = weight.to(dtype) if weight is not None else torch.ones(dim, dtype=dtype, device=s.device)
-    ds, dw, _ = torch.ops.aten.native_layer_norm_backward(
-        dy,
-        s,
-        [dim],
-        mean.to(stat)[:, None],
-        rstd.to(stat)[:, None],
-        w,
-        None,
-        [True, needs_weight_bias, False],
-    )
-    parts = [ds if dsum2 is None else ds + dsum2.to(dtype)]
-    return parts + [dw, dy.sum(0)] if needs_weight_bias else parts
-
-
 def _layer_norm_bwd(
     grad_y: torch.Tensor,
     grad_sum: Optional[torch.Tensor],
@@ -362,22 +315,7 @@ def _layer_norm_bwd(
     if plan is None:
         present = (grad_sum is not None, weight is not None, needs_weight_bias)  # for the tile key
 
-        def trial():
-            def run(tile):
-                tried = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
-                ds, partial_w, partial_b = _launch_bwd(tried, s2, dy2, dsum2, weight, mean, rstd)
-                return [ds, partial_w.sum(0), partial_b.sum(0)] if needs_weight_bias else [ds]
-
-            def references():
-                return tuple(
-                    _pytorch_backward(dy2, dsum2, s2, weight, mean, rstd, needs_weight_bias, dtype)
-                    for dtype in (reference_dtype(s2.dtype), s2.dtype)
-                )
-
-            names = ("ds", "dweight", "dbias") if needs_weight_bias else ("ds",)
-            return run, check_against(names, references, s2.dtype)
-
-        tile = _tile(BWD_CHOOSER, s2, present, bwd_candidates, trial)
+        tile = _tile(BWD_CHOOSER, s2, present, bwd_candidates)
         made = _bwd_plan(tile, s2, dy2, dsum2, weight, needs_weight_bias)
         plan = keep(_BWD_PLANS, plan_key, made)
     ds, partial_w, partial_b = _launch_bwd(plan, s2, dy2, dsum2, weight, mean, rstd)

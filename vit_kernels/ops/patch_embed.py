@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from vit_kernels import _ext, backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket
-from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
     decided,
@@ -66,7 +65,6 @@ def fwd_candidates(dtype: torch.dtype, rows: int, dim: int, arch: int) -> tuple:
 
 
 SPLIT_ROWS = 64  # the weight gradient's row slices are multiples of its BLOCK_M on a GPU
-VALIDATION_IMAGES = 4  # images a forward tile is checked on: the first and the last halves of them
 FWD_CHOOSER = TileChooser("patch_embed forward")
 _FWD_PLANS: dict[tuple, tuple] = {}  # per call signature, for _tiles.decided: ``_fwd_plan``
 
@@ -76,15 +74,6 @@ def tile_report() -> list[dict]:
     HAS_BIAS, HAS_CLS, HAS_POS, row bucket, D, C*P*P, P, tokens per image, channels last), the tile
     chosen and each candidate's time in ms or why it was excluded."""
     return report_rows("patch_embed forward", FWD_CHOOSER)
-
-
-def validation_images(n: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The images a forward candidate is checked on: all (None) up to VALIDATION_IMAGES, else the
-    first and the last VALIDATION_IMAGES / 2 (the first row tiles and the masked last ones)."""
-    if n <= VALIDATION_IMAGES:
-        return None
-    half = VALIDATION_IMAGES // 2
-    return torch.cat([torch.arange(half, device=device), torch.arange(n - half, n, device=device)])
 
 
 def _out_dtype(images: torch.Tensor, cls_token: Optional[torch.Tensor], pos_embed: Optional[torch.Tensor]):
@@ -194,44 +183,14 @@ def _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dty
 
 
 def fwd_tile(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype) -> tuple:
-    """The forward tile to launch for an output of ``out_dtype``: see
-    ``vit_kernels._tiles.tile_to_launch``. A candidate is
-    checked on ``validation_images`` against conv2d (+ class token and position embedding) in
-    float64 (float32 images) or float32 (16-bit ones), within twice PyTorch's own error."""
+    """The forward tile to launch for an output of ``out_dtype``: see ``_tiles.tile_to_launch``."""
     n, dim, _, _, tokens, _ = _geometry(images, weight, patch_size, cls_token is not None)
-
-    def trial():
-        def run(tile):
-            plan = _fwd_plan(tile, images, weight, bias, cls_token, pos_embed, patch_size, out_dtype)
-            return [_launch_fwd(plan, images, weight, bias, cls_token, pos_embed)]
-
-        wide = reference_dtype(images.dtype)
-        picked = validation_images(int(n), images.device)
-
-        @torch.no_grad()
-        def reference(dtype):
-            def cast(t):
-                return t if t is None or dtype is None else t.to(dtype)
-
-            subset = images if picked is None else images.index_select(0, picked)
-            return [
-                patch_embed_ref(
-                    cast(subset), cast(weight), cast(bias), patch_size, cast(cls_token), cast(pos_embed)
-                )
-            ]
-
-        def parts_of(outputs):
-            return [outputs[0] if picked is None else outputs[0].index_select(0, picked)]
-
-        return run, check_against(["out"], lambda: (reference(wide), reference(None)), images.dtype, parts_of)
-
     return tile_to_launch(
         FWD_CHOOSER,
         images.device,
         lambda: _chooser_key(images, weight, bias, cls_token, pos_embed, patch_size, out_dtype),
         lambda: GEMM_INTERPRETER_TILE,
         lambda: fwd_candidates(images.dtype, int(n) * int(tokens), int(dim), capability(images.device)),
-        trial,
     )
 
 

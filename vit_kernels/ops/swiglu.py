@@ -18,7 +18,7 @@ dU and their column sums (the bias gradients). Both layers are one registered pa
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from vit_kernels import backend
 from vit_kernels._autograd import differentiable, direct
 from vit_kernels._signature import bucket, needs_grad
-from vit_kernels._accuracy import check_against, reference_dtype
 from vit_kernels._tiles import (
     TileChooser,
     decided,
@@ -48,7 +47,6 @@ from vit_kernels.ops.gemm import (
     _weight_and_bias_grads,
     gemm_config,
     column_sums_pass,
-    validation_rows,
 )
 
 # The dual GEMM's launch configurations on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages):
@@ -142,42 +140,6 @@ class _DualGemm:
             bool(wu.stride(1) == 1),
         )
 
-    def reference(self, rows: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
-        """[H] (+ [G, U] under SAVE_PREACT) of the rows ``rows`` (all when None) by PyTorch: in ``dtype``
-        when given (the reference), else in the operands' own dtype (as ``swiglu_ref`` computes)."""
-
-        def cast(t):
-            return t if t is None or dtype is None else t.to(dtype)
-
-        x = self.x2 if rows is None else self.x2.index_select(0, rows)
-        g = F.linear(cast(x), cast(self.gate_weight), cast(self.gate_bias))
-        u = F.linear(cast(x), cast(self.up_weight), cast(self.up_bias))
-        return [F.silu(g) * u] + ([g, u] if self.save_preact else [])
-
-    def trial(self) -> tuple[Callable, Callable]:
-        """(run, check) for the TileChooser: ``run(tile)`` launches into fresh outputs and returns
-        [H] (+ [G, U]); ``check`` compares them on ``validation_rows`` with PyTorch's own result
-        against float64 (float32 operands) or float32 (16-bit ones)."""
-        names = ["H"] + (["G", "U"] if self.save_preact else [])
-
-        def run(tile):
-            gemm = self.x2, self.gate_weight, self.gate_bias, self.up_weight, self.up_bias
-            return list(_launch(self.plan(tile), *gemm, self.save_preact))[: len(names)]
-
-        wide = reference_dtype(self.x2.dtype)
-        rows = validation_rows(int(self.x2.shape[0]), self.x2.device)
-
-        @torch.no_grad()
-        def references():
-            return self.reference(rows, wide), self.reference(rows, None)
-
-        return run, check_against(
-            names,
-            references,
-            self.x2.dtype,
-            lambda outputs: [t if rows is None else t.index_select(0, rows) for t in outputs],
-        )
-
 
 def _dual_tile(gemm: _DualGemm) -> GemmTile:
     """The tile the dual GEMM launches: see ``vit_kernels._tiles.tile_to_launch``."""
@@ -188,7 +150,6 @@ def _dual_tile(gemm: _DualGemm) -> GemmTile:
         gemm.key,
         lambda: SWIGLU_INTERPRETER_TILE,
         lambda: swiglu_candidates(gemm.x2.dtype, m, n),
-        gemm.trial,
     )
 
 
