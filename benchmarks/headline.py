@@ -1,37 +1,44 @@
 """python -m benchmarks e2e: the one end-to-end table users ask for, vit-kernels against what they run.
 
 Per model, mode and batch, side by side in one run, bf16 autocast (float32 on a CPU), AdamW (fused on
-CUDA) for training:
+CUDA) for training, these columns:
 
 * ``eager``: PyTorch eager (our ViT on the ``torch`` backend; timm's model unpatched);
-* ``vk``: vit-kernels eager (our ViT on ``auto``; timm's model ``vk.patch_model``'d);
 * ``compile``: ``torch.compile`` of the eager model;
+* ``compile-cudagraphs``: the same under ``mode="reduce-overhead"`` (CUDA graphs; CUDA only);
+* ``vk``: vit-kernels eager (our ViT on ``auto``; timm's model ``vk.patch_model``'d);
 * ``vk+compile``: ``torch.compile`` of the vk model (our kernels where the table puts them under
   compile, Inductor around them);
-* ``vk+compile-cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs; CUDA only);
+* ``vk+compile-cudagraphs``: the same under ``mode="reduce-overhead"``;
 * ``vk-tuned`` (with ``--tuned``, in the first model's training row): ``vk`` after ``vk.tune``
-  under the step's autocast, in a new process (a search from nothing, which leaves this process
-  on the tables): what searching gains over the tables, and what the search costs (its seconds
-  beside the figure).
+  under the step's autocast, in a new process (a search from nothing): what searching gains over
+  the tables, and what the search costs (its seconds beside the figure).
 
-Models: ViT-B/16 and ViT-S/16 of ``vit``, and timm's ``vit_base_patch16_224`` patched. Metrics:
-training images/s at batch 128, inference images/s at batch 256, inference latency at batch 1 and
-8. Beside each figure: the first step's seconds (for vk's training row of the first model also the
-first step of a new process, the caches on disk warm), for the training rows of the first model
-the profiler's share of the step's device time per op (the top ones), with and without vk, and at
-batch 1, where the host sets the pace, its self time per op, eager and vk.
+Every ratio compares like with like (``OVER``): vk over eager, vk+compile over compile,
+vk+compile-cudagraphs over compile-cudagraphs.
 
-Rows run headline first (ViT-B/16 training), so a budget spent early leaves the later ones out;
-the JSON and markdown are rewritten after every row (atomically), so a run cut short keeps what
-ran. Output: ``<out>/e2e-<device>-<date>.json`` and ``.md``.
+Rows (``FULL_MODELS``), in this order: timm's ``vit_base_patch16_224`` patched
+(``timm:vit_base_patch16_224``), our ViT-B/16 (``vit_base_patch16_224``), then, in ``compile`` and
+``vk+compile`` only, our ViT-S/16 and timm's ViT-L/16 at 384, SigLIP so400m/14 at 384 and DINOv2-L/14
+at 518 (random init, no downloads). Each: training at batch 128 (halved until it fits), inference at
+256 and, for the first two, at batch 1. Beside each figure the first step's seconds (for vk's
+training row of the first model also the first step of a new process); for the first model's
+training rows the profiler's share of the step's device time per op (the top ones), and at batch 1,
+where the host sets the pace, the host's self time per op, eager and vk.
+
+The JSON and markdown are rewritten after every row (atomically): a run cut short by ``--budget``
+keeps what ran, and ``--models`` runs the rows a window did not reach. Output:
+``<out>/e2e-<device>-<date>.json`` and ``.md``.
 
     python -m benchmarks e2e [--quick] [--tuned] [--device cuda|cpu] [--out DIR] [--budget SECONDS]
+                             [--models NAME,...]
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+from dataclasses import dataclass
 import json
 import re
 import subprocess
@@ -44,37 +51,91 @@ import torch
 
 import vit_kernels as vk
 from benchmarks import cli, e2e, environment
+from benchmarks import report as report_
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
 from vit_kernels._files import write_atomically
 
-VARIANTS = ("eager", "vk", "compile", "vk+compile", "vk+compile-cudagraphs")
-TUNED = "vk-tuned"  # with --tuned, after VARIANTS in the first model's training row
-# (model, source): our presets, then timm's model of the same name, patched for vk
-FULL_MODELS = (
-    ("vit_base_patch16_224", "vit"),
-    ("vit_small_patch16_224", "vit"),
-    ("vit_base_patch16_224", "timm"),
-)
-QUICK_MODELS = (("vit_digits", "vit"),)
-# (mode, batch): training throughput, inference throughput, then inference latency
-FULL_RUNS = (("train", 128), ("infer", 256), ("infer", 1), ("infer", 8))
+VARIANTS = ("eager", "compile", "compile-cudagraphs", "vk", "vk+compile", "vk+compile-cudagraphs")
+# Like with like: each vk variant over the plain PyTorch variant of the same mode.
+OVER = {"vk": "eager", "vk+compile": "compile", "vk+compile-cudagraphs": "compile-cudagraphs"}
+TOWER_VARIANTS = ("compile", "vk+compile")
+TUNED = "vk-tuned"  # with --tuned, after the variants in the first model's training row
+FULL_RUNS = (("train", 128), ("infer", 256), ("infer", 1))  # training, inference throughput, latency
+TOWER_RUNS = (("train", 128), ("infer", 256))
 QUICK_RUNS = (("train", 8), ("infer", 16), ("infer", 1))
+SMALLEST_TRAIN_BATCH = 8  # a training batch that does not fit is halved down to this
+
+
+@dataclass(frozen=True)
+class Model:
+    """A row of the table: ``name`` (``timm:<name>`` for timm's model, patched for the vk variants;
+    our preset's name otherwise), how to build it, its variants and (mode, batch) runs."""
+
+    name: str
+    variants: tuple = VARIANTS
+    runs: tuple = FULL_RUNS
+    timm_kwargs: tuple = ()  # timm.create_model's keywords, as (key, value) pairs
+
+    @property
+    def source(self) -> str:
+        return "timm" if self.name.startswith("timm:") else "vit"
+
+    @property
+    def base_name(self) -> str:
+        return self.name.removeprefix("timm:")
+
+
+FULL_MODELS = (
+    Model("timm:vit_base_patch16_224"),
+    Model("vit_base_patch16_224"),
+    Model("vit_small_patch16_224", TOWER_VARIANTS, TOWER_RUNS),
+    Model("timm:vit_large_patch16_384", TOWER_VARIANTS, TOWER_RUNS),
+    Model("timm:vit_so400m_patch14_siglip_384", TOWER_VARIANTS, TOWER_RUNS),
+    Model("timm:vit_large_patch14_dinov2", TOWER_VARIANTS, TOWER_RUNS),  # 518 x 518, 1,370 tokens
+)
+QUICK_MODELS = (
+    Model("timm:vit_tiny_patch16_224", runs=QUICK_RUNS, timm_kwargs=(("img_size", 32), ("num_classes", 10))),
+    Model("vit_digits", runs=QUICK_RUNS),
+)
 PROFILE_TOP = 8  # ops listed per profiled step
-# The targets: (mode, batch, variant, over, at least)
+# The targets: (mode, batch, variant, at least over its plain PyTorch twin ``OVER[variant]``)
 TARGETS = (
-    ("train", 128, "vk+compile", "compile", 1.10),
-    ("train", 128, "vk", "eager", 1.05),
-    ("infer", 256, "vk+compile", "compile", 1.05),
+    ("train", 128, "vk+compile", 1.10),
+    ("train", 128, "vk", 1.05),
+    ("infer", 256, "vk+compile", 1.05),
+    ("infer", 1, "vk+compile-cudagraphs", 1.05),
 )
 
 
-def _model(name: str, source: str, device: torch.device) -> torch.nn.Module:
-    if source == "timm":
+def _model(spec: Model, device: torch.device) -> torch.nn.Module:
+    if spec.source == "timm":
         import timm
 
-        return timm.create_model(name, pretrained=False).to(device)  # random weights: no download
-    return ViT(get_config(name)).to(device)
+        # random weights: no download
+        return timm.create_model(spec.base_name, pretrained=False, **dict(spec.timm_kwargs)).to(device)
+    return ViT(get_config(spec.name)).to(device)
+
+
+def model_inputs(model: torch.nn.Module, spec: Model, batch: int, device: torch.device) -> list:
+    """Two random batches of images and labels for ``model`` (its input size and classes)."""
+    if spec.source == "vit":
+        return e2e._inputs(get_config(spec.name), batch, device)
+    channels, size, _ = model.pretrained_cfg.get("input_size", (3, 224, 224))
+    size = dict(spec.timm_kwargs).get("img_size", size)
+    classes = max(int(getattr(model, "num_classes", 0)), 1)  # a tower without a head: its features
+    return [
+        (
+            torch.randn(batch, channels, size, size, device=device),
+            torch.randint(0, classes, (batch,), device=device),
+        )
+        for _ in range(2)
+    ]
+
+
+def spec_named(name: str) -> Model:
+    """The table's row of ``name``, else a row of that name with every variant."""
+    return next((m for m in FULL_MODELS + QUICK_MODELS if m.name == name), Model(name))
 
 
 def variant_setup(
@@ -82,7 +143,7 @@ def variant_setup(
 ) -> tuple[torch.nn.Module, str, bool, Optional[str]] | str:
     """(module, backend, compiled?, compile mode) of ``variant``, or why it cannot run here."""
     if variant.endswith("cudagraphs") and device.type != "cuda":
-        return "CUDA graphs need a CUDA device"
+        return "CUDA only"
     ours = variant.startswith("vk")
     module = model
     if ours and source == "timm":
@@ -124,8 +185,7 @@ def _host_profile(step: Callable[[int], object], device: torch.device) -> dict[s
 
 
 def measure(
-    model_name: str,
-    source: str,
+    spec: Model,
     mode: str,
     batch: int,
     variant: str,
@@ -135,32 +195,27 @@ def measure(
     profile: bool,
 ) -> dict[str, object]:
     """One row: images/s, median ms, the first step's seconds (and the profile), or why not."""
-    row: dict[str, object] = {
-        "model": model_name if source == "vit" else f"{model_name} (timm)",
-        "mode": mode,
-        "batch": batch,
-        "variant": variant,
-    }
+    row: dict[str, object] = {"model": spec.name, "mode": mode, "batch": batch, "variant": variant}
     if variant == TUNED:
-        return _tuned_row(row, model_name, source, device, dtype, profile)
-    setup = variant_setup(variant, model, source, device)
+        return _tuned_row(row, spec.name, device, dtype, profile)
+    setup = variant_setup(variant, model, spec.source, device)
     if isinstance(setup, str):
         return {**row, "skipped": setup}
     compiled = setup[2]
     if compiled:  # each compiled row from a clean slate: its first step compiles, and no cache limit is hit
         torch._dynamo.reset()
-    inputs = e2e._inputs(get_config(model_name), batch, device)
+    inputs = model_inputs(model, spec, batch, device)
     try:
         step, first_step_s = _first_step(setup, mode, inputs, device, dtype)
         timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
         if profile:
             row["profile"] = _profile(step, device)
             if variant == "vk":
-                row["first_step_warm_s"] = first_step_in_a_new_process(
-                    model_name, source, mode, batch, device, dtype
-                )
+                row["first_step_warm_s"] = first_step_in_a_new_process(spec.name, mode, batch, device, dtype)
         if batch == 1 and variant in ("eager", "vk"):
             row["host_profile"] = _host_profile(step, device)
+    except torch.cuda.OutOfMemoryError as error:
+        return {**row, "invalid": f"out of memory: {error}".splitlines()[0], "out_of_memory": True}
     except Exception as error:  # reported, not fatal: e.g. a compile failure
         return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
     return {
@@ -183,27 +238,18 @@ CHILD_TIMEOUT_S = {"first step": 300, "tuned": 900}
 
 
 def _in_a_new_process(
-    what: str,
-    entry: str,
-    model_name: str,
-    source: str,
-    mode: str,
-    batch: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    env: Optional[dict] = None,
+    what: str, entry: str, model_name: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
 ) -> str:
     """The last line ``benchmarks.headline.<entry>()`` prints in another Python process, given the
-    row's model, source, mode, batch, device and dtype (``_row_of_argv``). Raises RuntimeError
-    naming ``what`` and the child's last error line when it fails."""
-    argv = [model_name, source, mode, str(batch), str(device), str(dtype).removeprefix("torch.")]
+    row's model, mode, batch, device and dtype (``_row_of_argv``). Raises RuntimeError naming
+    ``what`` and the child's last error line when it fails."""
+    argv = [model_name, mode, str(batch), str(device), str(dtype).removeprefix("torch.")]
     done = subprocess.run(
         [sys.executable, "-c", f"from benchmarks.headline import {entry}; {entry}()", *argv],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S[what],
         cwd=Path(__file__).resolve().parent.parent,
-        env=env,
     )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -214,40 +260,38 @@ def _in_a_new_process(
 
 def _row_of_argv() -> tuple:
     """A child's row from its argv: (mode, device, dtype, ``variant_setup`` of vk, the inputs)."""
-    model_name, source, mode, batch, device_name, dtype_name = sys.argv[1:7]
-    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
-    setup = variant_setup("vk", _model(model_name, source, device), source, device)
-    inputs = e2e._inputs(get_config(model_name), int(batch), device)
-    return mode, device, dtype, setup, inputs
+    model_name, mode, batch, device_name, dtype_name = sys.argv[1:6]
+    device, dtype, spec = torch.device(device_name), getattr(torch, dtype_name), spec_named(model_name)
+    model = _model(spec, device)
+    setup = variant_setup("vk", model, spec.source, device)
+    return mode, device, dtype, setup, model_inputs(model, spec, int(batch), device)
 
 
 def first_step_in_a_new_process(
-    model_name: str, source: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
+    model_name: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
 ) -> float:
     """Seconds of the first ``vk`` step of another Python process, what a user's second run waits:
     Triton's and vit_kernels' caches on disk are warm from this process's run (its compiles, its
     tiles' verdicts), its memory is not. The step alone, the child's imports and model set-up not
     counted. Raises RuntimeError naming the child's last error line when it fails."""
-    return float(
-        _in_a_new_process("first step", "first_step_child", model_name, source, mode, batch, device, dtype)
-    )
+    return float(_in_a_new_process("first step", "first_step_child", model_name, mode, batch, device, dtype))
 
 
 def first_step_child() -> None:
-    """``first_step_in_a_new_process``'s child: argv model, source, mode, batch, device, dtype;
+    """``first_step_in_a_new_process``'s child: argv model, mode, batch, device, dtype;
     prints the first step's seconds."""
     mode, device, dtype, setup, inputs = _row_of_argv()
     print(_first_step(setup, mode, inputs, device, dtype)[1])
 
 
 def tuned_in_a_new_process(
-    model_name: str, source: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
+    model_name: str, mode: str, batch: int, device: torch.device, dtype: torch.dtype
 ) -> dict[str, float]:
     """``vk`` after ``vk.tune`` in another Python process, so that the search starts from nothing and
     this process's decisions stay the tables' (Triton's compile cache is shared): {"tune_s": the search's seconds, "signatures": the op
     signatures it met, "first_step_s": the first step's after it, "median_ms": a step's}. Raises
     RuntimeError naming the child's last error line when it fails."""
-    line = _in_a_new_process("tuned", "tuned_child", model_name, source, mode, batch, device, dtype, None)
+    line = _in_a_new_process("tuned", "tuned_child", model_name, mode, batch, device, dtype)
     return json.loads(line)
 
 
@@ -271,14 +315,14 @@ def tuned_child() -> None:
 
 
 def _tuned_row(
-    row: dict, model_name: str, source: str, device: torch.device, dtype: torch.dtype, headline_row: bool
+    row: dict, model_name: str, device: torch.device, dtype: torch.dtype, headline_row: bool
 ) -> dict[str, object]:
     """The ``vk-tuned`` row: measured in the first model's training row only (the search takes
     minutes on a GPU), else why not."""
     if not headline_row:
         return {**row, "skipped": "measured in the first model's training row only"}
     try:
-        found = tuned_in_a_new_process(model_name, source, row["mode"], row["batch"], device, dtype)
+        found = tuned_in_a_new_process(model_name, row["mode"], row["batch"], device, dtype)
     except Exception as error:  # reported, not fatal
         return {**row, "invalid": f"{type(error).__name__}: {error}".splitlines()[0]}
     return {**row, "images_per_second": row["batch"] / (found["median_ms"] * 1e-3), **found}
@@ -304,9 +348,21 @@ def ratio(rows: list[dict], mode: str, batch: int, variant: str, over: str, mode
     return a / b if a and b else None
 
 
+def _cell(row: Optional[dict]) -> str:
+    if row is None:
+        return "not measured"
+    if "images_per_second" not in row:
+        return row.get("skipped") or f"failed: {row.get('invalid')}"
+    warm, tune = row.get("first_step_warm_s"), row.get("tune_s")
+    seconds = ("" if tune is None else f"tune {tune:.1f} s; ") + f"{row['first_step_s']:.1f} s"
+    seconds += "" if warm is None else f"; {warm:.1f} s warm"
+    return f"{row['images_per_second']:,.0f} ({seconds})"
+
+
 def markdown(report: dict) -> str:
     rows, head = report["rows"], report["rows"][0]["model"] if report["rows"] else ""
     variants = VARIANTS + ((TUNED,) if any(r["variant"] == TUNED for r in rows) else ())
+    ratios = [f"{v} / {over}" for v, over in OVER.items()]
     lines = [
         f"# End to end on {report['device']}, {report['date']}, {report['commit']}",
         "",
@@ -314,38 +370,30 @@ def markdown(report: dict) -> str:
         "images/s (the first step's seconds in parentheses; warm: another process's first step, with the "
         "caches on disk this run filled"
         + ("; tune: vk.tune's seconds before it, in a new process" if TUNED in variants else "")
-        + "). Each row's variants ran side by side in one run.",
+        + "). Each row's variants ran side by side in one run; each ratio compares a vk variant with "
+        "plain PyTorch in the same mode.",
         "",
-        "| model | mode | batch | " + " | ".join(variants) + " |",
-        "|---|---|---:|" + "---:|" * len(variants),
+        "| model | mode | batch | " + " | ".join(variants + tuple(ratios)) + " |",
+        "|---|---|---:|" + "---:|" * (len(variants) + len(ratios)),
     ]
-    keys = list(dict.fromkeys((r["model"], r["mode"], r["batch"]) for r in rows))
-    for key in keys:
-        cells = []
-        for variant in variants:
-            row = next(
-                (r for r in rows if (r["model"], r["mode"], r["batch"], r["variant"]) == (*key, variant)),
-                None,
-            )
-            if row is None:
-                cells.append("not measured")
-            elif "images_per_second" in row:
-                warm, tune = row.get("first_step_warm_s"), row.get("tune_s")
-                seconds = ("" if tune is None else f"tune {tune:.1f} s; ") + f"{row['first_step_s']:.1f} s"
-                seconds += "" if warm is None else f"; {warm:.1f} s warm"
-                cells.append(f"{row['images_per_second']:,.0f} ({seconds})")
-            else:
-                cells.append(row.get("skipped") or f"failed: {row.get('invalid')}")
+    for key in dict.fromkeys((r["model"], r["mode"], r["batch"]) for r in rows):
+        by_variant = {r["variant"]: r for r in rows if (r["model"], r["mode"], r["batch"]) == key}
+        cells = [_cell(by_variant.get(variant)) for variant in variants]
+        for variant, over in OVER.items():
+            found = ratio(rows, key[1], key[2], variant, over, key[0])
+            cells.append("-" if found is None else f"{found:.3f}x")
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     lines += ["", "| target | measured | met |", "|---|---:|---|"]
-    for mode, batch, variant, over, least in TARGETS:
-        found = ratio(rows, mode, batch, variant, over, head)
+    for mode, batch, variant, least in TARGETS:
+        found = ratio(rows, mode, batch, variant, OVER[variant], head)
         measured, met = (
             ("not measured", "not measured")
             if found is None
             else (f"{found:.3f}x", "yes" if found >= least else "no")
         )
-        lines.append(f"| {head} {mode} B={batch}: {variant} >= {least:.2f}x {over} | {measured} | {met} |")
+        lines.append(
+            f"| {head} {mode} B={batch}: {variant} >= {least:.2f}x {OVER[variant]} | {measured} | {met} |"
+        )
     for r in rows:
         tuned = ratio(rows, r["mode"], r["batch"], TUNED, "vk", r["model"]) if r["variant"] == TUNED else None
         if tuned is not None:
@@ -391,6 +439,13 @@ def short_kernel_name(name: str) -> str:
     return re.split(r"[<(]", bare, maxsplit=1)[0].rsplit("::", 1)[-1] or name
 
 
+def write_files(stem: Path, report: dict) -> None:
+    """The JSON, the markdown and the chart of ``report``, each atomically."""
+    write_atomically(stem.with_suffix(".json"), json.dumps(report, indent=1))
+    write_atomically(stem.with_suffix(".md"), markdown(report))
+    report_.e2e_chart(report, stem.with_suffix(".png"), VARIANTS + (TUNED,))
+
+
 def run(
     device: torch.device,
     quick: bool,
@@ -398,9 +453,11 @@ def run(
     budget_s: float,
     say: Callable[[str], None] = print,
     tuned: bool = False,
+    models: Optional[list[str]] = None,
 ) -> dict:
     """Measure every row in order until ``budget_s`` is spent, writing the files after each row;
-    ``tuned``: with the ``vk-tuned`` variant."""
+    ``tuned``: with the ``vk-tuned`` variant; ``models``: only the rows of these names. A training
+    batch that does not fit is halved (down to SMALLEST_TRAIN_BATCH)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     date = datetime.date.today().isoformat()
     stem = out / f"e2e-{device_slug(device)}-{date}"
@@ -414,34 +471,52 @@ def run(
         "rows": [],
     }
     started = time.perf_counter()
-    models = QUICK_MODELS if quick else FULL_MODELS
-    variants = VARIANTS + ((TUNED,) if tuned else ())
-    for index, (name, source) in enumerate(models):
+    specs = [m for m in (QUICK_MODELS if quick else FULL_MODELS) if models is None or m.name in models]
+
+    def keep(row: dict) -> None:
+        report["rows"].append(row)
+        shown = row.get("images_per_second")
+        say(
+            f"e2e: {row['model']} {row['mode']} B={row['batch']} {row['variant']}: "
+            + (f"{shown:,.0f} images/s" if shown else str(row.get("skipped") or row.get("invalid")))
+        )
+        write_files(stem, report)
+
+    for index, spec in enumerate(specs):
+        variants = spec.variants + ((TUNED,) if tuned and index == 0 else ())
         try:
-            model = _model(name, source, device)
+            model = _model(spec, device)
         except ImportError as error:
-            report["rows"] += [
-                {"model": f"{name} (timm)", "mode": mode, "batch": batch, "variant": v, "skipped": str(error)}
-                for mode, batch in (QUICK_RUNS if quick else FULL_RUNS)
-                for v in variants
-            ]
+            for mode, batch in spec.runs:
+                for variant in variants:
+                    keep(
+                        {
+                            "model": spec.name,
+                            "mode": mode,
+                            "batch": batch,
+                            "variant": variant,
+                            "skipped": str(error),
+                        }
+                    )
             continue
-        for mode, batch in QUICK_RUNS if quick else FULL_RUNS:
+        for mode, batch in spec.runs:
             for variant in variants:
-                if time.perf_counter() - started > budget_s:
-                    say(f"e2e: budget of {budget_s:.0f} s spent; {stem}.json holds what ran")
-                    return report
-                row = measure(
-                    name, source, mode, batch, variant, device, dtype, model, index == 0 and mode == "train"
-                )
-                report["rows"].append(row)
-                shown = row.get("images_per_second")
-                say(
-                    f"e2e: {row['model']} {mode} B={batch} {variant}: "
-                    + (f"{shown:,.0f} images/s" if shown else str(row.get("skipped") or row.get("invalid")))
-                )
-                write_atomically(stem.with_suffix(".json"), json.dumps(report, indent=1))
-                write_atomically(stem.with_suffix(".md"), markdown(report))
+                size = batch
+                while True:
+                    if time.perf_counter() - started > budget_s:
+                        say(f"e2e: budget of {budget_s:.0f} s spent; {stem}.json holds what ran")
+                        return report
+                    row = measure(
+                        spec, mode, size, variant, device, dtype, model, index == 0 and mode == "train"
+                    )
+                    keep(row)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    if not (
+                        row.get("out_of_memory") and mode == "train" and size // 2 >= SMALLEST_TRAIN_BATCH
+                    ):
+                        break
+                    size //= 2
     return report
 
 
@@ -462,10 +537,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--budget", type=float, default=300.0, help="seconds; rows not started by then are left out"
     )
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated rows to run, in the table's order (continue where a window stopped): "
+        + ", ".join(m.name for m in FULL_MODELS),
+    )
     args = parser.parse_args(argv)
+    known = [m.name for m in (QUICK_MODELS if args.quick else FULL_MODELS)]
+    models = (
+        None if args.models is None else [name.strip() for name in args.models.split(",") if name.strip()]
+    )
+    unknown = [name for name in models or () if name not in known]
+    if unknown or models == []:
+        raise SystemExit(f"--models must name rows of {', '.join(known)}; got {args.models!r}")
     device = cli.check_device("--device", args.device)
     cli.check_output("--out", args.out, folder=True)
     if args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget}")
-    run(device, args.quick, args.out, args.budget, tuned=args.tuned)
+    run(device, args.quick, args.out, args.budget, tuned=args.tuned, models=models)
     return 0

@@ -298,3 +298,53 @@ def plot(rows: list[dict[str, object]], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def e2e_chart(report: dict, path: Path, variants: tuple) -> Optional[Path]:
+    """The end-to-end table as bars (``python -m benchmarks e2e``): a panel per model, mode and
+    batch, images/s per variant in ``variants``' order (one not measured says so), the plain
+    PyTorch variants grey and the vk ones coloured; written atomically beside the markdown. None
+    where matplotlib is absent or nothing was measured."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r.get("images_per_second")]
+    keys = list(dict.fromkeys((r["model"], r["mode"], r["batch"]) for r in rows))
+    if not keys:
+        return None
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8.5, 1.2 + 1.5 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        found = {
+            r["variant"]: r["images_per_second"] for r in rows if (r["model"], r["mode"], r["batch"]) == key
+        }
+        names = [v for v in variants if v in found or not v.endswith("tuned")]  # a twin missing: said
+        colours = ["tab:orange" if v.startswith("vk") else "tab:grey" for v in names]
+        ax.barh(names, [found.get(v, 0.0) for v in names], color=colours)
+        ax.invert_yaxis()
+        for y, v in enumerate(names):
+            ax.text(
+                found.get(v, 0.0),
+                y,
+                f" {found[v]:,.0f}" if v in found else " not measured",
+                va="center",
+                fontsize=8,
+            )
+        ax.set_title(f"{key[0]} {key[1]} B={key[2]}", fontsize=9, loc="left")
+        ax.tick_params(labelsize=8)
+        ax.margins(x=0.15)
+    fig.suptitle(
+        f"End to end on {report['device']}, {report['date']}: images / second (higher is better)",
+        fontsize=10,
+        x=0.02,
+        ha="left",
+    )
+    fig.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(temporary, dpi=100)
+    plt.close(fig)
+    temporary.replace(path)
+    return path

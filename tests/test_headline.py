@@ -5,6 +5,7 @@ files it keeps after every row."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from vit.model import ViT, get_config
 
 CPU = torch.device("cpu")
 CPU_OUT = Path("unwritten")  # where a run whose writes are stubbed out would write
+DIGITS = headline.spec_named("vit_digits")
 
 
 @pytest.mark.parametrize("variant,backend", [("eager", "torch"), ("vk", "auto")])
@@ -22,7 +24,7 @@ def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, 
     used = []
     monkeypatch.setattr(headline.e2e, "_step", _spy(headline.e2e._step, used))
     model = ViT(get_config("vit_digits"))
-    row = headline.measure("vit_digits", "vit", "infer", 2, variant, CPU, torch.float32, model, True)
+    row = headline.measure(DIGITS, "infer", 2, variant, CPU, torch.float32, model, True)
     assert {"model", "mode", "batch", "variant", "images_per_second", "first_step_s", "median_ms"} <= set(row)
     assert (row["model"], row["mode"], row["batch"], row["variant"]) == ("vit_digits", "infer", 2, variant)
     assert row["images_per_second"] > 0 and row["first_step_s"] > 0
@@ -36,7 +38,7 @@ def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, 
 @pytest.mark.parametrize("variant", ["eager", "vk", "compile"])
 def test_a_batch_1_row_of_eager_or_vk_has_the_hosts_time_per_op(variant):
     model = ViT(get_config("vit_digits"))
-    row = headline.measure("vit_digits", "vit", "infer", 1, variant, CPU, torch.float32, model, False)
+    row = headline.measure(DIGITS, "infer", 1, variant, CPU, torch.float32, model, False)
     assert row["images_per_second"] > 0, row
     if variant == "compile":
         assert "host_profile" not in row
@@ -50,7 +52,7 @@ def test_a_batch_1_row_of_eager_or_vk_has_the_hosts_time_per_op(variant):
 
 def test_a_failed_first_step_in_a_new_process_names_its_error():
     with pytest.raises(RuntimeError, match="first step in a new process failed: .*no_such_model"):
-        headline.first_step_in_a_new_process("no_such_model", "vit", "train", 2, CPU, torch.float32)
+        headline.first_step_in_a_new_process("no_such_model", "train", 2, CPU, torch.float32)
 
 
 def _spy(step, used):
@@ -61,16 +63,35 @@ def _spy(step, used):
     return spied
 
 
-def test_variants_are_the_five_and_cuda_graphs_need_cuda():
+def test_variants_are_the_six_and_cuda_graphs_need_cuda():
     model = ViT(get_config("vit_digits"))
     setups = {v: headline.variant_setup(v, model, "vit", CPU) for v in headline.VARIANTS}
-    assert setups["vk+compile-cudagraphs"] == "CUDA graphs need a CUDA device"
-    assert [(s[1], s[2], s[3]) for v, s in setups.items() if not isinstance(s, str)] == [
-        ("torch", False, None),
-        ("auto", False, None),
-        ("torch", True, None),
-        ("auto", True, None),
+    assert setups["compile-cudagraphs"] == setups["vk+compile-cudagraphs"] == "CUDA only"
+    assert [(v, s[1], s[2], s[3]) for v, s in setups.items() if not isinstance(s, str)] == [
+        ("eager", "torch", False, None),
+        ("compile", "torch", True, None),
+        ("vk", "auto", False, None),
+        ("vk+compile", "auto", True, None),
     ]
+
+
+def test_the_rows_users_run_come_in_order_with_unambiguous_names():
+    names = [m.name for m in headline.FULL_MODELS]
+    assert names == [
+        "timm:vit_base_patch16_224",
+        "vit_base_patch16_224",
+        "vit_small_patch16_224",
+        "timm:vit_large_patch16_384",
+        "timm:vit_so400m_patch14_siglip_384",
+        "timm:vit_large_patch14_dinov2",
+    ]
+    first, ours, *towers = headline.FULL_MODELS
+    assert first.variants == ours.variants == headline.VARIANTS and first.source == "timm" != ours.source
+    assert first.runs == ours.runs == (("train", 128), ("infer", 256), ("infer", 1))
+    assert all(
+        t.variants == ("compile", "vk+compile") and t.runs == (("train", 128), ("infer", 256)) for t in towers
+    )
+    assert headline.QUICK_MODELS[0].name.startswith("timm:")
 
 
 def _markdown_of(rows: list[dict]) -> str:
@@ -100,8 +121,8 @@ def test_the_markdown_states_each_target_or_says_not_measured():
     rows[1]["first_step_warm_s"] = 0.4
     text = _markdown_of(rows)
     assert (
-        "| vit_base_patch16_224 | train | 128 | 2,457 (1.0 s) | 2,531 (1.0 s; 0.4 s warm) | 3,180 (1.0 s) | 3,600 (1.0 s) | not measured |"
-        in text
+        "| vit_base_patch16_224 | train | 128 | 2,457 (1.0 s) | 3,180 (1.0 s) | not measured | "
+        "2,531 (1.0 s; 0.4 s warm) | 3,600 (1.0 s) | not measured | 1.030x | 1.132x | - |" in text
     )
     assert "vk+compile >= 1.10x compile | 1.132x | yes |" in text
     assert "vk >= 1.05x eager | 1.030x | no |" in text
@@ -130,19 +151,19 @@ def test_the_markdown_lists_each_profiled_kernel_by_its_short_name_with_its_mill
 
 def test_a_run_keeps_its_files_after_every_row(tmp_path, monkeypatch):
     """Rows are written as they finish: a run cut short (here by its budget) keeps the rows that ran."""
-    monkeypatch.setattr(headline, "QUICK_RUNS", (("infer", 2),))
-    monkeypatch.setattr(headline, "VARIANTS", ("eager", "vk", "compile"))
+    spec = headline.Model("vit_digits", ("eager", "vk", "compile"), (("infer", 2),))
+    monkeypatch.setattr(headline, "QUICK_MODELS", (spec,))
     seen = []
 
     def measured(*args, **kwargs):
-        seen.append(args[4])
+        seen.append(args[3])
         if len(seen) == 2:
             monkeypatch.setattr(headline.time, "perf_counter", lambda: float("inf"))  # the budget is spent
         return {
             "model": "vit_digits",
             "mode": "infer",
             "batch": 2,
-            "variant": args[4],
+            "variant": args[3],
             "images_per_second": 1.0,
             "first_step_s": 0.5,
             "median_ms": 2.0,
@@ -173,13 +194,11 @@ def test_the_tuned_row_runs_vk_after_vk_tune_in_a_new_process_that_leaves_this_o
 
     before = (dict(backend.TUNED), dict(_tiles.TUNED))
     model = ViT(get_config("vit_digits"))
-    row = headline.measure("vit_digits", "vit", "train", 8, headline.TUNED, CPU, torch.float32, model, True)
+    row = headline.measure(DIGITS, "train", 8, headline.TUNED, CPU, torch.float32, model, True)
     assert row["tune_s"] > 0 and row["signatures"] > 0 and row["first_step_s"] > 0, row
     assert row["images_per_second"] == pytest.approx(8 / (row["median_ms"] * 1e-3))
     assert (backend.TUNED, _tiles.TUNED) == before
-    elsewhere = headline.measure(
-        "vit_digits", "vit", "infer", 8, headline.TUNED, CPU, torch.float32, model, False
-    )
+    elsewhere = headline.measure(DIGITS, "infer", 8, headline.TUNED, CPU, torch.float32, model, False)
     assert elsewhere["skipped"] == "measured in the first model's training row only"
 
 
@@ -187,15 +206,15 @@ def test_the_tuned_variant_runs_only_when_asked_after_the_others_and_the_markdow
     measured = []
 
     def measure(*args, **kwargs):
-        measured.append(args[4])
-        row = {"model": "vit_digits", "mode": "train", "batch": 8, "variant": args[4]}
+        measured.append(args[3])
+        row = {"model": "vit_digits", "mode": "train", "batch": 8, "variant": args[3]}
         row.update(images_per_second=100.0, first_step_s=0.5, median_ms=80.0)
-        return {**row, "tune_s": 9.0} if args[4] == headline.TUNED else row
+        return {**row, "tune_s": 9.0} if args[3] == headline.TUNED else row
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(headline, "QUICK_RUNS", (("train", 8),))
+        patch.setattr(headline, "QUICK_MODELS", (headline.Model("vit_digits", runs=(("train", 8),)),))
         patch.setattr(headline, "measure", measure)
-        patch.setattr(headline, "write_atomically", lambda path, text: None)
+        patch.setattr(headline, "write_files", lambda stem, report: None)
         headline.run(CPU, True, CPU_OUT, 60.0, say=lambda text: None)
         assert headline.TUNED not in measured
         measured.clear()
@@ -221,3 +240,64 @@ def test_the_tuned_variant_runs_only_when_asked_after_the_others_and_the_markdow
         in text
     )
     assert "vk-tuned" not in _markdown_of(rows[:1])
+
+
+def test_no_ratio_compares_different_modes():
+    """Every ratio in the table and the targets is a vk variant over plain PyTorch in its mode."""
+    rows = [
+        {
+            "model": "m",
+            "mode": "infer",
+            "batch": 1,
+            "variant": v,
+            "images_per_second": 1.0 + i,
+            "first_step_s": 1.0,
+        }
+        for i, v in enumerate(headline.VARIANTS)
+    ]
+    text = _markdown_of(rows)
+    header = next(line for line in text.splitlines() if line.startswith("| model |"))
+    pairs = re.findall(r"([\w+-]+) / ([\w+-]+)", header) + re.findall(r"(\S+) >= [\d.]+x (\S+) \|", text)
+    assert pairs and all(headline.OVER[a] == b for a, b in pairs), pairs
+    assert "| m | infer | 1 |" in text and "6.000x" not in text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for a, b in re.findall(r"`?(vk[\w+-]*)`? (?:over|against|/) `?([\w+-]+)`?", readme):
+        assert headline.OVER.get(a.rstrip(",.")) == b.rstrip(",."), (a, b)
+
+
+def test_a_training_batch_that_does_not_fit_is_halved(monkeypatch):
+    spec = headline.Model("vit_digits", ("vk",), (("train", 8), ("infer", 8)))
+    monkeypatch.setattr(headline, "QUICK_MODELS", (spec,))
+    monkeypatch.setattr(headline, "SMALLEST_TRAIN_BATCH", 2)
+    monkeypatch.setattr(headline, "write_files", lambda stem, report: None)
+    tried = []
+
+    def measure(spec, mode, batch, variant, *args):
+        tried.append((mode, batch))
+        row = {"model": spec.name, "mode": mode, "batch": batch, "variant": variant}
+        return (
+            {**row, "invalid": "out of memory", "out_of_memory": True}
+            if batch > 2
+            else {**row, "images_per_second": 1.0, "first_step_s": 1.0}
+        )
+
+    monkeypatch.setattr(headline, "measure", measure)
+    headline.run(CPU, True, CPU_OUT, 60.0, say=lambda text: None)
+    assert tried == [("train", 8), ("train", 4), ("train", 2), ("infer", 8)]  # inference is not halved
+
+
+def test_models_runs_only_the_rows_named_and_a_wrong_name_is_refused(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(
+        headline,
+        "measure",
+        lambda spec, *args: (
+            ran.append(spec.name)
+            or {"model": spec.name, "mode": args[0], "batch": args[1], "variant": args[2], "skipped": "x"}
+        ),
+    )
+    monkeypatch.setattr(headline, "write_files", lambda stem, report: None)
+    headline.run(CPU, True, CPU_OUT, 60.0, say=lambda text: None, models=["vit_digits"])
+    assert set(ran) == {"vit_digits"}
+    with pytest.raises(SystemExit, match="--models must name rows of"):
+        headline.main(["--quick", "--models", "vit_nope", "--out", str(tmp_path)])
