@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 
 import vit_kernels as vk
-from benchmarks import cli, e2e, environment
+from benchmarks import cli, e2e, environment, peaks, profile
 from benchmarks import report as report_
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
@@ -98,7 +98,8 @@ QUICK_MODELS = (
     Model("timm:vit_tiny_patch16_224", runs=QUICK_RUNS, timm_kwargs=(("img_size", 32), ("num_classes", 10))),
     Model("vit_digits", runs=QUICK_RUNS),
 )
-PROFILE_TOP = 8  # ops listed per profiled step
+PROFILE_TOP = 8  # host ops listed per step at batch 1
+PROFILED = ("compile", "vk+compile")  # the first model's training steps profiled kernel by kernel
 # The targets: (mode, batch, variant, at least over its plain PyTorch twin ``OVER[variant]``)
 TARGETS = (
     ("train", 128, "vk+compile", 1.10),
@@ -168,14 +169,6 @@ def _self_times(step: Callable[[int], object], device: torch.device, host: bool)
     return {e.key: getattr(e, attribute, 0.0) for e in profiler.key_averages()}
 
 
-def _profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
-    """Each op's share of one step's device time (self time; the CPU's on a CPU), the top ones."""
-    times = _self_times(step, device, host=False)
-    total = sum(times.values()) or 1.0
-    top = sorted(times.items(), key=lambda item: -item[1])[:PROFILE_TOP]
-    return {name: round(t / total, 4) for name, t in top if t > 0}
-
-
 def _host_profile(step: Callable[[int], object], device: torch.device) -> dict[str, float]:
     """The host's self time per op in one step, in us, the top ones, and the total under "all":
     where a step whose pace the host sets (batch 1) spends it."""
@@ -192,12 +185,15 @@ def measure(
     device: torch.device,
     dtype: torch.dtype,
     model: torch.nn.Module,
-    profile: bool,
+    headline_row: bool,
+    peaks: Optional[dict] = None,
 ) -> dict[str, object]:
-    """One row: images/s, median ms, the first step's seconds (and the profile), or why not."""
+    """One row: images/s, median ms, the first step's seconds, or why not. In the ``headline_row``
+    (the first model's training row): the full profile of the ``PROFILED`` variants' step, against
+    ``peaks`` (``benchmarks.peaks``), and vk's first step in a new process."""
     row: dict[str, object] = {"model": spec.name, "mode": mode, "batch": batch, "variant": variant}
     if variant == TUNED:
-        return _tuned_row(row, spec.name, device, dtype, profile)
+        return _tuned_row(row, spec.name, device, dtype, headline_row)
     setup = variant_setup(variant, model, spec.source, device)
     if isinstance(setup, str):
         return {**row, "skipped": setup}
@@ -208,10 +204,10 @@ def measure(
     try:
         step, first_step_s = _first_step(setup, mode, inputs, device, dtype)
         timing = time_call(step, device, 2, warmup=2, repeats=10, budget_s=5.0)
-        if profile:
-            row["profile"] = _profile(step, device)
-            if variant == "vk":
-                row["first_step_warm_s"] = first_step_in_a_new_process(spec.name, mode, batch, device, dtype)
+        if headline_row and variant in PROFILED:
+            row["profile"] = profile.profile_step(step, device, dtype, peaks or {})
+        if headline_row and variant == "vk":
+            row["first_step_warm_s"] = first_step_in_a_new_process(spec.name, mode, batch, device, dtype)
         if batch == 1 and variant in ("eager", "vk"):
             row["host_profile"] = _host_profile(step, device)
     except torch.cuda.OutOfMemoryError as error:
@@ -360,7 +356,11 @@ def _cell(row: Optional[dict]) -> str:
 
 
 def markdown(report: dict) -> str:
-    rows, head = report["rows"], report["rows"][0]["model"] if report["rows"] else ""
+    rows = report["rows"]
+    measured = [
+        r["model"] for r in rows if r.get("images_per_second")
+    ]  # the targets' model: the first measured
+    head = measured[0] if measured else rows[0]["model"] if rows else ""
     variants = VARIANTS + ((TUNED,) if any(r["variant"] == TUNED for r in rows) else ())
     ratios = [f"{v} / {over}" for v, over in OVER.items()]
     lines = [
@@ -404,19 +404,17 @@ def markdown(report: dict) -> str:
             ]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
-        lines += [
-            "",
-            "Share of one step's device time per kernel, the top ones (full names in the JSON):",
-            "",
-        ]
+        lines += ["", "## One step, kernel by kernel", ""]
+        if report.get("peaks"):
+            lines += [
+                "Peaks measured in this run: "
+                + ", ".join(f"{name} {value:,.1f}" for name, value in report["peaks"].items())
+                + ".",
+                "",
+            ]
         for r in profiled:
-            shares = ", ".join(
-                f"{short_kernel_name(name)} {share:.1%} ({share * r['median_ms']:.2f} ms)"
-                for name, share in r["profile"].items()
-            )
-            lines.append(
-                f"- {r['model']} {r['mode']} B={r['batch']} {r['variant']} ({r['median_ms']:.1f} ms): {shares}"
-            )
+            title = f"{r['model']} {r['mode']} B={r['batch']} {r['variant']} ({r['median_ms']:.1f} ms a step)"
+            lines += profile.markdown(title, r["profile"])
     host_profiled = [r for r in rows if r.get("host_profile")]
     if host_profiled:
         lines += ["", "The host's self time per op in one step at batch 1, the top ones, us:", ""]
@@ -427,16 +425,6 @@ def markdown(report: dict) -> str:
                 f"(all ops {r['host_profile']['all']:,.0f}): {ops}"
             )
     return "\n".join(lines) + "\n"
-
-
-def short_kernel_name(name: str) -> str:
-    """A C++ kernel's profiler key without its scope, template arguments and parameter list:
-    ``void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)`` -> ``CatArrayBatchedCopy``.
-    Other keys (Triton's and cuBLAS's kernels, ``aten::`` ops on a CPU) as they are."""
-    if not name.startswith("void "):
-        return name
-    bare = name.removeprefix("void ").replace("(anonymous namespace)::", "")
-    return re.split(r"[<(]", bare, maxsplit=1)[0].rsplit("::", 1)[-1] or name
 
 
 def write_files(stem: Path, report: dict) -> None:
@@ -482,8 +470,9 @@ def run(
         )
         write_files(stem, report)
 
-    for index, spec in enumerate(specs):
-        variants = spec.variants + ((TUNED,) if tuned and index == 0 else ())
+    first = True  # until the first model that builds: its training row is profiled (and tuned)
+    for spec in specs:
+        variants = spec.variants + ((TUNED,) if tuned and first else ())
         try:
             model = _model(spec, device)
         except ImportError as error:
@@ -506,8 +495,11 @@ def run(
                     if time.perf_counter() - started > budget_s:
                         say(f"e2e: budget of {budget_s:.0f} s spent; {stem}.json holds what ran")
                         return report
+                    headline_row = first and mode == "train"
+                    if headline_row and variant in PROFILED and "peaks" not in report:
+                        report["peaks"] = peaks.measure_peaks(device, [dtype], quick=quick)
                     row = measure(
-                        spec, mode, size, variant, device, dtype, model, index == 0 and mode == "train"
+                        spec, mode, size, variant, device, dtype, model, headline_row, report.get("peaks")
                     )
                     keep(row)
                     if device.type == "cuda":
@@ -517,6 +509,7 @@ def run(
                     ):
                         break
                     size //= 2
+        first = False
     return report
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import headline
+from benchmarks import headline, profile
 from vit.model import ViT, get_config
 
 CPU = torch.device("cpu")
@@ -23,12 +23,21 @@ DIGITS = headline.spec_named("vit_digits")
 def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, backend, monkeypatch):
     used = []
     monkeypatch.setattr(headline.e2e, "_step", _spy(headline.e2e._step, used))
+    monkeypatch.setattr(
+        headline, "PROFILED", (variant,)
+    )  # the compiled variants, profiled, take minutes here
     model = ViT(get_config("vit_digits"))
     row = headline.measure(DIGITS, "infer", 2, variant, CPU, torch.float32, model, True)
     assert {"model", "mode", "batch", "variant", "images_per_second", "first_step_s", "median_ms"} <= set(row)
     assert (row["model"], row["mode"], row["batch"], row["variant"]) == ("vit_digits", "infer", 2, variant)
     assert row["images_per_second"] > 0 and row["first_step_s"] > 0
-    assert row["profile"] and all(0 < share <= 1 for share in row["profile"].values())
+    kernels = row["profile"]
+    assert (
+        kernels
+        and all(0 < k["share"] <= 1 for k in kernels)
+        and sum(k["share"] for k in kernels) == pytest.approx(1)
+    )
+    assert {k["kind"] for k in kernels} >= {"GEMM", "attention", "normalization"}, kernels
     assert used == [(backend, False, None)]
     # vk's profiled row also times a new process's first step (its caches on disk warm), eager's not
     assert (row.get("first_step_warm_s", 0) > 0) == (variant == "vk"), row
@@ -129,24 +138,64 @@ def test_the_markdown_states_each_target_or_says_not_measured():
     assert "infer B=256: vk+compile >= 1.05x compile | not measured | not measured |" in text
 
 
-def test_the_markdown_lists_each_profiled_kernel_by_its_short_name_with_its_milliseconds():
+def test_the_markdown_gives_the_profile_by_kind_its_gaps_to_roofline_and_every_kernel():
     cat = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>, 4>(int, unsigned)"
+    kernels = [
+        {"kernel": "nvjet_sm90_tst_192x192", "kind": "GEMM", "ms": 6.0, "share": 0.6, "calls": 36},
+        {"kernel": cat, "kind": "copies", "ms": 3.0, "share": 0.3, "calls": 12},
+        {"kernel": "triton_poi_fused_gelu_0", "kind": "element-wise", "ms": 1.0, "share": 0.1, "calls": 12},
+    ]
+    work = [(119e9 * 3, "FLOP", 595.0, 0.85), (2.9e8, "B", 96.7, 0.02), (None, "", None, None)]
+    for k, (amount, unit, achieved, fraction) in zip(kernels, work):
+        k.update(work=amount, work_unit=unit, achieved=achieved, fraction_of_peak=fraction)
     row = {
         "model": "vit_base_patch16_224",
         "mode": "train",
         "batch": 128,
-        "variant": "eager",
+        "variant": "compile",
         "images_per_second": 2642.0,
         "first_step_s": 2.4,
-        "median_ms": 48.4,
-        "profile": {"nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN": 0.1274, cat: 0.056},
+        "median_ms": 10.0,
+        "profile": kernels,
     }
-    line = next(line for line in _markdown_of([row]).splitlines() if line.startswith("- "))
-    assert line == (
-        "- vit_base_patch16_224 train B=128 eager (48.4 ms): "
-        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN 12.7% (6.17 ms), CatArrayBatchedCopy 5.6% (2.71 ms)"
+    text = _markdown_of([row])
+    assert "| GEMM | 6.00 | 60.0% |" in text and "| copies | 3.00 | 30.0% |" in text
+    gaps = [line for line in text.splitlines() if line.startswith("- ") and "lost" in line]
+    assert gaps[0].startswith(
+        "- CatArrayBatchedCopy (copies): 3.00 ms at 96.7 GB/s (2% of peak), 2.94 ms lost"
+    ), gaps
+    assert (
+        "| nvjet_sm90_tst_192x192 | GEMM | 36 | 6.000 | 60.0% | 357.00 GFLOP | 595.0 TFLOP/s (85% of peak) |"
+        in text
     )
-    assert headline.short_kernel_name("aten::addmm") == "aten::addmm"
+    assert "| triton_poi_fused_gelu_0 | element-wise | 12 | 1.000 | 10.0% | - | - |" in text
+    assert profile.short_name("aten::addmm") == "aten::addmm"
+
+
+def test_kinds_and_work_come_from_the_names_and_shapes():
+    assert [
+        profile.kind_of(n)
+        for n in (
+            "nvjet_sm90_tst",
+            "_attention_bwd_dq_kernel",
+            "triton_per_fused_native_layer_norm_3",
+            "multi_tensor_apply_kernel",
+            "triton_poi_fused_gelu_1",
+            "aten::cat",
+        )
+    ] == ["GEMM", "attention", "normalization", "optimizer", "element-wise", "copies"]
+
+    class Op:
+        def __init__(self, name, shapes, flops=0):
+            self.name, self.input_shapes, self.flops = name, shapes, flops
+
+    assert profile.work_of(Op("aten::addmm", [[3072], [25216, 768], [768, 3072]], 1e11), 2) == (1e11, "FLOP")
+    sdpa = profile.work_of(
+        Op("aten::_scaled_dot_product_cudnn_attention", [[128, 12, 197, 64], [128, 12, 197, 64]]), 2
+    )
+    assert sdpa == (4.0 * 128 * 12 * 197 * 197 * 64, "FLOP")
+    assert profile.work_of(Op("aten::gelu", [[25216, 3072], []]), 2) == (2 * 25216 * 3072 * 2.0, "B")
+    assert profile.work_of(Op("aten::transpose", [[25216, 768], [], []]), 2) == (None, "")
 
 
 def test_a_run_keeps_its_files_after_every_row(tmp_path, monkeypatch):
