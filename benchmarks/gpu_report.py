@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from benchmarks import environment, gpu_report_markdown, targets
+from benchmarks import environment, gpu_report_markdown, headline, targets
+from benchmarks.report import write_op_table
 from benchmarks.budget import Budget, shares
 from benchmarks.gpu_report_sections import CPU_SECTIONS, SECTIONS, Context
 from tools.op_specs import OPS
@@ -164,12 +165,29 @@ def build(args: argparse.Namespace) -> dict:
     return data(run_sections(ctx, args.sections, args.total, after=partial))
 
 
-def write(data: dict, out: Path) -> tuple[Path, Path]:
-    """gpu-report.json and gpu-report.md in ``out``, each written atomically."""
+def write(data: dict, out: Path) -> tuple[Path, ...]:
+    """gpu-report.json and gpu-report.md in ``out``, each written atomically; with the ops section
+    done, its per-op table too (``report.write_op_table``: ``ops-<gpu>-<date>.json``)."""
     paths = out / "gpu-report.json", out / "gpu-report.md"
     write_atomically(paths[0], json.dumps(data, indent=1, default=str) + "\n")
     write_atomically(paths[1], gpu_report_markdown.render(data) + "\n")
-    return paths
+    ops = (data["sections"].get("ops") or {}).get("result") or {}
+    if not ops.get("rows"):
+        return paths
+    device = torch.device("cuda" if data["gpu"] else "cpu")
+    key = (out, data["started"])  # this run's table: named once, rewritten by later partial writes
+    _op_tables[key] = write_op_table(
+        out,
+        data["device"],
+        headline.device_slug(device),
+        data["started"][:10],
+        ops["rows"],
+        _op_tables.get(key),
+    )
+    return paths + (_op_tables[key],)
+
+
+_op_tables: dict[tuple, Path] = {}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -348,3 +348,54 @@ def e2e_chart(report: dict, path: Path, variants: tuple) -> Optional[Path]:
     plt.close(fig)
     temporary.replace(path)
     return path
+
+
+# The per-op table's names: ``ops_bench``'s implementation names as variants, its modes.
+OP_VARIANTS = {
+    "pytorch": "eager",
+    "torch.compile": "compile",
+    "auto": "vk",
+    "torch": "vk-torch",
+    "triton": "vk-triton",
+    "extension": "vk-extension",
+    "eager_math": "eager-math",
+    "sdpa_flash": "flash",
+    "sdpa_efficient": "efficient",
+    "sdpa_cudnn": "cudnn",
+    "sdpa_math": "math",
+}
+OP_MODES = {"forward": "fwd", "full": "fwd+bwd"}
+
+
+def op_table_rows(rows: list[dict]) -> list[dict]:
+    """The timed per-op rows in the one per-op schema: ``op``, ``shape`` (the model, then
+    ``B=<batch>``), ``mode`` (fwd | fwd+bwd), ``variant``, ``median_ms``, ``q20_ms``, ``q80_ms``
+    (and ``dtype``)."""
+    return [
+        {
+            "op": r["op"],
+            "shape": " ".join(r["shape"].split()[:2]),
+            "mode": OP_MODES.get(r["mode"], r["mode"]),
+            "variant": OP_VARIANTS.get(r["backend"], r["backend"]),
+            "dtype": r["dtype"],
+            **{key: r[key] for key in ("median_ms", "q20_ms", "q80_ms")},
+        }
+        for r in rows
+        if r.get("kind") == "op" and "median_ms" in r
+    ]
+
+
+def write_op_table(
+    out_dir: Path, device_name: str, slug: str, date: str, rows: list[dict], path: Optional[Path] = None
+) -> Path:
+    """``<out_dir>/ops-<slug>-<date>.json`` (``-2``, ``-3``, ... after the first of a day; ``path``:
+    this run's, rewritten): a top-level ``device`` and ``date``, and ``op_table_rows(rows)``,
+    atomically."""
+    if path is None:
+        path, n = out_dir / f"ops-{slug}-{date}.json", 1
+        while path.exists():
+            n += 1
+            path = out_dir / f"ops-{slug}-{date}-{n}.json"
+    table = {"device": device_name, "date": date, "rows": op_table_rows(rows)}
+    write_atomically(path, json.dumps(table, indent=1) + "\n")
+    return path

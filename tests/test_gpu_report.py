@@ -237,3 +237,50 @@ def test_pytest_exit_5_is_a_failure():
         "errors": 1,
         "deselected": 0,
     }
+
+
+def test_the_per_op_table_has_one_schema_and_a_second_run_of_a_day_a_suffix(tmp_path):
+    """The ops section's rows as ``ops-<gpu>-<date>.json``: a top-level device, rows of op, shape
+    (the model, then B=<batch>), mode (fwd | fwd+bwd), variant and the three quantiles; a second run
+    the same day gets ``-2``, while a run's own later writes keep its name."""
+    from benchmarks import report
+
+    timed = {
+        "kind": "op",
+        "op": "attention",
+        "shape": "vit_base_patch16_224 B=128 L=197 D=768",
+        "dtype": "bfloat16",
+    }
+    rows = [
+        {**timed, "backend": "sdpa_cudnn", "mode": "full", "median_ms": 0.8, "q20_ms": 0.79, "q80_ms": 0.82},
+        {**timed, "backend": "auto", "mode": "forward", "median_ms": 0.1, "q20_ms": 0.09, "q80_ms": 0.11},
+        {**timed, "backend": "triton", "mode": "all", "skipped": "not here"},
+    ]
+    first = report.write_op_table(tmp_path, "NVIDIA H200", "h200", "2026-12-04", rows)
+    assert first.name == "ops-h200-2026-12-04.json"
+    assert report.write_op_table(tmp_path, "NVIDIA H200", "h200", "2026-12-04", rows, first) == first
+    second = report.write_op_table(tmp_path, "NVIDIA H200", "h200", "2026-12-04", rows)
+    assert second.name == "ops-h200-2026-12-04-2.json"
+    table = json.loads(first.read_text())
+    assert table["device"] == "NVIDIA H200" and table["rows"] == [
+        {
+            "op": "attention",
+            "shape": "vit_base_patch16_224 B=128",
+            "mode": "fwd+bwd",
+            "variant": "cudnn",
+            "dtype": "bfloat16",
+            "median_ms": 0.8,
+            "q20_ms": 0.79,
+            "q80_ms": 0.82,
+        },
+        {
+            "op": "attention",
+            "shape": "vit_base_patch16_224 B=128",
+            "mode": "fwd",
+            "variant": "vk",
+            "dtype": "bfloat16",
+            "median_ms": 0.1,
+            "q20_ms": 0.09,
+            "q80_ms": 0.11,
+        },
+    ]
