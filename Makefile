@@ -110,11 +110,12 @@ test-all: $(STAMP)
 # files the GPU runs found wrong (FIRST, as in the GPU report) and the rest; with
 # pytest-xdist installed, GPU_TEST_WORKERS processes (tools/gpu_tests.py, default one per core, 8 to 16) share the GPU
 # (compiling the kernels is most of the time), each test's CUDA faults staying its own (tests/conftest.py).
+GPU_TEST_PARTS ?= headline rest
 test-gpu: $(STAMP)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		workers=$$($(PY) -c "from tools.gpu_tests import xdist_args; print(*xdist_args())"); \
 		ran=0; failed=0; \
-		for part in headline rest; do \
+		for part in $(GPU_TEST_PARTS); do \
 			files=$$($(PY) -c "from tools.gpu_tests import ordered_test_files; print(*ordered_test_files('$$part'))"); \
 			echo "env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files"; \
 			env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu $$workers $(PYTEST_ARGS) $$files; code=$$?; \
@@ -130,21 +131,20 @@ test-gpu: $(STAMP)
 	fi
 
 # A GPU lent for minutes: one command that fits one device call (at most 10 minutes), `make install`
-# included: GPU_SESSION_S (540) seconds in all, everything in GPU_SESSION_OUT. `make install` first
-# (the extension's CUDA code built for this GPU's architecture alone, unless TORCH_CUDA_ARCH_LIST is
-# set: about 90 s on an H200). Then the headline: the end-to-end table (python -m benchmarks e2e:
-# eager, vk, compile, vk+compile, ...) with a budget of GPU_SESSION_E2E_S (230) seconds, its files
-# rewritten after every row, stopped 90 s past it. Then the gpu tests (the tiles that run by default, then every table's, on xdist workers) for the seconds left, stopped by
-# SIGINT so that pytest still prints its summary, each test's outcome and every failure in full as
-# they happen (outcomes.txt, failures.txt). With GPU_SESSION_REPORT_S above 0, that many seconds are
-# kept at the end for the GPU report's GPU_SESSION_REPORT_SECTIONS (an item once started runs to its
-# end: stopped a minute past the budget, the sections done so far kept), its progress in
-# gpu-report.log; by default the report is a second command (`make gpu-report`).
+# included: GPU_SESSION_S (540) seconds in all, everything in GPU_SESSION_OUT, each part's files
+# written as soon as it ends. In this order: `make install` (the extension's CUDA code built for this
+# GPU's architecture alone, unless TORCH_CUDA_ARCH_LIST is set: about 90 s on an H200); the
+# end-to-end table with its profile (python -m benchmarks e2e, a budget of GPU_SESSION_E2E_S (300)
+# seconds, its files rewritten after every row, stopped 90 s past it); the GPU tests of the tiles
+# that run by default (GPU_SESSION_TILES_S); the per-op table (the GPU report's ops section,
+# GPU_SESSION_OPS_S: gpu-report.* and ops-<gpu>-<date>.json); then the rest of the GPU tests for the
+# seconds left. Tests are stopped by SIGINT so that pytest still prints its summary, each test's
+# outcome and every failure in full as they happen (outcomes.txt, failures.txt).
 GPU_SESSION_OUT ?= build/gpu-session
 GPU_SESSION_S ?= 540
-GPU_SESSION_E2E_S ?= 230
-GPU_SESSION_REPORT_S ?= 0
-GPU_SESSION_REPORT_SECTIONS ?= environment,host_overhead,ops
+GPU_SESSION_E2E_S ?= 300
+GPU_SESSION_TILES_S ?= 45
+GPU_SESSION_OPS_S ?= 60
 gpu-session:
 	@mkdir -p $(GPU_SESSION_OUT); rm -f $(GPU_SESSION_OUT)/outcomes.txt $(GPU_SESSION_OUT)/failures.txt; \
 	start=$$(date +%s); left() { echo $$(( $(GPU_SESSION_S) - $$(date +%s) + start )); }; \
@@ -152,22 +152,26 @@ gpu-session:
 	echo "gpu-session: make install (TORCH_CUDA_ARCH_LIST=$$arch)"; \
 	if ! TORCH_CUDA_ARCH_LIST=$$arch $(MAKE) --no-print-directory install > $(GPU_SESSION_OUT)/install.log 2>&1; then \
 		tail -n 20 $(GPU_SESSION_OUT)/install.log; exit 1; fi; \
-	e2e=$$(( $$(left) - 150 - $(GPU_SESSION_REPORT_S) )); \
+	e2e=$$(( $$(left) - 60 - $(GPU_SESSION_TILES_S) - $(GPU_SESSION_OPS_S) )); \
 	[ $$e2e -le $(GPU_SESSION_E2E_S) ] || e2e=$(GPU_SESSION_E2E_S); [ $$e2e -ge 60 ] || e2e=60; \
 	echo "gpu-session: python -m benchmarks e2e --budget $$e2e ($$(left) s left)"; \
 	env -u TRITON_INTERPRET timeout -s INT -k 20 $$(( e2e + 90 )) \
 		$(PY) -m benchmarks e2e --out $(GPU_SESSION_OUT) --budget $$e2e 2> $(GPU_SESSION_OUT)/e2e.log; \
 	tail -n 2 $(GPU_SESSION_OUT)/e2e.log; \
-	tests=$$(( $$(left) - 20 - $(GPU_SESSION_REPORT_S) )); [ $$tests -ge 30 ] || tests=30; \
-	echo "gpu-session: make test-gpu for $$tests s"; \
-	VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 15 $$tests \
-		$(MAKE) --no-print-directory test-gpu > $(GPU_SESSION_OUT)/test-gpu.log 2>&1; \
-	tail -n 3 $(GPU_SESSION_OUT)/test-gpu.log; \
-	if [ $(GPU_SESSION_REPORT_S) -gt 0 ]; then \
-		env -u TRITON_INTERPRET timeout -s INT -k 20 $$(( $(GPU_SESSION_REPORT_S) + 60 )) \
-			$(PY) -m benchmarks.gpu_report --out $(GPU_SESSION_OUT) --total $(GPU_SESSION_REPORT_S) \
-			--sections $(GPU_SESSION_REPORT_SECTIONS) 2> $(GPU_SESSION_OUT)/gpu-report.log; \
-		tail -n 5 $(GPU_SESSION_OUT)/gpu-report.log; fi; \
+	echo "gpu-session: the GPU tests of the default tiles for $(GPU_SESSION_TILES_S) s ($$(left) s left)"; \
+	VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 15 $(GPU_SESSION_TILES_S) \
+		$(MAKE) --no-print-directory test-gpu GPU_TEST_PARTS=headline > $(GPU_SESSION_OUT)/test-gpu-tiles.log 2>&1; \
+	tail -n 3 $(GPU_SESSION_OUT)/test-gpu-tiles.log; \
+	echo "gpu-session: the per-op table for $(GPU_SESSION_OPS_S) s ($$(left) s left)"; \
+	env -u TRITON_INTERPRET timeout -s INT -k 20 $$(( $(GPU_SESSION_OPS_S) + 45 )) \
+		$(PY) -m benchmarks.gpu_report --out $(GPU_SESSION_OUT) --total $(GPU_SESSION_OPS_S) \
+		--sections ops 2> $(GPU_SESSION_OUT)/gpu-report.log; \
+	tail -n 2 $(GPU_SESSION_OUT)/gpu-report.log; \
+	tests=$$(( $$(left) - 15 )); \
+	if [ $$tests -ge 30 ]; then echo "gpu-session: the rest of the GPU tests for $$tests s"; \
+		VIT_KERNELS_TEST_LOG_DIR=$(abspath $(GPU_SESSION_OUT)) timeout -s INT -k 15 $$tests \
+			$(MAKE) --no-print-directory test-gpu GPU_TEST_PARTS=rest > $(GPU_SESSION_OUT)/test-gpu.log 2>&1; \
+		tail -n 3 $(GPU_SESSION_OUT)/test-gpu.log; fi; \
 	echo "gpu-session: done in $$(( $$(date +%s) - start )) s"
 
 # The drop-in layers against the real timm, transformers and torchvision, in an environment of their
