@@ -10,6 +10,7 @@ import torch
 
 import vit_kernels as vk
 from tests.helpers import fake_timer
+from tests.test_tuning import Norm
 from tools.cuda_sim import simulated_cuda
 from vit_kernels import _accuracy, _signature, _tiles, backend, tuning
 from vit_kernels.ops import attention, attention_reference, attention_tiles
@@ -43,16 +44,6 @@ def tiled(monkeypatch):
     tuning._forget()
     backend.TUNED.clear()
     _tiles.TUNED.clear()
-
-
-class Norm(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.rand(24) + 0.5)
-        self.bias = torch.nn.Parameter(torch.randn(24))
-
-    def forward(self, x):
-        return vk.layer_norm(x, self.weight, self.bias)
 
 
 def test_tune_keeps_the_fastest_right_tile_and_later_calls_launch_it_unchecked(tiled, monkeypatch):
