@@ -259,8 +259,8 @@ selftest: $(STAMP)
 	$(PY) -m vit_kernels.selftest
 
 # Everything measured on one GPU in one command (at most ~8 minutes on an H100, each section
-# time-boxed): the GPU tests, the selftest, per-op and end-to-end timings against PyTorch, SDPA,
-# torch.compile and timm, host cost per call, CUDA-graph capture, the issues' targets. Writes
+# time-boxed): the GPU tests, the selftest, per-op timings against PyTorch, SDPA and
+# torch.compile, host cost per call, CUDA-graph capture, the issues' per-op targets. Writes
 # $(GPU_REPORT_OUT)/gpu-report.json and .md. Triton compiled for the device, never interpreted.
 # Without a GPU: the CPU part, and a clear note. GPU_REPORT_ARGS: e.g. --total 1200 for more time.
 GPU_REPORT_OUT ?= build/gpu-report

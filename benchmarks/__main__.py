@@ -1,7 +1,8 @@
-"""python -m benchmarks: per-op and end-to-end benchmarks, or the regression gate.
+"""python -m benchmarks: the per-op benchmarks, the end-to-end table (``benchmarks.headline``), or
+the regression gate.
 
-    python -m benchmarks --out results.json            # full suite on the GPU (or CPU if none)
-    python -m benchmarks --quick --out quick.json      # a few minutes on a CPU: the whole code path
+    python -m benchmarks --out results.json            # every op on the GPU (or CPU if none)
+    python -m benchmarks --quick --out quick.json      # a few minutes on a CPU: the whole per-op path
     python -m benchmarks e2e [--quick]                 # the end-to-end table: eager, vk, compile, vk+compile
     python -m benchmarks ab --baseline origin/main     # the gate: baseline vs working tree, A/B rounds
     python -m benchmarks --compare BASELINE.json --results CURRENT.json --threshold 0.05
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ab, cases, cli, compare, e2e, environment, headline, noise, ops_bench, peaks, report
+from benchmarks import ab, cases, cli, compare, environment, headline, noise, ops_bench, peaks, report
 from vit_kernels import backend
 from vit_kernels._files import write_atomically
 
-# (model, batch) pairs for the end-to-end runs, and for the per-op shapes with EVA02-B/14 (RoPE,
-# SwiGLU), DINOv3-B (half RoPE) and a padded NaFlex batch (key-padding mask) beside them.
-FULL_MODELS = [
+# (model, batch) pairs of the per-op shapes: the ViT presets, then EVA02-B/14 (RoPE, SwiGLU),
+# DINOv3-B (half RoPE) and a padded NaFlex batch (key-padding mask).
+FULL_OP_SHAPES = [
     ("vit_tiny_patch16_224", 256),
     ("vit_small_patch16_224", 256),
     ("vit_base_patch16_224", 256),
@@ -33,8 +34,6 @@ FULL_MODELS = [
     ("vit_so400m_patch14_siglip_224", 64),
     ("vit_cifar10_small", 256),
     ("vit_digits", 256),
-]
-FULL_OP_SHAPES = FULL_MODELS + [
     ("eva02_base_patch14_224", 256),
     ("vit_base_patch16_dinov3", 256),
     ("naflexvit_base_patch16_gap", 256),
@@ -48,15 +47,12 @@ QUICK_OP_SHAPES = [
     ("vit_base_patch16_dinov3", 2),
     ("naflexvit_base_patch16_gap", 2),
 ]
-QUICK_MODELS = [("vit_digits", 64), ("vit_tiny_patch16_224", 8)]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.Parser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument(
-        "--quick", action="store_true", help="small shapes and models, for a CPU / CI smoke run"
-    )
+    parser.add_argument("--quick", action="store_true", help="small shapes, for a CPU / CI smoke run")
     cli.add_device_option(parser)
     parser.add_argument(
         "--ops",
@@ -71,7 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--modes", default=",".join(ops_bench.MODES), help="per-op modes: forward,backward,full"
     )
-    parser.add_argument("--no-models", action="store_true", help="skip the end-to-end model runs")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     parser.add_argument(
         "--out", type=Path, default=None, help="write every row to this JSON file (default: none)"
@@ -178,18 +173,6 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 rows += new
                 print(
                     f"  {op:12s} {shape.label:45s} {str(dtype):15s} {len(new):2d} rows "
-                    f"{time.perf_counter() - started:6.1f} s",
-                    file=sys.stderr,
-                )
-    if not args.no_models:
-        for model, batch in QUICK_MODELS if args.quick else FULL_MODELS:
-            for dtype in dtypes[:1]:  # end to end in the first dtype (bfloat16 autocast on CUDA)
-                started = time.perf_counter()
-                compile_models = not args.no_compile and (not args.quick or model == "vit_digits")
-                new = e2e.run_model(model, batch, device, dtype, measured, compile_models, meta)
-                rows += new
-                print(
-                    f"  {model:25s} B={batch:<4d} {str(dtype):15s} {len(new):2d} rows "
                     f"{time.perf_counter() - started:6.1f} s",
                     file=sys.stderr,
                 )

@@ -50,19 +50,13 @@ def _op_call(
 
 
 def _model_call(spec: dict, device: torch.device, dtype: torch.dtype) -> TimedCall:
-    from benchmarks import e2e
+    from benchmarks import headline
     from vit.model import ViT, get_config
 
     config = get_config(spec["model"])
     module = ViT(config).to(device)
-    batches = [
-        (
-            torch.randn(spec["batch"], config.in_chans, config.img_size, config.img_size, device=device),
-            torch.randint(0, config.num_classes, (spec["batch"],), device=device),
-        )
-        for _ in range(2)
-    ]
-    return e2e._step(module, spec["backend"], False, device, dtype, spec["mode"], batches), 2
+    batches = headline._inputs(config, spec["batch"], device)
+    return headline._step(module, spec["backend"], False, device, dtype, spec["mode"], batches), 2
 
 
 def prepare(spec: dict, device: torch.device, interpreted_triton: bool) -> TimedCall | str:

@@ -1,7 +1,6 @@
 """The markdown of a GPU report (``benchmarks.gpu_report``): a summary of the sections and their time
-budgets, the targets beside the measured figures, then one part per section. The per-op and
-end-to-end tables are ``benchmarks.report.markdown``'s, the host-cost table
-``benchmarks.host_overhead.table``'s.
+budgets, the targets beside the measured figures, then one part per section. The per-op table is
+``benchmarks.report.markdown``'s, the host-cost table ``benchmarks.host_overhead.table``'s.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def _targets(data: dict) -> list[str]:
     lines = [
         "## Targets",
         "",
-        f"Source: {targets.SOURCE}. Ops: the best vit_kernels backend (torch, triton, "
-        "extension, auto); models: the best variant of this project's model.",
+        f"Source: {targets.SOURCE}. Ops: the best vit_kernels backend (torch, triton, extension, auto).",
         "",
         "| target | bound | measured | by | met |",
         "|---|---|---:|---|---|",
@@ -238,13 +236,12 @@ def _tiles(result: dict) -> list[str]:
 
 def _timings(data: dict) -> list[str]:
     ops = (data["sections"].get("ops") or {}).get("result") or {}
-    models = (data["sections"].get("e2e") or {}).get("result") or {}
-    rows = ops.get("rows", []) + models.get("rows", [])
+    rows = ops.get("rows", [])
     if not rows:
         return []
     env = data["sections"].get("environment", {}).get("result") or {}
     meta = {k: env.get(k) for k in ("device", "torch", "triton", "git_sha")}
-    return ["## Per op and end to end", "", report.markdown(rows, ops.get("peaks", {}), meta), ""]
+    return ["## Per op", "", report.markdown(rows, ops.get("peaks", {}), meta), ""]
 
 
 PARTS = {

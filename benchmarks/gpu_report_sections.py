@@ -1,6 +1,6 @@
 """The sections of ``python -m benchmarks.gpu_report``: each takes the run's context and its time
 budget and returns a JSON-able dict. They call the project's own machinery (the selftest's checks,
-the per-op cases and timing of ``benchmarks``, ``benchmarks.e2e``, ``benchmarks.host_overhead``,
+the per-op cases and timing of ``benchmarks``, ``benchmarks.host_overhead``,
 ``benchmarks.cuda_graphs``) rather than repeating it.
 """
 
@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks import block_traffic, cases, cuda_graphs, e2e, environment, host_overhead, ops_bench, peaks
+from benchmarks import block_traffic, cases, cuda_graphs, environment, host_overhead, ops_bench, peaks
 from benchmarks.baselines import extra_implementations
 from benchmarks.budget import Budget
 from tools import gpu_tests
 from vit_kernels import selftest
 from vit_kernels.ops import attention_tiles, gemm, layer_norm, patch_embed
 
-VK_BACKENDS = ("torch", "triton", "extension", "auto")
 # Per-op shapes, ViT-B/16 first (the targets are set there): ViT-B/L/S/Ti/16 at batch 128/64/256/256, then
 # SigLIP so400m/14 (head dim 72, width 1152, MLP 4304) at 64, EVA02-B/14 (RoPE, SwiGLU), DINOv3-B (half
 # RoPE) and a padded NaFlex ViT-B/16 batch (key-padding mask) at 128.
@@ -32,13 +31,9 @@ OP_SHAPES = [
     ("naflexvit_base_patch16_gap", 128),
 ]
 OP_MODES = ("forward", "full")
-# End to end: (model, training batch, inference batch).
-MODELS = [("vit_base_patch16_224", 128, 256), ("vit_large_patch16_224", 64, 128)]
 GRAPH_MODEL = "vit_small_patch16_224"
 # --quick, for a CPU smoke run of the code paths: the smallest preset.
 QUICK_OP_SHAPES = [("vit_digits", 2)]
-QUICK_MODELS = [("vit_digits", 8, 8)]
-COMPILE_NEED_S = 60.0  # what a compiled end-to-end variant is expected to take at least (compiling)
 
 
 @dataclass
@@ -137,35 +132,6 @@ def ops_section(ctx: Context, budget: Budget) -> dict:
     }
 
 
-def e2e_section(ctx: Context, budget: Budget) -> dict:
-    """Training (autocast, AdamW) and inference images/s and peak memory: our model eager and
-    compiled on every backend, beside timm's."""
-
-    def admit(label: str) -> bool:
-        return budget.admit(label, COMPILE_NEED_S if "torch.compile" in label else 0.0)
-
-    rows = []
-    for model, train_batch, infer_batch in QUICK_MODELS if ctx.quick else MODELS:
-        rows += e2e.run_model(
-            model,
-            train_batch,
-            ctx.device,
-            ctx.dtype,
-            ctx.measured_peaks,
-            ctx.compile,
-            ctx.meta,
-            batches={"train": train_batch, "inference": infer_batch},
-            backends=VK_BACKENDS,
-            compiled_backends=VK_BACKENDS,
-            admit=admit,
-        )
-    return {
-        "dtype": str(ctx.dtype).removeprefix("torch."),
-        "autocast": ctx.dtype != torch.float32,
-        "rows": rows,
-    }
-
-
 # name -> (function, budget in seconds on one H100); the order is the run's order.
 SECTIONS = {
     "environment": (environment_section, 10.0),
@@ -174,7 +140,6 @@ SECTIONS = {
     "host_overhead": (host_overhead_section, 15.0),
     "block_traffic": (block_traffic_section, 5.0),
     "ops": (ops_section, 150.0),
-    "e2e": (e2e_section, 120.0),
     "cuda_graphs": (cuda_graphs_section, 30.0),  # last: a failed capture must not disturb the timings
 }
 CPU_SECTIONS = ("environment", "gpu_tests", "selftest", "host_overhead", "block_traffic")

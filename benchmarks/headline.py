@@ -36,6 +36,7 @@ keeps what ran, and ``--models`` runs the rows a window did not reach. Output:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 import vit_kernels as vk
-from benchmarks import cli, e2e, environment, peaks, profile
+from benchmarks import cli, environment, peaks, profile
 from benchmarks import report as report_
 from benchmarks.timing import time_call
 from vit.model import ViT, get_config
@@ -118,10 +120,21 @@ def _model(spec: Model, device: torch.device) -> torch.nn.Module:
     return ViT(get_config(spec.name)).to(device)
 
 
+def _inputs(config, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two random batches of images and labels (timed runs alternate between them)."""
+    return [
+        (
+            torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
+            torch.randint(0, config.num_classes, (batch,), device=device),
+        )
+        for _ in range(2)
+    ]
+
+
 def model_inputs(model: torch.nn.Module, spec: Model, batch: int, device: torch.device) -> list:
     """Two random batches of images and labels for ``model`` (its input size and classes)."""
     if spec.source == "vit":
-        return e2e._inputs(get_config(spec.name), batch, device)
+        return _inputs(get_config(spec.name), batch, device)
     channels, size, _ = model.pretrained_cfg.get("input_size", (3, 224, 224))
     size = dict(spec.timm_kwargs).get("img_size", size)
     classes = max(int(getattr(model, "num_classes", 0)), 1)  # a tower without a head: its features
@@ -222,12 +235,64 @@ def measure(
     }
 
 
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _step(
+    module: torch.nn.Module,
+    backend: str,
+    compiled: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    compile_mode: Optional[str] = None,
+) -> Callable[[int], object]:
+    """A step on batch ``i``: inference, else training (cross-entropy, AdamW), on ``backend``, under
+    autocast to ``dtype`` (none for float32), ``torch.compile``'d if ``compiled``."""
+    fn = torch.compile(module, mode=compile_mode) if compiled else module
+    if mode == "inference":
+        module.eval()
+
+        def infer(i):
+            with vk.use_backend(backend), torch.inference_mode(), _autocast(device, dtype):
+                return fn(batches[i][0])
+
+        return infer
+    module.train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def train(i):
+        images, labels = batches[i]
+        with vk.use_backend(backend):
+            with _autocast(device, dtype):
+                loss = F.cross_entropy(fn(images), labels)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return train
+
+
+def _first_call_s(step: Callable[[int], object], device: torch.device) -> float:
+    """Seconds of the first call, to its end on the device: what a user waits before the first step
+    (compiling, and choosing and proving tiles for every new shape, once per machine)."""
+    started = time.perf_counter()
+    step(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 def _first_step(setup: tuple, mode: str, inputs: list, device: torch.device, dtype: torch.dtype):
     """(step, the seconds of its first call) of ``variant_setup``'s ``setup`` on ``inputs``."""
     module, backend, compiled, compile_mode = setup
     mode = "inference" if mode == "infer" else mode
-    step = e2e._step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
-    return step, e2e._first_call_s(step, device)
+    step = _step(module, backend, compiled, device, dtype, mode, inputs, compile_mode)
+    return step, _first_call_s(step, device)
 
 
 CHILD_TIMEOUT_S = {"first step": 300, "tuned": 900}

@@ -60,8 +60,6 @@ def _speedups(row: dict[str, object]) -> str:
 
 OP_COLUMNS = ("op", "shape", "dtype", "mode", "implementation", "median ms (q20-q80)")
 OP_COLUMNS += ("throughput", "of peak", "speedup over")
-MODEL_COLUMNS = ("model", "batch", "dtype", "step", "variant", "images/s", "median ms (q20-q80)")
-MODEL_COLUMNS += ("first step s", "model TFLOP/s (of peak)", "peak memory MiB", "speedup over")
 
 
 def _median_and_quantiles(row: dict[str, object]) -> str:
@@ -84,7 +82,7 @@ def markdown(
     meta: dict[str, object],
     noise: Optional[dict[str, object]] = None,
 ) -> str:
-    """Tables of the timed rows (ops, then models), and the rows skipped or failing validation.
+    """The table of the timed per-op rows, and the rows skipped or failing validation.
     ``noise`` (``benchmarks.noise.assess``): on a noisy run the first line says so, with its figures;
     on a quiet one a line gives them after the device."""
     warning = noise_.headline(noise)
@@ -110,29 +108,12 @@ def markdown(
             for r in ops
         ],
     )
-    models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
-    lines += _table(
-        MODEL_COLUMNS,
-        [
-            [
-                *(r[field] for field in ("model", "shape", "dtype", "mode", "backend")),
-                _fmt(r["throughput"], 4),
-                _median_and_quantiles(r),
-                _fmt(r.get("first_step_s")),
-                f"{_fmt(r['model_tflops'])} ({_percent(r['fraction_of_peak'])})",
-                _fmt(r["peak_memory_mb"], 5),
-                _speedups(r),
-            ]
-            for r in models
-        ],
-    )
     other = [r for r in rows if "median_ms" not in r]
     if other:
         lines += ["Not timed:", ""]
         for r in other:
-            what = r.get("op") or r.get("model")
             lines.append(
-                f"- {what} {r['shape']} {r['dtype']} {r['backend']}: {r.get('invalid') or r.get('skipped')}"
+                f"- {r.get('op')} {r['shape']} {r['dtype']} {r['backend']}: {r.get('invalid') or r.get('skipped')}"
             )
         lines.append("")
     return "\n".join(lines)
@@ -148,30 +129,20 @@ def _log_if_wide(ax, values: list[float], axis: str) -> None:
         (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
 
 
-def _label_bars(ax, bars, values: list[float], suffix: str, horizontal: bool) -> None:
+def _label_bars(ax, bars, values: list[float], suffix: str) -> None:
     for bar, value in zip(bars, values):
         if not value:
             continue
         text = (f"{value:,.0f}" if value >= 1000 else f"{value:.3g}") + suffix
-        if horizontal:
-            ax.annotate(
-                text,
-                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=8,
-            )
-        else:
-            ax.annotate(
-                text,
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                xytext=(0, 2),
-                textcoords="offset points",
-                ha="center",
-                fontsize=7,
-                rotation=90,
-            )
+        ax.annotate(
+            text,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+            rotation=90,
+        )
 
 
 def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
@@ -213,7 +184,7 @@ def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
                 label=name,
                 color=colours[name],
             )
-            _label_bars(ax, bars, values, "x", horizontal=False)
+            _label_bars(ax, bars, values, "x")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([m if len(dtypes) == 1 else f"{d}\n{m}" for d, m in groups], fontsize=9)
@@ -233,43 +204,10 @@ def _speedup_figure(plt, op: str, timed: list[dict[str, object]]):
     return fig
 
 
-def _throughput_figure(plt, models: list[dict[str, object]]):
-    """One panel per model and batch: images/second per variant, a bar for train and inference."""
-    panels = sorted(
-        {(r["model"], r["shape"], r["dtype"]) for r in models},
-        key=lambda p: [(r["model"], r["shape"], r["dtype"]) for r in models].index(p),
-    )
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, 2.6 * len(panels) + 0.6), squeeze=False)
-    for ax, (model, shape, dtype) in zip(axes[:, 0], panels):
-        rows = [r for r in models if (r["model"], r["shape"], r["dtype"]) == (model, shape, dtype)]
-        variants = list(dict.fromkeys(r["backend"] for r in rows))
-        for j, mode in enumerate(("train", "inference")):
-            values = [
-                next((r["throughput"] for r in rows if r["backend"] == v and r["mode"] == mode), 0)
-                for v in variants
-            ]
-            bars = ax.barh(
-                [i + (j - 0.5) * 0.4 for i in range(len(variants))], values, 0.4, label=mode, color=f"C{j}"
-            )
-            _label_bars(ax, bars, values, "", horizontal=True)
-        ax.set_yticks(range(len(variants)))
-        ax.set_yticklabels(variants, fontsize=9)
-        ax.invert_yaxis()
-        _log_if_wide(ax, [r["throughput"] for r in rows], "x")
-        ax.margins(x=0.18)
-        ax.set_title(f"{model} {shape} {dtype}", fontsize=10)
-        ax.set_xlabel("images / second", fontsize=9)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=9, ncol=2)
-    fig.suptitle("End to end: images / second (higher is better)", fontsize=11, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (2.6 * len(panels) + 0.6)))
-    return fig
-
-
 def plot(rows: list[dict[str, object]], out_dir: Path) -> list[Path]:
     """speedup_<op>.png (per op: a panel per shape, each implementation's speedup over the torch
-    backend per mode) and images_per_second.png (a panel per model: train and inference per
-    variant). Axes go logarithmic where the values span more than 10x. Returns the files written."""
+    backend per mode). Axes go logarithmic where the values span more than 10x. Returns the files
+    written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,9 +226,6 @@ def plot(rows: list[dict[str, object]], out_dir: Path) -> list[Path]:
         ]
         if timed:
             figures[f"speedup_{op}.png"] = _speedup_figure(plt, op, timed)
-    models = [r for r in rows if r["kind"] == "model" and "median_ms" in r]
-    if models:
-        figures["images_per_second.png"] = _throughput_figure(plt, models)
     written = []
     for name, fig in figures.items():
         path = out_dir / name

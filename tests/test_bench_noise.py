@@ -145,7 +145,6 @@ def test_the_suite_records_the_noise_and_leads_with_it(tmp_path, monkeypatch):
                 "layer_norm",
                 "--modes",
                 "forward",
-                "--no-models",
                 "--no-compile",
                 "--out",
                 str(out),

@@ -55,7 +55,7 @@ def test_the_suite_sets_and_records_its_threads(tmp_path, monkeypatch, restore_t
     monkeypatch.setattr(noise, "probe", probe)
     torch.set_num_threads(1 if expected is None else 2)  # something other than what the run must set
     out = tmp_path / "r.json"
-    assert main(["--quick", "--device", "cpu", "--ops", "", "--no-models", "--out", str(out), *option]) == 0
+    assert main(["--quick", "--device", "cpu", "--ops", "", "--out", str(out), *option]) == 0
     want = environment.usable_cores() if expected is None else expected
     assert json.loads(out.read_text())["meta"]["threads"] == want
     assert seen == [want, want]

@@ -24,7 +24,6 @@ def results(tmp_path_factory):
             "layer_norm,bias_gelu",
             "--modes",
             "forward,backward",
-            "--no-models",
             "--no-compile",
             "--out",
             str(out),
@@ -164,7 +163,7 @@ def test_compare_rejects_a_file_that_is_not_results(tmp_path):
 
 def test_unknown_op_is_refused():
     with pytest.raises(SystemExit, match="unknown op"):
-        main(["--quick", "--ops", "convolution", "--no-models"])
+        main(["--quick", "--ops", "convolution"])
 
 
 def test_work_counts():
@@ -199,28 +198,3 @@ def test_plots_have_a_panel_per_shape_and_log_axes_for_wide_ranges(results, tmp_
     report._log_if_wide(wide, [17.0, 55.0, 41_000.0], "x")
     assert (narrow.get_xscale(), wide.get_xscale()) == ("linear", "log")
     plt.close(fig)
-
-
-def test_model_rows_time_the_first_step_apart():
-    """An end-to-end row: images/s from the steady steps and, apart, the seconds of the first step
-    (compiling, choosing tiles), in the row and in the markdown table."""
-    import torch
-
-    from benchmarks import e2e
-
-    rows = e2e.run_model(
-        "vit_digits",
-        2,
-        torch.device("cpu"),
-        torch.float32,
-        {},
-        False,
-        {},
-        batches={"train": 2},
-        backends=("torch",),
-    )
-    (row,) = [r for r in rows if r["backend"] == "eager (torch backend)"]
-    assert row["first_step_s"] > 0 and row["throughput"] > 0
-    assert "| first step s |" in report.markdown(
-        rows, {}, {"device": "cpu", "torch": "", "triton": "", "git_sha": ""}
-    )

@@ -58,11 +58,7 @@ COMPARE = ["--compare", GOOD, "--results", GOOD]  # a valid regression gate, to 
 AB = ["ab", "--baseline", "HEAD"]  # a valid A/B run, likewise
 # (command, arguments with {root} for the fixture's folder, what the one line must say)
 BAD_INPUTS = [
-    (
-        BENCH,
-        ["--quick", "--ops", "convolution", "--no-models"],
-        "--ops: unknown op 'convolution'; choose from",
-    ),
+    (BENCH, ["--quick", "--ops", "convolution"], "--ops: unknown op 'convolution'; choose from"),
     (BENCH, ["--quick", "--dtypes", "float8"], "--dtypes: unknown dtype 'float8'; choose from float32"),
     (BENCH, ["--quick", "--modes", "sideways"], "--modes: unknown mode 'sideways'; choose from forward"),
     (BENCH, ["--quick", "--threads", "0"], "argument --threads: must be 1 or more, got '0'"),

@@ -107,14 +107,13 @@ def test_targets_compare_measured_rows():
             "median_ms": 0.01,
         },
         {
-            "kind": "model",
-            "model": targets.VIT_B,
-            "shape": "B=128",
+            "kind": "op",
+            "op": "linear_gelu",
+            "shape": shape,
             "dtype": "bfloat16",
-            "mode": "train",
-            "backend": "vit_kernels (auto)",
-            "median_ms": 50.0,
-            "throughput": 2560.0,
+            "mode": "forward",
+            "backend": "auto",
+            "median_ms": 0.3,
         },
     ]
     found = {t["target"]: t for t in targets.compare(rows)}
@@ -123,7 +122,8 @@ def test_targets_compare_measured_rows():
         and found["attention fwd"]["met"]
         and found["attention fwd"]["by"] == "triton"
     )
-    assert found["training ViT-B/16 eager"]["met"] is False
+    assert found["attention fwd"]["unit"] == "ms" and found["attention fwd"]["at"] == "at most"
+    assert found["linear_gelu fwd"]["measured"] == 0.3 and found["linear_gelu fwd"]["met"] is False
     assert found["mlp fwd+bwd"]["measured"] is None and found["mlp fwd+bwd"]["met"] is None
 
 

@@ -22,7 +22,7 @@ DIGITS = headline.spec_named("vit_digits")
 @pytest.mark.parametrize("variant,backend", [("eager", "torch"), ("vk", "auto")])
 def test_an_eager_row_has_its_images_per_second_first_step_and_profile(variant, backend, monkeypatch):
     used = []
-    monkeypatch.setattr(headline.e2e, "_step", _spy(headline.e2e._step, used))
+    monkeypatch.setattr(headline, "_step", _spy(headline._step, used))
     monkeypatch.setattr(
         headline, "PROFILED", (variant,)
     )  # the compiled variants, profiled, take minutes here
