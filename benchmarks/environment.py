@@ -50,30 +50,12 @@ def describe(device: torch.device) -> dict[str, object]:
     }
 
 
-def driver_version() -> str | None:
-    """The NVIDIA driver release (e.g. 580.159.04) from nvidia-smi, else the CUDA driver API version
-    torch reports, else None."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pass
-    try:
-        version = torch._C._cuda_getDriverVersion()  # e.g. 13000 for CUDA 13.0
-    except (AttributeError, RuntimeError):
-        return None
-    return f"CUDA driver API {version // 1000}.{version % 1000 // 10}" if version else None
-
-
 def versions(device: torch.device) -> dict[str, object]:
-    """``describe``'s fields and more: CUDA, driver, Python, timm, the device's properties."""
+    """``describe``'s fields and more: CUDA, the OS, Python, timm and, on a GPU, the driver
+    (``torch.utils.collect_env``'s reading) and the device's properties."""
     import importlib.metadata as metadata
+
+    from torch.utils import collect_env
 
     import vit_kernels
 
@@ -85,13 +67,14 @@ def versions(device: torch.device) -> dict[str, object]:
         **describe(device),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "os": collect_env.get_os(collect_env.run),
         "vit_kernels": vit_kernels.__version__,
         "timm": timm,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         found.update(
-            driver=driver_version(),
+            driver=collect_env.get_nvidia_driver_version(collect_env.run),
             capability=f"{props.major}.{props.minor}",
             sms=props.multi_processor_count,
             memory_gib=round(props.total_memory / 2**30, 1),
