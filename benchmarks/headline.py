@@ -23,8 +23,9 @@ Rows (``FULL_MODELS``), in this order: timm's ``vit_base_patch16_224`` patched
 at 518 (random init, no downloads). Each: training at batch 128 (halved until it fits), inference at
 256 and, for the first two, at batch 1. Beside each figure the first step's seconds (for vk's
 training row of the first model also the first step of a new process); for the first model's
-training rows the profiler's share of the step's device time per op (the top ones), and at batch 1,
-where the host sets the pace, the host's self time per op, eager and vk.
+compiled training steps (``PROFILED``) every kernel, its work and its fraction of the peaks measured
+in the run (``benchmarks.profile``), and at batch 1, where the host sets the pace, the host's self
+time per op, eager and vk.
 
 The JSON and markdown are rewritten after every row (atomically): a run cut short by ``--budget``
 keeps what ran, and ``--models`` runs the rows a window did not reach. Output:
@@ -120,15 +121,21 @@ def _model(spec: Model, device: torch.device) -> torch.nn.Module:
     return ViT(get_config(spec.name)).to(device)
 
 
-def _inputs(config, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Two random batches of images and labels (timed runs alternate between them)."""
+def _batches(batch: int, channels: int, size: int, classes: int, device: torch.device) -> list:
+    """Two random batches of images (batch, channels, size, size) and labels below ``classes``
+    (timed runs alternate between them)."""
     return [
         (
-            torch.randn(batch, config.in_chans, config.img_size, config.img_size, device=device),
-            torch.randint(0, config.num_classes, (batch,), device=device),
+            torch.randn(batch, channels, size, size, device=device),
+            torch.randint(0, classes, (batch,), device=device),
         )
         for _ in range(2)
     ]
+
+
+def _inputs(config, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``_batches`` for a ``vit`` preset's config."""
+    return _batches(batch, config.in_chans, config.img_size, config.num_classes, device)
 
 
 def model_inputs(model: torch.nn.Module, spec: Model, batch: int, device: torch.device) -> list:
@@ -138,13 +145,7 @@ def model_inputs(model: torch.nn.Module, spec: Model, batch: int, device: torch.
     channels, size, _ = model.pretrained_cfg.get("input_size", (3, 224, 224))
     size = dict(spec.timm_kwargs).get("img_size", size)
     classes = max(int(getattr(model, "num_classes", 0)), 1)  # a tower without a head: its features
-    return [
-        (
-            torch.randn(batch, channels, size, size, device=device),
-            torch.randint(0, classes, (batch,), device=device),
-        )
-        for _ in range(2)
-    ]
+    return _batches(batch, channels, size, classes, device)
 
 
 def spec_named(name: str) -> Model:

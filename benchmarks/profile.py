@@ -108,16 +108,17 @@ def profile_step(
     element = torch.empty((), dtype=dtype).element_size()
     rows: dict[str, dict] = {}
     for kernel, op_name, us, op in _timed(profiler.events(), on_device):
-        work, unit = (None, "") if op is None else work_of(op, element)
         row = rows.setdefault(
-            kernel, {"kernel": kernel, "kind": kind_of(kernel, op_name), "ms": 0.0, "calls": 0, "work": 0.0}
+            kernel, {"kernel": kernel, "kind": kind_of(kernel, op_name), "ms": 0.0, "calls": 0, "works": []}
         )
         row["ms"] += us / 1e3
         row["calls"] += 1
-        row["work_unit"] = row.get("work_unit", unit) if unit else ""
-        row["work"] = (
-            None if work is None or row["work"] is None or row["work_unit"] != unit else row["work"] + work
-        )
+        row["works"].append((None, "") if op is None else work_of(op, element))
+    for row in rows.values():  # a work only where every call's is known, in one unit
+        works = row.pop("works")
+        units = {unit for _, unit in works}
+        known = len(units) == 1 and all(work is not None for work, _ in works)
+        row["work"], row["work_unit"] = (sum(w for w, _ in works), units.pop()) if known else (None, "")
     total = sum(r["ms"] for r in rows.values()) or 1.0
     peak_flops = peaks.get(f"matmul_tflops_{str(dtype).removeprefix('torch.')}")
     for row in rows.values():
@@ -144,10 +145,15 @@ def by_kind(rows: list[dict]) -> list[tuple[str, float, float]]:
     ]
 
 
+def lost_ms(row: dict) -> float:
+    """The milliseconds a kernel spends beyond its work at the peak rate: ms x (1 - fraction)."""
+    return row["ms"] * (1 - min(row["fraction_of_peak"], 1.0))
+
+
 def gaps(rows: list[dict]) -> list[dict]:
-    """The kernels that lose the most milliseconds to their roofline (ms x (1 - fraction of peak))."""
+    """The kernels that lose the most milliseconds to their roofline (``lost_ms``)."""
     known = [r for r in rows if r["fraction_of_peak"] is not None]
-    return sorted(known, key=lambda r: -r["ms"] * (1 - min(r["fraction_of_peak"], 1.0)))[:GAPS]
+    return sorted(known, key=lambda r: -lost_ms(r))[:GAPS]
 
 
 def _rate(row: dict) -> str:
@@ -170,8 +176,7 @@ def markdown(title: str, rows: list[dict]) -> list[str]:
     lines += [f"| {kind} | {ms:.2f} | {share:.1%} |" for kind, ms, share in by_kind(rows)]
     lines += ["", "Largest gaps to roofline (ms beyond the work at the peak rate):", ""]
     lines += [
-        f"- {short_name(r['kernel'])} ({r['kind']}): {r['ms']:.2f} ms at {_rate(r)}, "
-        f"{r['ms'] * (1 - min(r['fraction_of_peak'], 1.0)):.2f} ms lost"
+        f"- {short_name(r['kernel'])} ({r['kind']}): {r['ms']:.2f} ms at {_rate(r)}, {lost_ms(r):.2f} ms lost"
         for r in gaps(rows)
     ] or ["- none with a known work"]
     lines += ["", "<details><summary>every kernel</summary>", ""]

@@ -308,10 +308,10 @@ def fake_timer(time_of: Callable[[object], float] = lambda key: 1.0) -> Callable
 
 def search_tiles(op: str, implementation: Union[str, Callable], *args) -> None:
     """``vk.tune``'s tile search for one call of ``op``'s ``implementation`` (a backend's name or its
-    function) on ``args`` (as the
-    implementation takes them): each candidate of every key its launches meet validated against the
-    op's reference (output and every gradient), the valid ones timed (``tuning.time_runs``), the
-    fastest kept. For the CPU, where ``auto`` never offers interpreted Triton to the search."""
+    function) on ``args`` (as the implementation takes them): each candidate of every key its
+    launches meet validated against the op's reference (output and every gradient), the valid ones
+    timed (``tuning.time_runs``), the fastest kept. For the CPU, where ``auto`` never offers
+    interpreted Triton to the search."""
     from vit_kernels import _signature, tuning
 
     device, dtype = args[0].device, args[0].dtype
@@ -327,12 +327,13 @@ def tiles_searched_first(monkeypatch, *ops: str) -> None:
     computes: a test calls the public op as a user does and gets vk.tune's tiles."""
     import dataclasses
 
+    searched: set[str] = set()
     for op in ops:
         impl = backend._registry[op]["triton"]
 
-        def first_searched(*args, op=op, fn=impl.fn, done=[]):  # noqa: B006 - once per op
-            if not done:
-                done.append(True)
+        def first_searched(*args, op=op, fn=impl.fn):
+            if op not in searched:
+                searched.add(op)
                 search_tiles(op, fn, *args)
             return fn(*args)
 

@@ -10,7 +10,7 @@ import torch
 
 import vit_kernels as vk
 from tests.helpers import fake_timer
-from tests.test_tuning import Norm
+from tests.test_tuning import Norm, _forget_tuning
 from tools.cuda_sim import simulated_cuda
 from vit_kernels import _accuracy, _signature, _tiles, backend, tuning
 from vit_kernels.ops import attention, attention_reference, attention_tiles
@@ -38,12 +38,10 @@ def tiled(monkeypatch):
     backend.register("layer_norm", "tiled", _tiled)
     monkeypatch.setattr(_signature, "device_name", lambda device: str(device))
     monkeypatch.setattr(tuning, "time_runs", fake_timer(lambda key: times.get(key, 1.0)))
-    tuning._forget()
+    _forget_tuning()
     yield times
     backend.unregister("layer_norm", "tiled")
-    tuning._forget()
-    backend.TUNED.clear()
-    _tiles.TUNED.clear()
+    _forget_tuning()
 
 
 def test_tune_keeps_the_fastest_right_tile_and_later_calls_launch_it_unchecked(tiled, monkeypatch):

@@ -442,16 +442,11 @@ def every_candidate(run: Callable[[], object]) -> None:
     """``run()``, then ``run()`` again with each other candidate tile of every key it met, and of the
     keys those runs met (the launches ``vk.tune``'s search makes, unvalidated and untimed): for
     recording every variant."""
-    with _tiles.meeting() as queue:
-        run()
-    seen = {(met.chooser, met.key) for met in queue}
-    while queue:
-        met = queue.pop(0)
-        for tile in met.candidates[1:]:
-            with _tiles.trying(met, tile), _tiles.meeting() as more:
-                run()
-            queue += [m for m in more if (m.chooser, m.key) not in seen]
-            seen.update((m.chooser, m.key) for m in more)
+    with contextlib.closing(_tiles.keys_met(run)) as keys:
+        for met in keys:
+            for tile in met.candidates[1:]:
+                with _tiles.trying(met, tile):
+                    run()
 
 
 def exceptions_caught() -> list[str]:

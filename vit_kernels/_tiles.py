@@ -6,7 +6,7 @@ its results file). A call launches the tile ``vk.tune`` searched or ``vk.load_tu
 key, else the default; CPU tensors (the interpreter) a fixed small tile. An ordinary call checks and
 times nothing: the GPU tests and ``vk.selftest()`` run every table entry against float64.
 
-``vk.tune`` finds the keys a call meets (``meeting``) and launches each candidate of one key
+``vk.tune`` finds the keys a call meets (``keys_met``) and launches each candidate of one key
 (``trying``) through the whole op, which it validates and times as it does the backends; keys first
 met in those runs (a GEMM that one way of a choice launches) are searched after it.
 
@@ -52,7 +52,7 @@ class Met:
 
 # The tiles searched or loaded, by "<kernel> | <device name> | <key>": what ``vk.save_tuning`` writes.
 TUNED: dict[str, dict] = {}
-_met: list[Optional[list[Met]]] = [None]  # while ``meeting``: the keys met
+_met: list[Optional[list[Met]]] = [None]  # while ``keys_met`` runs: the keys met
 _trying: dict[tuple, Tile] = {}  # (chooser, key) -> the tile ``trying`` launches
 _plan_tables: list[dict] = []
 
@@ -132,13 +132,18 @@ def tile_to_launch(
     return listed[0]
 
 
-@contextlib.contextmanager
-def meeting() -> Iterator[list[Met]]:
-    """Inside the block, the yielded list gathers the keys launches meet that have a choice to make
-    and none made."""
+def keys_met(run: Callable[[], object]) -> Iterator[Met]:
+    """Each key ``run()``'s launches meet that has a choice to make and none made, then each key
+    first met while the caller handles an earlier one (the GEMM that one way of a choice launches):
+    a key is yielded once, and keys are gathered until the last one is handled (or the iterator is
+    closed: callers hold it in ``contextlib.closing``)."""
     before, _met[0] = _met[0], []
     try:
-        yield _met[0]
+        run()
+        handled = 0
+        while handled < len(_met[0]):
+            yield _met[0][handled]
+            handled += 1
     finally:
         _met[0] = before
 

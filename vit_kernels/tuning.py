@@ -13,6 +13,7 @@ runs its decisions. Tune before ``torch.compile``: a graph compiled earlier keep
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import json
@@ -185,25 +186,20 @@ def search_tiles(call: "backend._Call", fn: Callable, checked: tuple, upstream: 
     launched through the whole op on ``checked`` and validated, the valid ones timed on the call's
     own arguments, the fastest kept (a key with no valid candidate keeps its default, and the op is
     then judged invalid as a whole). Keys first met while a candidate runs are searched next."""
-    with _tiles.meeting() as queue:
-        _runner(fn, checked, call.grad, upstream)()
-    seen = {(met.chooser, met.key) for met in queue}
-    while queue:
-        met = queue.pop(0)
-        trials: dict = {}
-        for tile in met.candidates:
-            with _tiles.trying(met, tile), _tiles.meeting() as more:
-                problem = _outcome(_run_and_judge, call, fn, checked, upstream, own, exact)
-            trials[tile] = None if problem is None else f"invalid: {problem}"
-            queue += [m for m in more if (m.chooser, m.key) not in seen]
-            seen.update((m.chooser, m.key) for m in more)
-        valid = [tile for tile, problem in trials.items() if problem is None]
-        for tile in valid:
-            with _tiles.trying(met, tile):
-                trials.update(time_runs({tile: _runner(fn, call.args, call.grad, upstream)}))
-        if valid:
-            best = min(valid, key=trials.get)
-            met.chooser.keep(met.key, _tiles.Choice(best, "tuned", trials), met.device)
+    with contextlib.closing(_tiles.keys_met(_runner(fn, checked, call.grad, upstream))) as keys:
+        for met in keys:
+            trials: dict = {}
+            for tile in met.candidates:
+                with _tiles.trying(met, tile):
+                    problem = _outcome(_run_and_judge, call, fn, checked, upstream, own, exact)
+                trials[tile] = None if problem is None else f"invalid: {problem}"
+            valid = [tile for tile, problem in trials.items() if problem is None]
+            for tile in valid:
+                with _tiles.trying(met, tile):
+                    trials.update(time_runs({tile: _runner(fn, call.args, call.grad, upstream)}))
+            if valid:
+                best = min(valid, key=trials.get)
+                met.chooser.keep(met.key, _tiles.Choice(best, "tuned", trials), met.device)
 
 
 def references(call: "backend._Call", checked: tuple, upstream: list) -> tuple[list, list]:
